@@ -1,0 +1,242 @@
+// fusedfp8 shared device helpers.
+//
+// Bit-exactness with fusedfp8/reference.py rests on three rules kept everywhere below:
+//  1. every float32 operation on the numeric path is an inline-PTX instruction with explicit
+//     rounding (mul.rn / add.rn / sub.rn / div.rn / cvt.rni). CuPy compiles with -ftz=true and
+//     NVCC contracts a*b+c into FMA; neither applies to inline PTX, so denormals are kept and
+//     each operation rounds once, exactly as NumPy's float32 arithmetic does;
+//  2. comparisons that could see a denormal are done on the bit pattern;
+//  3. the activation uses the library's own exp / erfc (the same op sequence as the reference),
+//     never libdevice's tanhf / erff / expf.
+// Tunables (-D on the command line): FF8_THREADS (threads per block).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#ifndef FF8_THREADS
+#define FF8_THREADS 256
+#endif
+
+namespace ff8 {
+
+typedef unsigned char u8;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+// ---- float32 arithmetic with one explicit rounding and no flush-to-zero -------------------
+__device__ __forceinline__ float fmul(float a, float b) {
+    float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float fadd(float a, float b) {
+    float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float fsub(float a, float b) {
+    float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float fdiv(float a, float b) {
+    float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float frint(float a) {
+    float r; asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a)); return r;
+}
+__device__ __forceinline__ float fabs_bits(float a) { return __uint_as_float(__float_as_uint(a) & 0x7fffffffu); }
+__device__ __forceinline__ bool sign_bit(float a) { return (__float_as_uint(a) >> 31) != 0u; }
+__device__ __forceinline__ float copysign_bits(float mag, float sgn) {
+    return __uint_as_float((__float_as_uint(mag) & 0x7fffffffu) | (__float_as_uint(sgn) & 0x80000000u));
+}
+
+// ---- input element -> float32 (exact; no arithmetic, so no flush) -------------------------
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) {
+    return __uint_as_float(((u32)__bfloat16_as_ushort(v)) << 16);
+}
+
+// ---- float32 -> output element (round to nearest even) ------------------------------------
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// ---- FP8 cast: cvt.rn.satfinite (RNE, saturate finite and inf to +-max, NaN -> NaN) -------
+// FMT: 0 = E4M3 (float8_e4m3fn), 1 = E5M2.
+template <int FMT> __device__ __forceinline__ unsigned short cvt2(float a, float b) {
+    return (unsigned short)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE,
+                                                     FMT == 0 ? __NV_E4M3 : __NV_E5M2);
+}
+template <int FMT> __device__ __forceinline__ u8 cvt1(float a) {
+    return (u8)__nv_cvt_float_to_fp8(a, __NV_SATFINITE, FMT == 0 ? __NV_E4M3 : __NV_E5M2);
+}
+template <int FMT> __device__ __forceinline__ float fp8_to_f32(u8 b) {
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, FMT == 0 ? __NV_E4M3 : __NV_E5M2);
+    return __half2float(__half(h));
+}
+template <int FMT> struct FormatMax;
+template <> struct FormatMax<0> { static constexpr float value = 448.0f; };
+template <> struct FormatMax<1> { static constexpr float value = 57344.0f; };
+
+// ---- amax as ordered bits ------------------------------------------------------------------
+// |x| as uint32 orders like the float for non-negative values, and every NaN sorts above inf.
+// NaNs are canonicalised (0x7fc00000) so that the stored amax is one fixed pattern.
+__device__ __forceinline__ u32 abs_bits(float v) {
+    u32 u = __float_as_uint(v) & 0x7fffffffu;
+    return u > 0x7f800000u ? 0x7fc00000u : u;
+}
+
+// Max over the block, then ONE atomicMax into dst (a float32 slot viewed as uint32).
+template <int THREADS> __device__ __forceinline__ void block_amax_atomic(u32 v, float* dst) {
+    __shared__ u32 warp_max[THREADS / 32];
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_max[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < THREADS / 32 ? warp_max[lane] : 0u;
+        for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (lane == 0 && v != 0u) atomicMax(reinterpret_cast<u32*>(dst), v);
+    }
+}
+
+// ---- the update rule's scale formula: (fmt_max / amax) / margin_factor, FLT_MAX if inf ------
+__device__ __forceinline__ float scale_from_amax(float amax, float fmt_max, float margin_factor) {
+    float s = fdiv(fdiv(fmt_max, amax), margin_factor);
+    return __float_as_uint(s) == 0x7f800000u ? 3.402823466e38f : s;
+}
+
+// Scale used by a quantization launch. Normally *scale. In first-step mode (updates != null,
+// *updates == 0: the tensor has never completed an update) it is computed from the tensor's
+// own amax, which a pre-pass has already max-accumulated into *amax; amax 0 or non-finite
+// keeps *scale. Returns whether first-step mode applied.
+__device__ __forceinline__ bool launch_scale(const float* scale, const float* amax, const int* updates,
+                                             float fmt_max, float margin_factor, float* s_out) {
+    float s = *scale;
+    bool fresh = updates != nullptr && *updates == 0;
+    if (fresh) {
+        u32 a = __float_as_uint(*amax);
+        if (a != 0u && a < 0x7f800000u) s = scale_from_amax(__uint_as_float(a), fmt_max, margin_factor);
+    }
+    *s_out = s;
+    return fresh;
+}
+
+// ---- the library's own exp / erfc / gelu (op for op as in reference.py) --------------------
+#define FF8_LOG2E 0x1.715476p+0f
+#define FF8_LN2_HI 0x1.62e4p-1f
+#define FF8_LN2_LO 0x1.7f7d1cp-20f
+#define FF8_SQRT_2_OVER_PI 0x1.988454p-1f
+#define FF8_GELU_C1 0x1.6e4e26p-5f
+#define FF8_GELU_C3 0x1.12ba9ep-3f
+#define FF8_INV_SQRT2 0x1.6a09e6p-1f
+#define FF8_INV_SQRT_2PI 0x1.988454p-2f
+#define FF8_ERFC_C0 0x1.43f89cp+0f
+
+__device__ __forceinline__ float pow2i(int k) {  // 2**k for k in [-126, 127], exact
+    k = k < -126 ? -126 : (k > 127 ? 127 : k);
+    return __uint_as_float((u32)(k + 127) << 23);
+}
+
+__device__ __forceinline__ float exp_f32(float a) {
+    if (a < -104.0f) return 0.0f;
+    float k = frint(fmul(a, FF8_LOG2E));
+    float r = fsub(fsub(a, fmul(k, FF8_LN2_HI)), fmul(k, FF8_LN2_LO));
+    float p = 0x1.a01a02p-13f;
+    p = fadd(fmul(p, r), 0x1.6c16c2p-10f);
+    p = fadd(fmul(p, r), 0x1.111112p-7f);
+    p = fadd(fmul(p, r), 0x1.555556p-5f);
+    p = fadd(fmul(p, r), 0x1.555556p-3f);
+    p = fadd(fmul(p, r), 0.5f);
+    p = fadd(fmul(p, r), 1.0f);
+    p = fadd(fmul(p, r), 1.0f);
+    int ki = (k != k) ? 0 : (int)fmaxf(-300.0f, fminf(300.0f, k));
+    int k1 = ki / 2;  // truncates toward zero
+    return fmul(fmul(p, pow2i(k1)), pow2i(ki - k1));
+}
+
+// erfc(z), Numerical Recipes' Chebyshev fit; z < 0 (sign bit) through 2 - erfc(|z|).
+__device__ __forceinline__ float erfc_f32(float z) {
+    float a = fabs_bits(z);
+    float t = fdiv(1.0f, fadd(1.0f, fmul(0.5f, a)));
+    float p = 0x1.5df28ap-3f;
+    p = fadd(fmul(p, t), -0x1.a4f124p-1f);
+    p = fadd(fmul(p, t), 0x1.7d0f6p+0f);
+    p = fadd(fmul(p, t), -0x1.229cbap+0f);
+    p = fadd(fmul(p, t), 0x1.1d8f98p-2f);
+    p = fadd(fmul(p, t), -0x1.7d8498p-3f);
+    p = fadd(fmul(p, t), 0x1.8c6d92p-4f);
+    p = fadd(fmul(p, t), 0x1.7f11f6p-2f);
+    p = fadd(fmul(p, t), 0x1.00018ep+0f);
+    p = fmul(p, t);
+    float e = fmul(t, exp_f32(fadd(fsub(fmul(-a, a), FF8_ERFC_C0), p)));
+    return sign_bit(z) ? fsub(2.0f, e) : e;
+}
+
+__device__ __forceinline__ float clamp_keep_nan(float x, float lim) {
+    return x > lim ? lim : (x < -lim ? -lim : x);
+}
+
+// 0.5 x (1 + tanh u) = x * (u >= 0 ? 1 : e) / (1 + e), e = exp(-2|u|)
+__device__ __forceinline__ float gelu_tanh(float x) {
+    float u = fmul(FF8_SQRT_2_OVER_PI, fadd(x, fmul(FF8_GELU_C1, fmul(fmul(x, x), x))));
+    float e = exp_f32(fmul(-2.0f, fabs_bits(u)));
+    return fdiv(fmul(x, sign_bit(u) ? e : 1.0f), fadd(1.0f, e));
+}
+__device__ __forceinline__ float gelu_erf(float x) {
+    return fmul(fmul(0.5f, x), erfc_f32(fmul(-x, FF8_INV_SQRT2)));
+}
+__device__ __forceinline__ float dgelu_tanh(float x) {
+    float xc = clamp_keep_nan(x, 20.0f);
+    float x2 = fmul(xc, xc);
+    float u = fmul(FF8_SQRT_2_OVER_PI, fadd(xc, fmul(FF8_GELU_C1, fmul(x2, xc))));
+    float e = exp_f32(fmul(-2.0f, fabs_bits(u)));
+    float d = fadd(1.0f, e);
+    float dudx = fmul(FF8_SQRT_2_OVER_PI, fadd(1.0f, fmul(FF8_GELU_C3, x2)));
+    return fadd(fdiv(sign_bit(u) ? e : 1.0f, d), fmul(fdiv(fmul(fmul(2.0f, xc), e), fmul(d, d)), dudx));
+}
+__device__ __forceinline__ float dgelu_erf(float x) {
+    float xc = clamp_keep_nan(x, 40.0f);
+    float pdf = fmul(exp_f32(fmul(-0.5f, fmul(xc, xc))), FF8_INV_SQRT_2PI);
+    return fadd(fmul(0.5f, erfc_f32(fmul(-xc, FF8_INV_SQRT2))), fmul(xc, pdf));
+}
+
+// The elementwise operation before quantization. OP: 0 identity, 1 gelu (tanh), 2 gelu (erf),
+// 3 dy * gelu'(x) (tanh), 4 dy * gelu'(x) (erf). `a` is x (or dy), `b` is x for OP 3/4.
+template <int OP> __device__ __forceinline__ float apply_op(float a, float b) {
+    if (OP == 0) return a;
+    if (OP == 1) return gelu_tanh(a);
+    if (OP == 2) return gelu_erf(a);
+    if (OP == 3) return fmul(a, dgelu_tanh(b));
+    return fmul(a, dgelu_erf(b));
+}
+
+// ---- vector loads ------------------------------------------------------------------------
+// Load 8 consecutive elements (16 bytes for 2-byte types, 32 for float32) as floats.
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* v);
+template <> __device__ __forceinline__ void load8<float>(const float* p, float* v) {
+    float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+template <typename T> __device__ __forceinline__ void load8_16bit(const T* p, float* v) {
+    uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
+    const T* h = reinterpret_cast<const T*>(&a);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_f32(h[j]);
+}
+template <> __device__ __forceinline__ void load8<__half>(const __half* p, float* v) { load8_16bit(p, v); }
+template <> __device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* p, float* v) {
+    load8_16bit(p, v);
+}
+
+// Quantize 8 floats (already multiplied by the scale) into 8 bytes.
+template <int FMT> __device__ __forceinline__ u64 cvt8(const float* v) {
+    u64 r = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) r |= (u64)cvt2<FMT>(v[j], v[j + 1]) << (8 * j);
+    return r;
+}
+
+}  // namespace ff8

@@ -1,0 +1,170 @@
+"""CUDA kernels: source assembly from ``cuda_src/``, compile cache, launch configuration.
+
+Every kernel family is a ``cuda_src/<family>.cu`` file of C++ templates. A module is built once
+per (family, template arguments) with ``cupy.RawModule(code=..., name_expressions=...)`` and kept
+in an lru_cache; CuPy's disk cache keys on the source text, so the shared ``common.cuh`` is
+folded into that text here (an edited header can never leave a stale kernel behind).
+
+Nothing here imports CuPy at module import time: the CPU path works without it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import threading
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from .formats import Format
+
+THREADS = 256  # -DFF8_THREADS for the element-wise kernels
+TILE = 64  # the tiled kernel's tile edge (rows and columns), fixed in quantize.cu
+CPP_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+FMT_IDS = {"e4m3": 0, "e5m2": 1}
+OPS = {"identity": 0, "gelu_tanh": 1, "gelu_erf": 2, "dgelu_tanh": 3, "dgelu_erf": 4}
+COMPILE_OPTIONS = ("-std=c++17", f"-DFF8_THREADS={THREADS}")
+
+
+def source_dir() -> Path:
+    """``cuda_src/`` beside the package (editable install, checkout) or inside it (wheel)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "cuda_src", here / "cuda_src"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"fusedfp8: cannot find the CUDA sources (cuda_src/common.cuh) beside or inside {here}")
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
+
+
+def family_source(family: str) -> str:
+    """The text of ``cuda_src/<family>.cu`` with every local ``#include "x.cuh"`` inlined."""
+    root = source_dir()
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def repl(m):
+            name = m.group(1)
+            if name in seen:
+                return ""
+            seen.add(name)
+            return expand((root / name).read_text())
+
+        return _INCLUDE.sub(repl, text)
+
+    return expand((root / f"{family}.cu").read_text())
+
+
+def families() -> list[str]:
+    return sorted(p.stem for p in source_dir().glob("*.cu"))
+
+
+def cuda_include_dirs() -> list[str]:
+    """Directories holding cuda_fp8.h: the nvidia-cuda-runtime wheel, then the toolkit."""
+    dirs = []
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels
+
+        for base in nvidia.__path__:
+            for sub in ("cu13/include", "cuda_runtime/include"):
+                p = Path(base) / sub
+                if (p / "cuda_fp8.h").is_file():
+                    dirs.append(str(p))
+    except ImportError:
+        pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            dirs.append(os.path.join(os.environ[env], "include"))
+    dirs.append("/usr/local/cuda/include")
+    return [d for d in dict.fromkeys(dirs) if os.path.isfile(os.path.join(d, "cuda_fp8.h"))]
+
+
+# ---- name expressions: one module per (family, types) -------------------------------------
+class ModuleKey(NamedTuple):
+    family: str
+    dtype: str = ""  # input dtype of quantize, output dtype of dequantize
+    fmt: str = ""
+    op: str = ""
+
+
+def name_expressions(key: ModuleKey) -> dict[str, str]:
+    """Kernel role -> C++ name expression, for the module ``key``."""
+    if key.family == "quantize":
+        t, f, o = CPP_TYPES[key.dtype], FMT_IDS[key.fmt], OPS[key.op]
+        names = {f"flat_vec{int(v)}_store{int(s)}": f"quantize_flat<{t}, {f}, {o}, {str(v).lower()}, {str(s).lower()}>"
+                 for v in (True, False) for s in (True, False)}
+        names["tiled"] = f"quantize_tiled<{t}, {f}, {o}>"
+        return names
+    if key.family == "dequantize":
+        return {"flat": f"dequantize_flat<{CPP_TYPES[key.dtype]}, {FMT_IDS[key.fmt]}>"}
+    if key.family == "update_scales":
+        return {"update": "update_scales"}
+    raise ValueError(f"unknown kernel family {key.family!r}")
+
+
+def all_module_keys() -> list[ModuleKey]:
+    keys = [ModuleKey("quantize", d, f, o) for d in CPP_TYPES for f in FMT_IDS for o in OPS]
+    keys += [ModuleKey("dequantize", d, f) for d in CPP_TYPES for f in FMT_IDS]
+    keys.append(ModuleKey("update_scales"))
+    return keys
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel: carries the kernel names, the options and the compiler log."""
+
+
+_lock = threading.Lock()
+compile_count = 0  # modules compiled (or loaded from CuPy's disk cache) in this process
+
+
+@functools.lru_cache(maxsize=None)
+def _module(key: ModuleKey, device_id: int):
+    import cupy
+
+    global compile_count
+    names = name_expressions(key)
+    options = COMPILE_OPTIONS + tuple(f"-I{d}" for d in cuda_include_dirs())
+    with cupy.cuda.Device(device_id):
+        mod = cupy.RawModule(code=family_source(key.family), options=options,
+                             name_expressions=list(names.values()))
+        try:
+            kernels = {role: mod.get_function(expr) for role, expr in names.items()}
+        except cupy.cuda.compiler.CompileException as e:
+            raise CompileError(
+                f"fusedfp8: NVRTC failed to compile {key.family}.cu for {sorted(names.values())} with options "
+                f"{options}.\nCompiler log:\n{e}") from None
+    compile_count += 1
+    return kernels
+
+
+def kernels(key: ModuleKey, device_id: int) -> dict:
+    """The compiled kernels of module ``key`` on device ``device_id`` (compiled once)."""
+    with _lock:  # first calls racing from several threads compile once
+        return _module(key, device_id)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def flat_grid(n: int, device_id: int, per_thread: int = 16, blocks_per_sm: int = 8) -> int:
+    return max(1, min(-(-n // (per_thread * THREADS)), blocks_per_sm * sm_count(device_id)))
+
+
+def tiled_grid(rows: int, cols: int, device_id: int, blocks_per_sm: int = 4) -> int:
+    tiles = -(-rows // TILE) * -(-cols // TILE)
+    return max(1, min(tiles, blocks_per_sm * sm_count(device_id)))
+
+
+def fmt_id(fmt: Format) -> int:
+    return FMT_IDS[fmt.name]
+
+
+def ptr(p: int) -> np.uint64:
+    return np.uint64(p)

@@ -1,0 +1,241 @@
+"""NumPy / ml_dtypes twins of every kernel: the oracle for the CUDA kernels and the CPU backend.
+
+Everything is computed in float32 with one rounding per operation, in the same order as the
+kernels in ``cuda_src/`` (which are compiled without FMA contraction and without flush-to-zero),
+so results agree byte for byte. The activation functions use the library's own exp / tanh /
+erfc, built from + - * / only, because ``np.tanh`` and CUDA's ``tanhf`` do not round alike.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .formats import Format, get_format
+from .recipe import DelayedScaling
+from .state import ScalingState, apply_update
+
+f32 = np.float32
+
+# ---- float32 constants, as the same hex literals as in cuda_src/common.cuh ------------------
+def _hex(h: str) -> np.float32:
+    return f32(float.fromhex(h))
+
+
+LOG2E = _hex("0x1.715476p+0")
+LN2_HI = _hex("0x1.62e4p-1")
+LN2_LO = _hex("0x1.7f7d1cp-20")
+EXP_POLY = tuple(_hex(h) for h in ("0x1.a01a02p-13", "0x1.6c16c2p-10", "0x1.111112p-7", "0x1.555556p-5",
+                                    "0x1.555556p-3", "0x1p-1", "0x1p+0", "0x1p+0"))
+SQRT_2_OVER_PI = _hex("0x1.988454p-1")
+GELU_C1 = _hex("0x1.6e4e26p-5")
+GELU_C3 = _hex("0x1.12ba9ep-3")  # 3 * 0.044715
+INV_SQRT2 = _hex("0x1.6a09e6p-1")
+INV_SQRT_2PI = _hex("0x1.988454p-2")
+ERFC_POLY = tuple(_hex(h) for h in ("0x1.5df28ap-3", "-0x1.a4f124p-1", "0x1.7d0f6p+0", "-0x1.229cbap+0",
+                                     "0x1.1d8f98p-2", "-0x1.7d8498p-3", "0x1.8c6d92p-4", "0x1.7f11f6p-2",
+                                     "0x1.00018ep+0"))
+ERFC_C0 = _hex("0x1.43f89cp+0")
+EXP_MIN_ARG = f32(-104.0)
+
+
+def _float32(x) -> np.ndarray:
+    """Input (float32, float16 or ml_dtypes.bfloat16) to float32: exact."""
+    x = np.asarray(x)
+    if x.dtype.name not in ("float32", "float16", "bfloat16"):
+        raise TypeError(f"x must be float32, float16 or bfloat16; got {x.dtype}")
+    return x.astype(np.float32)
+
+
+# ---- quantization ----------------------------------------------------------------------------
+def cast_to_fp8(v: np.ndarray, fmt: str | Format) -> np.ndarray:
+    """``cvt.rn.satfinite``: RNE, finite overflow and +-inf saturate to +-max, NaN -> canonical
+    NaN, subnormals kept. ``v`` is float32; returns an ml_dtypes float8 array."""
+    fmt = get_format(fmt)
+    v = np.asarray(v, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.clip(v, -fmt.max, fmt.max).astype(fmt.numpy_dtype)
+    bits = q.view(np.uint8)
+    bits[np.isnan(v)] = fmt.nan_bits
+    return q
+
+
+def amax(x) -> np.float32:
+    """max |x| in float32, NaN-propagating (canonical NaN), 0 for an empty array."""
+    v = _float32(x)
+    if v.size == 0:
+        return f32(0.0)
+    m = np.max(np.abs(v))
+    return f32(np.nan) if np.isnan(m) else f32(m)
+
+
+def _scale_value(scale) -> np.float32:
+    s = np.asarray(scale)
+    if s.size != 1:
+        raise ValueError(f"scale must hold exactly one element; got shape {s.shape}")
+    return f32(s.reshape(()))
+
+
+def _as_2d(v: np.ndarray, argname: str = "x") -> np.ndarray:
+    if v.ndim == 0:
+        raise ValueError(f"{argname}: transpose needs an input of at least 1 dimension; got a scalar")
+    return v.reshape(-1, v.shape[-1]) if v.ndim != 1 else v.reshape(1, -1)
+
+
+class Quantized(NamedTuple):
+    """Result of a quantization.
+
+    data : the FP8 array, shape of the input.
+    amax : float32 max |input| (or of the activation / gradient), NaN-propagating.
+    data_t : the quantized transpose (N, M) of the input viewed as (M, N), or None.
+    dbias : (N,) float32 column sums of the unquantized gradient (dgelu only), or None.
+    """
+
+    data: np.ndarray
+    amax: np.float32
+    data_t: np.ndarray | None = None
+    dbias: np.ndarray | None = None
+
+
+def _finish(v: np.ndarray, amax_v, scale, fmt, transpose: bool, dbias=None) -> Quantized:
+    with np.errstate(over="ignore", invalid="ignore"):
+        q = cast_to_fp8(v * _scale_value(scale), fmt)
+    q_t = np.ascontiguousarray(_as_2d(q).T) if transpose else None
+    return Quantized(q, amax_v, q_t, dbias)
+
+
+def quantize(x, scale, fmt: str | Format = "e4m3", transpose: bool = False) -> Quantized:
+    """``q = fp8(float32(x) * scale)``, ``amax = max |x|``; optionally also ``q.T`` (2-D view)."""
+    v = _float32(x)
+    return _finish(v, amax(v), scale, fmt, transpose)
+
+
+def dequantize(q, scale_inv, dtype=np.float32) -> np.ndarray:
+    """``dtype(float32(q) * scale_inv)``."""
+    return (np.asarray(q).astype(np.float32) * _scale_value(scale_inv)).astype(dtype)
+
+
+# ---- the library's own float32 exp / tanh / erfc (same op sequence as cuda_src) -------------
+def _where(c, a, b):
+    return np.where(c, a, b).astype(np.float32)
+
+
+def exp_f32(a: np.ndarray) -> np.ndarray:
+    """e**a with Cody-Waite reduction and a degree-7 polynomial; 0 below -104."""
+    a = np.asarray(a, np.float32)
+    with np.errstate(all="ignore"):
+        k = np.rint(a * LOG2E)
+        r = (a - k * LN2_HI) - k * LN2_LO
+        p = EXP_POLY[0]
+        for c in EXP_POLY[1:]:
+            p = p * r + c
+        ki = np.nan_to_num(np.clip(k, -300, 300)).astype(np.int32)
+        k1 = (ki // 2).astype(np.int32)
+        k1 = np.where(ki < 0, -((-ki) // 2), k1)  # truncate toward zero, as C does
+        k2 = ki - k1
+        pow1 = np.ldexp(f32(1.0), np.clip(k1, -126, 127)).astype(np.float32)
+        pow2 = np.ldexp(f32(1.0), np.clip(k2, -126, 127)).astype(np.float32)
+        y = (p * pow1) * pow2
+    return _where(a < EXP_MIN_ARG, f32(0.0), y)
+
+
+def tanh_f32(u: np.ndarray) -> np.ndarray:
+    u = np.asarray(u, np.float32)
+    with np.errstate(all="ignore"):
+        e = exp_f32(f32(-2.0) * np.abs(u))
+        t = (f32(1.0) - e) / (f32(1.0) + e)
+    return np.copysign(t, u).astype(np.float32)
+
+
+def erfc_f32(z: np.ndarray) -> np.ndarray:
+    """erfc(z), Numerical Recipes' Chebyshev fit (fractional error < 1.2e-7)."""
+    z = np.asarray(z, np.float32)
+    a = np.abs(z)
+    with np.errstate(all="ignore"):
+        t = f32(1.0) / (f32(1.0) + f32(0.5) * a)
+        p = ERFC_POLY[0]
+        for c in ERFC_POLY[1:]:
+            p = p * t + c
+        p = p * t
+        e = t * exp_f32(((-a) * a - ERFC_C0) + p)
+    return _where(z >= 0, e, f32(2.0) - e)
+
+
+def _clamp(x, lim):
+    lim = f32(lim)
+    return _where(x > lim, lim, _where(x < -lim, -lim, x))
+
+
+def gelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
+    """gelu in float32: 'tanh' (0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3)))) or 'none' (erf)."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(all="ignore"):
+        if approximate == "tanh":
+            # 0.5 x (1 + tanh u) = x * (u >= 0 ? 1 : e) / (1 + e), e = exp(-2|u|): no cancellation
+            u = SQRT_2_OVER_PI * (x + GELU_C1 * ((x * x) * x))
+            e = exp_f32(f32(-2.0) * np.abs(u))
+            return ((x * _where(u >= 0, f32(1.0), e)) / (f32(1.0) + e)).astype(np.float32)
+        return ((f32(0.5) * x) * erfc_f32(-x * INV_SQRT2)).astype(np.float32)
+
+
+def dgelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
+    """d gelu / dx in float32 (x clamped where the function is flat, NaN kept)."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(all="ignore"):
+        if approximate == "tanh":
+            # 0.5 (1 + tanh u) = sel / d and 0.5 (1 - tanh^2 u) = 2 e / d^2, d = 1 + e
+            xc = _clamp(x, 20.0)
+            x2 = xc * xc
+            u = SQRT_2_OVER_PI * (xc + GELU_C1 * (x2 * xc))
+            e = exp_f32(f32(-2.0) * np.abs(u))
+            d = f32(1.0) + e
+            dudx = SQRT_2_OVER_PI * (f32(1.0) + GELU_C3 * x2)
+            g = _where(u >= 0, f32(1.0), e) / d + (((f32(2.0) * xc) * e) / (d * d)) * dudx
+        else:
+            xc = _clamp(x, 40.0)
+            pdf = exp_f32(f32(-0.5) * (xc * xc)) * INV_SQRT_2PI
+            g = f32(0.5) * erfc_f32(-xc * INV_SQRT2) + xc * pdf
+    return np.asarray(g, np.float32)
+
+
+def _check_approximate(approximate: str) -> str:
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"approximate must be 'tanh' or 'none'; got {approximate!r}")
+    return approximate
+
+
+def gelu_quantize(x, scale, fmt: str | Format = "e4m3", approximate: str = "tanh",
+                  transpose: bool = False) -> Quantized:
+    """``y = gelu(x)`` in float32, quantized; ``amax = max |y|``."""
+    y = gelu_f32(_float32(x), _check_approximate(approximate))
+    return _finish(y, amax(y), scale, fmt, transpose)
+
+
+def dgelu_quantize(dy, x, scale, fmt: str | Format = "e5m2", approximate: str = "tanh",
+                   transpose: bool = False, dbias: bool = False) -> Quantized:
+    """``dx = dy * gelu'(x)`` in float32, quantized; ``amax = max |dx|``; ``dbias`` = column
+    sums of the unquantized dx over the (M, N) view (float32)."""
+    dyf, xf = _float32(dy), _float32(x)
+    if dyf.shape != xf.shape:
+        raise ValueError(f"dy and x must have the same shape; got {dyf.shape} and {xf.shape}")
+    with np.errstate(all="ignore"):
+        dx = (dyf * dgelu_f32(xf, _check_approximate(approximate))).astype(np.float32)
+        db = _as_2d(dx, "dy").astype(np.float64).sum(axis=0).astype(np.float32) if dbias else None
+    return _finish(dx, amax(dx), scale, fmt, transpose, db)
+
+
+# ---- delayed scaling -------------------------------------------------------------------------
+def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
+    """The update rule of :mod:`fusedfp8.state` on numpy arrays (in place)."""
+    return apply_update(state, recipe)
+
+
+def current_scale(amax_v, fmt: str | Format, margin_factor: float, fallback) -> np.float32:
+    """First-step scale from the tensor's own amax, with the update rule's formula; the
+    ``fallback`` scale where amax is 0 or non-finite."""
+    from .state import compute_scale
+
+    a = f32(amax_v)
+    if not np.isfinite(a) or a == 0:
+        return f32(fallback)
+    return f32(compute_scale(np, a, f32(get_format(fmt).max), f32(margin_factor)))
