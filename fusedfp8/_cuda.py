@@ -168,3 +168,27 @@ def fmt_id(fmt: Format) -> int:
 
 def ptr(p: int) -> np.uint64:
     return np.uint64(p)
+
+
+@functools.lru_cache(maxsize=None)
+def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
+    """(ok, reason): can the kernels run here? One probe feeds every GPU skip marker.
+
+    Reasons are distinct: CuPy missing, no CUDA device, a device below sm_89 (no FP8
+    conversion instructions), and with ``need_fp8_gemm`` a device below sm_89 for FP8 GEMMs.
+    """
+    try:
+        import cupy
+    except ImportError:
+        return False, "CuPy is not installed (pip install 'fusedfp8[cuda]')"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver, no device
+        return False, f"no CUDA GPU ({type(e).__name__}: {e})"
+    if count <= device_id:
+        return False, "no CUDA GPU" if count == 0 else f"no CUDA device {device_id} (found {count})"
+    major, minor = (int(v) for v in cupy.cuda.Device(device_id).compute_capability)
+    if (major, minor) < (8, 9):
+        what = "FP8 GEMMs" if need_fp8_gemm else "FP8 conversion instructions"
+        return False, f"GPU of compute capability {major}.{minor} has no {what} (needs 8.9 or newer)"
+    return True, f"GPU {device_id}: compute capability {major}.{minor}"

@@ -233,9 +233,9 @@ def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
 def current_scale(amax_v, fmt: str | Format, margin_factor: float, fallback) -> np.float32:
     """First-step scale from the tensor's own amax, with the update rule's formula; the
     ``fallback`` scale where amax is 0 or non-finite."""
-    from .state import compute_scale
+    from .state import compute_scale, namespace
 
-    a = f32(amax_v)
-    if not np.isfinite(a) or a == 0:
+    a = np.asarray(amax_v, np.float32)
+    if not np.isfinite(a) or a.view(np.int32) == 0:
         return f32(fallback)
-    return f32(compute_scale(np, a, f32(get_format(fmt).max), f32(margin_factor)))
+    return f32(compute_scale(namespace(a), a, f32(get_format(fmt).max), f32(margin_factor)))

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from ._interop import framework_of
 from .formats import Format
 from .recipe import DelayedScaling
 
@@ -90,20 +91,6 @@ class _NumpyLikeNamespace:
 
             return jax.lax.bitcast_convert_type(a, self.m.int32)
         return a.view(self.m.int32)
-
-
-def framework_of(a) -> str:
-    """'numpy', 'torch', 'jax' or 'cupy', found from the type's module without importing it."""
-    mod = type(a).__module__
-    if mod.startswith("torch"):
-        return "torch"
-    if mod.startswith(("jax", "jaxlib")):
-        return "jax"
-    if mod.startswith("cupy"):
-        return "cupy"
-    if isinstance(a, (np.ndarray, np.generic)):
-        return "numpy"
-    raise TypeError(f"expected a numpy, torch, jax or cupy array; got {type(a).__module__}.{type(a).__name__}")
 
 
 def namespace(a):
@@ -297,6 +284,23 @@ class ScalingState:
             raise IndexError(f"index must be in [0, {len(self.grad)}); got {index}")
         return int(index)
 
+    def host_flags(self) -> tuple[np.ndarray, np.ndarray]:
+        """Host-side (fresh, pending) flags of the first-step mirror; see :class:`Slot`."""
+        if "_host_fresh" not in self.__dict__:
+            self.__dict__["_host_fresh"] = np.ones(len(self.grad), bool)
+            self.__dict__["_host_pending"] = np.zeros(len(self.grad), bool)
+        return self.__dict__["_host_fresh"], self.__dict__["_host_pending"]
+
+    def mark_updated(self) -> None:
+        """After an update: tensors quantized since the last one are past their first step."""
+        fresh, pending = self.host_flags()
+        fresh[pending] = False
+        pending[:] = False
+
+    def slot(self, index: int, recipe: DelayedScaling) -> "Slot":
+        """The :class:`Slot` of tensor ``index`` (see :func:`slot`)."""
+        return slot(self, index, recipe)
+
     def replace(self, **arrays) -> "ScalingState":
         return dataclasses.replace(self, **arrays)
 
@@ -330,6 +334,9 @@ class Slot(NamedTuple):
     """One tensor's view into a state: what a state-aware quantization reads and writes.
 
     For numpy/torch/cupy states the arrays are 1-element views sharing the state's memory.
+    ``host_fresh`` / ``host_pending`` are 1-element views of host-side numpy flags kept on the
+    state object: an eager caller skips the first-step pre-pass once the host knows the tensor
+    has been through an update (the device flag ``updates`` still decides on the device).
     """
 
     scale: Any         # (1,) float32
@@ -339,12 +346,15 @@ class Slot(NamedTuple):
     fmt: Format
     margin_factor: float
     current_first: bool  # recipe.first_step == 'current'
+    host_fresh: np.ndarray    # (1,) bool view: may still be on its first step
+    host_pending: np.ndarray  # (1,) bool view: quantized since the last update
 
 
 def slot(state: ScalingState, index: int, recipe: DelayedScaling) -> Slot:
     """The :class:`Slot` of tensor ``index`` of ``state`` under ``recipe``."""
     i = state._check_index(index)
     state.validate(recipe)
+    flags = state.host_flags()
     return Slot(state.scale[i:i + 1], state.scale_inv[i:i + 1], state.amax_history[0, i:i + 1],
                 state.updates[i:i + 1], recipe.format_for(state.grad[i]), recipe.margin_factor,
-                recipe.first_step == "current")
+                recipe.first_step == "current", flags[0][i:i + 1], flags[1][i:i + 1])

@@ -1,0 +1,217 @@
+"""Zero-copy interop with torch, jax, cupy and numpy, and the caller's current stream.
+
+The framework of an array is found from ``type(x).__module__`` without importing anything;
+each framework's adapter is imported lazily. GPU data reaches the kernels as raw device
+pointers (torch ``data_ptr``, cupy ``data.ptr``, jax through DLPack into cupy), outputs are
+allocated with the caller's framework allocator, and FP8 outputs are created directly in the
+caller's float8 dtype (torch) or as uint8 (cupy; CuPy has no float8 dtype).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .formats import Format
+
+FLOAT_INPUTS = ("float32", "float16", "bfloat16")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+
+def framework_of(a) -> str:
+    """'numpy', 'torch', 'jax' or 'cupy', from the type's module (no import)."""
+    mod = type(a).__module__
+    if mod.startswith("torch"):
+        return "torch"
+    if mod.startswith(("jax", "jaxlib")):
+        return "jax"
+    if mod.startswith("cupy"):
+        return "cupy"
+    if isinstance(a, (np.ndarray, np.generic)):
+        return "numpy"
+    raise TypeError(f"expected a numpy, torch, jax or cupy array; got {type(a).__module__}.{type(a).__name__}")
+
+
+@dataclass
+class ArrayInfo:
+    """What the ops need to know about one array argument."""
+
+    array: Any
+    framework: str
+    device: int  # CUDA device index, or -1 for host memory
+    dtype: str  # 'float32', 'bfloat16', 'float8_e4m3fn', 'uint8', ...
+    shape: tuple
+    contiguous: bool
+    ptr: int = 0  # device pointer (GPU arrays only)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device >= 0
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def where(self) -> str:
+        return f"cuda:{self.device}" if self.is_gpu else "cpu"
+
+
+def _torch_info(x, argname) -> ArrayInfo:
+    dev = x.device
+    if dev.type == "cuda":
+        device = dev.index if dev.index is not None else 0
+    elif dev.type == "cpu":
+        device = -1
+    else:
+        raise ValueError(f"{argname}: fusedfp8 runs on CUDA or CPU tensors; got a tensor on {dev}")
+    return ArrayInfo(x, "torch", device, str(x.dtype).replace("torch.", ""), tuple(x.shape),
+                     x.is_contiguous(), x.data_ptr() if device >= 0 else 0)
+
+
+def _cupy_info(x, argname) -> ArrayInfo:
+    return ArrayInfo(x, "cupy", int(x.device.id), x.dtype.name, tuple(x.shape), bool(x.flags.c_contiguous),
+                     int(x.data.ptr))
+
+
+def _jax_info(x, argname) -> ArrayInfo:
+    import jax
+
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(f"{argname}: fusedfp8.ops works on concrete arrays; inside jax.jit / grad / vmap use "
+                        "fusedfp8.jax, whose primitives trace")
+    devices = x.devices()
+    if len(devices) != 1:
+        raise ValueError(f"{argname}: expected a jax array on one device; got one sharded over {len(devices)}")
+    dev = next(iter(devices))
+    device = dev.id if dev.platform == "gpu" else -1
+    return ArrayInfo(x, "jax", device, x.dtype.name, tuple(x.shape), True)
+
+
+def _numpy_info(x, argname) -> ArrayInfo:
+    x = np.asarray(x)
+    return ArrayInfo(x, "numpy", -1, x.dtype.name, tuple(x.shape), bool(x.flags.c_contiguous))
+
+
+_INFO = {"torch": _torch_info, "cupy": _cupy_info, "jax": _jax_info, "numpy": _numpy_info}
+
+
+def describe(x, argname: str) -> ArrayInfo:
+    """An :class:`ArrayInfo` for ``x``; TypeError naming ``argname`` for a non-array."""
+    try:
+        fw = framework_of(x)
+    except TypeError:
+        raise TypeError(f"{argname}: expected a numpy, torch, jax or cupy array; got "
+                        f"{type(x).__module__}.{type(x).__name__}") from None
+    return _INFO[fw](x, argname)
+
+
+# ---- host (reference) path: numpy views of CPU arrays, and back ------------------------------
+def to_numpy(info: ArrayInfo) -> np.ndarray:
+    """A numpy view (torch, numpy) or copy (jax) of a host array, bfloat16/float8 as ml_dtypes."""
+    import ml_dtypes
+
+    x = info.array
+    if info.framework == "torch":
+        import torch
+
+        if info.dtype in ("bfloat16",) + FP8_DTYPES:
+            raw = x.detach().view(torch.int16 if info.dtype == "bfloat16" else torch.uint8).numpy()
+            return raw.view(getattr(ml_dtypes, info.dtype))
+        return x.detach().numpy()
+    return np.asarray(x)
+
+
+def from_numpy(a: np.ndarray, like: ArrayInfo):
+    """Wrap a host result for the caller's framework (torch: zero-copy; jax: a jax array)."""
+    if like.framework == "torch":
+        import torch
+
+        if a.dtype.name in FP8_DTYPES + ("bfloat16",):
+            raw = torch.from_numpy(np.ascontiguousarray(a).view(np.uint8 if a.dtype.itemsize == 1 else np.int16))
+            return raw.view(getattr(torch, a.dtype.name))
+        return torch.from_numpy(np.ascontiguousarray(a))
+    if like.framework == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(a)
+    return a
+
+
+# ---- device path -----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _external_stream(ptr: int, device: int):
+    import cupy
+
+    return cupy.cuda.ExternalStream(ptr, device)
+
+
+def launch_stream(info: ArrayInfo):
+    """The CuPy stream object to launch on: the caller's current stream."""
+    import cupy
+
+    if info.framework == "torch":
+        import torch
+
+        return _external_stream(torch.cuda.current_stream(info.device).cuda_stream, info.device)
+    return cupy.cuda.get_current_stream(info.device)
+
+
+def device_view(info: ArrayInfo):
+    """For jax GPU arrays: a cupy view through DLPack (the DLPack stream handshake orders it
+    after jax's pending work). Other frameworks: the array itself (pointers are read directly)."""
+    if info.framework != "jax":
+        return info
+    import cupy
+
+    arr = cupy.from_dlpack(info.array)
+    return ArrayInfo(arr, "cupy", info.device, info.dtype, info.shape, True, int(arr.data.ptr))
+
+
+def empty(like: ArrayInfo, shape, dtype: str):
+    """An uninitialised device array from the caller's allocator (cupy for jax callers)."""
+    if like.framework == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{like.device}")
+    import cupy
+
+    with cupy.cuda.Device(like.device):
+        return cupy.empty(shape, dtype="uint8" if dtype in FP8_DTYPES else dtype)
+
+
+def zeros(like: ArrayInfo, shape, dtype: str):
+    if like.framework == "torch":
+        import torch
+
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=f"cuda:{like.device}")
+    import cupy
+
+    with cupy.cuda.Device(like.device), launch_stream(like):
+        return cupy.zeros(shape, dtype=dtype)
+
+
+def data_ptr(a) -> int:
+    return a.data_ptr() if framework_of(a) == "torch" else int(a.data.ptr)
+
+
+def fp8_out(a, fmt: Format, caller: ArrayInfo):
+    """A device FP8 result for the caller: torch float8 tensor as allocated; cupy uint8; jax
+    float8 array (imported through DLPack as uint8, then bitcast by XLA)."""
+    if caller.framework == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        u8 = jax.dlpack.from_dlpack(a)
+        return jax.lax.bitcast_convert_type(u8, getattr(jnp, fmt.dtype_name))
+    return a
+
+
+def out_for_caller(a, caller: ArrayInfo):
+    """A non-FP8 device result (amax, dbias, dequantized) in the caller's framework."""
+    if caller.framework == "jax":
+        import jax
+
+        return jax.dlpack.from_dlpack(a)
+    return a
