@@ -187,7 +187,8 @@ def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
         return False, f"no CUDA GPU ({type(e).__name__}: {e})"
     if count <= device_id:
         return False, "no CUDA GPU" if count == 0 else f"no CUDA device {device_id} (found {count})"
-    major, minor = (int(v) for v in cupy.cuda.Device(device_id).compute_capability)
+    cc = str(cupy.cuda.Device(device_id).compute_capability)  # e.g. '90'
+    major, minor = int(cc[:-1]), int(cc[-1])
     if (major, minor) < (8, 9):
         what = "FP8 GEMMs" if need_fp8_gemm else "FP8 conversion instructions"
         return False, f"GPU of compute capability {major}.{minor} has no {what} (needs 8.9 or newer)"

@@ -1,0 +1,359 @@
+"""Benchmark the fused kernels against torch eager, torch.compile and XLA doing the same job.
+
+For each size and job it checks correctness first (fusedfp8 byte for byte against the NumPy
+reference on a sample; each peer's FP8 bytes and amax against fusedfp8), then times. Device
+time: torch-side implementations are captured K calls at a time (rotating over enough input
+sets to defeat the 60 MB L2) in a CUDA graph and the replays are timed with CUDA events; XLA runs
+the K calls inside one jitted function, timed over many calls with one block at the end.
+Bandwidth = (every input read once + every output written once) / time, reported as a fraction
+of a large device-to-device copy measured in the same run. Also: the host cost of one
+fusedfp8.quantize call from torch at 1024x1024 (pipelined calls, no sync).
+
+Usage: python scripts/bench_kernels.py [--out DIR] [--sizes 1024x1024,4096x4096] [--quick]
+Writes DIR/bench_kernels.json and DIR/bench_kernels.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax shares the GPU with torch here
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from fusedfp8 import ops  # noqa: E402
+from fusedfp8 import reference as ref  # noqa: E402
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+SIZES = [(1024, 1024), (4096, 4096), (8192, 4096), (8192, 16384)]
+JOBS = ["quantize", "quantize_t", "gelu", "gelu_t", "dgelu_dbias", "dgelu_dbias_t"]
+TARGETS = {  # fraction of the copy ceiling, at 8192x16384 (and 4096x4096 for quantize)
+    ("quantize", "8192x16384"): 0.92, ("quantize", "4096x4096"): 0.75, ("quantize_t", "8192x16384"): 0.85,
+    ("gelu", "8192x16384"): 0.85, ("gelu_t", "8192x16384"): 0.85, ("dgelu_dbias", "8192x16384"): 0.80,
+    ("dgelu_dbias_t", "8192x16384"): 0.80,
+}
+
+
+def job_bytes(job: str, m: int, n: int) -> int:
+    e = m * n
+    read = 2 * e * (2 if job.startswith("dgelu") else 1)
+    write = e * (2 if job.endswith("_t") else 1) + (4 * n if "dbias" in job else 0)
+    return read + write
+
+
+# ---- implementations -------------------------------------------------------------------------
+def fused(job, x, b, scale, amax):
+    t = job.endswith("_t")
+    if job.startswith("quantize"):
+        r = ops.quantize(x, scale, "e4m3", amax=amax, transpose=t)
+    elif job.startswith("gelu"):
+        r = ops.gelu_quantize(x, scale, "e4m3", approximate="tanh", amax=amax, transpose=t)
+    else:
+        r = ops.dgelu_quantize(x, b, scale, "e5m2", approximate="tanh", amax=amax, transpose=t, dbias=True)
+    return r.data, r.data_t, r.dbias
+
+
+def torch_job(job, x, b, scale, amax):
+    """The same job in plain torch ops: activation in fp32, amax, scale, saturating cast."""
+    t = job.endswith("_t")
+    xf = x.float()
+    if job.startswith("quantize"):
+        y, fmax, dt = xf, E4M3_MAX, torch.float8_e4m3fn
+    elif job.startswith("gelu"):
+        y, fmax, dt = torch.nn.functional.gelu(xf, approximate="tanh"), E4M3_MAX, torch.float8_e4m3fn
+    else:
+        bf = b.float()
+        u = 0.7978845608028654 * (bf + 0.044715 * bf * bf * bf)
+        th = torch.tanh(u)
+        g = 0.5 * (1 + th) + 0.5 * bf * (1 - th * th) * 0.7978845608028654 * (1 + 3 * 0.044715 * bf * bf)
+        y, fmax, dt = xf * g, E5M2_MAX, torch.float8_e5m2
+    torch.maximum(amax, y.abs().amax().reshape(1), out=amax)
+    q = (y * scale).clamp(-fmax, fmax).to(dt)
+    qt = q.t().contiguous() if t else None
+    db = y.sum(0) if "dbias" in job else None
+    return q, qt, db
+
+
+def make_xla_job(job):
+    import jax
+    import jax.numpy as jnp
+
+    def one(x, b, scale, amax):
+        xf = x.astype(jnp.float32)
+        if job.startswith("quantize"):
+            y, fmax, dt = xf, E4M3_MAX, jnp.float8_e4m3fn
+        elif job.startswith("gelu"):
+            y, fmax, dt = jax.nn.gelu(xf, approximate=True), E4M3_MAX, jnp.float8_e4m3fn
+        else:
+            bf = b.astype(jnp.float32)
+            th = jnp.tanh(0.7978845608028654 * (bf + 0.044715 * bf * bf * bf))
+            g = 0.5 * (1 + th) + 0.5 * bf * (1 - th * th) * 0.7978845608028654 * (1 + 3 * 0.044715 * bf * bf)
+            y, fmax, dt = xf * g, E5M2_MAX, jnp.float8_e5m2
+        new_amax = jnp.maximum(amax, jnp.max(jnp.abs(y)))
+        q = jnp.clip(y * scale, -fmax, fmax).astype(dt)
+        out = [q, new_amax]
+        if job.endswith("_t"):
+            out.append(q.T)
+        if "dbias" in job:
+            out.append(jnp.sum(y, axis=0))
+        return out
+
+    @jax.jit
+    def many(xs, bs, scale, amax):
+        return [one(x, b, scale, amax) for x, b in zip(xs, bs)]
+
+    return many
+
+
+# ---- timing ----------------------------------------------------------------------------------
+def time_graph(fn, inputs, reps=7, calls_per_graph=None):
+    """Capture len(inputs) calls in one CUDA graph; median per-call time (us) over replays."""
+    for args in inputs:  # warm-up (compiles, allocator)
+        fn(*args)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for args in inputs:
+            fn(*args)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            for args in inputs:
+                fn(*args)
+    torch.cuda.synchronize()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(inputs))
+    del g
+    return statistics.median(times)
+
+
+def time_xla(fn, args, reps=7, iters=10):
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) * 1e6 / iters / len(args[0]))
+    return statistics.median(times)
+
+
+def copy_ceiling():
+    n = 1 << 30  # 1 GiB each way
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = time_graph(lambda: dst.copy_(src), [()] * 4)
+    return 2 * n / (us * 1e-6) / 1e12  # TB/s, read + write
+
+
+def host_cost_us(n_calls=3000):
+    x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    s = torch.ones(1, device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    for _ in range(50):
+        ops.quantize(x, s, "e4m3", amax=amax)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n_calls):
+            ops.quantize(x, s, "e4m3", amax=amax)
+        samples.append((time.perf_counter() - t0) * 1e6 / n_calls)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+# ---- correctness -----------------------------------------------------------------------------
+def to_np_bf16(t):
+    import ml_dtypes
+
+    return t.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
+def check_fused(job, x, b, m, n):
+    """fusedfp8 against the reference, byte for byte, on a row block of the input."""
+    rows = min(m, 256)
+    xs, bs = x[:rows].contiguous(), b[:rows].contiguous()
+    s = torch.full((1,), 2.0, device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    q, qt, db = fused(job, xs, bs, s, amax)
+    xn, bn = to_np_bf16(xs), to_np_bf16(bs)
+    t = job.endswith("_t")
+    if job.startswith("quantize"):
+        want = ref.quantize(xn, np.float32(2), "e4m3", t)
+    elif job.startswith("gelu"):
+        want = ref.gelu_quantize(xn, np.float32(2), "e4m3", "tanh", t)
+    else:
+        want = ref.dgelu_quantize(xn, bn, np.float32(2), "e5m2", "tanh", t, True)
+    ok = np.array_equal(q.cpu().view(torch.uint8).numpy(), want.data.view(np.uint8))
+    ok &= np.float32(amax.item()) == want.amax
+    if t:
+        ok &= np.array_equal(qt.cpu().view(torch.uint8).numpy(), want.data_t.view(np.uint8))
+    if db is not None:
+        ok &= np.allclose(db.cpu().numpy(), want.dbias, rtol=1e-4, atol=1e-3)
+    return bool(ok)
+
+
+def mismatch_fraction(a, b):
+    a = a.view(torch.uint8)
+    b = b.view(torch.uint8)
+    return float((a != b).float().mean().item())
+
+
+# ---- main ------------------------------------------------------------------------------------
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder")
+    ap.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES), help="MxN list")
+    ap.add_argument("--jobs", default=",".join(JOBS), help="jobs to run")
+    ap.add_argument("--peers", default="eager,compile,xla", help="peers to run")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    jobs = args.jobs.split(",")
+    peers = args.peers.split(",")
+
+    ceiling = copy_ceiling()
+    print(f"copy ceiling: {ceiling:.3f} TB/s (read + write)", flush=True)
+    results = []
+    compiled = {}
+    xla_ok = "xla" in peers
+    if xla_ok:
+        try:
+            import jax
+            import jax.numpy as jnp
+
+            xla_ok = any(d.platform == "gpu" for d in jax.devices())
+        except Exception as e:  # noqa: BLE001
+            print(f"jax unavailable: {e}")
+            xla_ok = False
+    for m, n in sizes:
+        size = f"{m}x{n}"
+        k = max(2, min(64, -(-(200 << 20) // (2 * m * n))))  # input sets per graph: >= 200 MB, > 3x the L2
+        gen = torch.Generator(device="cuda").manual_seed(m * 31 + n)
+        xs = [torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(k)]
+        bs = [torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(k)]
+        scale = torch.full((1,), 2.0, device="cuda")
+        amax = torch.zeros(1, device="cuda")
+        for job in jobs:
+            row = {"job": job, "size": size, "bytes": job_bytes(job, m, n)}
+            row["fusedfp8_correct"] = check_fused(job, xs[0], bs[0], m, n)
+            inputs = [(x, b, scale, amax) for x, b in zip(xs, bs)]
+            row["fusedfp8_us"] = time_graph(lambda *a: fused(job, *a), inputs)
+            q_f = fused(job, xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
+            if "eager" in peers:
+                q_e = torch_job(job, xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
+                row["eager_mismatch"] = mismatch_fraction(q_e, q_f)
+                row["eager_us"] = time_graph(lambda *a: torch_job(job, *a), inputs)
+            if "compile" in peers:
+                fn = compiled.setdefault(job, torch.compile(lambda *a, _j=job: torch_job(_j, *a), dynamic=False))
+                q_c = fn(xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
+                row["compile_mismatch"] = mismatch_fraction(q_c, q_f)
+                row["compile_us"] = time_graph(fn, inputs)
+            if xla_ok:
+                import jax
+                import jax.numpy as jnp
+
+                xj = [jax.dlpack.from_dlpack(x) for x in xs]
+                bj = [jax.dlpack.from_dlpack(b) for b in bs]
+                fn = make_xla_job(job)
+                res = fn(xj[:1], bj[:1], jnp.float32(2.0), jnp.float32(0.0))[0]
+                q_x = torch.from_dlpack(jax.lax.bitcast_convert_type(res[0], jnp.uint8))
+                row["xla_mismatch"] = mismatch_fraction(q_x, q_f)
+                row["xla_us"] = time_xla(fn, (xj, bj, jnp.float32(2.0), jnp.float32(0.0)))
+            for impl in ("fusedfp8", "eager", "compile", "xla"):
+                if f"{impl}_us" in row:
+                    row[f"{impl}_frac"] = row["bytes"] / (row[f"{impl}_us"] * 1e-6) / 1e12 / ceiling
+            peers_us = [row[f"{p}_us"] for p in ("eager", "compile", "xla") if f"{p}_us" in row]
+            row["faster_than_all_peers"] = bool(peers_us) and row["fusedfp8_us"] < min(peers_us)
+            tgt = TARGETS.get((job, size))
+            if tgt is not None:
+                row["target_frac"] = tgt
+                row["meets_target"] = row["fusedfp8_frac"] >= tgt
+            results.append(row)
+            cells = "  ".join(f"{p} {row[p + '_us']:8.1f}us ({row[p + '_frac']:.2f})" for p in
+                              ("fusedfp8", "eager", "compile", "xla") if f"{p}_us" in row)
+            print(f"{size:>11} {job:<14} ok={row['fusedfp8_correct']}  {cells}", flush=True)
+        del xs, bs
+        torch.cuda.empty_cache()
+    host = host_cost_us()
+    print(f"host cost per fusedfp8.quantize call from torch, 1024x1024: {host:.1f} us")
+    meta = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "copy_ceiling_TBps": ceiling, "host_cost_us_1024x1024": host,
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    try:
+        import jax
+
+        meta["jax"] = jax.__version__
+    except ImportError:
+        pass
+    (out / "bench_kernels.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    plot(results, out / "bench_kernels.png", meta)
+    print_table(results)
+
+
+def print_table(results):
+    print("\n| job | size | fusedfp8 us (frac) | eager | torch.compile | XLA | target | correct |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        def cell(p):
+            return f"{r[p + '_us']:.1f} ({r[p + '_frac']:.2f})" if f"{p}_us" in r else "-"
+        tgt = f"{r['target_frac']:.2f} {'met' if r['meets_target'] else 'MISSED'}" if "target_frac" in r else ""
+        print(f"| {r['job']} | {r['size']} | {cell('fusedfp8')} | {cell('eager')} | {cell('compile')} | "
+              f"{cell('xla')} | {tgt} | {r['fusedfp8_correct']} |")
+
+
+def plot(results, path, meta):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    jobs = list(dict.fromkeys(r["job"] for r in results))
+    fig, axes = plt.subplots(1, len(jobs), figsize=(4 * len(jobs), 3.6), sharey=True, squeeze=False)
+    for ax, job in zip(axes[0], jobs):
+        rows = [r for r in results if r["job"] == job]
+        xs = [r["bytes"] / 2**20 for r in rows]
+        for impl, style in (("fusedfp8", "o-"), ("eager", "s--"), ("compile", "^--"), ("xla", "d--")):
+            if f"{impl}_frac" in rows[0]:
+                ax.plot(xs, [r[f"{impl}_frac"] for r in rows], style, label=impl)
+        ax.set_xscale("log")
+        ax.set_title(job)
+        ax.set_xlabel("MiB moved")
+        ax.axhline(1.0, color="gray", lw=0.5)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("fraction of copy ceiling")
+    axes[0][0].legend()
+    fig.suptitle(f"{meta['device']}, {meta['date']}: copy ceiling {meta['copy_ceiling_TBps']:.2f} TB/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
