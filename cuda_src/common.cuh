@@ -2,9 +2,10 @@
 //
 // Bit-exactness with fusedfp8/reference.py rests on three rules kept everywhere below:
 //  1. every float32 operation on the numeric path is an inline-PTX instruction with explicit
-//     rounding (mul.rn / add.rn / sub.rn / div.rn / cvt.rni). CuPy compiles with -ftz=true and
-//     NVCC contracts a*b+c into FMA; neither applies to inline PTX, so denormals are kept and
-//     each operation rounds once, exactly as NumPy's float32 arithmetic does;
+//     rounding (mul.rn / add.rn / sub.rn / div.rn / fma.rn / cvt.rni). CuPy compiles with
+//     -ftz=true and NVCC contracts a*b+c into FMA; neither applies to inline PTX, so denormals
+//     are kept and each operation rounds once, exactly as NumPy's float32 arithmetic does (the
+//     reference emulates fma.rn exactly: reference.fma_f32);
 //  2. comparisons that could see a denormal are done on the bit pattern;
 //  3. the activation uses the library's own exp / erfc (the same op sequence as the reference),
 //     never libdevice's tanhf / erff / expf.
@@ -38,6 +39,9 @@ __device__ __forceinline__ float fsub(float a, float b) {
 __device__ __forceinline__ float fdiv(float a, float b) {
     float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
 }
+__device__ __forceinline__ float ffma(float a, float b, float c) {
+    float r; asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c)); return r;
+}
 __device__ __forceinline__ float frint(float a) {
     float r; asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a)); return r;
 }
@@ -60,6 +64,13 @@ template <> __device__ __forceinline__ float from_f32<float>(float v) { return v
 template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
     return __float2bfloat16_rn(v);
+}
+
+template <typename T> __device__ __forceinline__ T canonical_nan();
+template <> __device__ __forceinline__ float canonical_nan<float>() { return __uint_as_float(0x7fc00000u); }
+template <> __device__ __forceinline__ __half canonical_nan<__half>() { return __ushort_as_half(0x7e00); }
+template <> __device__ __forceinline__ __nv_bfloat16 canonical_nan<__nv_bfloat16>() {
+    return __ushort_as_bfloat16(0x7fc0);
 }
 
 // ---- FP8 cast: cvt.rn.satfinite (RNE, saturate finite and inf to +-max, NaN -> NaN) -------
@@ -134,43 +145,38 @@ __device__ __forceinline__ bool launch_scale(const float* scale, const float* am
 #define FF8_INV_SQRT_2PI 0x1.988454p-2f
 #define FF8_ERFC_C0 0x1.43f89cp+0f
 
-__device__ __forceinline__ float pow2i(int k) {  // 2**k for k in [-126, 127], exact
-    k = k < -126 ? -126 : (k > 127 ? 127 : k);
-    return __uint_as_float((u32)(k + 127) << 23);
-}
-
+// e**a for a <= 0 (a few ulp above 0 also fine): Cody-Waite reduction with FMA, degree-6
+// polynomial, exact 2**k built from bits; 0 below -87 (so 2**k is a normal float).
 __device__ __forceinline__ float exp_f32(float a) {
-    if (a < -104.0f) return 0.0f;
+    if (a < -87.0f) return 0.0f;
     float k = frint(fmul(a, FF8_LOG2E));
-    float r = fsub(fsub(a, fmul(k, FF8_LN2_HI)), fmul(k, FF8_LN2_LO));
-    float p = 0x1.a01a02p-13f;
-    p = fadd(fmul(p, r), 0x1.6c16c2p-10f);
-    p = fadd(fmul(p, r), 0x1.111112p-7f);
-    p = fadd(fmul(p, r), 0x1.555556p-5f);
-    p = fadd(fmul(p, r), 0x1.555556p-3f);
-    p = fadd(fmul(p, r), 0.5f);
-    p = fadd(fmul(p, r), 1.0f);
-    p = fadd(fmul(p, r), 1.0f);
-    int ki = (k != k) ? 0 : (int)fmaxf(-300.0f, fminf(300.0f, k));
-    int k1 = ki / 2;  // truncates toward zero
-    return fmul(fmul(p, pow2i(k1)), pow2i(ki - k1));
+    float r = ffma(k, -FF8_LN2_HI, a);
+    r = ffma(k, -FF8_LN2_LO, r);
+    float p = 0x1.6c16c2p-10f;
+    p = ffma(p, r, 0x1.111112p-7f);
+    p = ffma(p, r, 0x1.555556p-5f);
+    p = ffma(p, r, 0x1.555556p-3f);
+    p = ffma(p, r, 0x1p-1f);
+    p = ffma(p, r, 0x1p+0f);
+    p = ffma(p, r, 0x1p+0f);
+    int ki = (k != k) ? 0 : (int)fmaxf(-126.0f, fminf(127.0f, k));
+    return fmul(p, __uint_as_float((u32)(ki + 127) << 23));
 }
 
 // erfc(z), Numerical Recipes' Chebyshev fit; z < 0 (sign bit) through 2 - erfc(|z|).
 __device__ __forceinline__ float erfc_f32(float z) {
     float a = fabs_bits(z);
-    float t = fdiv(1.0f, fadd(1.0f, fmul(0.5f, a)));
+    float t = fdiv(1.0f, ffma(0.5f, a, 1.0f));
     float p = 0x1.5df28ap-3f;
-    p = fadd(fmul(p, t), -0x1.a4f124p-1f);
-    p = fadd(fmul(p, t), 0x1.7d0f6p+0f);
-    p = fadd(fmul(p, t), -0x1.229cbap+0f);
-    p = fadd(fmul(p, t), 0x1.1d8f98p-2f);
-    p = fadd(fmul(p, t), -0x1.7d8498p-3f);
-    p = fadd(fmul(p, t), 0x1.8c6d92p-4f);
-    p = fadd(fmul(p, t), 0x1.7f11f6p-2f);
-    p = fadd(fmul(p, t), 0x1.00018ep+0f);
-    p = fmul(p, t);
-    float e = fmul(t, exp_f32(fadd(fsub(fmul(-a, a), FF8_ERFC_C0), p)));
+    p = ffma(p, t, -0x1.a4f124p-1f);
+    p = ffma(p, t, 0x1.7d0f6p+0f);
+    p = ffma(p, t, -0x1.229cbap+0f);
+    p = ffma(p, t, 0x1.1d8f98p-2f);
+    p = ffma(p, t, -0x1.7d8498p-3f);
+    p = ffma(p, t, 0x1.8c6d92p-4f);
+    p = ffma(p, t, 0x1.7f11f6p-2f);
+    p = ffma(p, t, 0x1.00018ep+0f);
+    float e = fmul(t, exp_f32(fadd(ffma(-a, a, -FF8_ERFC_C0), fmul(p, t))));
     return sign_bit(z) ? fsub(2.0f, e) : e;
 }
 
@@ -178,28 +184,36 @@ __device__ __forceinline__ float clamp_keep_nan(float x, float lim) {
     return x > lim ? lim : (x < -lim ? -lim : x);
 }
 
-// 0.5 x (1 + tanh u) = x * (u >= 0 ? 1 : e) / (1 + e), e = exp(-2|u|)
+// u = sqrt(2/pi) (x + 0.044715 x^3), e = exp(-2|u|), d = 1 + e:
+// 0.5 (1 + tanh u) = sel / d with sel = (u >= 0 ? 1 : e); 0.5 (1 - tanh^2 u) = 2 e / d^2.
+struct SigmoidParts { float x2, e, d, sel; };
+__device__ __forceinline__ SigmoidParts sigmoid_parts(float x) {
+    SigmoidParts r;
+    r.x2 = fmul(x, x);
+    float u = fmul(FF8_SQRT_2_OVER_PI, ffma(FF8_GELU_C1, fmul(r.x2, x), x));
+    r.e = exp_f32(fmul(-2.0f, fabs_bits(u)));
+    r.d = fadd(1.0f, r.e);
+    r.sel = sign_bit(u) ? r.e : 1.0f;
+    return r;
+}
 __device__ __forceinline__ float gelu_tanh(float x) {
-    float u = fmul(FF8_SQRT_2_OVER_PI, fadd(x, fmul(FF8_GELU_C1, fmul(fmul(x, x), x))));
-    float e = exp_f32(fmul(-2.0f, fabs_bits(u)));
-    return fdiv(fmul(x, sign_bit(u) ? e : 1.0f), fadd(1.0f, e));
+    SigmoidParts p = sigmoid_parts(x);
+    return fdiv(fmul(x, p.sel), p.d);
 }
 __device__ __forceinline__ float gelu_erf(float x) {
     return fmul(fmul(0.5f, x), erfc_f32(fmul(-x, FF8_INV_SQRT2)));
 }
 __device__ __forceinline__ float dgelu_tanh(float x) {
     float xc = clamp_keep_nan(x, 20.0f);
-    float x2 = fmul(xc, xc);
-    float u = fmul(FF8_SQRT_2_OVER_PI, fadd(xc, fmul(FF8_GELU_C1, fmul(x2, xc))));
-    float e = exp_f32(fmul(-2.0f, fabs_bits(u)));
-    float d = fadd(1.0f, e);
-    float dudx = fmul(FF8_SQRT_2_OVER_PI, fadd(1.0f, fmul(FF8_GELU_C3, x2)));
-    return fadd(fdiv(sign_bit(u) ? e : 1.0f, d), fmul(fdiv(fmul(fmul(2.0f, xc), e), fmul(d, d)), dudx));
+    SigmoidParts p = sigmoid_parts(xc);
+    float rd = fdiv(1.0f, p.d);
+    float dudx = fmul(FF8_SQRT_2_OVER_PI, ffma(FF8_GELU_C3, p.x2, 1.0f));
+    return ffma(fmul(fmul(fmul(fmul(2.0f, xc), p.e), rd), rd), dudx, fmul(p.sel, rd));
 }
 __device__ __forceinline__ float dgelu_erf(float x) {
     float xc = clamp_keep_nan(x, 40.0f);
     float pdf = fmul(exp_f32(fmul(-0.5f, fmul(xc, xc))), FF8_INV_SQRT_2PI);
-    return fadd(fmul(0.5f, erfc_f32(fmul(-xc, FF8_INV_SQRT2))), fmul(xc, pdf));
+    return ffma(xc, pdf, fmul(0.5f, erfc_f32(fmul(-xc, FF8_INV_SQRT2))));
 }
 
 // The elementwise operation before quantization. OP: 0 identity, 1 gelu (tanh), 2 gelu (erf),

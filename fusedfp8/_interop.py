@@ -9,6 +9,7 @@ caller's float8 dtype (torch) or as uint8 (cupy; CuPy has no float8 dtype).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,7 @@ class ArrayInfo:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     def where(self) -> str:
         return f"cuda:{self.device}" if self.is_gpu else "cpu"
@@ -144,6 +145,16 @@ def from_numpy(a: np.ndarray, like: ArrayInfo):
 def _external_stream(ptr: int, device: int):
     import cupy
 
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        class _Raw:  # the CUDA stream protocol: (version, handle)
+            def __cuda_stream__(self):
+                return (0, ptr)
+
+        try:
+            return from_external(_Raw())
+        except TypeError:
+            pass
     return cupy.cuda.ExternalStream(ptr, device)
 
 
@@ -152,10 +163,15 @@ def launch_stream(info: ArrayInfo):
     import cupy
 
     if info.framework == "torch":
-        import torch
-
-        return _external_stream(torch.cuda.current_stream(info.device).cuda_stream, info.device)
+        return _external_stream(_torch_stream_ptr(info.device), info.device)
     return cupy.cuda.get_current_stream(info.device)
+
+
+def _torch_stream_ptr(device: int) -> int:
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # fast path, no Stream object
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def device_view(info: ArrayInfo):
@@ -172,20 +188,23 @@ def device_view(info: ArrayInfo):
 def empty(like: ArrayInfo, shape, dtype: str):
     """An uninitialised device array from the caller's allocator (cupy for jax callers)."""
     if like.framework == "torch":
-        import torch
-
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{like.device}")
+        return like.array.new_empty(shape, dtype=_torch_dtype(dtype))
     import cupy
 
     with cupy.cuda.Device(like.device):
         return cupy.empty(shape, dtype="uint8" if dtype in FP8_DTYPES else dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
 def zeros(like: ArrayInfo, shape, dtype: str):
     if like.framework == "torch":
-        import torch
-
-        return torch.zeros(shape, dtype=getattr(torch, dtype), device=f"cuda:{like.device}")
+        return like.array.new_zeros(shape, dtype=_torch_dtype(dtype))
     import cupy
 
     with cupy.cuda.Device(like.device), launch_stream(like):

@@ -19,6 +19,8 @@ copied (call ``.contiguous()`` / ``np.ascontiguousarray`` first).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import _cuda
@@ -101,7 +103,7 @@ class _Plan:
             self.scale_inv = self.updates = None
         self.op, self.transpose, self.dbias = op, transpose, dbias
         shape = self.xi.shape
-        self.rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) >= 2 else (1 if shape else 1)
+        self.rows = math.prod(shape[:-1])
         self.cols = int(shape[-1]) if shape else 1
         if (transpose or dbias) and not shape:
             raise ValueError("x: transpose / dbias need an input of at least 1 dimension; got a scalar")

@@ -25,8 +25,9 @@ def _hex(h: str) -> np.float32:
 LOG2E = _hex("0x1.715476p+0")
 LN2_HI = _hex("0x1.62e4p-1")
 LN2_LO = _hex("0x1.7f7d1cp-20")
-EXP_POLY = tuple(_hex(h) for h in ("0x1.a01a02p-13", "0x1.6c16c2p-10", "0x1.111112p-7", "0x1.555556p-5",
-                                    "0x1.555556p-3", "0x1p-1", "0x1p+0", "0x1p+0"))
+# exp(r) on [-ln2/2, ln2/2]: Taylor to degree 6 (error 1.2e-7 relative), highest first
+EXP_POLY = tuple(_hex(h) for h in ("0x1.6c16c2p-10", "0x1.111112p-7", "0x1.555556p-5", "0x1.555556p-3",
+                                    "0x1p-1", "0x1p+0", "0x1p+0"))
 SQRT_2_OVER_PI = _hex("0x1.988454p-1")
 GELU_C1 = _hex("0x1.6e4e26p-5")
 GELU_C3 = _hex("0x1.12ba9ep-3")  # 3 * 0.044715
@@ -36,7 +37,33 @@ ERFC_POLY = tuple(_hex(h) for h in ("0x1.5df28ap-3", "-0x1.a4f124p-1", "0x1.7d0f
                                      "0x1.1d8f98p-2", "-0x1.7d8498p-3", "0x1.8c6d92p-4", "0x1.7f11f6p-2",
                                      "0x1.00018ep+0"))
 ERFC_C0 = _hex("0x1.43f89cp+0")
-EXP_MIN_ARG = f32(-104.0)
+EXP_MIN_ARG = f32(-87.0)  # below: exp flushes to 0 (< 1.7e-38), so 2**k stays a normal float
+
+
+def fma_f32(a, b, c) -> np.ndarray:
+    """Correctly rounded float32 a*b + c (the kernels' fma.rn.f32), emulated exactly.
+
+    a*b is exact in float64; the float64 sum s and its exact error e (TwoSum) give the exact
+    result s + e. Rounding s to float32 is right unless s sits exactly halfway between two
+    float32 neighbours while e != 0 (the double-rounding case): then e decides the side.
+    """
+    a64 = np.asarray(a, np.float32).astype(np.float64)
+    b64 = np.asarray(b, np.float32).astype(np.float64)
+    c64 = np.asarray(c, np.float32).astype(np.float64)
+    with np.errstate(all="ignore"):
+        p = a64 * b64
+        s = p + c64
+        bb = s - p
+        e = (p - (s - bb)) + (c64 - bb)
+        r = s.astype(np.float32)
+        r64 = r.astype(np.float64)
+        toward = np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32)
+        other = np.nextafter(r, toward)
+        mid = (r64 + other.astype(np.float64)) * 0.5
+        tie = np.isfinite(s) & np.isfinite(e) & (r64 != s) & (s == mid) & (e != 0)
+        # at a tie RNE chose r; the exact value lies on e's side of the midpoint
+        go_other = tie & ((e > 0) == (other.astype(np.float64) > r64))
+    return np.where(go_other, other, r).astype(np.float32)
 
 
 def _float32(x) -> np.ndarray:
@@ -111,8 +138,12 @@ def quantize(x, scale, fmt: str | Format = "e4m3", transpose: bool = False) -> Q
 
 
 def dequantize(q, scale_inv, dtype=np.float32) -> np.ndarray:
-    """``dtype(float32(q) * scale_inv)``."""
-    return (np.asarray(q).astype(np.float32) * _scale_value(scale_inv)).astype(dtype)
+    """``dtype(float32(q) * scale_inv)``; NaN as the dtype's canonical NaN (as the kernel)."""
+    with np.errstate(all="ignore"):
+        v = np.asarray(q).astype(np.float32) * _scale_value(scale_inv)
+    out = v.astype(dtype)
+    out[np.isnan(v)] = np.array(np.nan, np.float32).astype(dtype)
+    return out
 
 
 # ---- the library's own float32 exp / tanh / erfc (same op sequence as cuda_src) -------------
@@ -121,44 +152,34 @@ def _where(c, a, b):
 
 
 def exp_f32(a: np.ndarray) -> np.ndarray:
-    """e**a with Cody-Waite reduction and a degree-7 polynomial; 0 below -104."""
+    """e**a for a <= 0 (the only arguments the activations use; a few ulp above 0 also fine):
+    Cody-Waite reduction with FMA, degree-6 polynomial, exact 2**k; 0 below -87."""
     a = np.asarray(a, np.float32)
     with np.errstate(all="ignore"):
-        k = np.rint(a * LOG2E)
-        r = (a - k * LN2_HI) - k * LN2_LO
+        k = np.rint(a * LOG2E).astype(np.float32)
+        r = fma_f32(k, -LN2_HI, a)
+        r = fma_f32(k, -LN2_LO, r)
         p = EXP_POLY[0]
         for c in EXP_POLY[1:]:
-            p = p * r + c
-        ki = np.nan_to_num(np.clip(k, -300, 300)).astype(np.int32)
-        k1 = (ki // 2).astype(np.int32)
-        k1 = np.where(ki < 0, -((-ki) // 2), k1)  # truncate toward zero, as C does
-        k2 = ki - k1
-        pow1 = np.ldexp(f32(1.0), np.clip(k1, -126, 127)).astype(np.float32)
-        pow2 = np.ldexp(f32(1.0), np.clip(k2, -126, 127)).astype(np.float32)
-        y = (p * pow1) * pow2
+            p = fma_f32(p, r, c)
+        ki = np.nan_to_num(np.clip(k, -126, 127)).astype(np.int32)
+        pow2 = ((ki + 127).astype(np.uint32) << np.uint32(23)).view(np.float32)
+        y = (p * pow2).astype(np.float32)
     return _where(a < EXP_MIN_ARG, f32(0.0), y)
 
 
-def tanh_f32(u: np.ndarray) -> np.ndarray:
-    u = np.asarray(u, np.float32)
-    with np.errstate(all="ignore"):
-        e = exp_f32(f32(-2.0) * np.abs(u))
-        t = (f32(1.0) - e) / (f32(1.0) + e)
-    return np.copysign(t, u).astype(np.float32)
-
-
 def erfc_f32(z: np.ndarray) -> np.ndarray:
-    """erfc(z), Numerical Recipes' Chebyshev fit (fractional error < 1.2e-7)."""
+    """erfc(z), Numerical Recipes' Chebyshev fit (fractional error < 1.2e-7); z < 0 (sign bit)
+    through 2 - erfc(|z|)."""
     z = np.asarray(z, np.float32)
     a = np.abs(z)
     with np.errstate(all="ignore"):
-        t = f32(1.0) / (f32(1.0) + f32(0.5) * a)
+        t = f32(1.0) / fma_f32(f32(0.5), a, f32(1.0))
         p = ERFC_POLY[0]
         for c in ERFC_POLY[1:]:
-            p = p * t + c
-        p = p * t
-        e = t * exp_f32(((-a) * a - ERFC_C0) + p)
-    return _where(z >= 0, e, f32(2.0) - e)
+            p = fma_f32(p, t, c)
+        e = t * exp_f32(fma_f32(-a, a, -ERFC_C0) + p * t)
+    return _where(np.signbit(z), f32(2.0) - e, e)
 
 
 def _clamp(x, lim):
@@ -166,15 +187,23 @@ def _clamp(x, lim):
     return _where(x > lim, lim, _where(x < -lim, -lim, x))
 
 
+def _sigmoid_parts(x: np.ndarray):
+    """u = sqrt(2/pi) (x + 0.044715 x^3), e = exp(-2|u|), d = 1 + e; 0.5 (1 + tanh u) = sel / d
+    with sel = 1 for u >= 0 (sign bit clear) and e otherwise."""
+    x2 = x * x
+    u = SQRT_2_OVER_PI * fma_f32(GELU_C1, x2 * x, x)
+    e = exp_f32(f32(-2.0) * np.abs(u))
+    d = f32(1.0) + e
+    return x2, e, d, _where(np.signbit(u), e, f32(1.0))
+
+
 def gelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
     """gelu in float32: 'tanh' (0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3)))) or 'none' (erf)."""
     x = np.asarray(x, np.float32)
     with np.errstate(all="ignore"):
         if approximate == "tanh":
-            # 0.5 x (1 + tanh u) = x * (u >= 0 ? 1 : e) / (1 + e), e = exp(-2|u|): no cancellation
-            u = SQRT_2_OVER_PI * (x + GELU_C1 * ((x * x) * x))
-            e = exp_f32(f32(-2.0) * np.abs(u))
-            return ((x * _where(u >= 0, f32(1.0), e)) / (f32(1.0) + e)).astype(np.float32)
+            _, _, d, sel = _sigmoid_parts(x)
+            return ((x * sel) / d).astype(np.float32)
         return ((f32(0.5) * x) * erfc_f32(-x * INV_SQRT2)).astype(np.float32)
 
 
@@ -183,18 +212,16 @@ def dgelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
     x = np.asarray(x, np.float32)
     with np.errstate(all="ignore"):
         if approximate == "tanh":
-            # 0.5 (1 + tanh u) = sel / d and 0.5 (1 - tanh^2 u) = 2 e / d^2, d = 1 + e
+            # d/dx = sel/d + x * (2 e / d^2) * du/dx, since 0.5 (1 - tanh^2 u) = 2 e / d^2
             xc = _clamp(x, 20.0)
-            x2 = xc * xc
-            u = SQRT_2_OVER_PI * (xc + GELU_C1 * (x2 * xc))
-            e = exp_f32(f32(-2.0) * np.abs(u))
-            d = f32(1.0) + e
-            dudx = SQRT_2_OVER_PI * (f32(1.0) + GELU_C3 * x2)
-            g = _where(u >= 0, f32(1.0), e) / d + (((f32(2.0) * xc) * e) / (d * d)) * dudx
+            x2, e, d, sel = _sigmoid_parts(xc)
+            rd = f32(1.0) / d
+            dudx = SQRT_2_OVER_PI * fma_f32(GELU_C3, x2, f32(1.0))
+            g = fma_f32((((f32(2.0) * xc) * e) * rd) * rd, dudx, sel * rd)
         else:
             xc = _clamp(x, 40.0)
             pdf = exp_f32(f32(-0.5) * (xc * xc)) * INV_SQRT_2PI
-            g = f32(0.5) * erfc_f32(-xc * INV_SQRT2) + xc * pdf
+            g = fma_f32(xc, pdf, f32(0.5) * erfc_f32(-xc * INV_SQRT2))
     return np.asarray(g, np.float32)
 
 

@@ -116,7 +116,7 @@ def test_quantize_matches_reference(dtype, fmt, shape, transpose):
         check("identity", xn, None, scale, fmt, transpose)
 
 
-@pytest.mark.parametrize("shape", [(64, 128), (303, 300), (1, 1), (0, 16), (130, 72), (2048, 4096)],
+@pytest.mark.parametrize("shape", [(64, 128), (303, 300), (1, 1), (0, 16), (130, 72), (1024, 2048)],
                          ids=["aligned", "ragged", "1x1", "empty", "130x72", "large"])
 @pytest.mark.parametrize("op", OPS[1:])
 @pytest.mark.parametrize("dtype", DTYPES)
