@@ -141,30 +141,15 @@ def from_numpy(a: np.ndarray, like: ArrayInfo):
 
 
 # ---- device path -----------------------------------------------------------------------------
-@functools.lru_cache(maxsize=64)
-def _external_stream(ptr: int, device: int):
-    import cupy
-
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        class _Raw:  # the CUDA stream protocol: (version, handle)
-            def __cuda_stream__(self):
-                return (0, ptr)
-
-        try:
-            return from_external(_Raw())
-        except TypeError:
-            pass
-    return cupy.cuda.ExternalStream(ptr, device)
-
-
-def launch_stream(info: ArrayInfo):
-    """The CuPy stream object to launch on: the caller's current stream."""
-    import cupy
-
+def stream_ptr(info: ArrayInfo) -> int:
+    """The caller's current CUDA stream, as a raw handle: torch's current stream for torch
+    tensors, CuPy's current stream otherwise (jax arrays reach the kernels as cupy views whose
+    DLPack import already ordered them after jax's work)."""
     if info.framework == "torch":
-        return _external_stream(_torch_stream_ptr(info.device), info.device)
-    return cupy.cuda.get_current_stream(info.device)
+        return _torch_stream_ptr(info.device)
+    import cupy
+
+    return int(cupy.cuda.get_current_stream(info.device).ptr)
 
 
 def _torch_stream_ptr(device: int) -> int:
@@ -207,7 +192,7 @@ def zeros(like: ArrayInfo, shape, dtype: str):
         return like.array.new_zeros(shape, dtype=_torch_dtype(dtype))
     import cupy
 
-    with cupy.cuda.Device(like.device), launch_stream(like):
+    with cupy.cuda.Device(like.device):
         return cupy.zeros(shape, dtype=dtype)
 
 

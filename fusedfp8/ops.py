@@ -186,29 +186,26 @@ def _device_run(p: _Plan, approximate: str) -> Quantized:
         upd = p.updates.ptr
         scale_out, scale_inv_out = p.scale.ptr, p.scale_inv.ptr
     x_ptr, b_ptr, q_ptr = xi.ptr, bi.ptr if bi is not None else 0, io.data_ptr(q)
-    margin = np.float32(p.slot.margin_factor if p.slot is not None else 1.0)
-    P = _cuda.ptr
-    stream = io.launch_stream(p.xi)
+    margin = p.slot.margin_factor if p.slot is not None else 1.0
+    stream = io.stream_ptr(p.xi)
     if n:
         grid = _cuda.flat_grid(n, dev)
         vec = _aligned(x_ptr, b_ptr, q_ptr)
         if first:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
-            kern[f"flat_vec{int(vec)}_store0"]((grid,), (_cuda.THREADS,), (
-                P(x_ptr), P(b_ptr), P(q_ptr), P(scale.ptr), P(amax_ptr), P(0), P(0), P(upd),
-                np.int64(n), margin), stream=stream)
+            kern[f"flat_vec{int(vec)}_store0"](grid, _cuda.THREADS, stream, x_ptr, b_ptr, q_ptr, scale.ptr, amax_ptr,
+                                               0, 0, upd, n, margin)
         if p.transpose or p.dbias:
+            q_t_ptr = io.data_ptr(q_t) if q_t is not None else 0
             vec2 = int(vec and p.cols % 8 == 0)
-            vec_t = int(q_t is not None and _aligned(io.data_ptr(q_t)) and p.rows % 16 == 0)
-            kern["tiled"]((_cuda.tiled_grid(p.rows, p.cols, dev),), (256,), (
-                P(x_ptr), P(b_ptr), P(q_ptr), P(io.data_ptr(q_t) if q_t is not None else 0),
-                P(io.data_ptr(dbias) if dbias is not None else 0), P(io.data_ptr(partial) if partial is not None else 0),
-                P(io.data_ptr(counters) if counters is not None else 0), P(scale.ptr), P(amax_ptr), P(scale_out),
-                P(scale_inv_out), P(upd), np.int64(p.rows), np.int64(p.cols), np.int32(vec2), np.int32(vec_t),
-                margin), stream=stream)
+            vec_t = int(q_t is not None and _aligned(q_t_ptr) and p.rows % 16 == 0)
+            kern["tiled"](_cuda.tiled_grid(p.rows, p.cols, dev), 256, stream, x_ptr, b_ptr, q_ptr, q_t_ptr,
+                          io.data_ptr(dbias) if dbias is not None else 0,
+                          io.data_ptr(partial) if partial is not None else 0,
+                          io.data_ptr(counters) if counters is not None else 0, scale.ptr, amax_ptr, scale_out,
+                          scale_inv_out, upd, p.rows, p.cols, vec2, vec_t, margin)
         else:
-            kern[f"flat_vec{int(vec)}_store1"]((grid,), (_cuda.THREADS,), (
-                P(x_ptr), P(b_ptr), P(q_ptr), P(scale.ptr), P(amax_ptr), P(scale_out), P(scale_inv_out), P(upd),
-                np.int64(n), margin), stream=stream)
+            kern[f"flat_vec{int(vec)}_store1"](grid, _cuda.THREADS, stream, x_ptr, b_ptr, q_ptr, scale.ptr, amax_ptr,
+                                               scale_out, scale_inv_out, upd, n, margin)
     elif p.dbias:
         dbias = io.zeros(p.xi, (p.cols,), "float32")
     c = p.xi
@@ -311,11 +308,10 @@ def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = 
     qd, sd = io.device_view(qi), io.device_view(si)
     out = io.empty(qi, qi.shape, dtype)
     if qi.size:
-        kern = _cuda.kernels(_cuda.ModuleKey("dequantize", dtype, f.name), qi.device)["flat"]
+        kern = _cuda.kernels(_cuda.ModuleKey("dequantize", dtype, f.name), qi.device)["dequant"]
         out_ptr = io.data_ptr(out)
-        kern((_cuda.flat_grid(qi.size, qi.device),), (_cuda.THREADS,), (
-            _cuda.ptr(qd.ptr), _cuda.ptr(out_ptr), _cuda.ptr(sd.ptr), np.int64(qi.size),
-            np.int32(_aligned(qd.ptr, out_ptr))), stream=io.launch_stream(qi))
+        kern(_cuda.flat_grid(qi.size, qi.device), _cuda.THREADS, io.stream_ptr(qi), qd.ptr, out_ptr, sd.ptr, qi.size,
+             int(_aligned(qd.ptr, out_ptr)))
     return io.out_for_caller(out, qi)
 
 
@@ -347,9 +343,8 @@ def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
         fmt_max = _fmt_max_device(state, recipe, hi)
         n, L = state.num_tensors, state.history_len
         kern = _cuda.kernels(_cuda.ModuleKey("update_scales"), hi.device)["update"]
-        kern((-(-n // 128),), (128,), (*(_cuda.ptr(v.ptr) for v in views), _cuda.ptr(io.data_ptr(fmt_max)),
-                                       np.int32(n), np.int32(L), np.float32(recipe.margin_factor),
-                                       np.int32(recipe.amax_compute_algo == "max")), stream=io.launch_stream(hi))
+        kern(-(-n // 128), 128, io.stream_ptr(hi), *(v.ptr for v in views), io.data_ptr(fmt_max), n, L,
+             recipe.margin_factor, int(recipe.amax_compute_algo == "max"))
         if hi.framework == "jax":  # the kernel wrote into cupy views of jax buffers: rebuild values
             new = state.replace(**{f: io.out_for_caller(v.array, hi) for f, v in zip(STATE_FIELDS, views)})
         else:

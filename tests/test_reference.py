@@ -6,6 +6,7 @@ decoded to float64, nearest representable with ties to the even mantissa, satura
 NaN -> 0x7F). Activations are checked against float64 formulas and float64 torch.
 """
 import math
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -265,7 +266,7 @@ def test_quantize_transpose(shape, t_shape, fmt, rng):
     assert ref.quantize(x, f32(0.5), fmt).data_t is None
 
 
-SCALAR_BUG = pytest.mark.xfail(strict=True, reason=(
+SCALAR_BUG = pytest.mark.xfail(strict=True, raises=TypeError, reason=(
     "BUG: a 0-d input crashes in reference.cast_to_fp8 (np.clip(...).astype() of a 0-d array is a numpy scalar, "
     "so `bits[np.isnan(v)] = ...` raises TypeError: 'numpy.uint8' object does not support item assignment)"))
 
@@ -292,6 +293,64 @@ def test_quantize_scale_must_be_one_element(bad):
 def test_reference_rejects_other_input_dtypes(dtype):
     with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16"):
         ref.quantize(np.ones(4, dtype), f32(1.0))
+
+
+# ---- fma_f32: the reference's emulation of the kernels' fma.rn.f32 ----------------------------
+def exact_fma_f32(a, b, c) -> np.float32:
+    """Round the exact rational a*b + c to float32 (nearest, ties to even), by brute force."""
+    a, b, c = (np.float32(v) for v in (a, b, c))
+    if not (np.isfinite(a) and np.isfinite(b) and np.isfinite(c)):
+        return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    if exact == 0:  # the sign of an exact zero follows IEEE addition, which float64 does exactly
+        return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+    with np.errstate(over="ignore"):
+        guess = np.float32(float(exact))  # within one float32 ulp (double rounding at most)
+    cands = {guess, np.nextafter(guess, np.float32(np.inf)), np.nextafter(guess, np.float32(-np.inf))}
+
+    def value(v):  # inf stands for 2**128 when rounding (IEEE overflow rule)
+        return Fraction(float(v)) if np.isfinite(v) else Fraction(2 ** 128) * (1 if v > 0 else -1)
+
+    return min(cands, key=lambda v: (abs(value(v) - exact), int(np.array(v).view(np.uint32)) & 1))
+
+
+def fma_cases(rng):
+    n = 3000
+    mant = lambda: rng.uniform(1, 2, n) * rng.choice([-1.0, 1.0], n)  # noqa: E731
+    a = (mant() * np.exp2(rng.integers(-30, 30, n))).astype(np.float32)
+    b = (mant() * np.exp2(rng.integers(-30, 30, n))).astype(np.float32)
+    # c near -a*b (cancellation), or many binades away (the sum rounds, in float64 too)
+    near = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(n) * 2.0 ** -20)).astype(np.float32)
+    far = (mant() * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
+    c = np.where(rng.random(n) < 0.5, near, far).astype(np.float32)
+    # Double-rounding traps: a*b = -+(2**-24 - 2**-70) exactly; with c = 1 + 2**-23 the float64 sum
+    # lands exactly on a float32 midpoint while the exact sum does not, so "float64 then cast to
+    # float32" rounds the wrong way (to even) where the true fma does not.
+    p = (1 + 2.0 ** -23) * 2.0 ** -24
+    trap_a = np.array([p, -p, -p], np.float32)
+    trap_b = np.array([1 - 2.0 ** -23] * 3, np.float32)
+    trap_c = np.array([1 + 2.0 ** -23, -(1 + 2.0 ** -23), 1 + 2.0 ** -23], np.float32)
+    special = [  # subnormal results, overflow, exact zero
+        (2.0 ** -70, 2.0 ** -70, 0.0), (2.0 ** -75, 2.0 ** -70, 2.0 ** -140), (3e38, 2.0, -3e38), (3e38, 3e38, 0.0),
+        (2.0, 3.0, -6.0), (-2.0, 3.0, 6.0), (0.0, -1.0, -0.0), (1e-20, 1e-20, -1e-40),
+    ]
+    sa, sb, sc = (np.array(col, np.float32) for col in zip(*special))
+    return (np.concatenate([a, trap_a, sa]), np.concatenate([b, trap_b, sb]), np.concatenate([c, trap_c, sc]))
+
+
+def test_fma_f32_is_correctly_rounded(rng):
+    a, b, c = fma_cases(rng)
+    got = ref.fma_f32(a, b, c)
+    assert got.dtype == np.float32
+    want = np.array([exact_fma_f32(*abc) for abc in zip(a, b, c)], np.float32)
+    bad = np.nonzero(got.view(np.uint32) != want.view(np.uint32))[0]
+    assert bad.size == 0, [(a[i], b[i], c[i], got[i], want[i]) for i in bad[:5]]
+    # the traps really are traps: the naive float64 route differs from the exact answer there
+    with np.errstate(over="ignore"):
+        naive = (a.astype(np.float64) * b + c).astype(np.float32)
+    traps = slice(-11, -8)
+    assert np.count_nonzero(naive[traps] != want[traps]) == 3
+    assert list(want[traps]) == [1 + 2.0 ** -23, -(1 + 2.0 ** -23), 1 + 2.0 ** -23]
 
 
 # ---- activations -----------------------------------------------------------------------------
@@ -442,5 +501,6 @@ def test_dequantize_all_codes(fmt, out, scale_inv):
             expect = v.view(np.uint32)
             got_bits = got.view(np.uint32)
     np.testing.assert_array_equal(got_bits[~nan], expect[~nan])
-    assert np.all(np.isnan(got[nan].astype(np.float32)))
+    canonical = {BF16: 0x7FC0, np.dtype(np.float16): 0x7E00, np.dtype(np.float32): 0x7FC00000}[np.dtype(out)]
+    assert np.all(got_bits[nan] == canonical)  # the dtype's canonical NaN, as the kernel writes
     assert nan.sum() == (2 if fmt.name == "e4m3" else 6)

@@ -251,6 +251,18 @@ def test_tiny_amax_gives_flt_max(framework, algo, margin, tiny):
     assert s["amax_history"][-1, 0] == np.float32(tiny) and s["updates"][0] == 1
 
 
+@pytest.mark.parametrize("tiny", [1e-37, 2.0 ** -140], ids=["1e-37", "denormal-2^-140"])
+def test_tiny_amax_jax(tiny):
+    """On jax (XLA on CPU flushes denormals) what must still hold: a denormal amax counts as seen
+    (the rule compares bits), the scale is FLT_MAX and the history keeps the amax bit for bit.
+    scale_inv = 1/FLT_MAX is a float32 denormal that XLA's CPU backend flushes, so it is not checked."""
+    state, r = fresh("jax")
+    state = ops.update_scales(stage(state, 0, tiny), r)
+    s = snapshot(state)
+    assert s["scale"][0] == np.float32(FLT_MAX) and s["updates"][0] == 1 and s["overflows"][0] == 0
+    assert s["amax_history"][-1, 0:1].tobytes() == np.float32([tiny]).tobytes()
+
+
 @pytest.mark.parametrize("framework", FRAMEWORKS_ALL)
 @pytest.mark.parametrize("fp8_format, grad_max", [("hybrid", 57344.0), ("e4m3", 448.0)], ids=["hybrid", "e4m3"])
 def test_gradient_tensors_use_their_format(framework, fp8_format, grad_max):
