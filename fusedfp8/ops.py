@@ -340,12 +340,15 @@ def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
         new = apply_update(state, recipe)
     else:
         views = [io.device_view(i) for i in infos]
+        if hi.framework == "jax":  # jax buffers are immutable: update copies, return a new state
+            views = [io.ArrayInfo(c, "cupy", v.device, v.dtype, v.shape, True, int(c.data.ptr))
+                     for v in views for c in (v.array.copy(),)]
         fmt_max = _fmt_max_device(state, recipe, hi)
         n, L = state.num_tensors, state.history_len
         kern = _cuda.kernels(_cuda.ModuleKey("update_scales"), hi.device)["update"]
         kern(-(-n // 128), 128, io.stream_ptr(hi), *(v.ptr for v in views), io.data_ptr(fmt_max), n, L,
              recipe.margin_factor, int(recipe.amax_compute_algo == "max"))
-        if hi.framework == "jax":  # the kernel wrote into cupy views of jax buffers: rebuild values
+        if hi.framework == "jax":
             new = state.replace(**{f: io.out_for_caller(v.array, hi) for f, v in zip(STATE_FIELDS, views)})
         else:
             new = state

@@ -338,6 +338,17 @@ def test_jax_arrays():
     np.testing.assert_array_equal(np.asarray(r.data).view(np.uint8), ref_bytes(want.data))
     np.testing.assert_array_equal(np.asarray(r.data_t).view(np.uint8), ref_bytes(want.data_t))
     assert same_amax(np.asarray(r.amax)[0], want.amax)
+    # a jax state is immutable: the update returns a new one and leaves the old arrays alone
+    recipe = DelayedScaling(amax_history_len=4)
+    st = ScalingState.create([False, True], recipe, like=x)
+    st = st.replace(amax_history=st.amax_history.at[0].set(jnp.array([2.0, 0.5], jnp.float32)))
+    new = ops.update_scales(st, recipe)
+    assert np.asarray(st.amax_history)[0].tolist() == [2.0, 0.5] and np.asarray(st.scale).tolist() == [1.0, 1.0]
+    host = ScalingState.create([False, True], recipe)
+    host.amax_history[0] = [2.0, 0.5]
+    ops.update_scales(host, recipe)
+    for name in ("amax_history", "scale", "scale_inv", "overflows", "updates"):
+        np.testing.assert_array_equal(np.asarray(getattr(new, name)), getattr(host, name))
 
 
 def test_torch_output_is_allocated_in_fp8_no_copy():
