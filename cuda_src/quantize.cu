@@ -88,16 +88,18 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 // ---------------------------------------------------------------------------------------------
 // quantize_tiled: x viewed as rows x cols (row-major). Writes q (rows x cols), optionally q_t
 // (cols x rows, row-major: the transpose) and optionally dbias (column sums of the unquantized
-// values, float32, deterministic: per-tile partial sums in fixed order, then the last tile of
-// each column strip adds the partials in tile order).
-// Tile: 64 rows x 64 cols. Block: 256 threads; grid: min(tiles, 4 * SMs), grid-stride over tiles.
-// Load: thread t takes 8 consecutive elements of rows t/8 and t/8 + 32 (16-byte loads when
-// `vec`), writes its 8 bytes of q and into a shared 64 x 72-byte tile. Transposed store: thread t
-// writes 16 consecutive bytes of q_t row t/4 (one 16-byte store when rows % 16 == 0).
-// Edge tiles are done element by element with bounds checks.
-// One atomicMax per block.
+// values, float32, deterministic: per-tile partial sums in a fixed order, then the last tile of
+// each column strip to finish adds the partials in tile order).
+// Tile: 128 rows x 64 cols; block: 256 threads; grid: min(tiles, 4 * SMs), grid-stride.
+// Load: thread t takes 8 consecutive elements of rows t/8 + 32p, p = 0..3, all four loads issued
+// before any is used (16-byte loads when `vec`); it writes its 8 bytes of q per row and into a
+// shared 128 x 72-byte tile. Transposed store: thread t reads the 4-byte words of tile columns
+// 4(t%16)..+3 in rows 8(t/16)..+7 (conflict-free with the 72-byte pitch), transposes the bytes
+// with byte_perm, and writes 8 bytes to each of 4 rows of q_t.
+// Edge tiles are done element by element with bounds checks. One atomicMax per block.
 // ---------------------------------------------------------------------------------------------
-#define TILE 64
+#define TILE_R 128
+#define TILE_C 64
 #define TILE_PITCH 72
 
 template <typename T, int FMT, int OP>
@@ -107,7 +109,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
     u8* __restrict__ q,               // [rows, cols] FP8 output
     u8* __restrict__ q_t,             // [cols, rows] transposed FP8 output, or null
     float* __restrict__ dbias,        // [cols] column sums, or null
-    float* __restrict__ partial,      // [ceil(rows/64), cols] workspace for dbias, or null
+    float* __restrict__ partial,      // [ceil(rows/128), cols] workspace for dbias, or null
     int* __restrict__ strip_count,    // [ceil(cols/64)] zeroed counters for dbias, or null
     const float* __restrict__ scale,  // [1]
     float* amax,                      // [1] amax slot, max-accumulated
@@ -116,11 +118,11 @@ __global__ void __launch_bounds__(256) quantize_tiled(
     const int* updates,               // [1] or null: first-step flag
     i64 rows, i64 cols,               // logical shape
     int vec,                          // 1: x, b, q 16-byte aligned and cols % 8 == 0
-    int vec_t,                        // 1: q_t 16-byte aligned and rows % 16 == 0
+    int vec_t,                        // 1: q_t 8-byte aligned and rows % 8 == 0
     float margin_factor)              // 2**margin
 {
-    __shared__ __align__(16) u8 tile[TILE][TILE_PITCH];
-    __shared__ float colsum[32][TILE + 1];
+    __shared__ __align__(16) u8 tile[TILE_R][TILE_PITCH];
+    __shared__ float colsum[32][TILE_C + 1];
     __shared__ int is_last;
     float s;
     const bool fresh = launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, &s);
@@ -128,36 +130,44 @@ __global__ void __launch_bounds__(256) quantize_tiled(
         *scale_out = s;
         *scale_inv_out = fdiv(1.0f, s);
     }
-    const i64 tiles_r = (rows + TILE - 1) / TILE, tiles_c = (cols + TILE - 1) / TILE;
+    const i64 tiles_r = (rows + TILE_R - 1) / TILE_R, tiles_c = (cols + TILE_C - 1) / TILE_C;
     const int t = threadIdx.x, lr = t >> 3, lc = (t & 7) * 8;
     u32 m = 0;
     for (i64 tile_id = blockIdx.x; tile_id < tiles_r * tiles_c; tile_id += gridDim.x) {
         const i64 tr = tile_id / tiles_c, tc = tile_id % tiles_c;
-        const i64 r0 = tr * TILE, c0 = tc * TILE;
-        const bool full = r0 + TILE <= rows && c0 + TILE <= cols;
+        const i64 r0 = tr * TILE_R, c0 = tc * TILE_C;
+        const bool full = r0 + TILE_R <= rows && c0 + TILE_C <= cols;
         float csum[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) csum[j] = 0.0f;
+        if (full && vec) {
+            float v[4][8], w[4][8];
 #pragma unroll
-        for (int pass = 0; pass < 2; ++pass) {
-            const int r = lr + pass * 32;
-            const i64 gr = r0 + r;
-            float v[8], w[8];
-            u64 bytes = 0;
-            if (full && vec) {
-                const i64 off = gr * cols + c0 + lc;
-                load8<T>(x + off, v);
-                if (OP >= 3) load8<T>(b + off, w);
+            for (int p = 0; p < 4; ++p) {
+                const i64 off = (r0 + lr + 32 * p) * cols + c0 + lc;
+                load8<T>(x + off, v[p]);
+                if (OP >= 3) load8<T>(b + off, w[p]);
+            }
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                const int r = lr + 32 * p;
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    float y = apply_op<OP>(v[j], OP >= 3 ? w[j] : 0.0f);
+                    float y = apply_op<OP>(v[p][j], OP >= 3 ? w[p][j] : 0.0f);
                     m = max(m, abs_bits(y));
                     csum[j] = fadd(csum[j], y);
-                    v[j] = fmul(y, s);
+                    v[p][j] = fmul(y, s);
                 }
-                bytes = cvt8<FMT>(v);
-                *reinterpret_cast<u64*>(q + off) = bytes;
-            } else {
+                const u64 bytes = cvt8<FMT>(v[p]);
+                *reinterpret_cast<u64*>(q + (r0 + r) * cols + c0 + lc) = bytes;
+                if (q_t != nullptr) *reinterpret_cast<u64*>(&tile[r][lc]) = bytes;
+            }
+        } else {
+#pragma unroll 1
+            for (int p = 0; p < 4; ++p) {
+                const int r = lr + 32 * p;
+                const i64 gr = r0 + r;
+                u64 bytes = 0;
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const i64 gc = c0 + lc + j;
@@ -172,30 +182,36 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                     }
                     bytes |= (u64)byte << (8 * j);
                 }
+                if (q_t != nullptr) *reinterpret_cast<u64*>(&tile[r][lc]) = bytes;
             }
-            if (q_t != nullptr) *reinterpret_cast<u64*>(&tile[r][lc]) = bytes;
         }
         if (dbias != nullptr) {
-            // Column sums of this tile in a fixed order: 32 row-pairs, then tile order.
 #pragma unroll
             for (int j = 0; j < 8; ++j) colsum[lr][lc + j] = csum[j];
         }
         __syncthreads();
         if (q_t != nullptr) {
-            const int tr_row = t >> 2, tr_col = (t & 3) * 16;  // q_t row (= x column), x rows
-            const i64 gc = c0 + tr_row, gr = r0 + tr_col;
-            u8 out[16];
+            const int cg = (t & 15) * 4, rg = (t >> 4) * 8;  // tile columns cg..cg+3, rows rg..rg+7
+            u32 wd[8];
 #pragma unroll
-            for (int j = 0; j < 16; ++j) out[j] = tile[tr_col + j][tr_row];
-            if (full && vec_t) {
-                *reinterpret_cast<uint4*>(q_t + gc * rows + gr) = *reinterpret_cast<uint4*>(out);
-            } else if (gc < cols) {
-                for (int j = 0; j < 16; ++j)
-                    if (gr + j < rows) q_t[gc * rows + gr + j] = out[j];
+            for (int i = 0; i < 8; ++i) wd[i] = *reinterpret_cast<const u32*>(&tile[rg + i][cg]);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const u32 sel = (u32)k | ((u32)(k + 4) << 4);  // byte k of the first word, byte k of the second
+                const u32 lo = __byte_perm(__byte_perm(wd[0], wd[1], sel), __byte_perm(wd[2], wd[3], sel), 0x5410);
+                const u32 hi = __byte_perm(__byte_perm(wd[4], wd[5], sel), __byte_perm(wd[6], wd[7], sel), 0x5410);
+                const i64 gc = c0 + cg + k, gr = r0 + rg;
+                if (full && vec_t) {
+                    *reinterpret_cast<u64*>(q_t + gc * rows + gr) = (u64)lo | ((u64)hi << 32);
+                } else if (gc < cols) {
+                    const u64 both = (u64)lo | ((u64)hi << 32);
+                    for (int i = 0; i < 8; ++i)
+                        if (gr + i < rows) q_t[gc * rows + gr + i] = (u8)(both >> (8 * i));
+                }
             }
         }
         if (dbias != nullptr) {
-            if (t < TILE && c0 + t < cols) {
+            if (t < TILE_C && c0 + t < cols) {
                 float acc = 0.0f;
                 for (int k = 0; k < 32; ++k) acc = fadd(acc, colsum[k][t]);
                 partial[tr * cols + c0 + t] = acc;
@@ -206,7 +222,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
             __syncthreads();
             if (is_last) {
                 __threadfence();
-                if (t < TILE && c0 + t < cols) {
+                if (t < TILE_C && c0 + t < cols) {
                     float acc = 0.0f;
                     for (i64 k = 0; k < tiles_r; ++k) acc = fadd(acc, __ldcg(&partial[k * cols + c0 + t]));
                     dbias[c0 + t] = acc;

@@ -23,7 +23,7 @@ import numpy as np
 from .formats import Format
 
 THREADS = 256  # -DFF8_THREADS for the element-wise kernels
-TILE = 64  # the tiled kernel's tile edge (rows and columns), fixed in quantize.cu
+TILE_R, TILE_C = 128, 64  # the tiled kernel's tile (rows, columns), fixed in quantize.cu
 CPP_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 FMT_IDS = {"e4m3": 0, "e5m2": 1}
 OPS = {"identity": 0, "gelu_tanh": 1, "gelu_erf": 2, "dgelu_tanh": 3, "dgelu_erf": 4}
@@ -149,6 +149,14 @@ class Kernel:
         self.size = struct.calcsize(self.fmt)
         self.func = raw.kernel.ptr
 
+    @functools.lru_cache(maxsize=None)
+    def blocks_per_sm(self, block: int) -> int:
+        """Resident blocks of ``block`` threads per multiprocessor (the occupancy calculator)."""
+        n = ctypes.c_int(0)
+        err = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(self.func),
+                                                                     block, ctypes.c_size_t(0))
+        return n.value if err == 0 and n.value > 0 else 1
+
     def __call__(self, grid: int, block: int, stream_ptr: int, *args):
         buf = struct.pack(self.fmt, *args)
         size = ctypes.c_size_t(self.size)
@@ -214,13 +222,14 @@ def sm_count(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
-def flat_grid(n: int, device_id: int, per_thread: int = 16, blocks_per_sm: int = 8) -> int:
-    return max(1, min(-(-n // (per_thread * THREADS)), blocks_per_sm * sm_count(device_id)))
+def flat_grid(kernel: "Kernel", n: int, device_id: int, per_thread: int = 16) -> int:
+    """One resident wave: min(work items, resident blocks per SM x SMs); grid-stride beyond."""
+    return max(1, min(-(-n // (per_thread * THREADS)), kernel.blocks_per_sm(THREADS) * sm_count(device_id)))
 
 
-def tiled_grid(rows: int, cols: int, device_id: int, blocks_per_sm: int = 4) -> int:
-    tiles = -(-rows // TILE) * -(-cols // TILE)
-    return max(1, min(tiles, blocks_per_sm * sm_count(device_id)))
+def tiled_grid(kernel: "Kernel", rows: int, cols: int, device_id: int) -> int:
+    tiles = -(-rows // TILE_R) * -(-cols // TILE_C)
+    return max(1, min(tiles, kernel.blocks_per_sm(256) * sm_count(device_id)))
 
 
 def fmt_id(fmt: Format) -> int:

@@ -176,8 +176,8 @@ def _device_run(p: _Plan, approximate: str) -> Quantized:
     dbias = partial = counters = None
     if p.dbias:
         dbias = io.empty(p.xi, (p.cols,), "float32")
-        partial = io.empty(p.xi, (-(-p.rows // _cuda.TILE), p.cols), "float32")
-        counters = io.zeros(p.xi, (-(-p.cols // _cuda.TILE),), "int32")
+        partial = io.empty(p.xi, (-(-p.rows // _cuda.TILE_R), p.cols), "float32")
+        counters = io.zeros(p.xi, (-(-p.cols // _cuda.TILE_C),), "int32")
     first = p.slot is not None and p.slot.current_first and bool(p.slot.host_fresh[0])
     if p.slot is not None:
         p.slot.host_pending[0] = True
@@ -189,22 +189,24 @@ def _device_run(p: _Plan, approximate: str) -> Quantized:
     margin = p.slot.margin_factor if p.slot is not None else 1.0
     stream = io.stream_ptr(p.xi)
     if n:
-        grid = _cuda.flat_grid(n, dev)
         vec = _aligned(x_ptr, b_ptr, q_ptr)
         if first:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
-            kern[f"flat_vec{int(vec)}_store0"](grid, _cuda.THREADS, stream, x_ptr, b_ptr, q_ptr, scale.ptr, amax_ptr,
+            pre = kern[f"flat_vec{int(vec)}_store0"]
+            pre(_cuda.flat_grid(pre, n, dev), _cuda.THREADS, stream, x_ptr, b_ptr, q_ptr, scale.ptr, amax_ptr,
                                                0, 0, upd, n, margin)
         if p.transpose or p.dbias:
             q_t_ptr = io.data_ptr(q_t) if q_t is not None else 0
             vec2 = int(vec and p.cols % 8 == 0)
-            vec_t = int(q_t is not None and _aligned(q_t_ptr) and p.rows % 16 == 0)
-            kern["tiled"](_cuda.tiled_grid(p.rows, p.cols, dev), 256, stream, x_ptr, b_ptr, q_ptr, q_t_ptr,
+            vec_t = int(q_t is not None and q_t_ptr % 8 == 0 and p.rows % 8 == 0)
+            tiled = kern["tiled"]
+            tiled(_cuda.tiled_grid(tiled, p.rows, p.cols, dev), 256, stream, x_ptr, b_ptr, q_ptr, q_t_ptr,
                           io.data_ptr(dbias) if dbias is not None else 0,
                           io.data_ptr(partial) if partial is not None else 0,
                           io.data_ptr(counters) if counters is not None else 0, scale.ptr, amax_ptr, scale_out,
                           scale_inv_out, upd, p.rows, p.cols, vec2, vec_t, margin)
         else:
-            kern[f"flat_vec{int(vec)}_store1"](grid, _cuda.THREADS, stream, x_ptr, b_ptr, q_ptr, scale.ptr, amax_ptr,
+            flat = kern[f"flat_vec{int(vec)}_store1"]
+            flat(_cuda.flat_grid(flat, n, dev), _cuda.THREADS, stream, x_ptr, b_ptr, q_ptr, scale.ptr, amax_ptr,
                                                scale_out, scale_inv_out, upd, n, margin)
     elif p.dbias:
         dbias = io.zeros(p.xi, (p.cols,), "float32")
@@ -310,7 +312,7 @@ def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = 
     if qi.size:
         kern = _cuda.kernels(_cuda.ModuleKey("dequantize", dtype, f.name), qi.device)["dequant"]
         out_ptr = io.data_ptr(out)
-        kern(_cuda.flat_grid(qi.size, qi.device), _cuda.THREADS, io.stream_ptr(qi), qd.ptr, out_ptr, sd.ptr, qi.size,
+        kern(_cuda.flat_grid(kern, qi.size, qi.device), _cuda.THREADS, io.stream_ptr(qi), qd.ptr, out_ptr, sd.ptr, qi.size,
              int(_aligned(qd.ptr, out_ptr)))
     return io.out_for_caller(out, qi)
 

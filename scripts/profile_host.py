@@ -13,7 +13,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fusedfp8 import _cuda, ops  # noqa: E402
@@ -40,14 +39,12 @@ def main():
     print(f"ops.quantize: {per_call(call):.1f} us/call")
     kern = _cuda.kernels(_cuda.ModuleKey("quantize", "bfloat16", "e4m3", "identity"), 0)["flat_vec1_store1"]
     q = torch.empty_like(x, dtype=torch.float8_e4m3fn)
-    stream = io.launch_stream(io.describe(x, "x"))
-    P = _cuda.ptr
-    args = (P(x.data_ptr()), P(0), P(q.data_ptr()), P(s.data_ptr()), P(amax.data_ptr()), P(0), P(0), P(0),
-            np.int64(x.numel()), np.float32(1))
-    grid = _cuda.flat_grid(x.numel(), 0)
-    print(f"bare cupy launch: {per_call(lambda: kern((grid,), (256,), args, stream=stream)):.1f} us")
+    stream = io.stream_ptr(io.describe(x, "x"))
+    args = (x.data_ptr(), 0, q.data_ptr(), s.data_ptr(), amax.data_ptr(), 0, 0, 0, x.numel(), 1.0)
+    grid = _cuda.flat_grid(kern, x.numel(), 0)
+    print(f"bare driver launch: {per_call(lambda: kern(grid, 256, stream, *args)):.1f} us")
+    print(f"stream_ptr: {per_call(lambda: io.stream_ptr(io.describe(x, 'x'))):.1f} us")
     print(f"torch.empty fp8: {per_call(lambda: x.new_empty(x.shape, dtype=torch.float8_e4m3fn)):.1f} us")
-    print(f"launch_stream: {per_call(lambda: io.launch_stream(io.describe(x, 'x'))):.1f} us")
     print(f"describe: {per_call(lambda: io.describe(x, 'x')):.1f} us")
     print(f"torch x.abs().max() (a 2-kernel torch op, for scale): {per_call(lambda: x.abs().max()):.1f} us")
     prof = cProfile.Profile()
