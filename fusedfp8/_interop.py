@@ -129,10 +129,11 @@ def from_numpy(a: np.ndarray, like: ArrayInfo):
     if like.framework == "torch":
         import torch
 
+        a = a if a.flags.c_contiguous else a.copy()  # (np.ascontiguousarray would make 0-d 1-d)
         if a.dtype.name in FP8_DTYPES + ("bfloat16",):
-            raw = torch.from_numpy(np.ascontiguousarray(a).view(np.uint8 if a.dtype.itemsize == 1 else np.int16))
+            raw = torch.from_numpy(a.view(np.uint8 if a.dtype.itemsize == 1 else np.int16))
             return raw.view(getattr(torch, a.dtype.name))
-        return torch.from_numpy(np.ascontiguousarray(a))
+        return torch.from_numpy(a)
     if like.framework == "jax":
         import jax.numpy as jnp
 

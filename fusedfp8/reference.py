@@ -81,9 +81,9 @@ def cast_to_fp8(v: np.ndarray, fmt: str | Format) -> np.ndarray:
     fmt = get_format(fmt)
     v = np.asarray(v, np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
-        q = np.clip(v, -fmt.max, fmt.max).astype(fmt.numpy_dtype)
-    bits = q.view(np.uint8)
-    bits[np.isnan(v)] = fmt.nan_bits
+        q = np.asarray(np.clip(v, -fmt.max, fmt.max)).astype(fmt.numpy_dtype).reshape(v.shape)
+    bits = q.view(np.uint8).reshape(-1)
+    bits[np.isnan(v).reshape(-1)] = fmt.nan_bits
     return q
 
 
@@ -141,8 +141,8 @@ def dequantize(q, scale_inv, dtype=np.float32) -> np.ndarray:
     """``dtype(float32(q) * scale_inv)``; NaN as the dtype's canonical NaN (as the kernel)."""
     with np.errstate(all="ignore"):
         v = np.asarray(q).astype(np.float32) * _scale_value(scale_inv)
-    out = v.astype(dtype)
-    out[np.isnan(v)] = np.array(np.nan, np.float32).astype(dtype)
+    out = np.asarray(v).astype(dtype).reshape(np.shape(v))
+    out.reshape(-1)[np.isnan(v).reshape(-1)] = np.array(np.nan, np.float32).astype(dtype)
     return out
 
 

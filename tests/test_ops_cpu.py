@@ -370,10 +370,6 @@ SCALAR_OPS = {  # op: (call, input dtype)
 }
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "BUG: 0-d (scalar) inputs crash on the host path: reference.cast_to_fp8 / reference.dequantize assign "
-    "into the result of a 0-d astype(), which is a numpy scalar (TypeError: 'numpy.uint8' object does not "
-    "support item assignment); the ops document 'any shape'"))
 @pytest.mark.parametrize("op", list(SCALAR_OPS))
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_scalar_input(fw, op):

@@ -266,18 +266,11 @@ def test_quantize_transpose(shape, t_shape, fmt, rng):
     assert ref.quantize(x, f32(0.5), fmt).data_t is None
 
 
-SCALAR_BUG = pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "BUG: a 0-d input crashes in reference.cast_to_fp8 (np.clip(...).astype() of a 0-d array is a numpy scalar, "
-    "so `bits[np.isnan(v)] = ...` raises TypeError: 'numpy.uint8' object does not support item assignment)"))
-
-
-@SCALAR_BUG
 def test_quantize_transpose_of_scalar_is_refused():
     with pytest.raises(ValueError, match="x: transpose"):
         ref.quantize(np.array(3.0, np.float32), f32(1.0), transpose=True)
 
 
-@SCALAR_BUG
 def test_quantize_scalar_input():
     r = ref.quantize(np.array(3.0, np.float32), f32(1.0))
     assert r.data.shape == () and r.data.view(np.uint8) == 0x44  # 3.0 in e4m3
