@@ -426,3 +426,12 @@ def test_property_random_shapes_offsets_values(rows, cols, offset, dtype, fmt, o
     b = to_torch(other)[offset:].view(rows, cols)
     check(op, xn, bn if op.startswith("d") else None, float(2.0 ** log_scale), fmt, transpose,
           dbias=op.startswith("d") and transpose, x=x, b=b if op.startswith("d") else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_dim_input(dtype):
+    xn = np.array(3.0, np.float32).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    check("identity", xn, None, 2.0, "e4m3", False)
+    check("gelu_none", xn, None, 2.0, "e4m3", False)
+    with pytest.raises(ValueError, match="transpose"):
+        ops.quantize(to_torch(xn), torch.ones(1, device="cuda"), transpose=True)
