@@ -123,13 +123,15 @@ _lock = threading.Lock()
 _loaded: dict = {}  # (ModuleKey, device) -> {role: Kernel}; read without the lock once filled
 compile_count = 0  # modules compiled (or loaded from CuPy's disk cache) in this process
 
-# Parameter layouts (struct format, native alignment) of every kernel, by role prefix; '0q' pads
-# the buffer to a multiple of 8 bytes as the CUDA parameter buffer is.
+# Parameter layouts (struct format, native alignment) of every kernel, by role prefix. The packed
+# size must equal the kernel's parameter size exactly (no trailing padding), or the driver
+# refuses the launch (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); tests/test_compile.py checks each
+# against the parameter bank size NVRTC records in the cubin.
 SIGNATURES = {
-    "flat": "@8Pqf0q",         # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, updates, n, margin
-    "tiled": "@12Pqqiif0q",    # quantize_tiled: 12 pointers, rows, cols, vec, vec_t, margin
-    "dequant": "@3Pqi0q",      # dequantize_flat: q, out, scale_inv, n, vec
-    "update": "@6Piifi0q",     # update_scales: 6 pointers, n, L, margin, algo_max
+    "flat": "@8Pqf",         # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, updates, n, margin
+    "tiled": "@12Pqqiif",    # quantize_tiled: 12 pointers, rows, cols, vec, vec_t, margin
+    "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
+    "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
 }
 
 

@@ -27,3 +27,53 @@ def compile_for_sm90(source: str, name_expressions=(), options=(), name: str = "
         return ok, log.decode(errors="replace").rstrip("\x00 ")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _elf_sections(elf: bytes) -> dict:
+    """Section name -> bytes of a little-endian ELF64 image (a cubin)."""
+    import struct
+
+    shoff = struct.unpack_from("<Q", elf, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    hdrs = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    names_at = hdrs[shstrndx][4]
+
+    def name(off):
+        start = names_at + off
+        return elf[start:elf.index(b"\0", start)].decode()
+
+    return {name(h[0]): elf[h[4]:h[4] + h[5]] for h in hdrs}
+
+
+def kernel_param_sizes(source: str, name_expressions, options=()) -> dict:
+    """Name expression -> the kernel's parameter bytes, read from the cubin's .nv.info section
+    (attribute EIATTR_CBANK_PARAM_SIZE, 0x19): what the driver checks a packed buffer against."""
+    import struct
+
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], [])
+    try:
+        for expr in name_expressions:
+            nvrtc.nvrtcAddNameExpression(prog, expr.encode())
+        opts = [b"-arch=sm_90", *(o.encode() for o in options)]
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        assert result == nvrtc.nvrtcResult.NVRTC_SUCCESS, result
+        err, n = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * n
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+        sections = _elf_sections(cubin)
+        sizes = {}
+        for expr in name_expressions:
+            lowered = nvrtc.nvrtcGetLoweredName(prog, expr.encode())[1].decode()
+            info, i = sections[".nv.info." + lowered], 0
+            while i + 2 <= len(info):
+                fmt, attr = info[i], info[i + 1]
+                if fmt == 0x03 and attr == 0x19:
+                    sizes[expr] = struct.unpack_from("<H", info, i + 2)[0]
+                i += {0x01: 2, 0x02: 4, 0x03: 4}.get(fmt, 4 + (struct.unpack_from("<H", info, i + 2)[0] if fmt == 0x04 else 0))
+                if fmt not in (0x01, 0x02, 0x03, 0x04):
+                    break
+        return sizes
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)

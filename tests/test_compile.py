@@ -102,3 +102,22 @@ def test_family_source_follows_header_edits(tmp_path, monkeypatch):
     for family, text in before.items():
         after = _cuda.family_source(family)
         assert after != text and "// edited: 5c1f0e" in after
+
+
+@requires_nvrtc
+@pytest.mark.parametrize("key", [_cuda.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh"),
+                                 _cuda.ModuleKey("dequantize", "float16", "e5m2"),
+                                 _cuda.ModuleKey("update_scales")], ids=lambda k: k.family)
+def test_launch_signatures_match_kernel_parameters(key):
+    """The packed parameter buffer of every launch is exactly the kernel's parameter size (a
+    mismatch makes the driver refuse every launch with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)."""
+    import struct
+
+    from nvrtc_check import kernel_param_sizes
+
+    names = _cuda.name_expressions(key)
+    options = _cuda.COMPILE_OPTIONS + tuple(f"-I{d}" for d in _cuda.cuda_include_dirs())
+    sizes = kernel_param_sizes(_cuda.family_source(key.family), list(names.values()), options)
+    for role, expr in names.items():
+        sig = _cuda.SIGNATURES[next(k for k in _cuda.SIGNATURES if role.startswith(k))]
+        assert sizes[expr] == struct.calcsize(sig), (role, expr, sizes[expr], sig)

@@ -1,0 +1,243 @@
+"""Autograd functions over the custom ops: a straight-through quantizer, the FP8 linear and the
+fused LayerNorm-free MLP core (Linear -> gelu -> Linear).
+
+GEMM layouts. ``torch._scaled_mm(a, b)`` wants ``a`` (M, K) row-major and ``b`` (K, N)
+column-major; the ``.t()`` of a row-major (N, K) tensor is a column-major (K, N) one. With the
+input x (M, K), the weight w (N, K) and the output gradient g (M, N), each quantized once with
+its transpose (``x_t`` (K, M), ``w_t`` (K, N), ``g_t`` (N, M)):
+
+    forward  y  = x @ w.T   = _scaled_mm(x_q,   w_q.t())      (M, K) x (K, N)
+    dgrad    dx = g @ w     = _scaled_mm(g_q,   w_t_q.t())    (M, N) x (N, K)
+    wgrad    dw = g.T @ x   = _scaled_mm(g_t_q, x_t_q.t())    (N, M) x (M, K)
+
+so the forward saves only ``x_t_q``, ``w_t_q`` and their ``scale_inv`` (copied: the state may
+move on before the backward runs), never the bf16 input or weight. On the CPU the same calls
+run through :func:`scaled_mm`'s float32 emulation of ``_scaled_mm`` on the exact FP8 values.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..recipe import DelayedScaling
+from ..state import ScalingState
+from . import ops as fops
+
+__all__ = ["scaled_mm", "QuantizeSTE", "quantize_ste"]
+
+_BIAS_FUSABLE = (torch.bfloat16, torch.float16)
+
+
+def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None,
+              out_dtype: torch.dtype, fast_accum: bool = False) -> Tensor:
+    """``out_dtype((a @ b) * scale_a * scale_b + bias)`` for FP8 operands.
+
+    Parameters
+    ----------
+    a : (M, K) float8, row-major
+    b : (K, N) float8, column-major (the ``.t()`` of a contiguous (N, K) tensor)
+    scale_a, scale_b : (1,) float32 on the operands' device; the operands' ``scale_inv``.
+    bias : (N,) tensor or None
+        Fused into ``_scaled_mm`` where it allows (bf16/fp16 output and a bias of that dtype);
+        added in float32 otherwise.
+    out_dtype : torch.dtype
+    fast_accum : bool
+        ``use_fast_accum`` of ``_scaled_mm`` (CUDA only; the CPU emulation accumulates in float32).
+
+    Returns
+    -------
+    (M, N) tensor of ``out_dtype``. CUDA runs ``torch._scaled_mm`` (every dimension a multiple
+    of 16: checked by the callers); the CPU computes the float32 product of the exact FP8 values,
+    scales it by ``scale_a * scale_b`` and adds the bias in float32.
+    """
+    if a.is_cuda:
+        fused = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
+        if bias is None or fused:
+            return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                                    use_fast_accum=fast_accum)
+        y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32,
+                             use_fast_accum=fast_accum)
+        return (y + bias.float()).to(out_dtype)
+    y = torch.mm(a.float(), b.float()) * (scale_a * scale_b)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def _bias_grad(g2: Tensor, bias_dtype: torch.dtype) -> Tensor:
+    return g2.sum(0, dtype=torch.float32).to(bias_dtype)
+
+
+# ---- straight-through quantizer --------------------------------------------------------------
+class QuantizeSTE(torch.autograd.Function):
+    """Fake quantization with a straight-through gradient.
+
+    Forward: ``dequantize(quantize(x))`` in x's dtype, through a state slot (the amax of x goes
+    into the state, the scale comes from it). Backward: the incoming gradient, unchanged.
+    Arguments after ``x`` are those of :func:`fusedfp8.pytorch.ops.quantize`; most callers use
+    :func:`quantize_ste`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first):
+        q = fops.quantize(x.contiguous(), amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
+                          current_first)
+        return fops.dequantize(q, scale_inv[index:index + 1], x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None, None, None, None, None
+
+
+def quantize_ste(x: Tensor, state: ScalingState, index: int, recipe: DelayedScaling) -> Tensor:
+    """Fake-quantize ``x`` through tensor ``index`` of ``state``, straight-through gradient.
+
+    Parameters
+    ----------
+    x : tensor, float32 / float16 / bfloat16, any shape
+    state : ScalingState of torch tensors on x's device
+    index : int, the tensor's column in the state
+    recipe : DelayedScaling; gives the format (``state.grad[index]`` picks E4M3 or E5M2) and margin.
+
+    Returns
+    -------
+    Tensor of x's shape and dtype: ``dequantize(fp8(x * scale))``; its gradient w.r.t. x is the
+    identity. The amax of x is max-accumulated into ``state.amax_history[0, index]``.
+
+    Raises
+    ------
+    TypeError, IndexError, ValueError
+        On a bad index, dtype or device (nothing is written).
+    """
+    fmt = state.format_of(index, recipe).name
+    return QuantizeSTE.apply(x, state.amax_history, state.scale, state.scale_inv, state.updates, index, fmt,
+                             recipe.margin_factor, recipe.first_step == "current")
+
+
+# ---- FP8 linear ------------------------------------------------------------------------------
+class _LinearFn(torch.autograd.Function):
+    """y = x @ w.T + b with x (tensor 0) and w (tensor 1) in E4M3-style forward format, the
+    output gradient (tensor 2) in the gradient format; see the module docstring for layouts.
+
+    ``state`` = (amax_history, scale, scale_inv, updates) of the module; ``cfg`` = (fwd_fmt,
+    grad_fmt, margin_factor, current_first); ``need_dgrad`` / ``need_wgrad`` say which
+    transposes the forward must produce.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, amax_history, scale, scale_inv, updates, fwd_fmt, grad_fmt, margin_factor,
+                current_first, need_dgrad, need_wgrad):
+        state = (amax_history, scale, scale_inv, updates)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        w = weight.contiguous()
+        if need_wgrad:
+            x_q, x_t = fops.quantize_t(x2, *state, 0, fwd_fmt, margin_factor, current_first)
+        else:
+            x_q, x_t = fops.quantize(x2, *state, 0, fwd_fmt, margin_factor, current_first), None
+        if need_dgrad:
+            w_q, w_t = fops.quantize_t(w, *state, 1, fwd_fmt, margin_factor, current_first)
+        else:
+            w_q, w_t = fops.quantize(w, *state, 1, fwd_fmt, margin_factor, current_first), None
+        si = scale_inv[0:2].clone()  # the forward's scale_inv of x and w, frozen for the backward
+        y = scaled_mm(x_q, w_q.t(), si[0:1], si[1:2], bias, x.dtype, fast_accum=True)
+        ctx.save_for_backward(x_t, w_t, si)
+        ctx.state = state
+        ctx.cfg = (grad_fmt, margin_factor, current_first)
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_t, w_t, si = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1]).contiguous()
+        dx = dw = db = None
+        if x_t is not None or w_t is not None:
+            grad_fmt, margin_factor, current_first = ctx.cfg
+            g_q, g_t = fops.quantize_t(g2, *ctx.state, 2, grad_fmt, margin_factor, current_first)
+            g_si = ctx.state[2][2:3]
+            if w_t is not None:
+                dx = scaled_mm(g_q, w_t.t(), g_si, si[1:2], None, ctx.x_dtype).reshape(ctx.x_shape)
+            if x_t is not None:
+                dw = scaled_mm(g_t, x_t.t(), g_si, si[0:1], None, ctx.w_dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = _bias_grad(g2, ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: tuple, cfg: tuple, need_dgrad: bool,
+           need_wgrad: bool) -> Tensor:
+    """The FP8 linear: ``state`` = (amax_history, scale, scale_inv, updates) with columns
+    (input, weight, output gradient); ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first).
+    Inputs are checked by the caller (:class:`fusedfp8.pytorch.Fp8Linear`)."""
+    return _LinearFn.apply(x, weight, bias, *state, *cfg, need_dgrad, need_wgrad)
+
+
+# ---- fused MLP core: Linear -> gelu -> Linear ------------------------------------------------
+class _MLPFn(torch.autograd.Function):
+    """y = fc2(gelu(fc1(h))), with the activation quantized straight from the fc1 GEMM's output
+    by the gelu+quantize+transpose kernel, and the backward's gelu gradient quantized with its
+    transpose and the fc1 bias gradient by the dgelu+quantize+transpose+dbias kernel.
+
+    fc1 (ffn, hidden) state columns: h, w1, dz. fc2 (hidden, ffn) state columns: a = gelu(z),
+    w2, dy. Saved: h_t_q, w1_t_q, the pre-activation z (bf16: the gelu backward needs it),
+    a_t_q, w2_t_q and the forward scale_inv copies.
+    """
+
+    @staticmethod
+    def forward(ctx, h, w1, b1, w2, b2, hist1, scale1, scale_inv1, updates1, hist2, scale2, scale_inv2, updates2,
+                fwd_fmt, grad_fmt, margin_factor, current_first1, current_first2, approximate, training):
+        st1 = (hist1, scale1, scale_inv1, updates1)
+        st2 = (hist2, scale2, scale_inv2, updates2)
+        mf = margin_factor
+        h2 = h.reshape(-1, h.shape[-1]).contiguous()
+        if training:
+            h_q, h_t = fops.quantize_t(h2, *st1, 0, fwd_fmt, mf, current_first1)
+            w1_q, w1_t = fops.quantize_t(w1.contiguous(), *st1, 1, fwd_fmt, mf, current_first1)
+        else:
+            h_q = fops.quantize(h2, *st1, 0, fwd_fmt, mf, current_first1)
+            w1_q = fops.quantize(w1.contiguous(), *st1, 1, fwd_fmt, mf, current_first1)
+        si1 = scale_inv1[0:2].clone()
+        z = scaled_mm(h_q, w1_q.t(), si1[0:1], si1[1:2], b1, h.dtype, fast_accum=True)
+        if training:
+            a_q, a_t = fops.gelu_quantize_t(z, *st2, 0, fwd_fmt, mf, current_first2, approximate)
+            w2_q, w2_t = fops.quantize_t(w2.contiguous(), *st2, 1, fwd_fmt, mf, current_first2)
+        else:
+            a_q = fops.gelu_quantize(z, *st2, 0, fwd_fmt, mf, current_first2, approximate)
+            w2_q = fops.quantize(w2.contiguous(), *st2, 1, fwd_fmt, mf, current_first2)
+        si2 = scale_inv2[0:2].clone()
+        y = scaled_mm(a_q, w2_q.t(), si2[0:1], si2[1:2], b2, h.dtype, fast_accum=True)
+        if training:
+            ctx.save_for_backward(h_t, w1_t, z, a_t, w2_t, si1, si2)
+            ctx.states = (st1, st2)
+            ctx.cfg = (grad_fmt, mf, current_first1, current_first2, approximate)
+            ctx.meta = (h.shape, h.dtype, w1.dtype, w2.dtype, None if b1 is None else b1.dtype,
+                        None if b2 is None else b2.dtype)
+        return y.reshape(*h.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        h_t, w1_t, z, a_t, w2_t, si1, si2 = ctx.saved_tensors
+        st1, st2 = ctx.states
+        grad_fmt, mf, cf1, cf2, approximate = ctx.cfg
+        h_shape, h_dtype, w1_dtype, w2_dtype, b1_dtype, b2_dtype = ctx.meta
+        gy = grad.reshape(-1, grad.shape[-1]).contiguous()
+        gy_q, gy_t = fops.quantize_t(gy, *st2, 2, grad_fmt, mf, cf2)
+        g2_si = st2[2][2:3]
+        da = scaled_mm(gy_q, w2_t.t(), g2_si, si2[1:2], None, z.dtype)
+        dw2 = scaled_mm(gy_t, a_t.t(), g2_si, si2[0:1], None, w2_dtype)
+        db2 = _bias_grad(gy, b2_dtype) if b2_dtype is not None else None
+        dz_q, dz_t, db1 = fops.dgelu_quantize_t(da, z, *st1, 2, grad_fmt, mf, cf1, approximate, b1_dtype is not None)
+        g1_si = st1[2][2:3]
+        dh = scaled_mm(dz_q, w1_t.t(), g1_si, si1[1:2], None, h_dtype).reshape(h_shape)
+        dw1 = scaled_mm(dz_t, h_t.t(), g1_si, si1[0:1], None, w1_dtype)
+        db1 = db1.to(b1_dtype) if b1_dtype is not None else None
+        return (dh, dw1, db1, dw2, db2) + (None,) * 15
+
+
+def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, state1: tuple, state2: tuple,
+        cfg: tuple, approximate: str, training: bool) -> Tensor:
+    """fc2(gelu(fc1(h))) in FP8 with the fused activation kernels; ``state1``/``state2`` as in
+    :func:`linear`, ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first1, current_first2);
+    ``training`` = a backward will follow (the forward then also writes the transposes)."""
+    return _MLPFn.apply(h, w1, b1, w2, b2, *state1, *state2, *cfg, approximate, training)

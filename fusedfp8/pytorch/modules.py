@@ -1,0 +1,312 @@
+"""``Fp8Linear`` (a drop-in for ``nn.Linear``) and ``Fp8MLP`` (LayerNorm -> Linear -> gelu ->
+Linear with the fused activation kernels).
+
+State. Each :class:`Fp8Linear` owns the delayed-scaling state of its three tensors
+``[input, weight, output gradient]`` (``grad = (False, False, True)``) as registered buffers
+``amax_history`` (L, 3), ``scale``, ``scale_inv`` (3,) float32 and ``overflows``, ``updates``
+(3,) int32, so ``state_dict()`` / ``load_state_dict()`` round-trip it bit for bit and ``.to()``
+moves it (a dtype conversion such as ``.bfloat16()`` leaves it float32). ``module.fp8_state``
+wraps the buffers in a :class:`fusedfp8.ScalingState` view.
+
+One update per optimizer step. :func:`fusedfp8.pytorch.update_scales` turns the staged amaxes
+into new scales for every FP8 module of a model in one launch (see ``convert.py``). Forgetting
+it is detected: each module watches, from a hook that runs when its weight's gradient has been
+accumulated, whether its weight was modified in place (an optimizer step: the weight's version
+counter moved) since its previous backward without ``update_scales`` in between; it then raises
+:class:`MissedScaleUpdateError` (``missed_update='raise'``, the default), warns with
+:class:`MissedScaleUpdateWarning` (``'warn'``) or stays silent (``'ignore'``). Gradient
+accumulation (several backwards, one step) is not a missed update.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+from ..recipe import DelayedScaling
+from ..state import STATE_FIELDS, ScalingState
+from . import functional as F8
+
+__all__ = ["Fp8Linear", "Fp8MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
+
+GRAD = (False, False, True)  # tensors of an Fp8Linear's state: input, weight, output gradient
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+MISSED_UPDATE_MODES = ("raise", "warn", "ignore")
+
+
+class MissedScaleUpdateError(RuntimeError):
+    """An FP8 module went through an optimizer step without ``update_scales``."""
+
+
+class MissedScaleUpdateWarning(UserWarning):
+    """As :class:`MissedScaleUpdateError`, with ``missed_update='warn'``."""
+
+
+class _WeightGradHook:
+    """Post-accumulate-grad hook on an Fp8Linear's weight (holds the module weakly)."""
+
+    def __init__(self, module: "Fp8Linear"):
+        self.module = weakref.ref(module)
+
+    def __call__(self, weight: torch.Tensor) -> None:
+        module = self.module()
+        if module is not None:
+            module._after_backward(weight)
+
+
+def check_gemm_dims(layer: str, **dims: int) -> None:
+    """Raise ValueError naming every dimension that ``torch._scaled_mm`` cannot take (each must
+    be a multiple of 16)."""
+    bad = [f"{name}={value}" for name, value in dims.items() if value % 16]
+    if bad:
+        raise ValueError(
+            f"{layer}: on CUDA the FP8 GEMMs (torch._scaled_mm) need every dimension to be a multiple of 16; got "
+            f"{', '.join(bad)}. Pad them to a multiple of 16, or keep this layer in bf16 "
+            "(convert_to_fp8(..., filter_fn=...)). Tokens (the flattened leading dimensions of the input) only "
+            "matter when the weight gradient is computed.")
+
+
+def _check_input(layer: str, x: torch.Tensor, features: int, weight: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{layer}: input must be a torch.Tensor; got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"{layer}: input must be float32, float16 or bfloat16; got {x.dtype}")
+    if weight.dtype not in _FLOATS:
+        raise TypeError(f"{layer}: weight must be float32, float16 or bfloat16; got {weight.dtype}")
+    if x.dim() < 1 or x.shape[-1] != features:
+        raise ValueError(f"{layer}: input must have {features} features in its last dimension; got shape "
+                         f"{tuple(x.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"{layer}: input is on {x.device} but the weight is on {weight.device}")
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` with FP8 GEMMs and delayed scaling (a drop-in replacement).
+
+    Forward: the input and the weight are quantized (the forward format of the recipe, E4M3)
+    each with its transpose in one fused kernel, their amaxes staged into the state, and
+    ``torch._scaled_mm`` computes ``x @ w.T + b`` (bias fused where ``_scaled_mm`` allows).
+    Backward: the output gradient is quantized (E5M2 under 'hybrid') with its transpose in one
+    kernel and both backward GEMMs run in FP8 on the transposed copies the forward produced;
+    only FP8 tensors are saved for the backward. The bias gradient is ``grad.sum(0)``.
+
+    On CPU the same module runs the reference numerics: the quantization is bit-exact and the
+    GEMMs are float32 products of the exact FP8 values (any shape is accepted there).
+
+    Parameters
+    ----------
+    in_features, out_features : int
+    bias : bool
+    recipe : DelayedScaling
+    device, dtype : as for ``nn.Linear`` (the parameters; the state is always float32/int32).
+    missed_update : {'raise', 'warn', 'ignore'}
+        What happens when the module goes through an optimizer step without
+        :func:`fusedfp8.pytorch.update_scales` (see the module docstring).
+
+    Input: (..., in_features), float32 / float16 / bfloat16; output (..., out_features) in the
+    input's dtype; weight and bias of any of those dtypes (e.g. float32 master weights).
+
+    Raises (forward, before anything runs or is written)
+    ------
+    TypeError
+        On a non-float input or weight.
+    ValueError
+        On a wrong feature count, input and weight on different devices, or (CUDA only) a GEMM
+        dimension that is not a multiple of 16: in_features, out_features, and the number of
+        tokens when the weight gradient is needed.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 recipe: DelayedScaling = DelayedScaling(), device=None, dtype=None, *,
+                 missed_update: str = "raise"):
+        if not isinstance(recipe, DelayedScaling):
+            raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
+        if missed_update not in MISSED_UPDATE_MODES:
+            raise ValueError(f"missed_update must be one of {MISSED_UPDATE_MODES}; got {missed_update!r}")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._recipe = recipe
+        self.missed_update = missed_update
+        self._cfg = (recipe.format_for(False).name, recipe.format_for(True).name, recipe.margin_factor)
+        self._init_state(self.weight.device)
+        self._group = None  # the model-level state this module's buffers are views of (convert.py)
+        self._ensure_hook()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: DelayedScaling = DelayedScaling(), *,
+                    missed_update: str = "raise") -> "Fp8Linear":
+        """An Fp8Linear that takes over ``linear``'s Parameter objects (not copies: an optimizer
+        built before the conversion keeps working) with a fresh state on their device."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear; got {type(linear).__name__}")
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, recipe=recipe,
+                      dtype=linear.weight.dtype, missed_update=missed_update)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._init_state(linear.weight.device)
+        new._ensure_hook()
+        new.train(linear.training)
+        return new
+
+    # -- state ---------------------------------------------------------------------------------
+    def _init_state(self, device) -> None:
+        fresh = ScalingState.create(GRAD, self._recipe, like=torch.empty(0, device=device))
+        for name in STATE_FIELDS:
+            self.register_buffer(name, getattr(fresh, name))
+        self._prepass = self._recipe.first_step == "current"  # launch the first-step pre-pass
+        self._pending = False  # a backward ran since the last update_scales
+        self._pending_version = 0  # the weight's version counter at that backward
+
+    @property
+    def recipe(self) -> DelayedScaling:
+        return self._recipe
+
+    @property
+    def fp8_state(self) -> ScalingState:
+        """The buffers as a :class:`fusedfp8.ScalingState` (views: writes go to the module)."""
+        return ScalingState(*(getattr(self, name) for name in STATE_FIELDS), grad=GRAD)
+
+    def _state(self) -> tuple:
+        return self.amax_history, self.scale, self.scale_inv, self.updates
+
+    def _kernel_cfg(self) -> tuple:
+        return (*self._cfg, self._prepass)
+
+    def _apply(self, fn, recurse=True):
+        """``.to()`` / ``.cuda()`` move the state; a dtype conversion leaves it float32/int32."""
+        before = {name: self._buffers[name] for name in STATE_FIELDS}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "amax_history"
+        hist = state_dict.get(key)
+        want = (self._recipe.amax_history_len, len(GRAD))
+        if hist is not None and tuple(hist.shape) != want:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: '{key}' has shape {tuple(hist.shape)} but this module's recipe "
+                f"has amax_history_len={want[0]}, so the state must be {want}; build the module with "
+                f"DelayedScaling(amax_history_len={hist.shape[0]}) to load this state")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        self._prepass = self._recipe.first_step == "current"  # the loaded state decides on the device
+        self._pending = False
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_group"] = None  # copies and pickles get their own state; update_scales links them again
+        return state
+
+    # -- missed-update detection ---------------------------------------------------------------
+    def _ensure_hook(self) -> None:
+        """Hook the current weight (again after a deepcopy, a pickle or a new Parameter)."""
+        hooks = self.weight._post_accumulate_grad_hooks
+        if hooks is None or not any(isinstance(h, _WeightGradHook) and h.module() is self for h in hooks.values()):
+            if self.weight.requires_grad:
+                self.weight.register_post_accumulate_grad_hook(_WeightGradHook(self))
+
+    def _after_backward(self, weight: torch.Tensor) -> None:
+        if self._pending and weight._version != self._pending_version and self.missed_update != "ignore":
+            msg = (f"{type(self).__name__}({self.in_features}, {self.out_features}): its weight was updated (an "
+                   "optimizer step) since its previous backward, but fusedfp8.pytorch.update_scales(model) was not "
+                   "called in between, so its FP8 scales did not advance. Call update_scales(model) once per "
+                   "optimizer step (after optimizer.step()); missed_update='warn' or 'ignore' changes this check.")
+            if self.missed_update == "raise":
+                raise MissedScaleUpdateError(msg)
+            warnings.warn(msg, MissedScaleUpdateWarning, stacklevel=2)
+        self._pending = True
+        self._pending_version = weight._version
+
+    def _after_update(self) -> None:
+        """Called by update_scales: a module that ran a backward since the last update has had
+        all three tensors quantized, so (barring an all-zero or non-finite amax, which the
+        device flag still handles at the next update) the first-step pre-pass is no longer
+        needed."""
+        if self._pending:
+            self._prepass = False
+        self._pending = False
+
+    # -- forward -------------------------------------------------------------------------------
+    def _need_grads(self, x: torch.Tensor) -> tuple[bool, bool]:
+        enabled = torch.is_grad_enabled()
+        return enabled and x.requires_grad, enabled and self.weight.requires_grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer = type(self).__name__
+        _check_input(layer, x, self.in_features, self.weight)
+        need_dgrad, need_wgrad = self._need_grads(x)
+        if x.is_cuda:
+            dims = {"in_features": self.in_features, "out_features": self.out_features}
+            if need_wgrad:
+                dims["tokens"] = x.numel() // x.shape[-1] if x.shape[-1] else 0
+            check_gemm_dims(layer, **dims)
+        if not torch.compiler.is_compiling():
+            self._ensure_hook()
+        return F8.linear(x, self.weight, self.bias, self._state(), self._kernel_cfg(), need_dgrad, need_wgrad)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self._recipe}"
+
+
+class Fp8MLP(nn.Module):
+    """LayerNorm -> Fp8Linear -> gelu -> Fp8Linear, with the activation fused into FP8.
+
+    The first GEMM's output z (the pre-activation) goes straight through the gelu + quantize
+    (+ transpose) kernel into the second GEMM's input slot: gelu(z) is never written in bf16.
+    The backward quantizes the gelu gradient with its transpose and the first bias gradient in
+    one dgelu kernel. z is saved for the backward (in the input's dtype); everything else saved
+    is FP8.
+
+    Parameters
+    ----------
+    hidden, ffn : int
+        Input/output width and the inner width (fc1: hidden -> ffn, fc2: ffn -> hidden).
+    recipe : DelayedScaling
+    approximate : {'tanh', 'none'}
+        The gelu (as ``torch.nn.functional.gelu``).
+    bias : bool
+    device, dtype, missed_update : as :class:`Fp8Linear`.
+
+    Attributes: ``norm`` (nn.LayerNorm), ``fc1``, ``fc2`` (Fp8Linear, owning the states).
+    Input (..., hidden); output (..., hidden) in the input's dtype. Errors as Fp8Linear (on
+    CUDA, hidden, ffn and the tokens must be multiples of 16).
+    """
+
+    def __init__(self, hidden: int, ffn: int, recipe: DelayedScaling = DelayedScaling(), *,
+                 approximate: str = "tanh", bias: bool = True, device=None, dtype=None,
+                 missed_update: str = "raise"):
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"approximate must be 'tanh' or 'none'; got {approximate!r}")
+        super().__init__()
+        self.approximate = approximate
+        self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
+        self.fc1 = Fp8Linear(hidden, ffn, bias, recipe, device, dtype, missed_update=missed_update)
+        self.fc2 = Fp8Linear(ffn, hidden, bias, recipe, device, dtype, missed_update=missed_update)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = self.fc1, self.fc2
+        if fc1.recipe != fc2.recipe:
+            raise ValueError(f"Fp8MLP: fc1 and fc2 must share one recipe; got {fc1.recipe} and {fc2.recipe}")
+        layer = type(self).__name__
+        _check_input(layer, x, fc1.in_features, fc1.weight)
+        h = self.norm(x)
+        training = torch.is_grad_enabled() and (h.requires_grad or any(
+            p.requires_grad for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias) if p is not None))
+        if x.is_cuda:
+            dims = {"hidden": fc1.in_features, "ffn": fc1.out_features}
+            if training:
+                dims["tokens"] = x.numel() // x.shape[-1] if x.shape[-1] else 0
+            check_gemm_dims(layer, **dims)
+        if not torch.compiler.is_compiling():
+            fc1._ensure_hook()
+            fc2._ensure_hook()
+        cfg = (*fc1._cfg, fc1._prepass, fc2._prepass)
+        return F8.mlp(h, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1._state(), fc2._state(), cfg,
+                      self.approximate, training)

@@ -1,0 +1,152 @@
+"""The fused kernels as ``torch.library`` custom ops, namespace ``fusedfp8``.
+
+Each op is a thin adapter over :mod:`fusedfp8.ops`: it rebuilds a :class:`fusedfp8.state.Slot`
+from the state arrays it is given and calls the framework-agnostic function, so CUDA tensors
+run the CuPy kernels on torch's current stream and CPU tensors run the bit-exact NumPy
+reference. Being custom ops with declared mutations and fake (meta) implementations, they trace
+under ``torch.compile(fullgraph=True)`` without graph breaks and can be captured in a CUDA graph.
+
+State arguments (the tensors of a :class:`fusedfp8.state.ScalingState`, or views of them):
+
+amax_history : (L, n) float32, mutated
+    Row 0, column ``index`` max-accumulates the amax of the quantized tensor.
+scale : (n,) float32, mutated
+    ``scale[index]`` multiplies before the cast; written on a first step with current scaling.
+scale_inv : (n,) float32, mutated
+    ``1 / scale``; written together with ``scale``.
+updates : (n,) int32, read
+    Completed updates per tensor; ``updates[index] == 0`` marks a first step, decided on the
+    device by the kernel, never read by the host.
+
+Plain arguments: ``index`` (the tensor's column), ``fmt`` ('e4m3' or 'e5m2'), ``margin_factor``
+(``recipe.margin_factor``) and ``current_first`` (``recipe.first_step == 'current'``; when
+True the kernel launches the first-step pre-pass, which does nothing unless the device flag
+says the tensor is on its first step). Whole state tensors are passed, not 1-element views, so
+that the mutation is declared on what the caller owns (module buffers).
+
+Ops: ``quantize``, ``quantize_t``, ``gelu_quantize``, ``gelu_quantize_t``, ``dgelu_quantize_t``
+and ``dequantize``; the ``_t`` variants also return the quantized transpose of the input
+viewed as 2-D (``prod(shape[:-1])``, ``shape[-1]``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import ops as _ops
+from ..formats import get_format
+from ..state import Slot
+
+__all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize"]
+
+_MUTATED = ("amax_history", "scale", "scale_inv")
+
+
+def _slot(amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int, fmt: str,
+          margin_factor: float, current_first: bool) -> Slot:
+    """The Slot of column ``index``. Inside a compiled graph or a CUDA graph a host-side mirror
+    cannot be trusted, so the host flags say 'maybe fresh': the device flag decides."""
+    i = slice(index, index + 1)
+    return Slot(scale[i], scale_inv[i], amax_history[0, i], updates[i], get_format(fmt), float(margin_factor),
+                bool(current_first), np.ones(1, bool), np.zeros(1, bool))
+
+
+def _fp8_dtype(fmt: str) -> torch.dtype:
+    return getattr(torch, get_format(fmt).dtype_name)
+
+
+def _rows(x: Tensor):
+    return math.prod(x.shape[:-1])
+
+
+# ---- quantize --------------------------------------------------------------------------------
+@torch.library.custom_op("fusedfp8::quantize", mutates_args=_MUTATED)
+def quantize(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
+             fmt: str, margin_factor: float, current_first: bool) -> Tensor:
+    """``fp8(x * scale[index])`` (same shape as x); amax of x into ``amax_history[0, index]``."""
+    return _ops.quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
+                                  current_first)).data
+
+
+@quantize.register_fake
+def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first):
+    return x.new_empty(x.shape, dtype=_fp8_dtype(fmt))
+
+
+@torch.library.custom_op("fusedfp8::quantize_t", mutates_args=_MUTATED)
+def quantize_t(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
+               fmt: str, margin_factor: float, current_first: bool) -> tuple[Tensor, Tensor]:
+    """As :func:`quantize`, plus the contiguous quantized transpose (shape[-1], prod(shape[:-1]))."""
+    r = _ops.quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first),
+                      transpose=True)
+    return r.data, r.data_t
+
+
+@quantize_t.register_fake
+def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first):
+    dt = _fp8_dtype(fmt)
+    return x.new_empty(x.shape, dtype=dt), x.new_empty((x.shape[-1], _rows(x)), dtype=dt)
+
+
+# ---- gelu + quantize (forward activation) ----------------------------------------------------
+@torch.library.custom_op("fusedfp8::gelu_quantize", mutates_args=_MUTATED)
+def gelu_quantize(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
+                  fmt: str, margin_factor: float, current_first: bool, approximate: str) -> Tensor:
+    """``fp8(gelu(x) * scale[index])``; the amax is of gelu(x). ``approximate``: 'tanh' or 'none'."""
+    return _ops.gelu_quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
+                                       current_first), approximate=approximate).data
+
+
+@gelu_quantize.register_fake
+def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate):
+    return x.new_empty(x.shape, dtype=_fp8_dtype(fmt))
+
+
+@torch.library.custom_op("fusedfp8::gelu_quantize_t", mutates_args=_MUTATED)
+def gelu_quantize_t(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
+                    fmt: str, margin_factor: float, current_first: bool, approximate: str) -> tuple[Tensor, Tensor]:
+    """As :func:`gelu_quantize`, plus the quantized transpose of gelu(x)."""
+    r = _ops.gelu_quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
+                                    current_first), approximate=approximate, transpose=True)
+    return r.data, r.data_t
+
+
+@gelu_quantize_t.register_fake
+def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate):
+    dt = _fp8_dtype(fmt)
+    return x.new_empty(x.shape, dtype=dt), x.new_empty((x.shape[-1], _rows(x)), dtype=dt)
+
+
+# ---- dgelu + quantize (+ dbias) (backward of the activation) ---------------------------------
+@torch.library.custom_op("fusedfp8::dgelu_quantize_t", mutates_args=_MUTATED)
+def dgelu_quantize_t(dy: Tensor, x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor,
+                     updates: Tensor, index: int, fmt: str, margin_factor: float, current_first: bool,
+                     approximate: str, dbias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``dx = dy * gelu'(x)`` quantized, its transpose, and the (N,) float32 column sums of the
+    unquantized dx when ``dbias`` (an empty (0,) float32 tensor otherwise). dy, x: same shape
+    and dtype; the amax is of dx."""
+    r = _ops.dgelu_quantize(dy, x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
+                                         current_first), approximate=approximate, transpose=True, dbias=dbias)
+    return r.data, r.data_t, r.dbias if dbias else dy.new_empty((0,), dtype=torch.float32)
+
+
+@dgelu_quantize_t.register_fake
+def _(dy, x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate, dbias):
+    dt = _fp8_dtype(fmt)
+    return (dy.new_empty(dy.shape, dtype=dt), dy.new_empty((dy.shape[-1], _rows(dy)), dtype=dt),
+            dy.new_empty((dy.shape[-1] if dbias else 0,), dtype=torch.float32))
+
+
+# ---- dequantize ------------------------------------------------------------------------------
+@torch.library.custom_op("fusedfp8::dequantize", mutates_args=())
+def dequantize(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    """``dtype(float32(q) * scale_inv)``; q a float8 tensor, scale_inv a 1-element float32 tensor."""
+    return _ops.dequantize(q, scale_inv, str(dtype).replace("torch.", ""))
+
+
+@dequantize.register_fake
+def _(q, scale_inv, dtype):
+    return q.new_empty(q.shape, dtype=dtype)
