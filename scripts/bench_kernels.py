@@ -252,6 +252,11 @@ def main():
     jobs = args.jobs.split(",")
     peers = args.peers.split(",")
 
+    # one compiled function per (job, size): lift dynamo's per-code-object cache limit, or later
+    # sizes silently fall back to eager
+    torch._dynamo.config.cache_size_limit = 256
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 256
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling:.3f} TB/s (read + write)", flush=True)
     results = []

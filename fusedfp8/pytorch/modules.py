@@ -182,6 +182,7 @@ class Fp8Linear(nn.Linear):
             new = self._buffers[name]
             if new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
+        self._pending_version = self.weight._version  # a move is not an optimizer step
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -296,6 +297,8 @@ class Fp8MLP(nn.Module):
             raise ValueError(f"Fp8MLP: fc1 and fc2 must share one recipe; got {fc1.recipe} and {fc2.recipe}")
         layer = type(self).__name__
         _check_input(layer, x, fc1.in_features, fc1.weight)
+        if fc2.weight.dtype not in _FLOATS:
+            raise TypeError(f"{layer}: fc2.weight must be float32, float16 or bfloat16; got {fc2.weight.dtype}")
         h = self.norm(x)
         training = torch.is_grad_enabled() and (h.requires_grad or any(
             p.requires_grad for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias) if p is not None))
