@@ -80,9 +80,9 @@ class QuantizeSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first):
-        q = fops.quantize(x.contiguous(), amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
+        q = fops.call(fops.quantize, x.contiguous(), amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
                           current_first)
-        return fops.dequantize(q, scale_inv[index:index + 1], x.dtype)
+        return fops.call(fops.dequantize, q, scale_inv[index:index + 1], x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -131,13 +131,13 @@ class _LinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         w = weight.contiguous()
         if need_wgrad:
-            x_q, x_t = fops.quantize_t(x2, *state, 0, fwd_fmt, margin_factor, current_first)
+            x_q, x_t = fops.call(fops.quantize_t, x2, *state, 0, fwd_fmt, margin_factor, current_first)
         else:
-            x_q, x_t = fops.quantize(x2, *state, 0, fwd_fmt, margin_factor, current_first), None
+            x_q, x_t = fops.call(fops.quantize, x2, *state, 0, fwd_fmt, margin_factor, current_first), None
         if need_dgrad:
-            w_q, w_t = fops.quantize_t(w, *state, 1, fwd_fmt, margin_factor, current_first)
+            w_q, w_t = fops.call(fops.quantize_t, w, *state, 1, fwd_fmt, margin_factor, current_first)
         else:
-            w_q, w_t = fops.quantize(w, *state, 1, fwd_fmt, margin_factor, current_first), None
+            w_q, w_t = fops.call(fops.quantize, w, *state, 1, fwd_fmt, margin_factor, current_first), None
         si = scale_inv[0:2].clone()  # the forward's scale_inv of x and w, frozen for the backward
         y = scaled_mm(x_q, w_q.t(), si[0:1], si[1:2], bias, x.dtype, fast_accum=True)
         ctx.save_for_backward(x_t, w_t, si)
@@ -154,7 +154,7 @@ class _LinearFn(torch.autograd.Function):
         dx = dw = db = None
         if x_t is not None or w_t is not None:
             grad_fmt, margin_factor, current_first = ctx.cfg
-            g_q, g_t = fops.quantize_t(g2, *ctx.state, 2, grad_fmt, margin_factor, current_first)
+            g_q, g_t = fops.call(fops.quantize_t, g2, *ctx.state, 2, grad_fmt, margin_factor, current_first)
             g_si = ctx.state[2][2:3]
             if w_t is not None:
                 dx = scaled_mm(g_q, w_t.t(), g_si, si[1:2], None, ctx.x_dtype).reshape(ctx.x_shape)
@@ -192,19 +192,19 @@ class _MLPFn(torch.autograd.Function):
         mf = margin_factor
         h2 = h.reshape(-1, h.shape[-1]).contiguous()
         if training:
-            h_q, h_t = fops.quantize_t(h2, *st1, 0, fwd_fmt, mf, current_first1)
-            w1_q, w1_t = fops.quantize_t(w1.contiguous(), *st1, 1, fwd_fmt, mf, current_first1)
+            h_q, h_t = fops.call(fops.quantize_t, h2, *st1, 0, fwd_fmt, mf, current_first1)
+            w1_q, w1_t = fops.call(fops.quantize_t, w1.contiguous(), *st1, 1, fwd_fmt, mf, current_first1)
         else:
-            h_q = fops.quantize(h2, *st1, 0, fwd_fmt, mf, current_first1)
-            w1_q = fops.quantize(w1.contiguous(), *st1, 1, fwd_fmt, mf, current_first1)
+            h_q = fops.call(fops.quantize, h2, *st1, 0, fwd_fmt, mf, current_first1)
+            w1_q = fops.call(fops.quantize, w1.contiguous(), *st1, 1, fwd_fmt, mf, current_first1)
         si1 = scale_inv1[0:2].clone()
         z = scaled_mm(h_q, w1_q.t(), si1[0:1], si1[1:2], b1, h.dtype, fast_accum=True)
         if training:
-            a_q, a_t = fops.gelu_quantize_t(z, *st2, 0, fwd_fmt, mf, current_first2, approximate)
-            w2_q, w2_t = fops.quantize_t(w2.contiguous(), *st2, 1, fwd_fmt, mf, current_first2)
+            a_q, a_t = fops.call(fops.gelu_quantize_t, z, *st2, 0, fwd_fmt, mf, current_first2, approximate)
+            w2_q, w2_t = fops.call(fops.quantize_t, w2.contiguous(), *st2, 1, fwd_fmt, mf, current_first2)
         else:
-            a_q = fops.gelu_quantize(z, *st2, 0, fwd_fmt, mf, current_first2, approximate)
-            w2_q = fops.quantize(w2.contiguous(), *st2, 1, fwd_fmt, mf, current_first2)
+            a_q = fops.call(fops.gelu_quantize, z, *st2, 0, fwd_fmt, mf, current_first2, approximate)
+            w2_q = fops.call(fops.quantize, w2.contiguous(), *st2, 1, fwd_fmt, mf, current_first2)
         si2 = scale_inv2[0:2].clone()
         y = scaled_mm(a_q, w2_q.t(), si2[0:1], si2[1:2], b2, h.dtype, fast_accum=True)
         if training:
@@ -222,12 +222,12 @@ class _MLPFn(torch.autograd.Function):
         grad_fmt, mf, cf1, cf2, approximate = ctx.cfg
         h_shape, h_dtype, w1_dtype, w2_dtype, b1_dtype, b2_dtype = ctx.meta
         gy = grad.reshape(-1, grad.shape[-1]).contiguous()
-        gy_q, gy_t = fops.quantize_t(gy, *st2, 2, grad_fmt, mf, cf2)
+        gy_q, gy_t = fops.call(fops.quantize_t, gy, *st2, 2, grad_fmt, mf, cf2)
         g2_si = st2[2][2:3]
         da = scaled_mm(gy_q, w2_t.t(), g2_si, si2[1:2], None, z.dtype)
         dw2 = scaled_mm(gy_t, a_t.t(), g2_si, si2[0:1], None, w2_dtype)
         db2 = _bias_grad(gy, b2_dtype) if b2_dtype is not None else None
-        dz_q, dz_t, db1 = fops.dgelu_quantize_t(da, z, *st1, 2, grad_fmt, mf, cf1, approximate, b1_dtype is not None)
+        dz_q, dz_t, db1 = fops.call(fops.dgelu_quantize_t, da, z, *st1, 2, grad_fmt, mf, cf1, approximate, b1_dtype is not None)
         g1_si = st1[2][2:3]
         dh = scaled_mm(dz_q, w1_t.t(), g1_si, si1[1:2], None, h_dtype).reshape(h_shape)
         dw1 = scaled_mm(dz_t, h_t.t(), g1_si, si1[0:1], None, w1_dtype)

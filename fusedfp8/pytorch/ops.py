@@ -40,9 +40,39 @@ from .. import ops as _ops
 from ..formats import get_format
 from ..state import Slot
 
-__all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize"]
+__all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize", "call"]
 
 _MUTATED = ("amax_history", "scale", "scale_inv")
+_IMPLS: dict = {}  # custom op -> its Python implementation
+
+
+def _register(name: str, mutates_args):
+    """``torch.library.custom_op`` that also remembers the undecorated function for :func:`call`."""
+    def wrap(fn):
+        op = torch.library.custom_op(f"fusedfp8::{name}", mutates_args=mutates_args)(fn)
+        _IMPLS[op] = fn
+        return op
+
+    return wrap
+
+
+def call(op, *args):
+    """Run the custom op ``op`` on ``args``.
+
+    In plain eager mode the implementation is called directly: a round trip through the
+    dispatcher costs 20-70 us of host time per call (more for ops with mutated arguments),
+    several times the kernel launch itself. Whenever anything may be tracing (torch.compile,
+    a TorchDispatchMode such as make_fx or FakeTensorMode, functorch transforms, tensor
+    subclasses) the call goes through the dispatcher, so the op is seen as the custom op it is.
+    """
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active()
+            or any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args)):
+        return op(*args)
+    return _IMPLS[op](*args)
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _slot(amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int, fmt: str,
@@ -63,7 +93,7 @@ def _rows(x: Tensor):
 
 
 # ---- quantize --------------------------------------------------------------------------------
-@torch.library.custom_op("fusedfp8::quantize", mutates_args=_MUTATED)
+@_register("quantize", _MUTATED)
 def quantize(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
              fmt: str, margin_factor: float, current_first: bool) -> Tensor:
     """``fp8(x * scale[index])`` (same shape as x); amax of x into ``amax_history[0, index]``."""
@@ -76,7 +106,7 @@ def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, cur
     return x.new_empty(x.shape, dtype=_fp8_dtype(fmt))
 
 
-@torch.library.custom_op("fusedfp8::quantize_t", mutates_args=_MUTATED)
+@_register("quantize_t", _MUTATED)
 def quantize_t(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
                fmt: str, margin_factor: float, current_first: bool) -> tuple[Tensor, Tensor]:
     """As :func:`quantize`, plus the contiguous quantized transpose (shape[-1], prod(shape[:-1]))."""
@@ -92,7 +122,7 @@ def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, cur
 
 
 # ---- gelu + quantize (forward activation) ----------------------------------------------------
-@torch.library.custom_op("fusedfp8::gelu_quantize", mutates_args=_MUTATED)
+@_register("gelu_quantize", _MUTATED)
 def gelu_quantize(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
                   fmt: str, margin_factor: float, current_first: bool, approximate: str) -> Tensor:
     """``fp8(gelu(x) * scale[index])``; the amax is of gelu(x). ``approximate``: 'tanh' or 'none'."""
@@ -105,7 +135,7 @@ def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, cur
     return x.new_empty(x.shape, dtype=_fp8_dtype(fmt))
 
 
-@torch.library.custom_op("fusedfp8::gelu_quantize_t", mutates_args=_MUTATED)
+@_register("gelu_quantize_t", _MUTATED)
 def gelu_quantize_t(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
                     fmt: str, margin_factor: float, current_first: bool, approximate: str) -> tuple[Tensor, Tensor]:
     """As :func:`gelu_quantize`, plus the quantized transpose of gelu(x)."""
@@ -121,7 +151,7 @@ def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, cur
 
 
 # ---- dgelu + quantize (+ dbias) (backward of the activation) ---------------------------------
-@torch.library.custom_op("fusedfp8::dgelu_quantize_t", mutates_args=_MUTATED)
+@_register("dgelu_quantize_t", _MUTATED)
 def dgelu_quantize_t(dy: Tensor, x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor,
                      updates: Tensor, index: int, fmt: str, margin_factor: float, current_first: bool,
                      approximate: str, dbias: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -141,7 +171,7 @@ def _(dy, x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
 
 
 # ---- dequantize ------------------------------------------------------------------------------
-@torch.library.custom_op("fusedfp8::dequantize", mutates_args=())
+@_register("dequantize", ())
 def dequantize(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
     """``dtype(float32(q) * scale_inv)``; q a float8 tensor, scale_inv a 1-element float32 tensor."""
     return _ops.dequantize(q, scale_inv, str(dtype).replace("torch.", ""))
