@@ -1,0 +1,424 @@
+"""Train-step benchmark of the MLP of DESIGN.md: LayerNorm -> Linear -> gelu(tanh) -> Linear,
+MSE loss on random regression data, Adam; bf16 against fusedfp8 FP8 in the same framework and run.
+
+Modes (``--modes``): ``bf16_eager``, ``bf16_compiled`` (torch.compile of forward + loss),
+``bf16_graphed`` (the whole step in one CUDA graph), ``fp8_eager`` (fusedfp8.pytorch.Fp8MLP),
+``fp8_compiled``, ``fp8_graphed``. A step is: zero_grad, forward, loss, backward,
+``Adam(fused=True, capturable=True).step()`` and, for FP8, ``fusedfp8.pytorch.update_scales``;
+graphed modes capture exactly that after three eager warm-up steps (the capture runs nothing;
+the warm-up steps count in the loss curve). Parameters are bf16 in every mode; the FP8 recipe is
+``DelayedScaling()`` (hybrid E4M3/E5M2, history 1024, 'max').
+
+Per shape (``hidden x ffn x tokens``), in this order:
+1. correctness: one forward/backward of the bf16 and the FP8 model from the same weights on the
+   same batch; SQNR of the output and of every parameter gradient must be >= 20 dB;
+2. per mode, from the same initial weights and data: ``--steps`` training steps (the loss curve;
+   graphed and compiled curves are also compared with their eager twin), then timing: CUDA
+   events around blocks of ``--block`` steps, ``--reps`` blocks, median per step;
+3. a profile of one eager step of bf16 and FP8 (``--no-profile`` skips it): device time per
+   kernel category (GEMM, fusedfp8 kernels, LayerNorm, Adam, other) against the step time,
+   which shows where the step goes and how much is host overhead.
+
+Targets (DESIGN.md): fusedfp8 >= 1.40x bf16 at 4096/16384/8192 and >= 1.0x at 1024/4096/2048
+(best FP8 mode against best bf16 mode, graphs allowed); mean loss of steps 91-100 within 2% of
+bf16's. Writes DIR/bench_mlp.json and DIR/bench_mlp.png; exits 1 when a correctness check fails.
+
+Usage:
+  python scripts/bench_mlp.py --framework torch [--out DIR] [--shapes 4096x16384x8192,1024x4096x2048]
+         [--modes bf16_eager,fp8_graphed,...] [--steps 100] [--block 10] [--reps 7] [--no-profile]
+  quick: --shapes 1024x4096x2048 --modes bf16_eager,fp8_eager,fp8_graphed --steps 20 --reps 3
+  CPU smoke test of the script itself (tiny shapes, no events / graphs): --device cpu --shapes 32x64x48
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import fusedfp8  # noqa: E402
+import fusedfp8.pytorch as fp8  # noqa: E402
+
+SHAPES = [(4096, 16384, 8192), (1024, 4096, 2048)]  # hidden, ffn, tokens
+MODES = ["bf16_eager", "bf16_compiled", "bf16_graphed", "fp8_eager", "fp8_compiled", "fp8_graphed"]
+TARGET_SPEEDUP = {(4096, 16384, 8192): 1.40, (1024, 4096, 2048): 1.0}
+LOSS_TOLERANCE = 0.02  # mean loss of steps 91-100 against bf16's
+SQNR_MIN_DB = 20.0
+LR = 1e-3
+GRAPH_WARMUP = 3
+KERNEL_CATEGORIES = (  # (category, name substrings), first match wins
+    ("fusedfp8", ("quantize_flat", "quantize_tiled", "update_scales", "dequantize_flat")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "sm80", "scaled_mm")),
+    ("layernorm", ("layer_norm", "layernorm")),
+    ("adam", ("adam",)),
+)
+
+
+class BF16MLP(nn.Module):
+    """The reference: the same parameter names as fusedfp8.pytorch.Fp8MLP."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+def mse(out, target):
+    return (out.float() - target.float()).pow(2).mean()
+
+
+def sqnr_db(want, got) -> float:
+    w, g = want.detach().double(), got.detach().double()
+    noise = float(((w - g) ** 2).sum())
+    return math.inf if noise == 0 else 10 * math.log10(float((w * w).sum()) / noise)
+
+
+# ---- setup -----------------------------------------------------------------------------------
+def make_data(hidden: int, tokens: int, device):
+    """x ~ N(0, 1); y = a fixed random teacher MLP of x (scaled to unit variance), bf16."""
+    g = torch.Generator(device=device).manual_seed(hidden * 7 + tokens)
+    x = torch.randn(tokens, hidden, device=device, generator=g)
+    w1 = torch.randn(hidden, hidden, device=device, generator=g) / math.sqrt(hidden)
+    w2 = torch.randn(hidden, hidden, device=device, generator=g) / math.sqrt(hidden)
+    y = torch.tanh(x @ w1) @ w2
+    y = y / y.std()
+    return x.to(torch.bfloat16), y.to(torch.bfloat16)
+
+
+def make_model(kind: str, hidden: int, ffn: int, init: dict, device):
+    with torch.device(device):
+        model = BF16MLP(hidden, ffn) if kind == "bf16" else fp8.Fp8MLP(hidden, ffn, fusedfp8.DelayedScaling())
+    model = model.to(torch.bfloat16)  # an Fp8MLP keeps its FP8 state in float32
+    missing, unexpected = model.load_state_dict(init, strict=False)
+    if unexpected or any(k.rsplit(".", 1)[-1] not in fusedfp8.state.STATE_FIELDS for k in missing):
+        raise RuntimeError(f"initial weights do not fit the {kind} model: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def make_optimizer(model, device):
+    fused = device.type == "cuda"
+    return torch.optim.Adam(model.parameters(), lr=LR, fused=fused, capturable=fused)
+
+
+class Runner:
+    """One mode on one shape: a model, its optimizer, and a ``step()`` returning the loss tensor."""
+
+    def __init__(self, mode: str, hidden: int, ffn: int, init: dict, x, y, device):
+        self.mode, self.device = mode, device
+        kind, how = mode.split("_")
+        self.kind, self.how = kind, how
+        self.model = make_model(kind, hidden, ffn, init, device)
+        self.opt = make_optimizer(self.model, device)
+        self.x, self.y = x, y
+        self.forward = lambda a, b: mse(self.model(a), b)
+        self.graph = self.static_loss = None
+        self.steps_done = 0
+
+    def eager_step(self):
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.forward(self.x, self.y)
+        loss.backward()
+        self.opt.step()
+        if self.kind == "fp8":
+            fp8.update_scales(self.model)
+        return loss
+
+    def step(self):
+        """One real training step (the first calls warm up / compile / capture as the mode needs)."""
+        self.steps_done += 1
+        if self.how == "eager":
+            return self.eager_step()
+        if self.how == "compiled":
+            if self.steps_done == 1 + (2 if self.kind == "fp8" else 0):
+                # FP8: two eager steps first link the states and settle the first-step flag, so
+                # the compiled graph is built once
+                self.forward = torch.compile(lambda a, b: mse(self.model(a), b), fullgraph=True, dynamic=False)
+            return self.eager_step()
+        if self.steps_done <= GRAPH_WARMUP:
+            if self.steps_done == 1:
+                self.side = torch.cuda.Stream()
+                self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                loss = self.eager_step()
+            if self.steps_done == GRAPH_WARMUP:
+                torch.cuda.current_stream().wait_stream(self.side)
+            return loss
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.static_loss = self.eager_step()
+        self.graph.replay()
+        return self.static_loss
+
+    def close(self):
+        self.graph = self.static_loss = None
+        del self.model, self.opt
+
+
+class Clock:
+    """CUDA events on a GPU, perf_counter on the CPU (smoke tests)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def time_per_step(self, step, block: int, reps: int) -> list[float]:
+        out = []
+        for _ in range(reps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(block):
+                    step()
+                b.record()
+                b.synchronize()
+                out.append(a.elapsed_time(b) / block)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(block):
+                    step()
+                out.append((time.perf_counter() - t0) * 1e3 / block)
+        return out
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+# ---- the three parts -------------------------------------------------------------------------
+def check_correctness(hidden, ffn, init, x, y, device) -> dict:
+    """Same weights, same batch: FP8 output and gradients against bf16, SQNR in dB."""
+    res = {}
+    grads = {}
+    for kind in ("bf16", "fp8"):
+        model = make_model(kind, hidden, ffn, init, device)
+        out = model(x)
+        mse(out, y).backward()
+        grads[kind] = {"output": out.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+        del model
+    for name, want in grads["bf16"].items():
+        res[name] = sqnr_db(want, grads["fp8"][name])
+    ok = all(v >= SQNR_MIN_DB for v in res.values())
+    return {"sqnr_db": res, "ok": ok}
+
+
+def profile_step(runner: Runner, clock: Clock) -> dict:
+    """Device time per kernel category over 3 eager steps, per step, in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        runner.step()
+    clock.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            runner.step()
+        clock.sync()
+    cats = {c: 0.0 for c, _ in KERNEL_CATEGORIES}
+    cats["other"] = 0.0
+    kernels = {}
+    for evt in prof.key_averages():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = evt.self_device_time_total / 1e3 / 3
+        if ms <= 0:
+            continue
+        name = evt.key.lower()
+        cat = next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), "other")
+        cats[cat] += ms
+        kernels[evt.key[:120]] = kernels.get(evt.key[:120], 0.0) + ms
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
+    return {"device_ms_per_step": cats, "device_ms_total": sum(cats.values()), "top_kernels_ms": top}
+
+
+def run_shape(shape, modes, args, device, clock) -> dict:
+    hidden, ffn, tokens = shape
+    torch.manual_seed(0)
+    with torch.device(device):
+        init = {k: v.to(torch.bfloat16) for k, v in BF16MLP(hidden, ffn).state_dict().items()}
+    x, y = make_data(hidden, tokens, device)
+    res = {"shape": {"hidden": hidden, "ffn": ffn, "tokens": tokens}, "modes": {}}
+    res["correctness"] = check_correctness(hidden, ffn, init, x, y, device)
+    print(f"[{hidden}x{ffn}x{tokens}] correctness ok={res['correctness']['ok']} "
+          + " ".join(f"{k}={v:.1f}dB" for k, v in res["correctness"]["sqnr_db"].items()), flush=True)
+    for mode in modes:
+        t0 = time.perf_counter()
+        torch._dynamo.reset()
+        runner = Runner(mode, hidden, ffn, init, x, y, device)
+        losses = torch.empty(args.steps, device=device)
+        for i in range(args.steps):
+            losses[i] = runner.step().detach()
+        clock.sync()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = clock.time_per_step(runner.step, args.block, args.reps)
+        row = {"loss": losses.tolist(), "step_ms": statistics.median(times), "step_ms_all": times,
+               "wall_s": time.perf_counter() - t0}
+        if device.type == "cuda":
+            row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if not args.no_profile and runner.how == "eager" and device.type == "cuda":
+            row["profile"] = profile_step(runner, clock)
+        runner.close()
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        res["modes"][mode] = row
+        print(f"[{hidden}x{ffn}x{tokens}] {mode:<14} {row['step_ms']:8.3f} ms/step  loss {row['loss'][0]:.4f} -> "
+              f"{row['loss'][-1]:.4f}  ({row['wall_s']:.0f} s)", flush=True)
+    summarize(shape, res, args.steps)
+    return res
+
+
+def summarize(shape, res, steps):
+    modes = res["modes"]
+    ms = {m: r["step_ms"] for m, r in modes.items()}
+    bf16 = {m: t for m, t in ms.items() if m.startswith("bf16")}
+    f8 = {m: t for m, t in ms.items() if m.startswith("fp8")}
+    s = {}
+    for m, t in f8.items():  # like for like
+        twin = "bf16_" + m.split("_")[1]
+        if twin in bf16:
+            s[f"{m}_vs_{twin}"] = bf16[twin] / t
+    if bf16 and f8:
+        best_b, best_f = min(bf16, key=bf16.get), min(f8, key=f8.get)
+        s["best"] = {"bf16": best_b, "fp8": best_f, "speedup": bf16[best_b] / f8[best_f]}
+        tgt = TARGET_SPEEDUP.get(tuple(shape))
+        if tgt is not None:
+            s["best"]["target"] = tgt
+            s["best"]["met"] = s["best"]["speedup"] >= tgt
+    tail = slice(max(0, steps - 10), steps)
+    ref_mode = next((m for m in ("bf16_eager", "bf16_compiled", "bf16_graphed") if m in modes), None)
+    if ref_mode is not None:
+        ref_tail = statistics.fmean(modes[ref_mode]["loss"][tail])
+        s["loss_tail_reference"] = {"mode": ref_mode, "mean": ref_tail, "steps": [tail.start + 1, tail.stop]}
+        for m in f8:
+            rel = statistics.fmean(modes[m]["loss"][tail]) / ref_tail - 1
+            s[f"{m}_loss_tail_rel"] = rel
+            s[f"{m}_loss_within_2pct"] = abs(rel) <= LOSS_TOLERANCE
+    for kind in ("bf16", "fp8"):  # graphed / compiled loss curves against their eager twin
+        eager = modes.get(f"{kind}_eager")
+        for how in ("compiled", "graphed"):
+            other = modes.get(f"{kind}_{how}")
+            if eager and other:
+                d = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(eager["loss"], other["loss"]))
+                s[f"{kind}_{how}_vs_eager_max_rel_loss_diff"] = d
+    res["summary"] = s
+
+
+# ---- output ----------------------------------------------------------------------------------
+def plot(results, path, meta):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    n = len(results)
+    fig, axes = plt.subplots(2, n, figsize=(6 * n, 8), squeeze=False)
+    for j, res in enumerate(results):
+        sh = res["shape"]
+        title = f"hidden {sh['hidden']} / ffn {sh['ffn']} / {sh['tokens']} tokens"
+        modes = list(res["modes"])
+        ax = axes[0][j]
+        vals = [res["modes"][m]["step_ms"] for m in modes]
+        colors = ["tab:gray" if m.startswith("bf16") else "tab:orange" for m in modes]
+        ax.bar(range(len(modes)), vals, color=colors)
+        ax.set_xticks(range(len(modes)), modes, rotation=30, ha="right")
+        ax.set_ylabel("ms / train step (median)")
+        best = res["summary"].get("best")
+        ax.set_title(title + (f"\nbest FP8 / best bf16: {best['speedup']:.2f}x" if best else ""))
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+        ax = axes[1][j]
+        for m in modes:
+            ax.plot(res["modes"][m]["loss"], label=m, lw=1.2 if m.startswith("fp8") else 2,
+                    ls="-" if m.startswith("fp8") else "--")
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("MSE loss")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"fusedfp8 MLP train step, torch {meta['torch']}, {meta['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def print_table(results):
+    print("\n| shape (hidden/ffn/tokens) | " + " | ".join(MODES) + " | best FP8 / best bf16 | loss 91-100 vs bf16 |")
+    print("| --- |" + " --- |" * (len(MODES) + 2))
+    for res in results:
+        sh, s = res["shape"], res["summary"]
+        cells = [f"{res['modes'][m]['step_ms']:.3f} ms" if m in res["modes"] else "-" for m in MODES]
+        best = s.get("best")
+        sp = f"{best['speedup']:.2f}x ({best['fp8']} / {best['bf16']})" if best else "-"
+        loss = ", ".join(f"{k.split('_loss')[0]} {v:+.2%}" for k, v in s.items() if k.endswith("_loss_tail_rel"))
+        print(f"| {sh['hidden']}/{sh['ffn']}/{sh['tokens']} | " + " | ".join(cells) + f" | {sp} | {loss or '-'} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--framework", choices=["torch"], required=True, help="the framework to benchmark")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder")
+    ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES),
+                    help="hidden x ffn x tokens, comma separated")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma separated, from {MODES}")
+    ap.add_argument("--steps", type=int, default=100, help="training steps of the loss curve")
+    ap.add_argument("--block", type=int, default=10, help="steps per timed block")
+    ap.add_argument("--reps", type=int, default=7, help="timed blocks (the median is reported)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of the eager steps")
+    ap.add_argument("--device", default="cuda", help="'cuda' (the benchmark) or 'cpu' (a smoke test of the script)")
+    args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"--modes: unknown {bad}; choose from {MODES}")
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    except ValueError:
+        ap.error(f"--shapes must be like 4096x16384x8192[,...]; got {args.shapes!r}")
+    if any(len(s) != 3 for s in shapes):
+        ap.error(f"--shapes: each shape is hidden x ffn x tokens; got {args.shapes!r}")
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1; got {args.steps}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device: run on the GPU machine, or --device cpu for a smoke test of the script")
+    if device.type != "cuda" and any(m.endswith("graphed") for m in modes):
+        ap.error("graphed modes need a CUDA device")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    clock = Clock(device)
+    t0 = time.perf_counter()
+    results = [run_shape(s, modes, args, device, clock) for s in shapes]
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
+            "fusedfp8": fusedfp8.__version__, "recipe": str(fusedfp8.DelayedScaling()), "lr": LR,
+            "wall_s": time.perf_counter() - t0, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    (out / "bench_mlp.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"wrote {out / 'bench_mlp.json'}")
+    plot(results, out / "bench_mlp.png", meta)
+    print_table(results)
+    for res in results:
+        print(json.dumps({"shape": res["shape"], "summary": res["summary"]}))
+    return 0 if all(r["correctness"]["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
