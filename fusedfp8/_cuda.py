@@ -159,18 +159,32 @@ class Kernel:
                                                                      block, ctypes.c_size_t(0))
         return n.value if err == 0 and n.value > 0 else 1
 
+    def _buffers(self):
+        """This thread's parameter buffer and the cuLaunchKernel 'extra' array pointing at it
+        (the driver copies the parameters at launch, so a buffer is reused call after call)."""
+        bufs = getattr(_tls, "bufs", None)
+        if bufs is None:
+            bufs = _tls.bufs = {}
+        found = bufs.get(self.size)
+        if found is None:
+            buf = ctypes.create_string_buffer(self.size)
+            size = ctypes.c_size_t(self.size)
+            extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
+            found = bufs[self.size] = (buf, size, extra)
+        return found
+
     def __call__(self, grid: int, block: int, stream_ptr: int, *args):
-        buf = struct.pack(self.fmt, *args)
-        size = ctypes.c_size_t(self.size)
-        cbuf = ctypes.create_string_buffer(buf, self.size)
-        extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(cbuf), 2, ctypes.addressof(size), 0)
-        err = _driver().cuLaunchKernel(ctypes.c_void_p(self.func), grid, 1, 1, block, 1, 1, 0,
-                                       ctypes.c_void_p(stream_ptr), None, extra)
+        buf, _, extra = self._buffers()
+        struct.pack_into(self.fmt, buf, 0, *args)
+        err = _driver().cuLaunchKernel(self.func, grid, 1, 1, block, 1, 1, 0, stream_ptr, None, extra)
         if err:
             msg = ctypes.c_char_p()
             _driver().cuGetErrorString(err, ctypes.byref(msg))
             raise RuntimeError(f"fusedfp8: launching {self.name} failed: CUDA error {err} "
                                f"({(msg.value or b'?').decode()})")
+
+
+_tls = threading.local()
 
 
 @functools.lru_cache(maxsize=None)

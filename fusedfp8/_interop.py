@@ -60,15 +60,19 @@ class ArrayInfo:
 
 
 def _torch_info(x, argname) -> ArrayInfo:
-    dev = x.device
-    if dev.type == "cuda":
-        device = dev.index if dev.index is not None else 0
-    elif dev.type == "cpu":
+    if x.is_cuda:
+        device = x.get_device()
+    elif x.is_cpu:
         device = -1
     else:
-        raise ValueError(f"{argname}: fusedfp8 runs on CUDA or CPU tensors; got a tensor on {dev}")
-    return ArrayInfo(x, "torch", device, str(x.dtype).replace("torch.", ""), tuple(x.shape),
-                     x.is_contiguous(), x.data_ptr() if device >= 0 else 0)
+        raise ValueError(f"{argname}: fusedfp8 runs on CUDA or CPU tensors; got a tensor on {x.device}")
+    return ArrayInfo(x, "torch", device, _torch_dtype_name(x.dtype), tuple(x.shape), x.is_contiguous(),
+                     x.data_ptr() if device >= 0 else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _cupy_info(x, argname) -> ArrayInfo:
