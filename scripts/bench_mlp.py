@@ -20,8 +20,9 @@ Per shape (``hidden x ffn x tokens``), in this order:
    which shows where the step goes and how much is host overhead.
 
 Targets (DESIGN.md): fusedfp8 >= 1.40x bf16 at 4096/16384/8192 and >= 1.0x at 1024/4096/2048
-(best FP8 mode against best bf16 mode, graphs allowed); mean loss of steps 91-100 within 2% of
-bf16's. Writes DIR/bench_mlp.json and DIR/bench_mlp.png; exits 1 when a correctness check fails.
+(graphs allowed); mean loss of steps 91-100 within 2% of bf16's. Reported both as the best FP8
+mode against the best bf16 mode (``best``, bf16_graphed included) and against the best of bf16
+eager / compiled (``issue_baseline``, the baselines the issue names). Writes DIR/bench_mlp.json and DIR/bench_mlp.png; exits 1 when a correctness check fails.
 
 Usage:
   python scripts/bench_mlp.py --framework torch [--out DIR] [--shapes 4096x16384x8192,1024x4096x2048]
@@ -32,7 +33,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -218,7 +218,15 @@ def check_correctness(hidden, ffn, init, x, y, device) -> dict:
 
 
 def profile_step(runner: Runner, clock: Clock) -> dict:
-    """Device time per kernel category over 3 eager steps, per step, in ms."""
+    """Device time per kernel category over 3 eager steps, per step, in ms (or the error: a
+    profiler problem must not lose the timings)."""
+    try:
+        return _profile_step(runner, clock)
+    except Exception as e:  # noqa: BLE001 - report any profiler failure as text
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _profile_step(runner: Runner, clock: Clock) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
@@ -293,13 +301,15 @@ def summarize(shape, res, steps):
         twin = "bf16_" + m.split("_")[1]
         if twin in bf16:
             s[f"{m}_vs_{twin}"] = bf16[twin] / t
-    if bf16 and f8:
-        best_b, best_f = min(bf16, key=bf16.get), min(f8, key=f8.get)
-        s["best"] = {"bf16": best_b, "fp8": best_f, "speedup": bf16[best_b] / f8[best_f]}
-        tgt = TARGET_SPEEDUP.get(tuple(shape))
-        if tgt is not None:
-            s["best"]["target"] = tgt
-            s["best"]["met"] = s["best"]["speedup"] >= tgt
+    tgt = TARGET_SPEEDUP.get(tuple(shape))
+    # "best": best FP8 mode against the best bf16 mode, bf16_graphed included; "issue_baseline":
+    # against the best of bf16 eager / compiled, the baselines the issue names
+    for key, base in (("best", bf16), ("issue_baseline", {m: t for m, t in bf16.items() if m != "bf16_graphed"})):
+        if base and f8:
+            best_b, best_f = min(base, key=base.get), min(f8, key=f8.get)
+            s[key] = {"bf16": best_b, "fp8": best_f, "speedup": base[best_b] / f8[best_f]}
+            if tgt is not None:
+                s[key].update(target=tgt, met=s[key]["speedup"] >= tgt)
     tail = slice(max(0, steps - 10), steps)
     ref_mode = next((m for m in ("bf16_eager", "bf16_compiled", "bf16_graphed") if m in modes), None)
     if ref_mode is not None:
@@ -361,15 +371,17 @@ def plot(results, path, meta):
 
 
 def print_table(results):
-    print("\n| shape (hidden/ffn/tokens) | " + " | ".join(MODES) + " | best FP8 / best bf16 | loss 91-100 vs bf16 |")
-    print("| --- |" + " --- |" * (len(MODES) + 2))
+    print("\n| shape (hidden/ffn/tokens) | " + " | ".join(MODES)
+          + " | best FP8 / best bf16 | best FP8 / best bf16 eager+compiled | loss 91-100 vs bf16 |")
+    print("| --- |" + " --- |" * (len(MODES) + 3))
     for res in results:
         sh, s = res["shape"], res["summary"]
         cells = [f"{res['modes'][m]['step_ms']:.3f} ms" if m in res["modes"] else "-" for m in MODES]
-        best = s.get("best")
-        sp = f"{best['speedup']:.2f}x ({best['fp8']} / {best['bf16']})" if best else "-"
+        sp = [f"{b['speedup']:.2f}x ({b['fp8']} / {b['bf16']})" if b else "-"
+              for b in (s.get("best"), s.get("issue_baseline"))]
         loss = ", ".join(f"{k.split('_loss')[0]} {v:+.2%}" for k, v in s.items() if k.endswith("_loss_tail_rel"))
-        print(f"| {sh['hidden']}/{sh['ffn']}/{sh['tokens']} | " + " | ".join(cells) + f" | {sp} | {loss or '-'} |")
+        print(f"| {sh['hidden']}/{sh['ffn']}/{sh['tokens']} | " + " | ".join(cells) + f" | {sp[0]} | {sp[1]} | "
+              f"{loss or '-'} |")
 
 
 def main(argv=None) -> int:

@@ -153,6 +153,21 @@ def test_custom_op_dgelu_dbias_and_its_empty_placeholder():
     assert torch.ops.fusedfp8.dgelu_quantize_t(dy, x, *st, 1, "e5m2", 1.0, True, "tanh", False)[2].shape == (0,)
 
 
+def test_call_skips_the_dispatcher_only_when_nothing_traces(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from fusedfp8.pytorch import ops as fops
+
+    _, st = _state_args()
+    x = inputs(16, 32)
+    monkeypatch.setitem(fops._IMPLS, fops.quantize_t, lambda *args: "direct")
+    assert fops.call(fops.quantize_t, x, *st, 0, "e4m3", 1.0, True) == "direct"
+    with FakeTensorMode() as mode:  # a dispatch mode is tracing: the custom op (its fake) runs
+        fake = [mode.from_tensor(t) for t in (x, *st)]
+        q, q_t = fops.call(fops.quantize_t, *fake, 0, "e4m3", 1.0, True)
+    assert isinstance(q, FakeTensor) and q.dtype == torch.float8_e4m3fn and q_t.shape == (32, 16)
+
+
 # ---- straight-through quantizer --------------------------------------------------------------
 def test_quantize_ste_forward_is_fake_quant_and_gradient_is_identity():
     recipe = DelayedScaling(amax_history_len=4)
@@ -352,15 +367,33 @@ def test_state_is_registered_buffers_and_a_scaling_state_view():
     assert st.grad == GRAD and st.amax_history is f.amax_history
 
 
-def test_state_dict_round_trip_is_bitwise_and_training_continues_identically():
-    model = _trained()
+def _save_load(obj):
     blob = io.BytesIO()
-    torch.save(model.state_dict(), blob)
+    torch.save(obj, blob)
     blob.seek(0)
+    return torch.load(blob)
+
+
+@pytest.mark.parametrize("through", ["state_dict", "torch.save"])
+def test_state_dict_round_trip_is_bitwise_and_training_continues_identically(through):
+    model = _trained()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    if through == "torch.save":
+        try:
+            saved = _save_load(model.state_dict())
+        except RuntimeError:
+            # torch 2.13 (CPU) in a process that has compiled an NVRTC program through
+            # cuda-bindings (tests/test_compile.py) fails to load some float tensors (32 elements:
+            # 'record size (128 bytes) does not match expected size (0 bytes ...)'). Skip only if
+            # plain tensors of the same shapes, unrelated to fusedfp8, fail the same way.
+            plain = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in saved.items()}
+            with pytest.raises(RuntimeError):
+                _save_load(plain)
+            pytest.skip("torch.load is broken in this process (after an NVRTC compile through cuda-bindings)")
     recipe = DelayedScaling(amax_history_len=8)
     torch.manual_seed(1)
     other = nn.Sequential(fp8.Fp8MLP(32, 64, recipe), fp8.Fp8Linear(32, 16, recipe=recipe))
-    other.load_state_dict(torch.load(blob))
+    other.load_state_dict(saved)
     for (k, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
         assert same_bytes(a, b), k
     o1, o2 = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1)

@@ -2,6 +2,7 @@
 
 ::
 
+    import fusedfp8
     import fusedfp8.pytorch as fp8
 
     model = fp8.convert_to_fp8(model, fusedfp8.DelayedScaling())   # nn.Linear -> Fp8Linear

@@ -11,8 +11,10 @@ its transpose (``x_t`` (K, M), ``w_t`` (K, N), ``g_t`` (N, M)):
     wgrad    dw = g.T @ x   = _scaled_mm(g_t_q, x_t_q.t())    (N, M) x (M, K)
 
 so the forward saves only ``x_t_q``, ``w_t_q`` and their ``scale_inv`` (copied: the state may
-move on before the backward runs), never the bf16 input or weight. On the CPU the same calls
-run through :func:`scaled_mm`'s float32 emulation of ``_scaled_mm`` on the exact FP8 values.
+move on before the backward runs), never the bf16 input or weight. The forward GEMM uses
+``_scaled_mm``'s fast accumulation, the backward GEMMs (long reductions over tokens) the
+precise one, as Transformer Engine and torchao do. On the CPU the same calls run through
+:func:`scaled_mm`'s float32 emulation of ``_scaled_mm`` on the exact FP8 values.
 """
 from __future__ import annotations
 
@@ -227,7 +229,8 @@ class _MLPFn(torch.autograd.Function):
         da = scaled_mm(gy_q, w2_t.t(), g2_si, si2[1:2], None, z.dtype)
         dw2 = scaled_mm(gy_t, a_t.t(), g2_si, si2[0:1], None, w2_dtype)
         db2 = _bias_grad(gy, b2_dtype) if b2_dtype is not None else None
-        dz_q, dz_t, db1 = fops.call(fops.dgelu_quantize_t, da, z, *st1, 2, grad_fmt, mf, cf1, approximate, b1_dtype is not None)
+        dz_q, dz_t, db1 = fops.call(fops.dgelu_quantize_t, da, z, *st1, 2, grad_fmt, mf, cf1, approximate,
+                                    b1_dtype is not None)
         g1_si = st1[2][2:3]
         dh = scaled_mm(dz_q, w1_t.t(), g1_si, si1[1:2], None, h_dtype).reshape(h_shape)
         dw1 = scaled_mm(dz_t, h_t.t(), g1_si, si1[0:1], None, w1_dtype)

@@ -15,7 +15,17 @@ accumulated, whether its weight was modified in place (an optimizer step: the we
 counter moved) since its previous backward without ``update_scales`` in between; it then raises
 :class:`MissedScaleUpdateError` (``missed_update='raise'``, the default), warns with
 :class:`MissedScaleUpdateWarning` (``'warn'``) or stays silent (``'ignore'``). Gradient
-accumulation (several backwards, one step) is not a missed update.
+accumulation (several backwards, one step) is not a missed update. The hook is Python run by
+the autograd engine, so it works in eager mode and under torch.compile (whose compiled
+backward still accumulates into ``.grad`` through the engine); it cannot see inside a CUDA
+graph replay (nothing of Python runs there: the capture and the eager warm-up steps are
+checked) nor a module whose weight is frozen. A missed update is reported at the backward of
+the step after the one that missed it.
+
+First step. Until a module has been through a training step and an update, its kernels launch
+the first-step pre-pass (current scaling, decided on the device by ``updates``); afterwards the
+module stops launching it (one launch per quantized tensor saved). Loading a state resets this.
+Forward passes also stage amaxes in eval mode and under ``torch.no_grad()``.
 """
 from __future__ import annotations
 
@@ -108,14 +118,19 @@ class Fp8Linear(nn.Linear):
     Input: (..., in_features), float32 / float16 / bfloat16; output (..., out_features) in the
     input's dtype; weight and bias of any of those dtypes (e.g. float32 master weights).
 
-    Raises (forward, before anything runs or is written)
+    Raises
     ------
     TypeError
-        On a non-float input or weight.
+        At construction, on a recipe that is not a DelayedScaling; in forward (before anything
+        runs or is written), on a non-float input or weight.
     ValueError
-        On a wrong feature count, input and weight on different devices, or (CUDA only) a GEMM
-        dimension that is not a multiple of 16: in_features, out_features, and the number of
-        tokens when the weight gradient is needed.
+        At construction, on a bad ``missed_update``; in forward, on a wrong feature count, input
+        and weight on different devices, or (CUDA only) a GEMM dimension that is not a multiple
+        of 16: in_features, out_features, and the number of tokens when the weight gradient is
+        needed (padding is left to the caller: it would copy the input). On load, on a state
+        whose history length differs from the recipe's.
+    MissedScaleUpdateError
+        In backward, see ``missed_update``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -192,8 +207,8 @@ class Fp8Linear(nn.Linear):
         want = (self._recipe.amax_history_len, len(GRAD))
         if hist is not None and tuple(hist.shape) != want:
             raise ValueError(
-                f"{type(self).__name__}.load_state_dict: '{key}' has shape {tuple(hist.shape)} but this module's recipe "
-                f"has amax_history_len={want[0]}, so the state must be {want}; build the module with "
+                f"{type(self).__name__}.load_state_dict: '{key}' has shape {tuple(hist.shape)} but this module's "
+                f"recipe has amax_history_len={want[0]}, so the state must be {want}; build the module with "
                 f"DelayedScaling(amax_history_len={hist.shape[0]}) to load this state")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)

@@ -44,6 +44,7 @@ __all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_
 
 _MUTATED = ("amax_history", "scale", "scale_inv")
 _IMPLS: dict = {}  # custom op -> its Python implementation
+_PLAIN = (Tensor, torch.nn.Parameter)  # tensor types that nothing can be tracing
 
 
 def _register(name: str, mutates_args):
@@ -70,9 +71,6 @@ def call(op, *args):
             or any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args)):
         return op(*args)
     return _IMPLS[op](*args)
-
-
-_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _slot(amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int, fmt: str,
