@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .formats import Format
 
 THREADS = 256  # -DFF8_THREADS for the element-wise kernels
 TILE_R, TILE_C = 128, 64  # the tiled kernel's tile (rows, columns), fixed in quantize.cu
@@ -246,10 +245,6 @@ def flat_grid(kernel: "Kernel", n: int, device_id: int, per_thread: int = 16) ->
 def tiled_grid(kernel: "Kernel", rows: int, cols: int, device_id: int) -> int:
     tiles = -(-rows // TILE_R) * -(-cols // TILE_C)
     return max(1, min(tiles, kernel.blocks_per_sm(256) * sm_count(device_id)))
-
-
-def fmt_id(fmt: Format) -> int:
-    return FMT_IDS[fmt.name]
 
 
 @functools.lru_cache(maxsize=None)

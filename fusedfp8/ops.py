@@ -149,7 +149,7 @@ def _host_run(p: _Plan, approximate: str) -> Quantized:
         res = ref._finish(y, amax_y, np.float32(s), p.fmt, p.transpose)
     dbias = None
     if p.dbias:
-        dbias = io.from_numpy(ref._as_2d(y).astype(np.float64).sum(axis=0).astype(np.float32), p.xi)
+        dbias = io.from_numpy(ref.column_sums(y), p.xi)
     data_t = io.from_numpy(res.data_t, p.xi) if res.data_t is not None else None
     return Quantized(io.from_numpy(res.data, p.xi), amax_out, data_t, dbias)
 
@@ -222,12 +222,6 @@ def _run(p: _Plan, approximate: str = "tanh") -> Quantized:
     return _host_run(p, approximate)
 
 
-def _check_approximate(approximate) -> str:
-    if approximate not in _APPROX:
-        raise ValueError(f"approximate must be 'tanh' or 'none'; got {approximate!r}")
-    return approximate
-
-
 # ---- public API ------------------------------------------------------------------------------
 def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose: bool = False) -> Quantized:
     """Quantize ``x`` to FP8 and compute its amax in one pass.
@@ -260,7 +254,7 @@ def gelu_quantize(x, scale, fmt: str | Format | None = None, *, approximate: str
                   transpose: bool = False) -> Quantized:
     """``y = gelu(x)`` (float32; ``approximate`` 'tanh' or 'none' as in torch / jax.nn.gelu),
     quantized as :func:`quantize` does; ``amax = max |y|``. Same arguments and errors."""
-    return _run(_Plan(x, None, scale, fmt, amax, "gelu", transpose, False), _check_approximate(approximate))
+    return _run(_Plan(x, None, scale, fmt, amax, "gelu", transpose, False), ref._check_approximate(approximate))
 
 
 def dgelu_quantize(dy, x, scale, fmt: str | Format | None = None, *, approximate: str = "tanh", amax=None,
@@ -270,7 +264,7 @@ def dgelu_quantize(dy, x, scale, fmt: str | Format | None = None, *, approximate
     the unquantized dx over its (M, N) view (deterministic; equal to the reference within float32
     summation order). ``dy`` and ``x``: same shape, dtype and device."""
     return _run(_Plan(dy, x, scale, fmt, amax, "dgelu", transpose, dbias, argname="dy"),
-                _check_approximate(approximate))
+                ref._check_approximate(approximate))
 
 
 def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = None):

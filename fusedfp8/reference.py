@@ -225,6 +225,11 @@ def dgelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
     return np.asarray(g, np.float32)
 
 
+def column_sums(v: np.ndarray, argname: str = "dy") -> np.ndarray:
+    """(N,) float32 column sums of v viewed as (M, N), accumulated in float64 (the dbias oracle)."""
+    return _as_2d(v, argname).astype(np.float64).sum(axis=0).astype(np.float32)
+
+
 def _check_approximate(approximate: str) -> str:
     if approximate not in ("tanh", "none"):
         raise ValueError(f"approximate must be 'tanh' or 'none'; got {approximate!r}")
@@ -247,7 +252,7 @@ def dgelu_quantize(dy, x, scale, fmt: str | Format = "e5m2", approximate: str = 
         raise ValueError(f"dy and x must have the same shape; got {dyf.shape} and {xf.shape}")
     with np.errstate(all="ignore"):
         dx = (dyf * dgelu_f32(xf, _check_approximate(approximate))).astype(np.float32)
-        db = _as_2d(dx, "dy").astype(np.float64).sum(axis=0).astype(np.float32) if dbias else None
+        db = column_sums(dx) if dbias else None
     return _finish(dx, amax(dx), scale, fmt, transpose, db)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fusedfp8.pytorch as fp8
+from _torch_helpers import Spy, inputs
 from fusedfp8 import ops
 from fusedfp8 import reference as ref
 from fusedfp8.pytorch import convert as fp8_convert
@@ -55,28 +56,6 @@ def same_bytes(a, b) -> bool:
 
 def same_state(module: fp8.Fp8Linear, twin: ScalingState) -> bool:
     return all(same_bytes(getattr(module, f), getattr(twin, f)) for f in STATE_FIELDS)
-
-
-def inputs(rows: int, cols: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
-    """Normal values whose rows span 2**-4 .. 2**4 (so a scale from the amax matters)."""
-    g = torch.Generator().manual_seed(seed)
-    mag = torch.exp2(torch.randint(-4, 5, (rows, 1), generator=g).float())
-    return (torch.randn(rows, cols, generator=g) * mag).to(dtype)
-
-
-class Spy:
-    """Records every scaled_mm call: (a, b, scale_a, scale_b, result)."""
-
-    def __init__(self, monkeypatch):
-        self.calls = []
-        real = F8.scaled_mm
-
-        def spy(a, b, sa, sb, bias, out_dtype, fast_accum=False):
-            out = real(a, b, sa, sb, bias, out_dtype, fast_accum)
-            self.calls.append((a, b, sa.clone(), sb.clone(), out))
-            return out
-
-        monkeypatch.setattr(F8, "scaled_mm", spy)
 
 
 def train_step(model, x, target, opt, update=True):

@@ -14,6 +14,8 @@ from torch import nn
 
 import fusedfp8.pytorch as fp8
 from _markers import requires_fp8_gemm
+from _torch_helpers import Spy
+from _torch_helpers import inputs as _inputs
 from fusedfp8 import ops
 from fusedfp8.pytorch import functional as F8
 from fusedfp8.recipe import DelayedScaling
@@ -54,23 +56,8 @@ def same_state(module, twin: ScalingState) -> bool:
 
 
 def inputs(rows, cols, dtype=torch.float32, seed=0):
-    """Normal values whose rows span 2**-4 .. 2**4, on the GPU."""
-    g = torch.Generator().manual_seed(seed)
-    mag = torch.exp2(torch.randint(-4, 5, (rows, 1), generator=g).float())
-    return (torch.randn(rows, cols, generator=g) * mag).to(device=DEV, dtype=dtype)
-
-
-class Spy:
-    def __init__(self, monkeypatch):
-        self.calls = []
-        real = F8.scaled_mm
-
-        def spy(a, b, sa, sb, bias, out_dtype, fast_accum=False):
-            out = real(a, b, sa, sb, bias, out_dtype, fast_accum)
-            self.calls.append((a, b, sa.clone(), sb.clone(), out))
-            return out
-
-        monkeypatch.setattr(F8, "scaled_mm", spy)
+    """As _torch_helpers.inputs, on the GPU."""
+    return _inputs(rows, cols, dtype, seed, device=DEV)
 
 
 def mse_step(model, x, target, opt):
