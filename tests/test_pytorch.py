@@ -18,7 +18,6 @@ from _torch_helpers import Spy, inputs
 from fusedfp8 import ops
 from fusedfp8 import reference as ref
 from fusedfp8.pytorch import convert as fp8_convert
-from fusedfp8.pytorch import functional as F8
 from fusedfp8.pytorch.modules import check_gemm_dims
 from fusedfp8.recipe import DelayedScaling
 from fusedfp8.state import STATE_FIELDS, ScalingState

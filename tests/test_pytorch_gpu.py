@@ -17,7 +17,6 @@ from _markers import requires_fp8_gemm
 from _torch_helpers import Spy
 from _torch_helpers import inputs as _inputs
 from fusedfp8 import ops
-from fusedfp8.pytorch import functional as F8
 from fusedfp8.recipe import DelayedScaling
 from fusedfp8.state import STATE_FIELDS, ScalingState
 
