@@ -134,6 +134,20 @@ __device__ __forceinline__ bool launch_scale(const float* scale, const float* am
     return fresh;
 }
 
+// Block 0, thread 0 of a quantize launch: a first step stores the scale it chose (and its
+// inverse) into the state; every launch may also hand out 1 / s in a separate, aligned 1-float
+// output, the operand scale of the GEMM that consumes the FP8 data (bitwise the state's
+// scale_inv, which the update also computes as fdiv(1, s)).
+__device__ __forceinline__ void publish_scale(bool fresh, float s, float* scale_out, float* scale_inv_out,
+                                              float* scale_inv_used) {
+    const float inv = fdiv(1.0f, s);
+    if (fresh && scale_out != nullptr) {
+        *scale_out = s;
+        *scale_inv_out = inv;
+    }
+    if (scale_inv_used != nullptr) *scale_inv_used = inv;
+}
+
 // ---- the library's own exp / erfc / gelu (op for op as in reference.py) --------------------
 #define FF8_LOG2E 0x1.715476p+0f
 #define FF8_LN2_HI 0x1.62e4p-1f

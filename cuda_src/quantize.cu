@@ -34,6 +34,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
     float* amax,                      // [1] amax slot, max-accumulated (NaN-propagating)
     float* scale_out,                 // [1] or null: first step writes the scale it used
     float* scale_inv_out,             // [1] or null: and its inverse
+    float* scale_inv_used,            // [1] or null: 1 / the scale this launch used (any step)
     const int* updates,               // [1] or null: first-step flag (0 = first step)
     i64 n,                            // number of elements
     float margin_factor)              // 2**margin, for the first-step scale
@@ -43,10 +44,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
     bool fresh = false;
     if (STORE) {
         fresh = launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, &s);
-        if (fresh && blockIdx.x == 0 && threadIdx.x == 0 && scale_out != nullptr) {
-            *scale_out = s;
-            *scale_inv_out = fdiv(1.0f, s);
-        }
+        if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
     }
     u32 m = 0;
     const i64 tid = (i64)blockIdx.x * FF8_THREADS + threadIdx.x;
@@ -115,6 +113,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
     float* amax,                      // [1] amax slot, max-accumulated
     float* scale_out,                 // [1] or null (first step)
     float* scale_inv_out,             // [1] or null (first step)
+    float* scale_inv_used,            // [1] or null: 1 / the scale this launch used (any step)
     const int* updates,               // [1] or null: first-step flag
     i64 rows, i64 cols,               // logical shape
     int vec,                          // 1: x, b, q 16-byte aligned and cols % 8 == 0
@@ -126,10 +125,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
     __shared__ int is_last;
     float s;
     const bool fresh = launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, &s);
-    if (fresh && blockIdx.x == 0 && threadIdx.x == 0 && scale_out != nullptr) {
-        *scale_out = s;
-        *scale_inv_out = fdiv(1.0f, s);
-    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
     const i64 tiles_r = (rows + TILE_R - 1) / TILE_R, tiles_c = (cols + TILE_C - 1) / TILE_C;
     const int t = threadIdx.x, lr = t >> 3, lc = (t & 7) * 8;
     u32 m = 0;

@@ -127,8 +127,9 @@ compile_count = 0  # modules compiled (or loaded from CuPy's disk cache) in this
 # refuses the launch (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); tests/test_compile.py checks each
 # against the parameter bank size NVRTC records in the cubin.
 SIGNATURES = {
-    "flat": "@8Pqf",         # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, updates, n, margin
-    "tiled": "@12Pqqiif",    # quantize_tiled: 12 pointers, rows, cols, vec, vec_t, margin
+    "flat": "@9Pqf",         # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
+                             #                updates, n, margin
+    "tiled": "@13Pqqiif",    # quantize_tiled: 13 pointers, rows, cols, vec, vec_t, margin
     "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
     "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
 }

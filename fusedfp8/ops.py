@@ -151,7 +151,8 @@ def _host_run(p: _Plan, approximate: str) -> Quantized:
     if p.dbias:
         dbias = io.from_numpy(ref.column_sums(y), p.xi)
     data_t = io.from_numpy(res.data_t, p.xi) if res.data_t is not None else None
-    return Quantized(io.from_numpy(res.data, p.xi), amax_out, data_t, dbias)
+    scale_inv = io.from_numpy(np.array([np.float32(1.0) / np.float32(s)], np.float32), p.xi)
+    return Quantized(io.from_numpy(res.data, p.xi), amax_out, data_t, dbias, scale_inv)
 
 
 # ---- device path -----------------------------------------------------------------------------
@@ -159,61 +160,102 @@ def _aligned(*ptrs: int) -> bool:
     return all(q % 16 == 0 for q in ptrs)
 
 
+QUANTIZE_OPS = ("identity", "gelu_tanh", "gelu_erf", "dgelu_tanh", "dgelu_erf")
+
+
+def launch_quantize(device: int, stream: int, *, dtype: str, fmt: Format, op: str, x: int, b: int, q: int,
+                    scale: int, amax: int, rows: int, cols: int, q_t: int = 0, dbias: int = 0, partial: int = 0,
+                    counters: int = 0, scale_inv_used: int = 0, first: bool = False, updates: int = 0,
+                    scale_out: int = 0, scale_inv_out: int = 0, margin_factor: float = 1.0) -> None:
+    """Launch the quantize kernels on raw device pointers (the layer under every GPU entry point:
+    :func:`quantize` and friends, the torch custom ops, the JAX buffer callbacks).
+
+    Nothing is checked here beyond the names: the caller owns shapes, dtypes and lifetimes.
+
+    Parameters
+    ----------
+    device, stream : CUDA device ordinal and stream handle (0 = legacy default stream).
+    dtype : 'float32' | 'float16' | 'bfloat16', the input's dtype.
+    fmt : the FP8 format of ``q`` / ``q_t``.
+    op : one of :data:`QUANTIZE_OPS`; for 'dgelu_*' ``x`` is dy and ``b`` is the forward input.
+    x, b, q : input(s) (rows x cols, row-major) and the FP8 output (same shape, bytes).
+    scale : (1,) float32, read.  amax : (1,) float32, max-accumulated (NaN-propagating).
+    q_t : (cols, rows) FP8 transpose, or 0.  dbias : (cols,) float32 column sums, or 0; needs
+        ``partial`` (ceil(rows/128) * cols float32 workspace) and ``counters`` (ceil(cols/64) int32,
+        zero before the first launch; the kernel leaves them zero).
+    scale_inv_used : (1,) float32 receiving ``1 / scale`` as used (written even when rows*cols
+        is 0), or 0.
+    first : launch the first-step pre-pass; then ``updates`` (int32 flag, 0 = first step),
+        ``scale_out`` and ``scale_inv_out`` (the state's entries, written on a first step) are set.
+    margin_factor : 2**margin, for the first-step scale.
+    """
+    kern = _cuda.kernels(_cuda.ModuleKey("quantize", dtype, fmt.name, op), device)
+    n = rows * cols
+    if not first:
+        updates = scale_out = scale_inv_out = 0
+    if n == 0:
+        if scale_inv_used:  # nothing to quantize, still hand out 1 / scale (amax max-accumulates 0)
+            kern["flat_vec0_store1"](1, _cuda.THREADS, stream, x, b, q, scale, amax, 0, 0, scale_inv_used, 0, 0,
+                                     margin_factor)
+        return
+    vec = _aligned(x, b, q)
+    if first:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
+        pre = kern[f"flat_vec{int(vec)}_store0"]
+        pre(_cuda.flat_grid(pre, n, device), _cuda.THREADS, stream, x, b, q, scale, amax, 0, 0, 0, updates, n,
+            margin_factor)
+    if q_t or dbias:
+        tiled = kern["tiled"]
+        tiled(_cuda.tiled_grid(tiled, rows, cols, device), 256, stream, x, b, q, q_t, dbias, partial, counters,
+              scale, amax, scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
+              int(vec and cols % 8 == 0), int(bool(q_t) and q_t % 8 == 0 and rows % 8 == 0), margin_factor)
+    else:
+        flat = kern[f"flat_vec{int(vec)}_store1"]
+        flat(_cuda.flat_grid(flat, n, device), _cuda.THREADS, stream, x, b, q, scale, amax, scale_out,
+             scale_inv_out, scale_inv_used, updates, n, margin_factor)
+
+
+def launch_update_scales(device: int, stream: int, *, amax_history: int, scale: int, scale_inv: int,
+                         overflows: int, updates: int, fmt_max: int, n: int, L: int, margin_factor: float,
+                         algo_max: bool) -> None:
+    """Launch the fused update (:func:`fusedfp8.state.update_rule`) on raw pointers, in place:
+    ``amax_history`` (L, n) float32, ``scale``/``scale_inv`` (n,) float32, ``overflows``/``updates``
+    (n,) int32, ``fmt_max`` (n,) float32 (each tensor's format max)."""
+    kern = _cuda.kernels(_cuda.ModuleKey("update_scales"), device)["update"]
+    kern(-(-n // 128), 128, stream, amax_history, scale, scale_inv, overflows, updates, fmt_max, n, L,
+         margin_factor, int(algo_max))
+
+
 def _device_run(p: _Plan, approximate: str) -> Quantized:
     xi = io.device_view(p.xi)
     bi = io.device_view(p.bi) if p.bi is not None else None
-    dev = xi.device
     op = {"identity": "identity", "gelu": f"gelu_{_APPROX[approximate]}",
           "dgelu": f"dgelu_{_APPROX[approximate]}"}[p.op]
-    kern = _cuda.kernels(_cuda.ModuleKey("quantize", xi.dtype, p.fmt.name, op), dev)
-    n = p.xi.size
     q = io.empty(p.xi, p.xi.shape, p.fmt.dtype_name)
     q_t = io.empty(p.xi, (p.cols, p.rows), p.fmt.dtype_name) if p.transpose else None
-    scale = io.device_view(p.scale)
     amax = io.device_view(p.amax) if p.amax is not None else None
     amax_arr = amax.array if amax is not None else io.zeros(p.xi, (1,), "float32")
-    amax_ptr = io.data_ptr(amax_arr)
+    scale_inv = io.empty(p.xi, (1,), "float32")
     dbias = partial = counters = None
     if p.dbias:
-        dbias = io.empty(p.xi, (p.cols,), "float32")
+        dbias = io.empty(p.xi, (p.cols,), "float32") if p.xi.size else io.zeros(p.xi, (p.cols,), "float32")
         partial = io.empty(p.xi, (-(-p.rows // _cuda.TILE_R), p.cols), "float32")
         counters = io.zeros(p.xi, (-(-p.cols // _cuda.TILE_C),), "int32")
     first = p.slot is not None and p.slot.current_first and bool(p.slot.host_fresh[0])
     if p.slot is not None:
         p.slot.host_pending[0] = True
-    upd = scale_out = scale_inv_out = 0
-    if first:
-        upd = p.updates.ptr
-        scale_out, scale_inv_out = p.scale.ptr, p.scale_inv.ptr
-    x_ptr, b_ptr, q_ptr = xi.ptr, bi.ptr if bi is not None else 0, io.data_ptr(q)
-    margin = p.slot.margin_factor if p.slot is not None else 1.0
-    stream = io.stream_ptr(p.xi)
-    if n:
-        vec = _aligned(x_ptr, b_ptr, q_ptr)
-        if first:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
-            pre = kern[f"flat_vec{int(vec)}_store0"]
-            pre(_cuda.flat_grid(pre, n, dev), _cuda.THREADS, stream, x_ptr, b_ptr, q_ptr, scale.ptr, amax_ptr,
-                                               0, 0, upd, n, margin)
-        if p.transpose or p.dbias:
-            q_t_ptr = io.data_ptr(q_t) if q_t is not None else 0
-            vec2 = int(vec and p.cols % 8 == 0)
-            vec_t = int(q_t is not None and q_t_ptr % 8 == 0 and p.rows % 8 == 0)
-            tiled = kern["tiled"]
-            tiled(_cuda.tiled_grid(tiled, p.rows, p.cols, dev), 256, stream, x_ptr, b_ptr, q_ptr, q_t_ptr,
-                          io.data_ptr(dbias) if dbias is not None else 0,
-                          io.data_ptr(partial) if partial is not None else 0,
-                          io.data_ptr(counters) if counters is not None else 0, scale.ptr, amax_ptr, scale_out,
-                          scale_inv_out, upd, p.rows, p.cols, vec2, vec_t, margin)
-        else:
-            flat = kern[f"flat_vec{int(vec)}_store1"]
-            flat(_cuda.flat_grid(flat, n, dev), _cuda.THREADS, stream, x_ptr, b_ptr, q_ptr, scale.ptr, amax_ptr,
-                                               scale_out, scale_inv_out, upd, n, margin)
-    elif p.dbias:
-        dbias = io.zeros(p.xi, (p.cols,), "float32")
+    ptr = io.data_ptr
+    launch_quantize(
+        xi.device, io.stream_ptr(p.xi), dtype=xi.dtype, fmt=p.fmt, op=op, x=xi.ptr, b=bi.ptr if bi is not None else 0,
+        q=ptr(q), scale=io.device_view(p.scale).ptr, amax=ptr(amax_arr), rows=p.rows, cols=p.cols,
+        q_t=ptr(q_t) if q_t is not None else 0, dbias=ptr(dbias) if p.dbias and p.xi.size else 0,
+        partial=ptr(partial) if p.dbias else 0, counters=ptr(counters) if p.dbias else 0,
+        scale_inv_used=ptr(scale_inv), first=first, updates=p.updates.ptr if first else 0,
+        scale_out=p.scale.ptr if first else 0, scale_inv_out=p.scale_inv.ptr if first else 0,
+        margin_factor=p.slot.margin_factor if p.slot is not None else 1.0)
     c = p.xi
     return Quantized(io.fp8_out(q, p.fmt, c), io.out_for_caller(amax_arr, c) if amax is None else p.amax.array,
                      io.fp8_out(q_t, p.fmt, c) if q_t is not None else None,
-                     io.out_for_caller(dbias, c) if dbias is not None else None)
+                     io.out_for_caller(dbias, c) if dbias is not None else None, io.out_for_caller(scale_inv, c))
 
 
 def _run(p: _Plan, approximate: str = "tanh") -> Quantized:
@@ -240,7 +282,8 @@ def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose:
     Returns
     -------
     Quantized
-        ``data`` (shape of x, FP8), ``amax`` (1-element float32), ``data_t`` ((N, M) or None).
+        ``data`` (shape of x, FP8), ``amax`` (1-element float32), ``data_t`` ((N, M) or None),
+        ``scale_inv`` ((1,) float32 in a buffer of its own: 1 / the scale used, the GEMM operand scale).
 
     Raises
     ------
@@ -340,10 +383,9 @@ def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
             views = [io.ArrayInfo(c, "cupy", v.device, v.dtype, v.shape, True, int(c.data.ptr))
                      for v in views for c in (v.array.copy(),)]
         fmt_max = _fmt_max_device(state, recipe, hi)
-        n, L = state.num_tensors, state.history_len
-        kern = _cuda.kernels(_cuda.ModuleKey("update_scales"), hi.device)["update"]
-        kern(-(-n // 128), 128, io.stream_ptr(hi), *(v.ptr for v in views), io.data_ptr(fmt_max), n, L,
-             recipe.margin_factor, int(recipe.amax_compute_algo == "max"))
+        launch_update_scales(hi.device, io.stream_ptr(hi), **{f: v.ptr for f, v in zip(STATE_FIELDS, views)},
+                             fmt_max=io.data_ptr(fmt_max), n=state.num_tensors, L=state.history_len,
+                             margin_factor=recipe.margin_factor, algo_max=recipe.amax_compute_algo == "max")
         if hi.framework == "jax":
             new = state.replace(**{f: io.out_for_caller(v.array, hi) for f, v in zip(STATE_FIELDS, views)})
         else:

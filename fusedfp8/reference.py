@@ -116,12 +116,15 @@ class Quantized(NamedTuple):
     amax : float32 max |input| (or of the activation / gradient), NaN-propagating.
     data_t : the quantized transpose (N, M) of the input viewed as (M, N), or None.
     dbias : (N,) float32 column sums of the unquantized gradient (dgelu only), or None.
+    scale_inv : (1,) float32, ``1 / scale`` of the scale the data was quantized with (its own
+        buffer: the operand scale to hand to an FP8 GEMM), or None (the reference functions).
     """
 
     data: np.ndarray
     amax: np.float32
     data_t: np.ndarray | None = None
     dbias: np.ndarray | None = None
+    scale_inv: np.ndarray | None = None
 
 
 def _finish(v: np.ndarray, amax_v, scale, fmt, transpose: bool, dbias=None) -> Quantized:

@@ -98,6 +98,9 @@ def check(op, xn, bn, scale, fmt, transpose, dbias=False, x=None, b=None):
     assert tuple(got.data.shape) == want.data.shape
     np.testing.assert_array_equal(torch_bytes(got.data), ref_bytes(want.data))
     assert same_amax(got.amax.cpu().numpy()[0], want.amax), (got.amax, want.amax)
+    # the kernel hands out 1 / scale in a (1,) buffer of its own, aligned for cuBLASLt
+    assert got.scale_inv.shape == (1,) and got.scale_inv.data_ptr() % 16 == 0
+    assert same_amax(got.scale_inv.cpu().numpy()[0], np.float32(1) / np.float32(scale))
     if transpose:
         np.testing.assert_array_equal(torch_bytes(got.data_t), ref_bytes(want.data_t))
     if dbias:
@@ -281,7 +284,11 @@ def test_slot_sequence_matches_host_path(first_step):
                 r0 = ops.quantize(x, st.slot(0, recipe), transpose=True)
                 r1 = ops.dgelu_quantize(g, x, st.slot(1, recipe), transpose=True)
                 st.__dict__.setdefault("_last", []).append((torch_bytes(r0.data), torch_bytes(r0.data_t),
-                                                             torch_bytes(r1.data)))
+                                                             torch_bytes(r1.data), torch_bytes(r0.scale_inv),
+                                                             torch_bytes(r1.scale_inv)))
+                # the scale_inv handed out is the state's (also on a first step, set by this call)
+                np.testing.assert_array_equal(torch_bytes(torch.cat([r0.scale_inv, r1.scale_inv])),
+                                              torch_bytes(st.scale_inv))
             for a, b in zip(host._last[-1], dev._last[-1]):
                 np.testing.assert_array_equal(a, b, err_msg=f"step {step} micro-batch {mb}")
             for name in ("amax_history", "scale", "scale_inv"):

@@ -107,25 +107,26 @@ def test_custom_op_quantize_t_matches_reference_and_writes_only_the_slot():
     recipe = DelayedScaling(amax_history_len=4)
     s, st = _state_args(recipe)
     x = inputs(40, 24, torch.bfloat16)
-    q, q_t = torch.ops.fusedfp8.quantize_t(x, *st, 1, "e5m2", recipe.margin_factor, True)
+    q, q_t, si = torch.ops.fusedfp8.quantize_t(x, *st, 1, "e5m2", recipe.margin_factor, True)
     amax = ref.amax(np_of(x))
     scale = ref.current_scale(amax, "e5m2", 1.0, np.float32(1))  # first step: current scaling
     want = ref.quantize(np_of(x), scale, "e5m2", transpose=True)
     assert same_bytes(q, want.data) and same_bytes(q_t, want.data_t)
+    assert same_bytes(si, s.scale_inv[1:]) and si.data_ptr() != s.scale_inv.data_ptr() + 4  # its own buffer
     assert s.amax_history[0, 1].item() == amax and s.amax_history[0, 0].item() == 0
     assert same_bytes(s.scale[1:], np.array([scale], np.float32)) and s.scale[0].item() == 1.0
     assert s.updates.tolist() == [0, 0]
     # with current_first=False the stored scale is used as is
-    q2 = torch.ops.fusedfp8.quantize(x, *st, 0, "e4m3", 1.0, False)
-    assert same_bytes(q2, ref.quantize(np_of(x), np.float32(1), "e4m3").data)
+    q2, si2 = torch.ops.fusedfp8.quantize(x, *st, 0, "e4m3", 1.0, False)
+    assert same_bytes(q2, ref.quantize(np_of(x), np.float32(1), "e4m3").data) and si2.tolist() == [1.0]
 
 
 def test_custom_op_dgelu_dbias_and_its_empty_placeholder():
     _, st = _state_args()
     dy, x = inputs(16, 32, seed=2), inputs(16, 32, seed=3)
-    q, q_t, db = torch.ops.fusedfp8.dgelu_quantize_t(dy, x, *st, 1, "e5m2", 1.0, True, "tanh", True)
+    q, q_t, db, si = torch.ops.fusedfp8.dgelu_quantize_t(dy, x, *st, 1, "e5m2", 1.0, True, "tanh", True)
     want = ref.dgelu_quantize(np_of(dy), np_of(x), st[1][1:].numpy(), "e5m2", "tanh", transpose=True, dbias=True)
-    assert same_bytes(q, want.data) and same_bytes(q_t, want.data_t)
+    assert same_bytes(q, want.data) and same_bytes(q_t, want.data_t) and same_bytes(si, st[2][1:])
     np.testing.assert_allclose(db.numpy(), want.dbias, rtol=1e-6)
     _, st = _state_args()
     assert torch.ops.fusedfp8.dgelu_quantize_t(dy, x, *st, 1, "e5m2", 1.0, True, "tanh", False)[2].shape == (0,)
@@ -142,8 +143,9 @@ def test_call_skips_the_dispatcher_only_when_nothing_traces(monkeypatch):
     assert fops.call(fops.quantize_t, x, *st, 0, "e4m3", 1.0, True) == "direct"
     with FakeTensorMode() as mode:  # a dispatch mode is tracing: the custom op (its fake) runs
         fake = [mode.from_tensor(t) for t in (x, *st)]
-        q, q_t = fops.call(fops.quantize_t, *fake, 0, "e4m3", 1.0, True)
+        q, q_t, si = fops.call(fops.quantize_t, *fake, 0, "e4m3", 1.0, True)
     assert isinstance(q, FakeTensor) and q.dtype == torch.float8_e4m3fn and q_t.shape == (32, 16)
+    assert si.shape == (1,) and si.dtype == torch.float32
 
 
 # ---- straight-through quantizer --------------------------------------------------------------

@@ -10,8 +10,10 @@ its transpose (``x_t`` (K, M), ``w_t`` (K, N), ``g_t`` (N, M)):
     dgrad    dx = g @ w     = _scaled_mm(g_q,   w_t_q.t())    (M, N) x (N, K)
     wgrad    dw = g.T @ x   = _scaled_mm(g_t_q, x_t_q.t())    (N, M) x (M, K)
 
-so the forward saves only ``x_t_q``, ``w_t_q`` and their ``scale_inv`` (copied: the state may
-move on before the backward runs), never the bf16 input or weight. The forward GEMM uses
+so the forward saves only ``x_t_q``, ``w_t_q`` and their ``scale_inv``, never the bf16 input or
+weight. Every ``scale_inv`` handed to a GEMM is the one the quantize kernel wrote into a (1,)
+buffer of its own: 16-byte aligned as cuBLASLt requires (column views of the state are not),
+and frozen for the backward (the state moves on at the next update). The forward GEMM uses
 ``_scaled_mm``'s fast accumulation, the backward GEMMs (long reductions over tokens) the
 precise one, as Transformer Engine and torchao do. On the CPU the same calls run through
 :func:`scaled_mm`'s float32 emulation of ``_scaled_mm`` on the exact FP8 values.
@@ -38,7 +40,9 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
     ----------
     a : (M, K) float8, row-major
     b : (K, N) float8, column-major (the ``.t()`` of a contiguous (N, K) tensor)
-    scale_a, scale_b : (1,) float32 on the operands' device; the operands' ``scale_inv``.
+    scale_a, scale_b : (1,) float32 on the operands' device; the operands' ``scale_inv``. On CUDA
+        each must start 16-byte aligned (cuBLASLt refuses others with CUBLAS_STATUS_NOT_SUPPORTED):
+        pass the ``scale_inv`` the quantize ops return, not a view into a state.
     bias : (N,) tensor or None
         Fused into ``_scaled_mm`` where it allows (bf16/fp16 output and a bias of that dtype);
         added in float32 otherwise.
@@ -53,10 +57,6 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
     scales it by ``scale_a * scale_b`` and adds the bias in float32.
     """
     if a.is_cuda:
-        # cuBLASLt refuses scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED,
-        # seen on an H200 with torch 2.11 for a (1,) view at offset 4 of a state's scale_inv), so
-        # the GEMM gets fresh copies. Not yet verified on the GPU; see the issue note.
-        scale_a, scale_b = scale_a.clone(), scale_b.clone()
         fused = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
         if bias is None or fused:
             return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
@@ -86,9 +86,9 @@ class QuantizeSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first):
-        q = fops.call(fops.quantize, x.contiguous(), amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
-                          current_first)
-        return fops.call(fops.dequantize, q, scale_inv[index:index + 1], x.dtype)
+        q, q_si = fops.call(fops.quantize, x.contiguous(), amax_history, scale, scale_inv, updates, index, fmt,
+                            margin_factor, current_first)
+        return fops.call(fops.dequantize, q, q_si, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -121,6 +121,15 @@ def quantize_ste(x: Tensor, state: ScalingState, index: int, recipe: DelayedScal
 
 
 # ---- FP8 linear ------------------------------------------------------------------------------
+def _quantize(x: Tensor, state: tuple, index: int, fmt: str, margin_factor: float, current_first: bool,
+              transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(q, q_t or None, scale_inv) of tensor ``index``, with the transpose only when asked."""
+    if transpose:
+        return fops.call(fops.quantize_t, x, *state, index, fmt, margin_factor, current_first)
+    q, si = fops.call(fops.quantize, x, *state, index, fmt, margin_factor, current_first)
+    return q, None, si
+
+
 class _LinearFn(torch.autograd.Function):
     """y = x @ w.T + b with x (tensor 0) and w (tensor 1) in E4M3-style forward format, the
     output gradient (tensor 2) in the gradient format; see the module docstring for layouts.
@@ -136,17 +145,10 @@ class _LinearFn(torch.autograd.Function):
         state = (amax_history, scale, scale_inv, updates)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         w = weight.contiguous()
-        if need_wgrad:
-            x_q, x_t = fops.call(fops.quantize_t, x2, *state, 0, fwd_fmt, margin_factor, current_first)
-        else:
-            x_q, x_t = fops.call(fops.quantize, x2, *state, 0, fwd_fmt, margin_factor, current_first), None
-        if need_dgrad:
-            w_q, w_t = fops.call(fops.quantize_t, w, *state, 1, fwd_fmt, margin_factor, current_first)
-        else:
-            w_q, w_t = fops.call(fops.quantize, w, *state, 1, fwd_fmt, margin_factor, current_first), None
-        si = scale_inv[0:2].clone()  # the forward's scale_inv of x and w, frozen for the backward
-        y = scaled_mm(x_q, w_q.t(), si[0:1], si[1:2], bias, x.dtype, fast_accum=True)
-        ctx.save_for_backward(x_t, w_t, si)
+        x_q, x_t, x_si = _quantize(x2, state, 0, fwd_fmt, margin_factor, current_first, need_wgrad)
+        w_q, w_t, w_si = _quantize(w, state, 1, fwd_fmt, margin_factor, current_first, need_dgrad)
+        y = scaled_mm(x_q, w_q.t(), x_si, w_si, bias, x.dtype, fast_accum=True)
+        ctx.save_for_backward(x_t, w_t, x_si, w_si)
         ctx.state = state
         ctx.cfg = (grad_fmt, margin_factor, current_first)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -155,17 +157,16 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x_t, w_t, si = ctx.saved_tensors
+        x_t, w_t, x_si, w_si = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1]).contiguous()
         dx = dw = db = None
         if x_t is not None or w_t is not None:
             grad_fmt, margin_factor, current_first = ctx.cfg
-            g_q, g_t = fops.call(fops.quantize_t, g2, *ctx.state, 2, grad_fmt, margin_factor, current_first)
-            g_si = ctx.state[2][2:3]
+            g_q, g_t, g_si = fops.call(fops.quantize_t, g2, *ctx.state, 2, grad_fmt, margin_factor, current_first)
             if w_t is not None:
-                dx = scaled_mm(g_q, w_t.t(), g_si, si[1:2], None, ctx.x_dtype).reshape(ctx.x_shape)
+                dx = scaled_mm(g_q, w_t.t(), g_si, w_si, None, ctx.x_dtype).reshape(ctx.x_shape)
             if x_t is not None:
-                dw = scaled_mm(g_t, x_t.t(), g_si, si[0:1], None, ctx.w_dtype)
+                dw = scaled_mm(g_t, x_t.t(), g_si, x_si, None, ctx.w_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _bias_grad(g2, ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None
@@ -187,7 +188,7 @@ class _MLPFn(torch.autograd.Function):
 
     fc1 (ffn, hidden) state columns: h, w1, dz. fc2 (hidden, ffn) state columns: a = gelu(z),
     w2, dy. Saved: h_t_q, w1_t_q, the pre-activation z (bf16: the gelu backward needs it),
-    a_t_q, w2_t_q and the forward scale_inv copies.
+    a_t_q, w2_t_q and the scale_inv their quantize ops returned.
     """
 
     @staticmethod
@@ -197,24 +198,17 @@ class _MLPFn(torch.autograd.Function):
         st2 = (hist2, scale2, scale_inv2, updates2)
         mf = margin_factor
         h2 = h.reshape(-1, h.shape[-1]).contiguous()
+        h_q, h_t, h_si = _quantize(h2, st1, 0, fwd_fmt, mf, current_first1, training)
+        w1_q, w1_t, w1_si = _quantize(w1.contiguous(), st1, 1, fwd_fmt, mf, current_first1, training)
+        z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, b1, h.dtype, fast_accum=True)
         if training:
-            h_q, h_t = fops.call(fops.quantize_t, h2, *st1, 0, fwd_fmt, mf, current_first1)
-            w1_q, w1_t = fops.call(fops.quantize_t, w1.contiguous(), *st1, 1, fwd_fmt, mf, current_first1)
+            a_q, a_t, a_si = fops.call(fops.gelu_quantize_t, z, *st2, 0, fwd_fmt, mf, current_first2, approximate)
         else:
-            h_q = fops.call(fops.quantize, h2, *st1, 0, fwd_fmt, mf, current_first1)
-            w1_q = fops.call(fops.quantize, w1.contiguous(), *st1, 1, fwd_fmt, mf, current_first1)
-        si1 = scale_inv1[0:2].clone()
-        z = scaled_mm(h_q, w1_q.t(), si1[0:1], si1[1:2], b1, h.dtype, fast_accum=True)
+            (a_q, a_si), a_t = fops.call(fops.gelu_quantize, z, *st2, 0, fwd_fmt, mf, current_first2, approximate), None
+        w2_q, w2_t, w2_si = _quantize(w2.contiguous(), st2, 1, fwd_fmt, mf, current_first2, training)
+        y = scaled_mm(a_q, w2_q.t(), a_si, w2_si, b2, h.dtype, fast_accum=True)
         if training:
-            a_q, a_t = fops.call(fops.gelu_quantize_t, z, *st2, 0, fwd_fmt, mf, current_first2, approximate)
-            w2_q, w2_t = fops.call(fops.quantize_t, w2.contiguous(), *st2, 1, fwd_fmt, mf, current_first2)
-        else:
-            a_q = fops.call(fops.gelu_quantize, z, *st2, 0, fwd_fmt, mf, current_first2, approximate)
-            w2_q = fops.call(fops.quantize, w2.contiguous(), *st2, 1, fwd_fmt, mf, current_first2)
-        si2 = scale_inv2[0:2].clone()
-        y = scaled_mm(a_q, w2_q.t(), si2[0:1], si2[1:2], b2, h.dtype, fast_accum=True)
-        if training:
-            ctx.save_for_backward(h_t, w1_t, z, a_t, w2_t, si1, si2)
+            ctx.save_for_backward(h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si)
             ctx.states = (st1, st2)
             ctx.cfg = (grad_fmt, mf, current_first1, current_first2, approximate)
             ctx.meta = (h.shape, h.dtype, w1.dtype, w2.dtype, None if b1 is None else b1.dtype,
@@ -223,21 +217,19 @@ class _MLPFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        h_t, w1_t, z, a_t, w2_t, si1, si2 = ctx.saved_tensors
+        h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si = ctx.saved_tensors
         st1, st2 = ctx.states
         grad_fmt, mf, cf1, cf2, approximate = ctx.cfg
         h_shape, h_dtype, w1_dtype, w2_dtype, b1_dtype, b2_dtype = ctx.meta
         gy = grad.reshape(-1, grad.shape[-1]).contiguous()
-        gy_q, gy_t = fops.call(fops.quantize_t, gy, *st2, 2, grad_fmt, mf, cf2)
-        g2_si = st2[2][2:3]
-        da = scaled_mm(gy_q, w2_t.t(), g2_si, si2[1:2], None, z.dtype)
-        dw2 = scaled_mm(gy_t, a_t.t(), g2_si, si2[0:1], None, w2_dtype)
+        gy_q, gy_t, gy_si = fops.call(fops.quantize_t, gy, *st2, 2, grad_fmt, mf, cf2)
+        da = scaled_mm(gy_q, w2_t.t(), gy_si, w2_si, None, z.dtype)
+        dw2 = scaled_mm(gy_t, a_t.t(), gy_si, a_si, None, w2_dtype)
         db2 = _bias_grad(gy, b2_dtype) if b2_dtype is not None else None
-        dz_q, dz_t, db1 = fops.call(fops.dgelu_quantize_t, da, z, *st1, 2, grad_fmt, mf, cf1, approximate,
-                                    b1_dtype is not None)
-        g1_si = st1[2][2:3]
-        dh = scaled_mm(dz_q, w1_t.t(), g1_si, si1[1:2], None, h_dtype).reshape(h_shape)
-        dw1 = scaled_mm(dz_t, h_t.t(), g1_si, si1[0:1], None, w1_dtype)
+        dz_q, dz_t, db1, dz_si = fops.call(fops.dgelu_quantize_t, da, z, *st1, 2, grad_fmt, mf, cf1, approximate,
+                                           b1_dtype is not None)
+        dh = scaled_mm(dz_q, w1_t.t(), dz_si, w1_si, None, h_dtype).reshape(h_shape)
+        dw1 = scaled_mm(dz_t, h_t.t(), dz_si, h_si, None, w1_dtype)
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
         return (dh, dw1, db1, dw2, db2) + (None,) * 15
 

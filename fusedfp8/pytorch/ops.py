@@ -26,7 +26,11 @@ that the mutation is declared on what the caller owns (module buffers).
 
 Ops: ``quantize``, ``quantize_t``, ``gelu_quantize``, ``gelu_quantize_t``, ``dgelu_quantize_t``
 and ``dequantize``; the ``_t`` variants also return the quantized transpose of the input
-viewed as 2-D (``prod(shape[:-1])``, ``shape[-1]``).
+viewed as 2-D (``prod(shape[:-1])``, ``shape[-1]``). Every quantizing op returns last a (1,)
+float32 ``scale_inv``: 1 / the scale it used, written by the kernel into a buffer of its own.
+That is the operand scale for ``torch._scaled_mm`` (cuBLASLt refuses scale pointers that are
+not 16-byte aligned, such as column views of the state) and a value frozen for the backward
+(the state moves on at the next update).
 """
 from __future__ import annotations
 
@@ -90,82 +94,91 @@ def _rows(x: Tensor):
     return math.prod(x.shape[:-1])
 
 
+def _scale_inv_like(x: Tensor) -> Tensor:
+    return x.new_empty((1,), dtype=torch.float32)
+
+
 # ---- quantize --------------------------------------------------------------------------------
 @_register("quantize", _MUTATED)
 def quantize(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
-             fmt: str, margin_factor: float, current_first: bool) -> Tensor:
-    """``fp8(x * scale[index])`` (same shape as x); amax of x into ``amax_history[0, index]``."""
-    return _ops.quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
-                                  current_first)).data
+             fmt: str, margin_factor: float, current_first: bool) -> tuple[Tensor, Tensor]:
+    """``fp8(x * scale[index])`` (same shape as x) and its scale_inv; amax of x into
+    ``amax_history[0, index]``."""
+    r = _ops.quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first))
+    return r.data, r.scale_inv
 
 
 @quantize.register_fake
 def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first):
-    return x.new_empty(x.shape, dtype=_fp8_dtype(fmt))
+    return x.new_empty(x.shape, dtype=_fp8_dtype(fmt)), _scale_inv_like(x)
 
 
 @_register("quantize_t", _MUTATED)
 def quantize_t(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
-               fmt: str, margin_factor: float, current_first: bool) -> tuple[Tensor, Tensor]:
-    """As :func:`quantize`, plus the contiguous quantized transpose (shape[-1], prod(shape[:-1]))."""
+               fmt: str, margin_factor: float, current_first: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """As :func:`quantize`, plus the contiguous quantized transpose (shape[-1], prod(shape[:-1]))
+    before the scale_inv."""
     r = _ops.quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first),
                       transpose=True)
-    return r.data, r.data_t
+    return r.data, r.data_t, r.scale_inv
 
 
 @quantize_t.register_fake
 def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first):
     dt = _fp8_dtype(fmt)
-    return x.new_empty(x.shape, dtype=dt), x.new_empty((x.shape[-1], _rows(x)), dtype=dt)
+    return x.new_empty(x.shape, dtype=dt), x.new_empty((x.shape[-1], _rows(x)), dtype=dt), _scale_inv_like(x)
 
 
 # ---- gelu + quantize (forward activation) ----------------------------------------------------
 @_register("gelu_quantize", _MUTATED)
 def gelu_quantize(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
-                  fmt: str, margin_factor: float, current_first: bool, approximate: str) -> Tensor:
-    """``fp8(gelu(x) * scale[index])``; the amax is of gelu(x). ``approximate``: 'tanh' or 'none'."""
-    return _ops.gelu_quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
-                                       current_first), approximate=approximate).data
+                  fmt: str, margin_factor: float, current_first: bool, approximate: str) -> tuple[Tensor, Tensor]:
+    """``fp8(gelu(x) * scale[index])`` and its scale_inv; the amax is of gelu(x).
+    ``approximate``: 'tanh' or 'none'."""
+    r = _ops.gelu_quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
+                                    current_first), approximate=approximate)
+    return r.data, r.scale_inv
 
 
 @gelu_quantize.register_fake
 def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate):
-    return x.new_empty(x.shape, dtype=_fp8_dtype(fmt))
+    return x.new_empty(x.shape, dtype=_fp8_dtype(fmt)), _scale_inv_like(x)
 
 
 @_register("gelu_quantize_t", _MUTATED)
 def gelu_quantize_t(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
-                    fmt: str, margin_factor: float, current_first: bool, approximate: str) -> tuple[Tensor, Tensor]:
-    """As :func:`gelu_quantize`, plus the quantized transpose of gelu(x)."""
+                    fmt: str, margin_factor: float, current_first: bool,
+                    approximate: str) -> tuple[Tensor, Tensor, Tensor]:
+    """As :func:`gelu_quantize`, plus the quantized transpose of gelu(x) before the scale_inv."""
     r = _ops.gelu_quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
                                     current_first), approximate=approximate, transpose=True)
-    return r.data, r.data_t
+    return r.data, r.data_t, r.scale_inv
 
 
 @gelu_quantize_t.register_fake
 def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate):
     dt = _fp8_dtype(fmt)
-    return x.new_empty(x.shape, dtype=dt), x.new_empty((x.shape[-1], _rows(x)), dtype=dt)
+    return x.new_empty(x.shape, dtype=dt), x.new_empty((x.shape[-1], _rows(x)), dtype=dt), _scale_inv_like(x)
 
 
 # ---- dgelu + quantize (+ dbias) (backward of the activation) ---------------------------------
 @_register("dgelu_quantize_t", _MUTATED)
 def dgelu_quantize_t(dy: Tensor, x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor,
                      updates: Tensor, index: int, fmt: str, margin_factor: float, current_first: bool,
-                     approximate: str, dbias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``dx = dy * gelu'(x)`` quantized, its transpose, and the (N,) float32 column sums of the
-    unquantized dx when ``dbias`` (an empty (0,) float32 tensor otherwise). dy, x: same shape
-    and dtype; the amax is of dx."""
+                     approximate: str, dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``dx = dy * gelu'(x)`` quantized, its transpose, the (N,) float32 column sums of the
+    unquantized dx when ``dbias`` (an empty (0,) float32 tensor otherwise) and the scale_inv.
+    dy, x: same shape and dtype; the amax is of dx."""
     r = _ops.dgelu_quantize(dy, x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
                                          current_first), approximate=approximate, transpose=True, dbias=dbias)
-    return r.data, r.data_t, r.dbias if dbias else dy.new_empty((0,), dtype=torch.float32)
+    return r.data, r.data_t, r.dbias if dbias else dy.new_empty((0,), dtype=torch.float32), r.scale_inv
 
 
 @dgelu_quantize_t.register_fake
 def _(dy, x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate, dbias):
     dt = _fp8_dtype(fmt)
     return (dy.new_empty(dy.shape, dtype=dt), dy.new_empty((dy.shape[-1], _rows(dy)), dtype=dt),
-            dy.new_empty((dy.shape[-1] if dbias else 0,), dtype=torch.float32))
+            dy.new_empty((dy.shape[-1] if dbias else 0,), dtype=torch.float32), _scale_inv_like(dy))
 
 
 # ---- dequantize ------------------------------------------------------------------------------
