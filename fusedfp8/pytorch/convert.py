@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from .. import ops
+from . import distributed as _dist
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 from .modules import GRAD, MISSED_UPDATE_MODES, Fp8Linear
 
-__all__ = ["convert_to_fp8", "update_scales", "fp8_modules"]
+__all__ = ["convert_to_fp8", "update_scales", "fp8_modules", "PendingScaleUpdate"]
 
 
 def fp8_modules(model: nn.Module) -> list[Fp8Linear]:
@@ -84,8 +85,43 @@ def _groups(modules: list[Fp8Linear]) -> list[_StateGroup]:
     return [_StateGroup(ms, recipe) for (recipe, _), ms in by_key.items()]
 
 
+class PendingScaleUpdate:
+    """The second half of ``update_scales(model, group, async_op=True)``: the all_reduce of
+    the staged amaxes is in flight; :meth:`wait` finishes it and runs the fused update.
+
+    Until ``wait()`` returns, the FP8 modules of the model must not run (a forward or backward
+    would stage into the row being reduced) and their states must not be replaced or moved.
+    """
+
+    def __init__(self, modules, groups, reductions):
+        self._modules, self._groups, self._reductions = modules, groups, reductions
+
+    @property
+    def done(self) -> bool:
+        """True once :meth:`wait` has run (the scales are updated)."""
+        return self._groups is None
+
+    @torch.compiler.disable
+    def wait(self) -> None:
+        """Wait for the reduction (on NCCL the current stream waits, the host does not), then
+        update the scales in one launch per linked state. Calling it again does nothing."""
+        if self._groups is None:
+            return
+        for r in self._reductions:
+            r.wait()
+        for group in self._groups:
+            ops.update_scales(group.state, group.recipe)
+        for m in self._modules:
+            m._ensure_hook()
+            m._after_update()
+        self._groups = self._modules = self._reductions = None
+
+
+_NO_GROUP = object()
+
+
 @torch.compiler.disable
-def update_scales(model: nn.Module, process_group=None) -> None:
+def update_scales(model: nn.Module, group=None, *, async_op: bool = False, process_group=_NO_GROUP):
     """Turn this step's staged amaxes into next step's scales, for every FP8 module of ``model``.
 
     Call once per optimizer step (after ``optimizer.step()``; with gradient accumulation, after
@@ -98,33 +134,71 @@ def update_scales(model: nn.Module, process_group=None) -> None:
     Parameters
     ----------
     model : nn.Module
-    process_group : torch.distributed ProcessGroup, optional
-        With data parallelism: the staged amaxes (row 0 of the linked history) are MAX-reduced
-        over this group in one ``all_reduce`` per linked state before the update, so every rank
-        computes the same scales. A NaN is sent as +inf, so that a non-finite amax on any rank
-        is an overflow on every rank. (With DDP, also pass ``broadcast_buffers=False``: its
-        per-forward broadcast would overwrite the staged amaxes of the other ranks.)
+        The model, or its DDP / FSDP2 wrapper (the FP8 modules are found inside).
+    group : torch.distributed ProcessGroup, optional
+        Every rank that trains a replica or a shard of the model: ``torch.distributed.group.WORLD``
+        for plain data parallelism. The staged amaxes (row 0 of the linked histories) are
+        MAX-reduced over it in ONE ``all_reduce`` (per device holding FP8 state; one in the usual
+        one-GPU-per-rank setup) before the update, so every rank computes bitwise the same
+        scales and histories. A non-finite amax on any rank is an overflow on every rank (NaN
+        is sent as +inf; see ``fusedfp8.pytorch.distributed``). Every rank of the group must
+        call this with the same group and the same FP8 modules in the same order, including a
+        rank on which some module did not run this step (it contributes 0 for it). ``None``
+        (the default) updates from this process's amaxes only, with no communication.
+    async_op : bool
+        With a group: launch the all_reduce and return a :class:`PendingScaleUpdate` at once;
+        its ``wait()`` finishes the reduction and runs the update. This lets the reduction
+        overlap other work, e.g. ``pending = update_scales(model, group, async_op=True)`` right
+        after the backward, then ``optimizer.step()``, then ``pending.wait()``. The modules must
+        not run in between.
+    process_group : the older name of ``group`` (give one or the other).
+
+    Returns
+    -------
+    None, or a :class:`PendingScaleUpdate` when ``async_op`` is True (without a group it is
+    already done).
+
+    With DDP: each forward that DDP runs with ``forward_sync_buffers`` (formerly
+    ``broadcast_buffers``) on copies rank 0's buffers, the staged amaxes included, to every
+    rank. That is harmless with one forward per optimizer step and with gradient accumulation
+    under ``no_sync()`` (DDP does not broadcast before the later micro-batches), but several
+    synchronised forwards per step would lose the other ranks' amaxes staged so far: pass
+    ``forward_sync_buffers=False`` (``broadcast_buffers=False`` before torch 2.13) then.
 
     Raises
     ------
     TypeError
-        If ``model`` is not an nn.Module.
+        If ``model`` is not an nn.Module, or ``group`` is not a ProcessGroup, or both ``group``
+        and ``process_group`` are given.
     ValueError
         If ``model`` holds no FP8 module (an update that would silently do nothing).
+    RuntimeError
+        If a group is given but torch.distributed is not initialized.
     """
+    if process_group is not _NO_GROUP:
+        if group is not None:
+            raise TypeError("update_scales: give the process group as group= or as process_group= (its older name), "
+                            "not both")
+        group = process_group
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be a bool; got {type(async_op).__name__}")
     modules = fp8_modules(model)
     if not modules:
         raise ValueError(f"model: {type(model).__name__} holds no Fp8Linear / Fp8MLP module, so there are no scales to "
                          "update; convert it first with fusedfp8.pytorch.convert_to_fp8(model)")
-    for group in _groups(modules):
-        if process_group is not None:
-            staged = group.state.amax_history[0]
-            staged.nan_to_num_(nan=float("inf"), posinf=float("inf"))
-            torch.distributed.all_reduce(staged, op=torch.distributed.ReduceOp.MAX, group=process_group)
-        ops.update_scales(group.state, group.recipe)
-    for m in modules:
-        m._ensure_hook()
-        m._after_update()
+    if group is not None:
+        _dist.check_group(group)
+    groups = _groups(modules)
+    reductions = []
+    if group is not None:
+        reductions = _dist.reduce_staged_amaxes([g.state.amax_history for g in groups], group, async_op)
+    pending = PendingScaleUpdate(modules, groups, reductions)
+    if async_op:
+        if group is None:
+            pending.wait()
+        return pending
+    pending.wait()
+    return None
 
 
 def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),

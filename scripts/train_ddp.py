@@ -1,0 +1,212 @@
+"""Data-parallel training of the MLP of DESIGN.md (LayerNorm -> Linear -> gelu -> Linear) with
+fusedfp8 FP8 and DDP, one process per GPU, launched with torchrun.
+
+Every rank trains on its own random regression batches; DDP averages the gradients, and
+``fusedfp8.pytorch.update_scales(model, group)`` MAX-reduces the staged amaxes of every FP8 tensor
+in ONE all_reduce per step, so all ranks quantize with the same scales. At the end the script
+gathers every rank's scales, histories and weights and checks they are bitwise identical.
+
+Models (``--model``): ``fp8mlp`` (fusedfp8.pytorch.Fp8MLP: gelu fused into the quantization),
+``convert`` (an nn.Module MLP converted with convert_to_fp8: two Fp8Linear, gelu in torch),
+``bf16`` (no FP8: the baseline; no scale update).
+
+Per step it reports (rank 0, wall clock, the device synchronised around each timed region):
+``step_ms`` the whole step (forward, backward with DDP's gradient all-reduce, Adam, the scale
+update); ``update_scales_ms`` the update_scales call inside it (the amax all_reduce plus the fused
+update); ``amax_allreduce_ms`` a MAX all_reduce of a buffer of the same size as the staged amaxes,
+timed on its own after the step (the collective alone). Medians skip the first ``--warmup`` steps.
+
+Usage:
+  GPUs (NCCL):   torchrun --nproc_per_node 2 scripts/train_ddp.py --steps 50 --json ddp.json
+  CPU (gloo):    torchrun --nproc_per_node 2 scripts/train_ddp.py --device cpu --steps 3 \
+                     --hidden 32 --ffn 64 --tokens 16 --json ddp_cpu.json
+Defaults: hidden 4096, ffn 16384, 8192 tokens per rank, bf16 parameters on CUDA (float32 on CPU),
+DelayedScaling() (hybrid, history 1024, 'max'). Exits 1 if the ranks' states differ.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import fusedfp8  # noqa: E402
+import fusedfp8.pytorch as fp8  # noqa: E402
+
+MODELS = ("fp8mlp", "convert", "bf16")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class MLP(nn.Module):
+    """The plain-torch MLP (``--model bf16``, and the input of ``convert_to_fp8``)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", choices=MODELS, default="fp8mlp")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=16384)
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="parameter dtype (bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of the medians")
+    p.add_argument("--history", type=int, default=1024, help="amax_history_len")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--json", type=Path, default=None, help="write the report here (rank 0)")
+    args = p.parse_args(argv)
+    for name in ("hidden", "ffn", "tokens", "steps", "history"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1; got {getattr(args, name)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible; use --device cpu")
+    return args
+
+
+def build(args, device, dtype):
+    torch.manual_seed(0)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    recipe = fusedfp8.DelayedScaling(amax_history_len=args.history)
+    if args.model == "fp8mlp":
+        model = fp8.Fp8MLP(args.hidden, args.ffn, recipe)
+    else:
+        model = MLP(args.hidden, args.ffn)
+        if args.model == "convert":
+            fp8.convert_to_fp8(model, recipe)
+    return model.to(device=device, dtype=dtype)
+
+
+def wrap_ddp(model, device):
+    """DDP without per-forward buffer broadcasts: the FP8 state buffers are kept in step by
+    update_scales' all_reduce, not by copying rank 0's (see fusedfp8.pytorch.update_scales)."""
+    kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters:
+        kwargs["forward_sync_buffers"] = False  # torch >= 2.13
+    else:
+        kwargs["broadcast_buffers"] = False
+    return nn.parallel.DistributedDataParallel(model, **kwargs)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def state_vector(model) -> torch.Tensor:
+    """Every FP8 state array and every parameter of ``model``, as one float32 vector."""
+    parts = [p.detach().float().reshape(-1) for p in model.parameters()]
+    for m in fp8.fp8_modules(model):
+        parts += [m.amax_history.reshape(-1), m.scale, m.scale_inv, m.overflows.float(), m.updates.float()]
+    return torch.cat(parts)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    group = dist.group.WORLD
+
+    model = build(args, device, dtype)
+    fp8_mods = fp8.fp8_modules(model)
+    ddp = wrap_ddp(model, device)
+    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+
+    # a fixed teacher; each rank draws its own batches (4 per rank, cycled)
+    gen = torch.Generator(device="cpu").manual_seed(1234)
+    teacher = (torch.randn(args.hidden, args.hidden, generator=gen) / args.hidden ** 0.5).to(device, dtype)
+    gen.manual_seed(1000 + rank)
+    batches = []
+    for _ in range(4):
+        x = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype)
+        batches.append((x, torch.tanh(x @ teacher)))
+    staged = torch.zeros(3 * len(fp8_mods) or 1, device=device)  # the size update_scales reduces
+
+    steps = []
+    for step in range(args.steps):
+        x, y = batches[step % len(batches)]
+        sync(device)
+        t0 = time.perf_counter()
+        loss = F.mse_loss(ddp(x).float(), y.float())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        update_ms = 0.0
+        if fp8_mods:
+            sync(device)
+            t1 = time.perf_counter()
+            fp8.update_scales(model, group)
+            sync(device)
+            update_ms = (time.perf_counter() - t1) * 1e3
+        sync(device)
+        step_ms = (time.perf_counter() - t0) * 1e3
+        sync(device)
+        t2 = time.perf_counter()
+        dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group)
+        sync(device)
+        allreduce_ms = (time.perf_counter() - t2) * 1e3
+        lossv = loss.detach().clone()
+        dist.all_reduce(lossv, group=group)
+        steps.append({"step": step, "loss": lossv.item() / world, "step_ms": step_ms,
+                      "update_scales_ms": update_ms, "amax_allreduce_ms": allreduce_ms})
+        if rank == 0:
+            print(f"step {step:4d}  loss {steps[-1]['loss']:.5f}  step {step_ms:8.3f} ms  update_scales "
+                  f"{update_ms:7.3f} ms  amax all_reduce {allreduce_ms:7.3f} ms", flush=True)
+
+    mine = state_vector(model)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    identical = all(torch.equal(e.view(torch.int32), every[0].view(torch.int32)) for e in every)
+    scales_updated = bool(fp8_mods) and all(bool((m.updates > 0).all()) for m in fp8_mods)
+
+    timed = steps[args.warmup:] or steps
+    report = {
+        "script": "scripts/train_ddp.py", "argv": sys.argv[1:], "model": args.model,
+        "hidden": args.hidden, "ffn": args.ffn, "tokens_per_rank": args.tokens, "dtype": str(dtype),
+        "amax_history_len": args.history, "world_size": world, "backend": backend, "device": args.device,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__, "fusedfp8": getattr(fusedfp8, "__version__", None),
+        "fp8_tensors": 3 * len(fp8_mods),
+        "median_step_ms": statistics.median(s["step_ms"] for s in timed),
+        "median_update_scales_ms": statistics.median(s["update_scales_ms"] for s in timed),
+        "median_amax_allreduce_ms": statistics.median(s["amax_allreduce_ms"] for s in timed),
+        "scales_identical_across_ranks": identical, "scales_updated": scales_updated, "steps": steps,
+    }
+    if rank == 0:
+        print(f"median step {report['median_step_ms']:.3f} ms, update_scales {report['median_update_scales_ms']:.3f} "
+              f"ms, amax all_reduce {report['median_amax_allreduce_ms']:.3f} ms; states identical across "
+              f"{world} ranks: {identical}", flush=True)
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2))
+    dist.destroy_process_group()
+    return 0 if identical and (scales_updated or args.model == "bf16") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
