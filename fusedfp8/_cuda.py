@@ -201,20 +201,25 @@ def _driver():
 
 
 def _build(key: ModuleKey, device_id: int) -> dict:
+    ok, reason = probe(device_id)
+    if not ok:  # a GPU array but no CuPy, or a GPU without FP8: say what to do, once per module
+        raise RuntimeError(f"fusedfp8: the FP8 kernels cannot run on cuda:{device_id}: {reason}. (CPU arrays run the "
+                           "bit-exact NumPy reference instead.)")
     import cupy
 
     global compile_count
     names = name_expressions(key)
     options = COMPILE_OPTIONS + tuple(f"-I{d}" for d in cuda_include_dirs())
     with cupy.cuda.Device(device_id):
-        mod = cupy.RawModule(code=family_source(key.family), options=options,
-                             name_expressions=list(names.values()))
-        try:
+        try:  # CuPy may compile when the module is built or at the first get_function
+            mod = cupy.RawModule(code=family_source(key.family), options=options,
+                                 name_expressions=list(names.values()))
             out = {role: Kernel(mod.get_function(expr), role, expr) for role, expr in names.items()}
         except cupy.cuda.compiler.CompileException as e:
             raise CompileError(
-                f"fusedfp8: NVRTC failed to compile {key.family}.cu for {sorted(names.values())} with options "
-                f"{options}.\nCompiler log:\n{e}") from None
+                f"fusedfp8: NVRTC failed to compile {key.family}.cu (kernels {sorted(names.values())}) with options "
+                f"{list(options)}. If cuda_fp8.h is missing, pip install nvidia-cuda-runtime or set CUDA_PATH.\n"
+                f"Compiler log:\n{e}") from None
     compile_count += 1
     return out
 

@@ -169,7 +169,11 @@ def device_view(info: ArrayInfo):
     after jax's pending work). Other frameworks: the array itself (pointers are read directly)."""
     if info.framework != "jax":
         return info
-    import cupy
+    try:
+        import cupy
+    except ImportError:
+        raise ImportError(f"{info.framework} array on cuda:{info.device}: fusedfp8 needs CuPy to run its kernels on "
+                          "the GPU: pip install 'fusedfp8[cuda]' (cupy-cuda13x)") from None
 
     arr = cupy.from_dlpack(info.array)
     return ArrayInfo(arr, "cupy", info.device, info.dtype, info.shape, True, int(arr.data.ptr))

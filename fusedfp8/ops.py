@@ -66,6 +66,9 @@ def _check_scalar(a, argname: str, dtype: str, x: io.ArrayInfo, writable: bool) 
                             f"{argname}=None and take the returned amax, or use fusedfp8.jax")
         if info.framework == "numpy" and not info.array.flags.writeable:
             raise ValueError(f"{argname} is a read-only numpy array; it is written in place")
+        if io.overlaps(info, x):
+            raise ValueError(f"{argname} overlaps the input's memory; it is written in place, so it must not "
+                             "alias the input")
     return info
 
 
@@ -100,13 +103,15 @@ class _Plan:
             self.fmt = get_format("e4m3" if fmt is None else fmt)
             self.scale = _check_scalar(scale, "scale", "float32", self.xi, writable=False)
             self.amax = None if amax is None else _check_scalar(amax, "amax", "float32", self.xi, writable=True)
+            if self.amax is not None and io.overlaps(self.amax, self.scale):
+                raise ValueError("amax overlaps scale's memory; amax is written in place while scale is read")
             self.scale_inv = self.updates = None
         self.op, self.transpose, self.dbias = op, transpose, dbias
         shape = self.xi.shape
         self.rows = math.prod(shape[:-1])
         self.cols = int(shape[-1]) if shape else 1
         if (transpose or dbias) and not shape:
-            raise ValueError("x: transpose / dbias need an input of at least 1 dimension; got a scalar")
+            raise ValueError(f"{argname}: transpose / dbias need an input of at least 1 dimension; got a scalar")
 
 
 # ---- host path (reference) -------------------------------------------------------------------
@@ -371,9 +376,9 @@ def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
     devices = {i.device for i in infos}
     if len(devices) != 1:
         raise ValueError(f"state arrays are on several devices ({sorted(devices)}); they must share one")
-    for i in infos:
+    for f, i in zip(STATE_FIELDS, infos):
         if not i.contiguous:
-            raise ValueError(f"state arrays must be contiguous; one has shape {i.shape} and is not")
+            raise ValueError(f"state.{f} must be contiguous; got a non-contiguous view of shape {i.shape}")
     hi = infos[0]
     if not hi.is_gpu:
         new = apply_update(state, recipe)

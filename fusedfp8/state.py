@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from . import _logging
 from ._interop import framework_of
 from .formats import Format
 from .recipe import DelayedScaling
@@ -309,6 +310,41 @@ class ScalingState:
             return a.clone() if framework_of(a) == "torch" else a.copy()
 
         return self.replace(**{f: cp(a) for f, a in self.arrays().items()})
+
+    def summary(self, recipe: DelayedScaling | None = None, names: Sequence[str] | None = None) -> str:
+        """A plain-text table of every tensor's scale, amaxes and overflow count.
+
+        This reads the state from the device (one copy of each array, so it synchronises with
+        the device): call it between steps when you want to look, never inside a hot loop.
+        Reading it also logs, as a WARNING on ``logging.getLogger("fusedfp8")``, every tensor
+        whose overflow count grew since the previous read of the same ``overflows`` array (jax
+        states are new arrays after each update, so their totals are logged at each read).
+
+        Parameters
+        ----------
+        recipe : DelayedScaling, optional
+            Fills the ``format`` column (E4M3 / E5M2 per tensor); '-' without it.
+        names : sequence of str, optional
+            One name per tensor (default: the indices).
+
+        Returns
+        -------
+        str
+            One line per tensor with the columns ``tensor``, ``role`` (forward / gradient),
+            ``format``, ``scale``, ``scale_inv``, ``amax (last)`` (the newest amax in the
+            history, '-' before the first update), ``amax (history max)``, ``staged amax``
+            (row 0: what this step has quantized so far), ``overflows`` and ``updates``
+            (completed updates).
+
+        Raises
+        ------
+        ValueError
+            If ``names`` does not have one entry per tensor.
+        """
+        if recipe is not None:
+            self.validate(recipe)
+        return _logging.format_table(_logging.state_rows(self, recipe, names))
+
 
 
 def apply_update(state: ScalingState, recipe: DelayedScaling) -> ScalingState:

@@ -200,8 +200,8 @@ class Fp8Linear(nn.Linear):
         self._pending_version = self.weight._version  # a move is not an optimizer step
         return self
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _check_loaded_state(self, state_dict, prefix: str, strict: bool) -> None:
+        """Refuse, before anything is copied, a state dict whose FP8 state cannot be this module's."""
         key = prefix + "amax_history"
         hist = state_dict.get(key)
         want = (self._recipe.amax_history_len, len(GRAD))
@@ -210,6 +210,16 @@ class Fp8Linear(nn.Linear):
                 f"{type(self).__name__}.load_state_dict: '{key}' has shape {tuple(hist.shape)} but this module's "
                 f"recipe has amax_history_len={want[0]}, so the state must be {want}; build the module with "
                 f"DelayedScaling(amax_history_len={hist.shape[0]}) to load this state")
+        missing = [prefix + name for name in STATE_FIELDS if prefix + name not in state_dict]
+        if strict and missing:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state dict has no FP8 state {missing} (one of a plain "
+                "nn.Linear?); nothing was loaded. Pass strict=False to load the weights and keep the current FP8 "
+                "state")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        self._check_loaded_state(state_dict, prefix, strict)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self._prepass = self._recipe.first_step == "current"  # the loaded state decides on the device
@@ -305,6 +315,14 @@ class Fp8MLP(nn.Module):
         self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
         self.fc1 = Fp8Linear(hidden, ffn, bias, recipe, device, dtype, missed_update=missed_update)
         self.fc2 = Fp8Linear(ffn, hidden, bias, recipe, device, dtype, missed_update=missed_update)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # checked here, before the LayerNorm's parameters are copied: a refused load changes nothing
+        self.fc1._check_loaded_state(state_dict, prefix + "fc1.", strict)
+        self.fc2._check_loaded_state(state_dict, prefix + "fc2.", strict)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2
