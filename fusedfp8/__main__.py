@@ -1,6 +1,13 @@
-"""``python -m fusedfp8 info [--compile]``: versions, the GPU probe's verdict, the kernel cache.
+"""``python -m fusedfp8 info | demo | bench``.
 
-(``demo`` and ``bench`` arrive with the torch and JAX integrations.)
+- ``info [--compile]``: versions, the GPU and its compute capability, the capability probe's
+  verdict and reason, where the kernel sources and the kernel cache live; ``--compile`` builds
+  every kernel instantiation now (progress bar, time taken).
+- ``demo``: trains the MLP of DESIGN.md in bf16 and in FP8 (see :mod:`fusedfp8.demo`).
+- ``bench``: runs ``scripts/bench_kernels.py`` and ``scripts/bench_mlp.py`` of a source checkout
+  and collects their JSON, PNG and logs in one folder with a markdown summary.
+
+Each subcommand's ``--help`` explains its flags.
 """
 from __future__ import annotations
 
@@ -8,56 +15,291 @@ import argparse
 import importlib
 import os
 import platform
+import subprocess
 import sys
 import time
+from pathlib import Path
+
+# ---- info ------------------------------------------------------------------------------------
+PACKAGES = ("numpy", "ml_dtypes", "torch", "jax", "jaxlib", "flax", "cupy", "tqdm", "matplotlib")
 
 
 def _version(name: str) -> str:
     try:
-        return getattr(importlib.import_module(name), "__version__", "installed")
+        mod = importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 - report any import failure as text
-        return f"not available ({type(e).__name__})"
+        return f"not available ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})".replace(": )", ")")
+    return str(getattr(mod, "__version__", "installed"))
 
 
-def info(compile_all: bool) -> int:
-    from . import __version__, _cuda
+def kernel_cache_dir() -> str:
+    """CuPy's on-disk kernel cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``)."""
+    return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
 
-    print(f"fusedfp8  {__version__}")
-    print(f"python    {platform.python_version()}")
-    for name in ("numpy", "ml_dtypes", "torch", "jax", "flax", "cupy"):
-        print(f"{name:<10}{_version(name)}")
-    ok, reason = _cuda.probe()
-    print(f"GPU       {'usable' if ok else 'not usable'}: {reason}")
-    if ok:
+
+def _gpu_lines() -> list[str]:
+    """The GPUs as CuPy sees them, else as torch sees them, else why none is visible."""
+    try:
         import cupy
 
-        print(f"device    {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    print(f"sources   {_cuda.source_dir()}")
-    cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
-    print(f"kernel cache (CuPy) {cache}")
+        n = cupy.cuda.runtime.getDeviceCount()
+        out = []
+        for i in range(n):
+            props = cupy.cuda.runtime.getDeviceProperties(i)
+            out.append(f"cuda:{i} {props['name'].decode()}, compute capability {props['major']}.{props['minor']}")
+        return out or ["none (CuPy sees no CUDA device)"]
+    except ImportError:
+        pass
+    except Exception as e:  # noqa: BLE001 - no driver / no device
+        return [f"none ({type(e).__name__}: {e})"]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return [f"cuda:{i} {torch.cuda.get_device_name(i)}, compute capability "
+                    f"{'.'.join(map(str, torch.cuda.get_device_capability(i)))} (seen by torch; CuPy is missing)"
+                    for i in range(torch.cuda.device_count())]
+        return ["none (torch sees no CUDA device)"]
+    except ImportError:
+        return ["unknown (neither CuPy nor torch is installed)"]
+
+
+def info(compile_all: bool, progress: bool = True) -> int:
+    from . import __version__, _cuda
+
+    print(f"{'fusedfp8':<18}{__version__} ({Path(__file__).resolve().parent})")
+    print(f"{'python':<18}{platform.python_version()} ({sys.executable})")
+    for name in PACKAGES:
+        print(f"{name:<18}{_version(name)}")
+    for line in _gpu_lines():
+        print(f"{'GPU':<18}{line}")
+    ok, reason = _cuda.probe()
+    gemm_ok, gemm_reason = _cuda.probe(need_fp8_gemm=True)
+    print(f"{'fused kernels':<18}{'usable' if ok else 'not usable'}: {reason}")
+    print(f"{'FP8 GEMMs':<18}{'usable' if gemm_ok else 'not usable'}: {gemm_reason}")
+    if not ok:
+        print(f"{'':<18}CPU arrays run the bit-exact NumPy reference instead")
+    try:
+        print(f"{'kernel sources':<18}{_cuda.source_dir()}")
+    except FileNotFoundError as e:
+        print(f"{'kernel sources':<18}MISSING: {e}")
+    print(f"{'kernel cache':<18}{kernel_cache_dir()} (CuPy's disk cache; CUPY_CACHE_DIR moves it)")
+    includes = _cuda.cuda_include_dirs()
+    print(f"{'cuda_fp8.h':<18}{', '.join(includes) if includes else 'not found (pip install nvidia-cuda-runtime)'}")
     if compile_all:
-        if not ok:
-            print("--compile needs a usable GPU (the kernels are compiled and loaded on it)")
-            return 1
-        keys = _cuda.all_module_keys()
-        t0 = time.perf_counter()
-        for i, key in enumerate(keys, 1):
-            _cuda.kernels(key, 0)
-            print(f"\rcompiled {i}/{len(keys)} modules", end="", flush=True)
-        print(f"\ncompiled every kernel instantiation in {time.perf_counter() - t0:.1f} s")
+        return compile_kernels(ok, reason, progress)
     return 0
 
 
+def compile_kernels(ok: bool, reason: str, progress: bool) -> int:
+    """Build every kernel module on GPU 0 now (loads from CuPy's disk cache when warm)."""
+    from . import _cuda
+
+    if not ok:
+        print(f"--compile needs a usable GPU (the kernels are compiled for and loaded on it): {reason}")
+        return 1
+    keys = _cuda.all_module_keys()
+    t0 = time.perf_counter()
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(keys, desc="compiling kernels", unit="module")
+        except ImportError:
+            pass
+    for i, key in enumerate(bar if bar is not None else keys, 1):
+        _cuda.kernels(key, 0)
+        if bar is None:
+            print(f"\rcompiled {i}/{len(keys)} modules", end="", flush=True)
+    if bar is None:
+        print()
+    print(f"compiled {len(keys)} kernel modules (every instantiation) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+# ---- demo ------------------------------------------------------------------------------------
+def _demo_parser(sub) -> None:
+    from .demo import CPU_SHAPE, GPU_SHAPE
+    from .recipe import AMAX_COMPUTE_ALGOS, FIRST_STEPS
+    from .formats import RECIPE_FORMATS
+
+    p = sub.add_parser(
+        "demo", help="train the MLP of DESIGN.md in bf16 and FP8, print a table, draw the curves",
+        description="Trains LayerNorm -> Linear -> gelu -> Linear with FP8 delayed scaling next to bf16 from the "
+                    "same weights and data, then prints a summary table (step time, speed-up, losses, overflows) "
+                    "and writes demo_summary.md, demo.json and demo.png (loss curves; amax and scale of every FP8 "
+                    "tensor) to --out. On a GPU with FP8 support it runs there; otherwise on the CPU reference "
+                    "path (bit-exact FP8 emulation; its step times are not a speed measurement).")
+    p.add_argument("--framework", choices=["torch", "jax"], default="torch",
+                   help="which integration trains the model (default torch)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto (default): the GPU when the capability probe accepts it, else the CPU")
+    p.add_argument("--steps", type=int, default=100, help="training steps for each model (default 100)")
+    p.add_argument("--hidden", type=int, default=None,
+                   help=f"model width (default {GPU_SHAPE[0]} on the GPU, {CPU_SHAPE[0]} on the CPU)")
+    p.add_argument("--ffn", type=int, default=None,
+                   help=f"inner width (default {GPU_SHAPE[1]} on the GPU, {CPU_SHAPE[1]} on the CPU)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"batch rows (default {GPU_SHAPE[2]} on the GPU, {CPU_SHAPE[2]} on the CPU)")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    g = p.add_argument_group("recipe (fusedfp8.DelayedScaling fields)")
+    g.add_argument("--margin", type=float, default=0, help="scale = fmt_max / amax / 2**margin (default 0)")
+    g.add_argument("--amax-history-len", type=int, default=1024, help="rows of the amax history (default 1024)")
+    g.add_argument("--amax-compute-algo", choices=AMAX_COMPUTE_ALGOS, default="max",
+                   help="max over the history, or the most recent amax (default max)")
+    g.add_argument("--fp8-format", choices=tuple(RECIPE_FORMATS), default="hybrid",
+                   help="hybrid: E4M3 forward, E5M2 gradients; e4m3: E4M3 for both (default hybrid)")
+    g.add_argument("--first-step", choices=FIRST_STEPS, default="current",
+                   help="a tensor's first quantization: from its own amax (current) or with scale 1 (unit)")
+    p.add_argument("--out", default="fusedfp8_demo", help="output folder (default ./fusedfp8_demo)")
+    p.add_argument("--no-plot", action="store_true", help="do not write demo.png (no matplotlib needed)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (no tqdm needed)")
+
+
+def demo(args) -> int:
+    from .demo import DemoConfig, DemoError, run_demo
+    from .recipe import DelayedScaling
+
+    margin = int(args.margin) if float(args.margin).is_integer() else args.margin
+    try:
+        recipe = DelayedScaling(margin=margin, amax_history_len=args.amax_history_len,
+                                amax_compute_algo=args.amax_compute_algo, fp8_format=args.fp8_format,
+                                first_step=args.first_step)
+        config = DemoConfig(framework=args.framework, device=args.device, hidden=args.hidden, ffn=args.ffn,
+                            tokens=args.tokens, steps=args.steps, lr=args.lr, seed=args.seed, recipe=recipe,
+                            out=args.out, plot=not args.no_plot, progress=not args.no_progress)
+    except (TypeError, ValueError) as e:
+        print(f"python -m fusedfp8 demo: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        run_demo(config)
+    except DemoError as e:
+        print(f"python -m fusedfp8 demo: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- bench -----------------------------------------------------------------------------------
+BENCH_SCRIPTS = ("bench_kernels.py", "bench_mlp.py")
+
+
+def scripts_dir() -> Path | None:
+    """``scripts/`` of the source checkout this package runs from, or None (installed wheel)."""
+    d = Path(__file__).resolve().parent.parent / "scripts"
+    return d if all((d / s).is_file() for s in BENCH_SCRIPTS) else None
+
+
+def bench_commands(scripts: Path, out: Path, device: str, tiny: bool) -> list[tuple[str, list[str] | None, str]]:
+    """(name, argv or None, why) per benchmark; argv None = skipped, ``why`` says why."""
+    py = sys.executable
+    cmds = []
+    if device == "cuda":
+        args = ["--sizes", "1024x1024", "--jobs", "quantize,quantize_t"] if tiny else []
+        cmds.append(("bench_kernels", [py, str(scripts / "bench_kernels.py"), "--out", str(out), *args], ""))
+    else:
+        cmds.append(("bench_kernels", None, "needs a GPU that runs the fused kernels"))
+    if device == "cuda":
+        args = (["--shapes", "1024x4096x2048", "--modes", "bf16_eager,fp8_eager", "--steps", "10", "--reps", "2",
+                 "--no-profile"] if tiny else [])
+        cmds.append(("bench_mlp", [py, str(scripts / "bench_mlp.py"), "--framework", "torch", "--out", str(out), *args],
+                     ""))
+    elif tiny:
+        cmds.append(("bench_mlp", [py, str(scripts / "bench_mlp.py"), "--framework", "torch", "--out", str(out),
+                                   "--device", "cpu", "--shapes", "32x64x48", "--modes", "bf16_eager,fp8_eager",
+                                   "--steps", "3", "--block", "1", "--reps", "1", "--no-profile"],
+                     "CPU smoke test of the script (tiny shape; not a measurement)"))
+    else:
+        cmds.append(("bench_mlp", None, "needs a GPU with FP8 GEMMs (--tiny runs a CPU smoke test of the script)"))
+    return cmds
+
+
+def _table_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+def bench(args) -> int:
+    from . import _cuda
+
+    scripts = scripts_dir()
+    if scripts is None:
+        print("python -m fusedfp8 bench: error: the benchmark scripts (scripts/bench_kernels.py, scripts/bench_mlp.py) "
+              "are not installed with the package; run this from a source checkout (git clone the fusedfp8 "
+              "repository, pip install -e '.[all]' there)", file=sys.stderr)
+        return 2
+    ok, reason = _cuda.probe(need_fp8_gemm=True)
+    device = "cuda" if ok else "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmds = bench_commands(scripts, out, device, args.tiny)
+    lines = ["# fusedfp8 benchmarks", "",
+             f"- date {time.strftime('%Y-%m-%d %H:%M')}, python {platform.python_version()}, "
+             f"device: {'GPU' if ok else 'no usable GPU'} ({reason})",
+             f"- mode: {'dry run (nothing executed)' if args.dry_run else 'tiny sizes' if args.tiny else 'full'}",
+             ""]
+    rc = 0
+    for name, argv, why in cmds:
+        lines.append(f"## {name}")
+        lines.append("")
+        if argv is None:
+            lines += [f"skipped: {why}", ""]
+            print(f"{name}: skipped ({why})")
+            continue
+        shown = " ".join(argv)
+        lines += [f"command: `{shown}`" + (f" ({why})" if why else ""), ""]
+        if args.dry_run:
+            print(f"{name}: would run {shown}")
+            lines += ["not executed (--dry-run)", ""]
+            continue
+        print(f"{name}: running {shown}", flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=scripts.parent)
+        wall = time.perf_counter() - t0
+        log = out / f"{name}.log"
+        log.write_text(proc.stdout + ("\n--- stderr ---\n" + proc.stderr if proc.stderr else ""))
+        status = "ok" if proc.returncode == 0 else f"FAILED (exit code {proc.returncode})"
+        print(f"{name}: {status} in {wall:.0f} s; log {log}")
+        rc = rc or proc.returncode
+        lines += [f"{status}, {wall:.0f} s; log: [{log.name}]({log.name})", ""]
+        lines += _table_lines(proc.stdout) + [""]
+        for ext in ("json", "png"):
+            f = out / f"{name}.{ext}"
+            if f.is_file():
+                lines += [f"![{name}]({f.name})" if ext == "png" else f"data: [{f.name}]({f.name})", ""]
+    summary = out / "summary.md"
+    summary.write_text("\n".join(lines))
+    print(f"wrote {summary}")
+    return 1 if rc else 0
+
+
+# ---- entry -----------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fusedfp8", description="fusedfp8 command line")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p_info = sub.add_parser("info", help="versions, GPU capability, kernel cache")
+    p_info = sub.add_parser("info", help="versions, GPU capability, probe verdict, kernel cache",
+                            description="Print versions, the GPU and its compute capability, the capability probe's "
+                                        "verdict and reason, and where the kernel sources and cache live.")
     p_info.add_argument("--compile", action="store_true",
                         help="compile every kernel instantiation now, so the first training step does not pay for NVRTC")
+    p_info.add_argument("--no-progress", action="store_true", help="no progress bar for --compile")
+    _demo_parser(sub)
+    p_bench = sub.add_parser(
+        "bench", help="run scripts/bench_kernels.py and scripts/bench_mlp.py, collect results in one folder",
+        description="Runs the benchmark scripts of a source checkout (they are not installed with the package) and "
+                    "collects their JSON, PNG and logs in --out with a markdown summary (summary.md). Without a "
+                    "usable GPU the benchmarks are skipped with the reason (--tiny runs a CPU smoke test of "
+                    "bench_mlp.py).")
+    p_bench.add_argument("--out", default="fusedfp8_bench", help="output folder (default ./fusedfp8_bench)")
+    p_bench.add_argument("--dry-run", action="store_true", help="write the summary with the commands, run nothing")
+    p_bench.add_argument("--tiny", action="store_true",
+                         help="tiny sizes (a quick check that the scripts run, not a measurement)")
     args = ap.parse_args(argv)
     if args.cmd == "info":
-        return info(args.compile)
-    return 2
+        return info(args.compile, progress=not args.no_progress)
+    if args.cmd == "demo":
+        return demo(args)
+    return bench(args)
 
 
 if __name__ == "__main__":

@@ -346,7 +346,6 @@ class ScalingState:
         return _logging.format_table(_logging.state_rows(self, recipe, names))
 
 
-
 def apply_update(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
     """The update rule on ``state`` through its own array namespace (no custom kernel).
 
