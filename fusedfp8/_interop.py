@@ -102,6 +102,32 @@ def _numpy_info(x, argname) -> ArrayInfo:
 _INFO = {"torch": _torch_info, "cupy": _cupy_info, "jax": _jax_info, "numpy": _numpy_info}
 
 
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "uint8": 1, "float8_e4m3fn": 1,
+             "float8_e5m2": 1}
+
+
+def _byte_range(info: ArrayInfo) -> tuple[int, int]:
+    """[start, end) of the bytes of a contiguous array (an element count x itemsize from its start)."""
+    a = info.array
+    if info.ptr:
+        start = info.ptr
+    elif info.framework == "torch":
+        start = a.data_ptr()
+    else:
+        start = a.__array_interface__["data"][0]
+    return start, start + info.size * _ITEMSIZE.get(info.dtype, 8)
+
+
+def overlaps(out: ArrayInfo, x: ArrayInfo) -> bool:
+    """Whether the contiguous output ``out`` shares bytes with the contiguous input ``x`` (same
+    framework and device; jax arrays are immutable and never alias an output)."""
+    if out.framework == "jax" or out.size == 0 or x.size == 0:
+        return False
+    o0, o1 = _byte_range(out)
+    x0, x1 = _byte_range(x)
+    return o0 < x1 and x0 < o1
+
+
 def describe(x, argname: str) -> ArrayInfo:
     """An :class:`ArrayInfo` for ``x``; TypeError naming ``argname`` for a non-array."""
     try:

@@ -243,6 +243,8 @@ class ScalingState:
 
     def validate(self, recipe: DelayedScaling | None = None) -> None:
         """Raise ValueError/TypeError naming the field if shapes, dtypes or frameworks disagree."""
+        if recipe is not None and not isinstance(recipe, DelayedScaling):
+            raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
         n = len(self.grad)
         expect = {"amax_history": (2, "float32"), "scale": (1, "float32"), "scale_inv": (1, "float32"),
                   "overflows": (1, "int32"), "updates": (1, "int32")}
@@ -276,7 +278,10 @@ class ScalingState:
         return np.array([recipe.format_for(g).max for g in self.grad], np.float32)
 
     def format_of(self, index: int, recipe: DelayedScaling) -> Format:
-        return recipe.format_for(self.grad[self._check_index(index)])
+        """The format of tensor ``index`` under ``recipe`` (checked against this state)."""
+        i = self._check_index(index)
+        self.validate(recipe)
+        return recipe.format_for(self.grad[i])
 
     def _check_index(self, index) -> int:
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
@@ -353,6 +358,10 @@ def apply_update(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
     jax arrays are immutable, so a new state is returned. Callers always use the return value.
     """
     state.validate(recipe)
+    for name in STATE_FIELDS:  # refuse before computing, so that no array is half written
+        a = getattr(state, name)
+        if isinstance(a, np.ndarray) and not a.flags.writeable:
+            raise ValueError(f"ScalingState.{name} is a read-only numpy array; the update writes the state in place")
     xp = namespace(state.amax_history)
     fmt_max = xp.asarray(state.fmt_max(recipe), xp.float32, state.amax_history)
     margin = xp.asarray(recipe.margin_factor, xp.float32, state.amax_history)
