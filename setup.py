@@ -12,18 +12,7 @@ from setuptools import find_packages, setup
 _TORCH = ["torch>=2.11"]
 _JAX = ["jax>=0.10", "flax>=0.12", "optax"]
 _CUDA = ["cupy-cuda13x>=13"]
-_DEMO = ["tqdm", "matplotlib"]
-_TEST = [
-    "pytest>=8",
-    "hypothesis>=6",
-    "ml_dtypes>=0.5",
-    "nvidia-cuda-nvrtc",
-    "nvidia-cuda-runtime",
-    "cuda-bindings",
-    *_TORCH,
-    *_JAX,
-    *_DEMO,
-]
+_PLOTS = ["tqdm", "matplotlib"]
 
 
 def _union(*groups):
@@ -33,6 +22,19 @@ def _union(*groups):
             if req not in out:
                 out.append(req)
     return out
+
+
+# `pip install -e ".[demo]"` is all `python -m fusedfp8 demo` needs (torch, the progress bar, the
+# plot); on a GPU add the cuda extra.
+_DEMO = _union(_TORCH, _PLOTS)
+_TEST = _union([
+    "pytest>=8",
+    "hypothesis>=6",
+    "ml_dtypes>=0.5",
+    "nvidia-cuda-nvrtc",
+    "nvidia-cuda-runtime",
+    "cuda-bindings",
+], _TORCH, _JAX, _PLOTS)
 
 
 setup(

@@ -156,7 +156,8 @@ class DemoResult:
             out.append({
                 "model": name,
                 "step time (median)": f"{c.median_ms():.3f} ms",
-                "speed-up vs bf16": f"{base / c.median_ms():.2f}x" + (" (emulated)" if self.device == "cpu" else ""),
+                "speed-up vs bf16": f"{base / c.median_ms():.2f}x"
+                                    + (" (FP8 emulated)" if self.device == "cpu" and name == "fp8" else ""),
                 "loss, first step": f"{c.loss[0]:.4f}",
                 "final loss": f"{c.loss[-1]:.4f}",
                 f"mean loss, last {min(LOSS_TAIL, len(c.loss))} steps": f"{c.tail_loss():.4f}",
