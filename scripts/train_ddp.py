@@ -4,7 +4,8 @@ fusedfp8 FP8 and DDP, one process per GPU, launched with torchrun.
 Every rank trains on its own random regression batches; DDP averages the gradients, and
 ``fusedfp8.pytorch.update_scales(model, group)`` MAX-reduces the staged amaxes of every FP8 tensor
 in ONE all_reduce per step, so all ranks quantize with the same scales. At the end the script
-gathers every rank's scales, histories and weights and checks they are bitwise identical.
+gathers every rank's scales and histories and checks they are bitwise identical (and reports
+whether the weights are).
 
 Models (``--model``): ``fp8mlp`` (fusedfp8.pytorch.Fp8MLP: gelu fused into the quantization),
 ``convert`` (an nn.Module MLP converted with convert_to_fp8: two Fp8Linear, gelu in torch),
@@ -13,15 +14,17 @@ Models (``--model``): ``fp8mlp`` (fusedfp8.pytorch.Fp8MLP: gelu fused into the q
 Per step it reports (rank 0, wall clock, the device synchronised around each timed region):
 ``step_ms`` the whole step (forward, backward with DDP's gradient all-reduce, Adam, the scale
 update); ``update_scales_ms`` the update_scales call inside it (the amax all_reduce plus the fused
-update); ``amax_allreduce_ms`` a MAX all_reduce of a buffer of the same size as the staged amaxes,
-timed on its own after the step (the collective alone). Medians skip the first ``--warmup`` steps.
+update; null with ``--overlap``, where the all_reduce is started after the backward with
+``async_op=True`` and finished after ``optimizer.step()``, so it overlaps the optimizer);
+``amax_allreduce_ms`` a MAX all_reduce of a buffer of the same size as the staged amaxes, timed on
+its own after the step (the collective alone). Medians skip the first ``--warmup`` steps.
 
 Usage:
-  GPUs (NCCL):   torchrun --nproc_per_node 2 scripts/train_ddp.py --steps 50 --json ddp.json
+  GPUs (NCCL):   torchrun --nproc_per_node 2 scripts/train_ddp.py --steps 50 --json ddp.json [--overlap]
   CPU (gloo):    torchrun --nproc_per_node 2 scripts/train_ddp.py --device cpu --steps 3 \
                      --hidden 32 --ffn 64 --tokens 16 --json ddp_cpu.json
 Defaults: hidden 4096, ffn 16384, 8192 tokens per rank, bf16 parameters on CUDA (float32 on CPU),
-DelayedScaling() (hybrid, history 1024, 'max'). Exits 1 if the ranks' states differ.
+DelayedScaling() (hybrid, history 1024, 'max'). Exits 1 if the ranks' FP8 states differ, or never updated.
 """
 from __future__ import annotations
 
@@ -74,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the medians")
     p.add_argument("--history", type=int, default=1024, help="amax_history_len")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--overlap", action="store_true",
+                   help="start the amax all_reduce right after the backward (async_op=True) and finish the update "
+                        "after optimizer.step(), so the collective overlaps the optimizer")
     p.add_argument("--json", type=Path, default=None, help="write the report here (rank 0)")
     args = p.parse_args(argv)
     for name in ("hidden", "ffn", "tokens", "steps", "history"):
@@ -112,12 +118,19 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def state_vector(model) -> torch.Tensor:
-    """Every FP8 state array and every parameter of ``model``, as one float32 vector."""
-    parts = [p.detach().float().reshape(-1) for p in model.parameters()]
+def fp8_state_vector(model, device) -> torch.Tensor:
+    """Every FP8 state array of ``model`` (scales, histories, counters) as one float32 vector."""
+    parts = [torch.zeros(0, device=device)]
     for m in fp8.fp8_modules(model):
         parts += [m.amax_history.reshape(-1), m.scale, m.scale_inv, m.overflows.float(), m.updates.float()]
     return torch.cat(parts)
+
+
+def identical_across_ranks(vec: torch.Tensor, group) -> bool:
+    """Whether every rank holds bitwise the same ``vec`` (float32)."""
+    every = [torch.empty_like(vec) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, vec, group=group)
+    return all(torch.equal(e.view(torch.int32), every[0].view(torch.int32)) for e in every)
 
 
 def main(argv=None) -> int:
@@ -154,10 +167,16 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         loss = F.mse_loss(ddp(x).float(), y.float())
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        update_ms = 0.0
-        if fp8_mods:
+        update_ms = None
+        if fp8_mods and args.overlap:  # not timed on its own: it overlaps the optimizer
+            pending = fp8.update_scales(model, group, async_op=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            pending.wait()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if fp8_mods and not args.overlap:
             sync(device)
             t1 = time.perf_counter()
             fp8.update_scales(model, group)
@@ -175,13 +194,13 @@ def main(argv=None) -> int:
         steps.append({"step": step, "loss": lossv.item() / world, "step_ms": step_ms,
                       "update_scales_ms": update_ms, "amax_allreduce_ms": allreduce_ms})
         if rank == 0:
-            print(f"step {step:4d}  loss {steps[-1]['loss']:.5f}  step {step_ms:8.3f} ms  update_scales "
-                  f"{update_ms:7.3f} ms  amax all_reduce {allreduce_ms:7.3f} ms", flush=True)
+            upd = "overlapped" if update_ms is None else f"{update_ms:7.3f} ms"
+            print(f"step {step:4d}  loss {steps[-1]['loss']:.5f}  step {step_ms:8.3f} ms  update_scales {upd}  "
+                  f"amax all_reduce {allreduce_ms:7.3f} ms", flush=True)
 
-    mine = state_vector(model)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    identical = all(torch.equal(e.view(torch.int32), every[0].view(torch.int32)) for e in every)
+    identical = identical_across_ranks(fp8_state_vector(model, device), group)
+    weights_identical = identical_across_ranks(
+        torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]), group)
     scales_updated = bool(fp8_mods) and all(bool((m.updates > 0).all()) for m in fp8_mods)
 
     timed = steps[args.warmup:] or steps
@@ -193,13 +212,18 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "fusedfp8": getattr(fusedfp8, "__version__", None),
         "fp8_tensors": 3 * len(fp8_mods),
         "median_step_ms": statistics.median(s["step_ms"] for s in timed),
-        "median_update_scales_ms": statistics.median(s["update_scales_ms"] for s in timed),
+        "overlap": args.overlap,
+        "median_update_scales_ms": (None if args.overlap or not fp8_mods
+                                    else statistics.median(s["update_scales_ms"] for s in timed)),
         "median_amax_allreduce_ms": statistics.median(s["amax_allreduce_ms"] for s in timed),
-        "scales_identical_across_ranks": identical, "scales_updated": scales_updated, "steps": steps,
+        "scales_identical_across_ranks": identical,
+        "weights_identical_across_ranks": weights_identical, "scales_updated": scales_updated, "steps": steps,
     }
     if rank == 0:
-        print(f"median step {report['median_step_ms']:.3f} ms, update_scales {report['median_update_scales_ms']:.3f} "
-              f"ms, amax all_reduce {report['median_amax_allreduce_ms']:.3f} ms; states identical across "
+        upd = report["median_update_scales_ms"]
+        print(f"median step {report['median_step_ms']:.3f} ms, update_scales "
+              f"{'-' if upd is None else f'{upd:.3f} ms'}, amax all_reduce "
+              f"{report['median_amax_allreduce_ms']:.3f} ms; states identical across "
               f"{world} ranks: {identical}", flush=True)
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -449,5 +449,6 @@ def test_train_ddp_script_runs_on_cpu(tmp_path_factory):
     rep = json.loads(str(res[0]["train_ddp.json"]))
     assert rep["world_size"] == 2 and rep["backend"] == "gloo" and len(rep["steps"]) == 3
     assert rep["scales_identical_across_ranks"] is True and rep["scales_updated"] is True
+    assert rep["weights_identical_across_ranks"] is True
     assert rep["fp8_tensors"] == 6
     assert all(s["amax_allreduce_ms"] > 0 and s["update_scales_ms"] > 0 and s["step_ms"] > 0 for s in rep["steps"])

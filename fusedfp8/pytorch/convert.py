@@ -16,6 +16,9 @@ own breaks them, and the next call links again (one concatenation, outside any h
 the first update before capturing a CUDA graph). ``load_state_dict`` copies into the views, so
 it keeps them. ``state_dict()`` holds each module's views; ``torch.save`` stores their shared
 storage once.
+
+With a process group, the staged amaxes of all linked states are MAX-reduced across the ranks in
+one all_reduce before the update (``distributed.py``).
 """
 from __future__ import annotations
 
@@ -164,6 +167,13 @@ def update_scales(model: nn.Module, group=None, *, async_op: bool = False, proce
     under ``no_sync()`` (DDP does not broadcast before the later micro-batches), but several
     synchronised forwards per step would lose the other ranks' amaxes staged so far: pass
     ``forward_sync_buffers=False`` (``broadcast_buffers=False`` before torch 2.13) then.
+
+    With FSDP2 (``fully_shard``): the FP8 states are buffers, which FSDP2 leaves unsharded, and
+    the forward quantizes the all-gathered weight, so the reduction is the same as under DDP. Not
+    yet usable: on CPU the reference path pins the unsharded weight's storage (``Tensor.numpy()``)
+    and FSDP2's reshard fails; the GPU path is untested on several GPUs; and the missed-update
+    check sees two weights (the unsharded one and FSDP2's sharded one), so it raises wrongly
+    unless the modules use ``missed_update='ignore'``.
 
     Raises
     ------
