@@ -35,6 +35,7 @@ from fusedfp8.state import STATE_FIELDS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = DelayedScaling(amax_history_len=4)
+BRANCH_RECIPE = DelayedScaling(amax_history_len=6, amax_compute_algo="most_recent", margin=1)  # a 2nd linked state
 STEPS = 5
 BRANCH_STEPS = (1, 2)  # the branch module runs on the last rank only, at these steps
 NAN_STEP = 3  # rank 1 feeds a NaN at this step
@@ -44,14 +45,17 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"
 
 
 class Net(nn.Module):
-    """LayerNorm -> Dense -> gelu -> Dense (Fp8MLP), a head, and a branch run on demand."""
+    """LayerNorm -> Dense -> gelu -> Dense (Fp8MLP), a head, and a branch run on demand. The
+    branch has a recipe of its own, so the model has two linked states: their staged rows are
+    concatenated into one buffer for the all_reduce (the DDP scenarios cover the single state,
+    reduced in place)."""
 
     def __init__(self, seed=0):
         super().__init__()
         torch.manual_seed(seed)
         self.mlp = fp8.Fp8MLP(32, 64, RECIPE)
         self.head = fp8.Fp8Linear(32, 16, recipe=RECIPE)
-        self.branch = fp8.convert_to_fp8(nn.Linear(32, 16), RECIPE)
+        self.branch = fp8.convert_to_fp8(nn.Linear(32, 16), BRANCH_RECIPE)
 
     def forward(self, x, use_branch=False):
         h = self.mlp(x)
