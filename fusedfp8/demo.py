@@ -368,18 +368,19 @@ def _torch_meta(device: str) -> dict:
 
 
 # ---- jax ---------------------------------------------------------------------------------------
-JAX_NEEDS = ("Fp8DotGeneral",)  # what the jax runner needs from fusedfp8.jax
+JAX_NEEDS = ("Fp8MLP", "Fp8DotGeneral")  # what the jax runner needs from fusedfp8.jax.flax
 
 
 def _jax_train(config: DemoConfig, device: str, bar) -> dict:
     try:
-        import fusedfp8.jax as fj
+        import fusedfp8.jax.flax as fj
     except ImportError as e:
-        raise DemoError(f"--framework jax: fusedfp8.jax cannot be imported ({e}); install 'fusedfp8[jax]'") from None
+        raise DemoError(f"--framework jax is not available yet: fusedfp8.jax.flax cannot be imported ({e}); "
+                        "use --framework torch") from None
     missing = [n for n in JAX_NEEDS if not hasattr(fj, n)]
     if missing:
-        raise DemoError(f"--framework jax is not available yet: fusedfp8.jax does not provide {', '.join(missing)} "
-                        "(the JAX integration is being written); use --framework torch")
+        raise DemoError(f"--framework jax is not available yet: fusedfp8.jax.flax does not provide "
+                        f"{', '.join(missing)} (the JAX integration is being written); use --framework torch")
     raise DemoError("--framework jax is not available yet: the demo's JAX runner is not written; "
                     "use --framework torch")
 
