@@ -7,6 +7,7 @@ erfc, built from + - * / only, because ``np.tanh`` and CUDA's ``tanhf`` do not r
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -106,7 +107,7 @@ def _scale_value(scale) -> np.float32:
 def _as_2d(v: np.ndarray, argname: str = "x") -> np.ndarray:
     if v.ndim == 0:
         raise ValueError(f"{argname}: transpose needs an input of at least 1 dimension; got a scalar")
-    return v.reshape(-1, v.shape[-1]) if v.ndim != 1 else v.reshape(1, -1)
+    return v.reshape(math.prod(v.shape[:-1]), v.shape[-1])  # (-1 is ambiguous when the size is 0)
 
 
 class Quantized(NamedTuple):
