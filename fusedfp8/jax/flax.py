@@ -1,0 +1,154 @@
+"""Flax (linen) modules: ``Fp8DotGeneral``, a drop-in ``dot_general_cls``, and ``Fp8MLP``.
+
+::
+
+    import flax.linen as nn
+    from fusedfp8.jax.flax import Fp8DotGeneral
+
+    dense = nn.Dense(4096, dot_general_cls=Fp8DotGeneral)
+    variables = dense.init(key, x)        # {'params': ..., '_overwrite_with_gradient': ...}
+    state = TrainState.create(apply_fn=dense.apply, params=variables, tx=optax.adam(1e-3))
+    grads = jax.grad(loss_fn)(state.params)
+    state = state.apply_gradients(grads=grads)    # also stores the new FP8 state
+
+State. Each module keeps the delayed-scaling state of its tensors (input, weight, output
+gradient) in flax's ``'_overwrite_with_gradient'`` collection, as float32 variables
+``amax_history`` (L, 3), ``scale`` (3,) (multiplies before the cast), ``scale_inv`` (3,)
+(``1 / scale``, what flax's own FP8 ops call "scale"), ``overflows`` and ``updates`` (3,)
+(counters, stored as float32 so that ``jax.grad`` over the variables works; exact to 2**24).
+The "gradient" of that collection is the new state (see :mod:`fusedfp8.jax.functional`), which
+``TrainState.apply_gradients`` stores as it does for flax's ``Fp8DotGeneralOp``. The previous
+step's staged amaxes become scales at the start of the next forward (one fused update per
+module per step). Variables converted to flax's ``fp32_max_grad`` dtype (as pipelined
+``nn.scan`` users do) accumulate the staged amaxes of several uses with max.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..recipe import DelayedScaling
+from . import functional as F
+
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+STATE_VARIABLES = ("amax_history", "scale", "scale_inv", "overflows", "updates")
+
+__all__ = ["Fp8DotGeneral", "Fp8MLP", "OVERWRITE_WITH_GRADIENT", "STATE_VARIABLES"]
+
+
+def _declare_state(module: nn.Module, recipe: DelayedScaling):
+    """The module's state variables (created on init), read as a float32 meta."""
+    L = recipe.amax_history_len
+    inits = {"amax_history": (jnp.zeros, (L, 3)), "scale": (jnp.ones, (3,)), "scale_inv": (jnp.ones, (3,)),
+             "overflows": (jnp.zeros, (3,)), "updates": (jnp.zeros, (3,))}
+    meta = []
+    for name in STATE_VARIABLES:
+        fn, shape = inits[name]
+        v = module.variable(OVERWRITE_WITH_GRADIENT, name, fn, shape, jnp.float32).value
+        if v.shape != shape:
+            raise ValueError(f"{module.__class__.__name__}: variable '{name}' has shape {v.shape} but the recipe "
+                             f"(amax_history_len={L}) needs {shape}")
+        if v.dtype != jnp.float32:  # flax's fp32_max_grad meta dtype: max-accumulated cotangents
+            v = lax.convert_element_type(v, jnp.float32)
+        meta.append(v)
+    return tuple(meta)
+
+
+def _check_recipe(module) -> DelayedScaling:
+    if not isinstance(module.recipe, DelayedScaling):
+        raise TypeError(f"{module.__class__.__name__}.recipe must be a fusedfp8.DelayedScaling; got "
+                        f"{type(module.recipe).__name__}")
+    return module.recipe
+
+
+class Fp8DotGeneral(nn.Module):
+    """FP8 ``lax.dot_general`` with delayed scaling, for ``dot_general_cls`` of ``nn.Dense`` /
+    ``nn.DenseGeneral``: ``nn.Dense(features, dot_general_cls=Fp8DotGeneral)``.
+
+    Supported contractions: the lhs contracts its trailing dimensions and the rhs its leading
+    ones, in order, with no batch dimensions (every Dense / DenseGeneral over trailing axes).
+    Others raise ValueError. The lhs is cast to the rhs (kernel) dtype first, as flax's FP8 ops
+    do; ``precision`` is ignored (FP8); the output dtype is ``preferred_element_type`` or the
+    kernel dtype.
+
+    Attributes: ``recipe`` (DelayedScaling), ``impl`` (see :data:`fusedfp8.jax.IMPLS`).
+    """
+
+    recipe: DelayedScaling = DelayedScaling()
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        recipe = _check_recipe(self)
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc = tuple(int(d) % max(lhs.ndim, 1) for d in lc), tuple(int(d) % max(rhs.ndim, 1) for d in rc)
+        nc = len(lc)
+        if lb or rb or lc != tuple(range(lhs.ndim - nc, lhs.ndim)) or rc != tuple(range(nc)):
+            raise ValueError(f"Fp8DotGeneral supports lhs contracting its trailing and rhs its leading dimensions, "
+                             f"without batch dimensions; got dimension_numbers={dimension_numbers} for shapes "
+                             f"{lhs.shape} and {rhs.shape}")
+        meta = _declare_state(self, recipe)
+        lead, k = lhs.shape[:lhs.ndim - nc], math.prod(lhs.shape[lhs.ndim - nc:])
+        rest = rhs.shape[nc:]
+        if k != math.prod(rhs.shape[:nc]):
+            raise ValueError(f"contracting dimensions disagree: {lhs.shape} and {rhs.shape}")
+        x2 = jnp.asarray(lhs, rhs.dtype).reshape(math.prod(lead), k)
+        w2 = rhs.reshape(k, math.prod(rest))
+        y = F.fp8_dot(x2, w2, meta, recipe, out_dtype=preferred_element_type or rhs.dtype, impl=self.impl)
+        return y.reshape(*lead, *rest)
+
+
+class _DenseParams(nn.Module):
+    """The parameters and FP8 state of one linear of :class:`Fp8MLP` (names as ``nn.Dense``)."""
+
+    features_in: int
+    features: int
+    recipe: DelayedScaling
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (self.features_in, self.features),
+                            self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+        return kernel, bias, _declare_state(self, self.recipe)
+
+
+class Fp8MLP(nn.Module):
+    """LayerNorm -> Dense(ffn) -> gelu -> Dense(out) with FP8 GEMMs and the activation fused
+    into FP8 (:func:`fusedfp8.jax.fp8_mlp`): gelu(z) is never written in high precision.
+
+    Parameters as ``nn.LayerNorm(name='norm')``, ``nn.Dense(ffn, name='fc1')``,
+    ``nn.Dense(out, name='fc2')`` would have them (so weights carry over from such a model);
+    the FP8 state of fc1 and fc2 in ``'_overwrite_with_gradient'``.
+
+    Attributes: ``ffn`` (inner width), ``out_features`` (default: the input width), ``recipe``,
+    ``approximate`` ('tanh' or 'none'), ``dtype`` (computation dtype, default the input's),
+    ``param_dtype``, ``impl``.
+    """
+
+    ffn: int
+    out_features: int | None = None
+    recipe: DelayedScaling = DelayedScaling()
+    approximate: str = "tanh"
+    dtype: jnp.dtype | None = None
+    param_dtype: jnp.dtype = jnp.float32
+    impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x):
+        recipe = _check_recipe(self)
+        hidden = x.shape[-1]
+        out = self.out_features or hidden
+        dtype = self.dtype or x.dtype
+        h = nn.LayerNorm(dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
+        w1, b1, meta1 = _DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")()
+        w2, b2, meta2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")()
+        h2 = jnp.asarray(h, dtype).reshape(-1, hidden)
+        y = F.fp8_mlp(h2, w1.astype(dtype), b1.astype(dtype), w2.astype(dtype), b2.astype(dtype), meta1, meta2, recipe,
+                      approximate=self.approximate, impl=self.impl)
+        return y.reshape(*x.shape[:-1], out)

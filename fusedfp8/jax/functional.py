@@ -1,0 +1,243 @@
+"""Differentiable FP8 building blocks over the primitives (``custom_jvp`` / ``custom_vjp``).
+
+Meta. The functions that keep delayed-scaling state across training steps take it as a
+``meta``: a tuple ``(amax_history (L, n), scale (n,), scale_inv (n,), overflows (n,),
+updates (n,))`` of float32 arrays, the form in which the flax modules store it (counters as
+float32 so that ``jax.grad`` over a flax variable tree works; they are exact up to 2**24).
+Their VJP with respect to the meta is *the new meta* (flax's "overwrite with gradient"
+convention): ``flax.training.train_state.TrainState.apply_gradients`` stores it as the next
+step's state. The new meta is the old one after ``update_scales`` (which turns the previous
+step's staged amaxes into scales, a no-op on a fresh meta) with this step's amaxes staged in row
+0. Deferring the update to the next forward makes a meta that is reused several times in one
+step (``nn.scan``, shared layers) combine correctly when its cotangents are accumulated with
+max (flax's ``fp32_max_grad`` dtype): the uses differ in row 0 only.
+
+GEMM layouts. Every FP8 GEMM is ``lax.dot_general`` over two operands whose contracting
+dimension is the last one (cuBLASLt's "TN"), fed with the transposed copies that the fused
+quantize kernels write in the same pass, so XLA adds no transposes. With x (M, K), w (K, N)
+and the output gradient g (M, N):
+
+    forward  y  = x @ w     = dot(x_q (M, K),   w_t_q (N, K))
+    dgrad    dx = g @ w.T   = dot(g_q (M, N),   w_q (K, N))
+    wgrad    dw = x.T @ g   = dot(x_t_q (K, M), g_t_q (N, M))
+
+each ``dot_general(..., preferred_element_type=float32) * (scale_inv_a * scale_inv_b)``, the
+pattern XLA's GEMM rewriter turns into one ``__cublas$lt$matmul$f8`` call with the scales in
+its epilogue. Forward tensors use the recipe's forward format (E4M3), gradients E5M2 under
+'hybrid'. Only FP8 tensors are saved for the backward (and the MLP's pre-activation).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..recipe import DelayedScaling
+from ..state import ScalingState
+from . import primitives as P
+
+__all__ = ["quantize_ste", "fp8_dot", "fp8_mlp", "fresh_meta", "meta_to_state", "state_to_meta", "LINEAR_GRAD"]
+
+LINEAR_GRAD = (False, False, True)  # tensors of a linear's meta: input, weight, output gradient
+
+
+# ---- meta <-> state --------------------------------------------------------------------------
+def fresh_meta(recipe: DelayedScaling, n: int = 3) -> tuple:
+    """A fresh float32 meta of ``n`` tensors (history zeros, scales one, counters zero)."""
+    L = recipe.amax_history_len
+    z = jnp.zeros((n,), jnp.float32)
+    return jnp.zeros((L, n), jnp.float32), jnp.ones((n,), jnp.float32), jnp.ones((n,), jnp.float32), z, z
+
+
+def meta_to_state(meta, grad=LINEAR_GRAD) -> ScalingState:
+    """The :class:`ScalingState` (int32 counters) of a float32 meta."""
+    hist, scale, scale_inv, overflows, updates = (jnp.asarray(m) for m in meta)
+    return ScalingState(hist, scale, scale_inv, overflows.astype(jnp.int32), updates.astype(jnp.int32), grad)
+
+
+def state_to_meta(state: ScalingState) -> tuple:
+    return (state.amax_history, state.scale, state.scale_inv, state.overflows.astype(jnp.float32),
+            state.updates.astype(jnp.float32))
+
+
+def _check_meta(meta, n: int, recipe: DelayedScaling, argname: str = "meta"):
+    if not isinstance(meta, (tuple, list)) or len(meta) != 5:
+        raise TypeError(f"{argname} must be a tuple (amax_history, scale, scale_inv, overflows, updates); got "
+                        f"{type(meta).__name__}" + (f" of length {len(meta)}" if isinstance(meta, (tuple, list)) else ""))
+    meta = tuple(jnp.asarray(m) for m in meta)
+    want = [(recipe.amax_history_len, n)] + [(n,)] * 4
+    for name, m, shape in zip(("amax_history", "scale", "scale_inv", "overflows", "updates"), meta, want):
+        if m.shape != shape or m.dtype != jnp.float32:
+            raise ValueError(f"{argname}.{name} must be float32 of shape {shape} (recipe.amax_history_len="
+                             f"{recipe.amax_history_len}); got {m.dtype} {m.shape}")
+    return meta
+
+
+# ---- straight-through fake quantization ------------------------------------------------------
+@jax.custom_jvp
+def _straight_through(x, y):
+    return y
+
+
+@_straight_through.defjvp
+def _straight_through_jvp(primals, tangents):
+    return primals[1], tangents[0]
+
+
+def quantize_ste(x, state: ScalingState, index: int, recipe: DelayedScaling, *,
+                 impl: str = "auto") -> tuple[jax.Array, ScalingState]:
+    """``dequantize(quantize(x))`` in x's dtype through tensor ``index`` of ``state``, with the
+    identity as its derivative. Returns (the fake-quantized x, the new state)."""
+    r, new = P.quantize(lax.stop_gradient(x), state, index, recipe, impl=impl)
+    return _straight_through(x, P.dequantize(r.data, r.scale_inv, x.dtype)), new
+
+
+# ---- the FP8 GEMM ----------------------------------------------------------------------------
+def gemm(a, b, scale_inv_a, scale_inv_b, out_dtype):
+    """``out_dtype((a @ b.T) * scale_inv_a * scale_inv_b)`` for FP8 a (M, K), b (N, K)."""
+    y = lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * (scale_inv_a[0] * scale_inv_b[0])).astype(out_dtype)
+
+
+class _Cfg(NamedTuple):
+    recipe: DelayedScaling
+    impl: str
+    out_dtype: str
+
+
+def _forward_states(meta, n_states, cfg: _Cfg):
+    return P.update_scales(meta_to_state(meta), cfg.recipe, impl=cfg.impl)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dot(x, w, meta, cfg: _Cfg):
+    st = _forward_states(meta, 1, cfg)
+    rx, st = P.quantize(x, st, 0, cfg.recipe, impl=cfg.impl)
+    rw, st = P.quantize(w, st, 1, cfg.recipe, transpose=True, impl=cfg.impl)
+    return gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype)
+
+
+def _dot_fwd(x, w, meta, cfg: _Cfg):
+    st = _forward_states(meta, 1, cfg)
+    rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=True, impl=cfg.impl)
+    rw, st = P.quantize(w, st, 1, cfg.recipe, transpose=True, impl=cfg.impl)
+    y = gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype)
+    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    return y, (rx.data_t, rw.data, rx.scale_inv, rw.scale_inv, st, dtypes)
+
+
+def _dot_bwd(cfg: _Cfg, res, g):
+    x_t, w_q, sx, sw, st, (xz, wz) = res
+    rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, impl=cfg.impl)
+    dx = gemm(rg.data, w_q, rg.scale_inv, sw, xz.dtype)
+    dw = gemm(x_t, rg.data_t, sx, rg.scale_inv, wz.dtype)
+    return dx, dw, state_to_meta(st)
+
+
+_dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+def _check_operand(a, argname: str):
+    a = jnp.asarray(a)
+    if a.dtype.name not in ("float32", "float16", "bfloat16"):
+        raise TypeError(f"{argname} must be float32, float16 or bfloat16; got {a.dtype}")
+    if a.ndim != 2:
+        raise ValueError(f"{argname} must be 2-D; got shape {a.shape}")
+    return a
+
+
+def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=None, impl: str = "auto"):
+    """``x @ w`` with FP8 GEMMs and delayed scaling (forward and both backward GEMMs).
+
+    Parameters
+    ----------
+    x : (M, K) float32 / float16 / bfloat16;  w : (K, N), same choice of dtypes
+    meta : the float32 meta of 3 tensors (input, weight, output gradient); see the module
+        docstring. Its VJP is the new meta.
+    recipe : DelayedScaling (history length must match the meta)
+    out_dtype : the output dtype (x's by default)
+    impl : backend of the quantize primitives (:data:`fusedfp8.jax.IMPLS`)
+
+    Returns
+    -------
+    (M, N) array of ``out_dtype``; dx in x's dtype and dw in w's dtype under differentiation.
+    """
+    x, w = _check_operand(x, "x"), _check_operand(w, "w")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"x (M, K) and w (K, N) must agree on K; got {x.shape} and {w.shape}")
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
+    meta = _check_meta(meta, 3, recipe)
+    cfg = _Cfg(recipe, P._check_impl(impl), jnp.dtype(out_dtype or x.dtype).name)
+    return _dot(x, w, meta, cfg)
+
+
+# ---- the fused MLP core: Linear -> gelu -> Linear --------------------------------------------
+class _MlpCfg(NamedTuple):
+    recipe: DelayedScaling
+    impl: str
+    approximate: str
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _mlp(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg):
+    return _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg, training=False)[0]
+
+
+def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg, training: bool = True):
+    r, impl = cfg.recipe, cfg.impl
+    st1 = P.update_scales(meta_to_state(meta1), r, impl=impl)
+    st2 = P.update_scales(meta_to_state(meta2), r, impl=impl)
+    rh, st1 = P.quantize(h, st1, 0, r, transpose=training, impl=impl)
+    rw1, st1 = P.quantize(w1, st1, 1, r, transpose=True, impl=impl)
+    z = gemm(rh.data, rw1.data_t, rh.scale_inv, rw1.scale_inv, h.dtype) + b1.astype(h.dtype)
+    ra, st2 = P.gelu_quantize(z, st2, 0, r, approximate=cfg.approximate, transpose=training, impl=impl)
+    rw2, st2 = P.quantize(w2, st2, 1, r, transpose=True, impl=impl)
+    y = gemm(ra.data, rw2.data_t, ra.scale_inv, rw2.scale_inv, h.dtype) + b2.astype(h.dtype)
+    dtypes = tuple(jnp.zeros((0,), a.dtype) for a in (h, w1, b1, w2, b2))
+    return y, (rh.data_t, rw1.data, z, ra.data_t, rw2.data, rh.scale_inv, rw1.scale_inv, ra.scale_inv,
+               rw2.scale_inv, st1, st2, dtypes)
+
+
+def _mlp_bwd(cfg: _MlpCfg, res, g):
+    h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z) = res
+    r, impl = cfg.recipe, cfg.impl
+    rg, st2 = P.quantize(g, st2, 2, r, transpose=True, impl=impl)
+    da = gemm(rg.data, w2_q, rg.scale_inv, sw2, z.dtype)
+    dw2 = gemm(a_t, rg.data_t, sa, rg.scale_inv, w2z.dtype)
+    db2 = jnp.sum(g.reshape(-1, g.shape[-1]), axis=0, dtype=jnp.float32).astype(b2z.dtype)
+    rdz, st1 = P.dgelu_quantize(da, z, st1, 2, r, approximate=cfg.approximate, transpose=True, dbias=True,
+                                impl=impl)
+    dh = gemm(rdz.data, w1_q, rdz.scale_inv, sw1, hz.dtype)
+    dw1 = gemm(h_t, rdz.data_t, sh, rdz.scale_inv, w1z.dtype)
+    return dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, state_to_meta(st1), state_to_meta(st2)
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
+            approximate: str = "tanh", impl: str = "auto"):
+    """``gelu(h @ w1 + b1) @ w2 + b2`` with FP8 GEMMs, the activation quantized (with its
+    transpose) straight from the first GEMM's output by the fused gelu kernel, and the gelu
+    backward (+ the first bias gradient) by the fused dgelu kernel.
+
+    h (M, H); w1 (H, F), b1 (F,); w2 (F, H2), b2 (H2,); meta1 / meta2: the metas of fc1 (h,
+    w1, dz) and fc2 (gelu(z), w2, dy), whose VJPs are the new metas. Output (M, H2) in h's
+    dtype; the pre-activation z is saved for the backward in h's dtype, everything else saved
+    is FP8.
+    """
+    h, w1, w2 = _check_operand(h, "h"), _check_operand(w1, "w1"), _check_operand(w2, "w2")
+    if h.shape[1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
+        raise ValueError(f"shapes do not chain: h {h.shape}, w1 {w1.shape}, w2 {w2.shape}")
+    b1, b2 = jnp.asarray(b1), jnp.asarray(b2)
+    if b1.shape != (w1.shape[1],) or b2.shape != (w2.shape[1],):
+        raise ValueError(f"b1 must have shape {(w1.shape[1],)} and b2 {(w2.shape[1],)}; got {b1.shape}, {b2.shape}")
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
+    meta1, meta2 = _check_meta(meta1, 3, recipe, "meta1"), _check_meta(meta2, 3, recipe, "meta2")
+    cfg = _MlpCfg(recipe, P._check_impl(impl), P._check_approximate(approximate))
+    return _mlp(h, w1, b1, w2, b2, meta1, meta2, cfg)

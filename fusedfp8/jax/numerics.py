@@ -1,0 +1,248 @@
+"""The reference numerics (:mod:`fusedfp8.reference`) in ``jax.numpy``: the CPU backend of the
+JAX primitives, and their twin on any backend.
+
+XLA does not keep NumPy's operation order by itself, so everything here is written against two
+of its habits, and tested byte for byte against the reference:
+
+- FMA contraction. XLA:CPU (and LLVM on GPU) fuse ``a * b + c`` into one fused multiply-add,
+  which rounds once instead of twice. Every product is passed through :func:`_mul`, which hides
+  it behind a bit-level identity (bitcast, xor with a zero that XLA cannot see is zero, bitcast
+  back), so no add ever sees a multiply to fuse with. The fused multiply-adds the reference
+  *does* use (``fma_f32``) are emulated exactly in float32 (:func:`fma_f32`), since JAX has no
+  FMA primitive and float64 is off by default.
+- Flushed denormals. XLA:CPU treats denormal inputs of float arithmetic as zero and flushes
+  denormal results. The amax is therefore taken on the bits (exact, NaN-propagating), and the
+  one product whose denormal input can matter (``x * scale`` of a bf16/fp32 denormal input,
+  which a huge first-step scale makes a normal FP8 value) is computed from the bits as well.
+  Known gap: a denormal *intermediate* inside the activations (gelu of a denormal input; the
+  erf gelu and its derivative near x = -13, where erfc underflows gradually) is flushed on
+  XLA:CPU, so a value below 2**-126 becomes 0. It only shows in the FP8 result when the scale is
+  beyond 2**100 (a tensor whose every activation is below 2**-100), or as the sign of a zero
+  in the erf gelu gradient near x = -13. XLA:GPU keeps denormals (``xla_gpu_ftz`` is off).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import reference as ref
+from ..formats import Format, get_format
+
+f32 = jnp.float32
+_SIGN = np.int32(-0x80000000)
+_MAG = np.int32(0x7FFFFFFF)
+_INF_BITS = np.int32(0x7F800000)
+
+
+def _c(v) -> jax.Array:
+    """A float32 constant (the reference's hex literals, exact), hidden from XLA's algebraic
+    simplifier, which otherwise reassociates float adds with constants ((1 + p) - 1 -> p)."""
+    return _hide(jnp.asarray(np.float32(v), f32))
+
+
+# ---- bit-level helpers -------------------------------------------------------------------------
+def bits(a) -> jax.Array:
+    return lax.bitcast_convert_type(a, jnp.int32)
+
+
+def from_bits(b) -> jax.Array:
+    return lax.bitcast_convert_type(b, f32)
+
+
+def _hidden_zero() -> jax.Array:
+    """An int32 0 that XLA cannot constant-fold (it comes out of an optimization barrier)."""
+    return lax.optimization_barrier(jnp.zeros((), jnp.int32))
+
+
+def _hide(v) -> jax.Array:
+    """``v`` unchanged, bit for bit, but opaque to XLA: no simplification or contraction sees
+    through it."""
+    return from_bits(bits(v) ^ _hidden_zero())
+
+
+def _mul(a, b) -> jax.Array:
+    """``a * b`` rounded once, never contracted into a following add."""
+    return _hide(jnp.multiply(a, b))
+
+
+def _two_sum(a, b):
+    """Knuth's TwoSum: s + err == a + b exactly; every step hidden so that none is rewritten."""
+    s = _hide(a + b)
+    bb = _hide(s - a)
+    return s, _hide(a - _hide(s - bb)) + _hide(b - bb)
+
+
+def _split(a):
+    """Veltkamp's split of a float32 into two 12-bit halves (hi + lo == a exactly)."""
+    t = _mul(_c(4097.0), a)
+    hi = _hide(t - _hide(t - a))
+    return hi, _hide(a - hi)
+
+
+def _fma_core(a, b, c):
+    p = _mul(a, b)
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    e = _hide(_hide(_hide(_mul(ah, bh) - p) + _mul(ah, bl)) + _mul(al, bh)) + _mul(al, bl)
+    th, tl = _two_sum(c, p)
+    s, err = _two_sum(tl, e)
+    sb = bits(s)
+    inexact = (err != 0) & ((sb & 1) == 0)
+    away = (s > 0) == (err > 0)  # the exact value lies further from zero than s
+    v = jnp.where(inexact, from_bits(sb + jnp.where(away, 1, -1).astype(jnp.int32)), s)
+    return p, _hide(th + v)
+
+
+def _pow2(k) -> jax.Array:
+    """2**k as float32 for int32 k in [-126, 127] (exact)."""
+    return from_bits(lax.shift_left(k + 127, jnp.int32(23)))
+
+
+def _scale_pow2(x, s) -> jax.Array:
+    """x * 2**s for int32 s in [-252, 252], in two exact halves (no spurious over/underflow)."""
+    h = s // 2
+    return _mul(_mul(x, _pow2(h)), _pow2(s - h))
+
+
+def fma_f32(a, b, c, tiny_products: bool = True) -> jax.Array:
+    """Correctly rounded float32 ``a * b + c`` (the kernels' fma.rn.f32), in float32 only.
+
+    a and b are first scaled by powers of two into [1, 2) (c by the same total factor; a c too
+    small to matter there is replaced by +-2**-100, which rounds alike), so that no partial
+    product underflows; then Dekker's exact product ``a*b = p + e`` and Boldo and Melquiond's
+    emulated FMA: ``(th, tl) = TwoSum(c, p)``, ``v = RO(tl + e)`` (round to odd), result
+    ``RN(th + v)``, scaled back exactly. Zero, denormal, non-finite or extreme operands (where
+    c dominates, or the reference's callers only produce inf, NaN or a masked-out lane) get the
+    twice-rounded ``a*b + c``.
+
+    ``tiny_products=False`` skips the scaling, for callers whose products are never below
+    2**-60 unless c makes them irrelevant (the polynomials and the exp argument reduction): a
+    much smaller graph, which XLA:CPU compiles several times faster.
+    """
+    a, b, c = (jnp.asarray(v, f32) for v in (a, b, c))
+    if not tiny_products:
+        p, z = _fma_core(a, b, c)
+        big = _c(2.0 ** 100)
+        safe = jnp.isfinite(p) & jnp.isfinite(c) & jnp.isfinite(z) & (jnp.abs(a) < big) & (jnp.abs(b) < big)
+        return jnp.where(safe, z, _hide(p + c))
+    exp_a = ((bits(a) >> 23) & 0xFF) - 127
+    exp_b = ((bits(b) >> 23) & 0xFF) - 127
+    normal = (exp_a > -127) & (exp_a < 128) & (exp_b > -127) & (exp_b < 128)
+    sa, sb = jnp.clip(-exp_a, -126, 126), jnp.clip(-exp_b, -126, 126)
+    a1, b1 = _mul(a, _pow2(sa)), _mul(b, _pow2(sb))
+    c1 = _scale_pow2(c, sa + sb)
+    small = _c(2.0 ** -100)
+    c1 = jnp.where((c != 0) & (jnp.abs(c1) < small), jnp.where(jnp.signbit(c), -small, small), c1)
+    z = _scale_pow2(_fma_core(a1, b1, c1)[1], -(sa + sb))
+    naive = _hide(_mul(a, b) + c)
+    safe = normal & jnp.isfinite(c) & jnp.isfinite(c1) & (jnp.abs(c1) < _c(2.0 ** 100)) & jnp.isfinite(z)
+    return jnp.where(safe, z, naive)
+
+
+# ---- exp / erfc / gelu / dgelu, the reference's op sequence ------------------------------------
+def exp_f32(a) -> jax.Array:
+    a = jnp.asarray(a, f32)
+    k = jnp.rint(_mul(a, _c(ref.LOG2E)))
+    r = fma_f32(k, -_c(ref.LN2_HI), a, tiny_products=False)
+    r = fma_f32(k, -_c(ref.LN2_LO), r, tiny_products=False)
+    p = _c(ref.EXP_POLY[0])
+    for coef in ref.EXP_POLY[1:]:
+        p = fma_f32(p, r, _c(coef), tiny_products=False)
+    ki = jnp.nan_to_num(jnp.clip(k, -126.0, 127.0)).astype(jnp.int32)
+    pow2 = from_bits(lax.shift_left(ki + 127, jnp.int32(23)))
+    y = _mul(p, pow2)
+    return jnp.where(a < _c(ref.EXP_MIN_ARG), _c(0.0), y)
+
+
+def erfc_f32(z) -> jax.Array:
+    z = jnp.asarray(z, f32)
+    a = jnp.abs(z)
+    t = _c(1.0) / fma_f32(_c(0.5), a, _c(1.0), tiny_products=False)
+    p = _c(ref.ERFC_POLY[0])
+    for coef in ref.ERFC_POLY[1:]:
+        p = fma_f32(p, t, _c(coef), tiny_products=False)
+    e = _mul(t, exp_f32(fma_f32(-a, a, -_c(ref.ERFC_C0)) + _mul(p, t)))
+    return jnp.where(jnp.signbit(z), _c(2.0) - e, e)
+
+
+def _clamp(x, lim):
+    lim = _c(lim)
+    return jnp.where(x > lim, lim, jnp.where(x < -lim, -lim, x))
+
+
+def _sigmoid_parts(x):
+    x2 = _mul(x, x)
+    u = _mul(_c(ref.SQRT_2_OVER_PI), fma_f32(_c(ref.GELU_C1), _mul(x2, x), x))
+    e = exp_f32(_mul(_c(-2.0), jnp.abs(u)))
+    d = _c(1.0) + e
+    return x2, e, d, jnp.where(jnp.signbit(u), e, _c(1.0))
+
+
+def gelu_f32(x, approximate: str) -> jax.Array:
+    """gelu in float32 ('tanh' or 'none'), as :func:`fusedfp8.reference.gelu_f32`."""
+    x = jnp.asarray(x, f32)
+    if approximate == "tanh":
+        _, _, d, sel = _sigmoid_parts(x)
+        return _mul(x, sel) / d
+    return _mul(_mul(_c(0.5), x), erfc_f32(_mul(-x, _c(ref.INV_SQRT2))))
+
+
+def dgelu_f32(x, approximate: str) -> jax.Array:
+    """d gelu / dx in float32, as :func:`fusedfp8.reference.dgelu_f32`."""
+    x = jnp.asarray(x, f32)
+    if approximate == "tanh":
+        xc = _clamp(x, 20.0)
+        x2, e, d, sel = _sigmoid_parts(xc)
+        rd = _c(1.0) / d
+        dudx = _mul(_c(ref.SQRT_2_OVER_PI), fma_f32(_c(ref.GELU_C3), x2, _c(1.0)))
+        return fma_f32(_mul(_mul(_mul(_mul(_c(2.0), xc), e), rd), rd), dudx, _mul(sel, rd))
+    xc = _clamp(x, 40.0)
+    pdf = _mul(exp_f32(_mul(_c(-0.5), _mul(xc, xc))), _c(ref.INV_SQRT_2PI))
+    return fma_f32(xc, pdf, _mul(_c(0.5), erfc_f32(_mul(-xc, _c(ref.INV_SQRT2)))))
+
+
+# ---- amax, scaling, the FP8 cast ------------------------------------------------------------------
+def amax(y) -> jax.Array:
+    """max |y| as a float32 scalar from the bits: exact with denormals, NaN-propagating
+    (canonical NaN), 0 for an empty array."""
+    mag = bits(jnp.asarray(y, f32)) & _MAG
+    m = jnp.max(mag, initial=np.int32(0)) if mag.size else jnp.int32(0)
+    return jnp.where(m > _INF_BITS, _c(np.nan), from_bits(m))
+
+
+def nan_max(a, b) -> jax.Array:
+    """max of two amaxes (>= 0 or NaN), NaN-propagating, exact with denormals."""
+    m = from_bits(jnp.maximum(bits(a) & _MAG, bits(b) & _MAG))
+    return jnp.where(jnp.isnan(a) | jnp.isnan(b), _c(np.nan), m)
+
+
+def scale_input(x, s) -> jax.Array:
+    """``float32(x) * s`` rounded once, also for a denormal x (which XLA:CPU would read as 0):
+    a denormal ``m * 2**-149`` is multiplied as ``(m * 2**-75) * (s * 2**-74)``, both exact."""
+    x = jnp.asarray(x, f32)
+    xb = bits(x)
+    mag = xb & _MAG
+    denormal = (mag != 0) & (mag < np.int32(0x00800000))
+    m = lax.convert_element_type(mag, f32) * _c(2.0 ** -75)
+    m = jnp.where(xb < 0, -m, m)
+    return jnp.where(denormal, _mul(m, _mul(s, _c(2.0 ** -74))), _mul(x, s))
+
+
+def cast_to_fp8(v, fmt: str | Format) -> jax.Array:
+    """``cvt.rn.satfinite`` as uint8 codes: RNE, saturating, NaN -> the canonical NaN byte."""
+    fmt = get_format(fmt)
+    v = jnp.asarray(v, f32)
+    clipped = jnp.clip(v, -_c(fmt.max), _c(fmt.max))
+    q = lax.bitcast_convert_type(clipped.astype(jnp.dtype(fmt.dtype_name)), jnp.uint8)
+    return jnp.where(jnp.isnan(v), jnp.uint8(fmt.nan_bits), q)
+
+
+def current_scale(a, fmt: Format, margin_factor: float, fallback) -> jax.Array:
+    """First-step scale from the amax ``a`` (scalar), or ``fallback`` where a is 0 or non-finite
+    (:func:`fusedfp8.reference.current_scale`)."""
+    from ..state import compute_scale, namespace
+
+    s = compute_scale(namespace(a), jnp.where(bits(a) == 0, _c(1.0), a), _c(fmt.max), _c(margin_factor))
+    return jnp.where(jnp.isfinite(a) & (bits(a) != 0), s, fallback)

@@ -1,0 +1,315 @@
+"""The fused kernels as traceable JAX functions, state in and state out.
+
+Every function here works inside ``jax.jit``, ``jax.grad`` (through the ``custom_vjp`` wrappers
+of :mod:`fusedfp8.jax.functional`) and ``jax.vmap``, on any backend. The backend is chosen when
+XLA lowers the computation (``lax.platform_dependent``): on CUDA the CuPy kernels run on XLA's
+own buffers and stream through ``jax.experimental.buffer_callback``; everywhere else the same
+numerics run as ``jax.numpy`` (:mod:`fusedfp8.jax.numerics`), byte for byte the reference's.
+
+``impl`` picks the backend explicitly: ``'auto'`` (the default, as above), ``'jnp'`` (jax.numpy
+on every backend), ``'kernel'`` (the CUDA kernels, recorded into XLA's command buffers: CUDA
+graphs that replay without calling Python) or ``'kernel_no_cmdbuf'`` (the kernels, launched by a
+Python callback at every execution).
+
+State. A :class:`fusedfp8.ScalingState` of jax arrays is a pytree here (registered by
+``fusedfp8.jax``); functions take one and return the updated one. Quantizing tensor ``index``
+max-accumulates its amax into ``amax_history[0, index]`` and, on the tensor's first step with
+``first_step='current'`` (decided from ``updates[index] == 0`` on the device), writes the
+current scale into ``scale`` / ``scale_inv``. FP8 data comes back as ``jnp.float8_e4m3fn`` /
+``float8_e5m2`` (declared as uint8 by the callback, then bitcast: no copy).
+
+vmap. Mapping a primitive over a batch axis quantizes each example on its own, with its own
+amax and its own staged state: the jax.numpy path vectorises, the kernel path loops over the
+batch (``vmap_method='sequential'``). A batched state must then be reduced by the caller.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import _cuda
+from ..formats import Format
+from ..recipe import DelayedScaling
+from ..reference import Quantized
+from ..state import ScalingState, update_rule
+from . import numerics as jn
+
+__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "update_scales", "dequantize", "IMPLS"]
+
+IMPLS = ("auto", "jnp", "kernel", "kernel_no_cmdbuf")
+_FLOATS = ("float32", "float16", "bfloat16")
+_APPROX = {"tanh": "tanh", "none": "erf"}
+
+
+class _QCfg(NamedTuple):
+    """Static configuration of one quantize primitive."""
+
+    op: str  # 'identity' | 'gelu' | 'dgelu'
+    approximate: str
+    index: int
+    fmt: Format
+    transpose: bool
+    dbias: bool
+    margin_factor: float
+    current_first: bool
+
+
+# ---- checks ----------------------------------------------------------------------------------
+def _check_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    return impl
+
+
+def _check_state(state, recipe) -> None:
+    if not isinstance(state, ScalingState):
+        raise TypeError(f"state must be a fusedfp8.ScalingState (of jax arrays); got {type(state).__name__}")
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
+    state.validate(recipe)
+
+
+def _check_x(x, argname: str, need_2d: bool):
+    x = jnp.asarray(x)
+    if x.dtype.name not in _FLOATS:
+        raise TypeError(f"{argname} must be float32, float16 or bfloat16; got {x.dtype}")
+    if need_2d and x.ndim < 1:
+        raise ValueError(f"{argname}: transpose / dbias need an input of at least 1 dimension; got a scalar")
+    return x
+
+
+def _rows_cols(shape) -> tuple[int, int]:
+    return (math.prod(shape[:-1]), int(shape[-1])) if shape else (1, 1)
+
+
+# ---- the jax.numpy backend -------------------------------------------------------------------
+def _activation(cfg: _QCfg, x, b):
+    xf = x.astype(jnp.float32)
+    if cfg.op == "identity":
+        return xf
+    if cfg.op == "gelu":
+        return jn.gelu_f32(xf, cfg.approximate)
+    return jn._mul(xf, jn.dgelu_f32(b.astype(jnp.float32), cfg.approximate))
+
+
+def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
+    y = _activation(cfg, x, b)
+    if cfg.op != "identity":  # computed once: XLA would otherwise duplicate it into each consumer
+        y = lax.optimization_barrier(y)
+    i = cfg.index
+    acc = jn.nan_max(hist[0, i], jn.amax(y))
+    s_old = scale[i]
+    if cfg.current_first:
+        fresh = updates[i] == 0
+        s = jnp.where(fresh, jn.current_scale(acc, cfg.fmt, cfg.margin_factor, s_old), s_old)
+        scale = scale.at[i].set(s)
+        scale_inv = scale_inv.at[i].set(jnp.where(fresh, jnp.float32(1.0) / s, scale_inv[i]))
+    else:
+        s = s_old
+    v = jn.scale_input(y, s) if cfg.op == "identity" else jn._mul(y, s)
+    q = jn.cast_to_fp8(v, cfg.fmt)
+    rows, cols = _rows_cols(x.shape)
+    outs = [q]
+    if cfg.transpose:
+        outs.append(q.reshape(rows, cols).T)
+    if cfg.dbias:
+        outs.append(jnp.sum(y.reshape(rows, cols), axis=0, dtype=jnp.float32))
+    si_used = (jnp.float32(1.0) / s).reshape(1)
+    return (*outs, si_used, hist.at[0, i].set(acc), scale, scale_inv)
+
+
+# ---- the kernel backend ----------------------------------------------------------------------
+def _quantize_kernel(cfg: _QCfg, command_buffer: bool, x, b, hist, scale, scale_inv, updates):
+    from jax.experimental.buffer_callback import buffer_callback
+
+    from . import _gpu
+
+    dtype = x.dtype.name
+    op = "identity" if cfg.op == "identity" else f"{cfg.op}_{_APPROX[cfg.approximate]}"
+    _gpu.prepare(_cuda.ModuleKey("quantize", dtype, cfg.fmt.name, op))
+    rows, cols = _rows_cols(x.shape)
+    u8 = jnp.uint8
+    shapes = [jax.ShapeDtypeStruct(x.shape, u8)]
+    if cfg.transpose:
+        shapes.append(jax.ShapeDtypeStruct((cols, rows), u8))
+    if cfg.dbias:
+        shapes += [jax.ShapeDtypeStruct((cols,), jnp.float32),
+                   jax.ShapeDtypeStruct((max(1, -(-rows // _cuda.TILE_R)) * cols,), jnp.float32),
+                   jax.ShapeDtypeStruct((max(1, -(-cols // _cuda.TILE_C)),), jnp.int32)]
+    shapes.append(jax.ShapeDtypeStruct((1,), jnp.float32))
+    shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (hist, scale, scale_inv)]
+    has_b = b is not None
+    ins = (x, b, hist, scale, scale_inv, updates) if has_b else (x, hist, scale, scale_inv, updates)
+    first_state = 2 if has_b else 1
+    n_out = len(shapes)
+    aliases = {first_state + k: n_out - 3 + k for k in range(3)}
+    cb = _gpu.quantize_callback(dtype=dtype, fmt=cfg.fmt, op=op, index=cfg.index, rows=rows, cols=cols,
+                                transpose=cfg.transpose, dbias=cfg.dbias, has_b=has_b,
+                                current_first=cfg.current_first, margin_factor=cfg.margin_factor)
+    outs = list(buffer_callback(cb, shapes, vmap_method="sequential", input_output_aliases=aliases,
+                                command_buffer_compatible=command_buffer)(*ins))
+    if cfg.dbias:
+        at = 2 if cfg.transpose else 1  # dbias; the workspaces (partial, counters) follow it
+        del outs[at + 1:at + 3]
+    return tuple(outs)
+
+
+def _dispatch(impl: str, jnp_fn, kernel_fn, *args):
+    if impl == "jnp":
+        return jnp_fn(*args)
+    if impl == "kernel":
+        return kernel_fn(True, *args)
+    if impl == "kernel_no_cmdbuf":
+        return kernel_fn(False, *args)
+    return lax.platform_dependent(*args, cuda=lambda *a: kernel_fn(True, *a), default=jnp_fn)
+
+
+def _run(cfg: _QCfg, x, b, state: ScalingState, impl: str) -> tuple[Quantized, ScalingState]:
+    # the primitives carry no derivative (the custom_vjp wrappers of functional.py define it)
+    x, b, state = lax.stop_gradient((x, b, state))
+    args = (x, b, state.amax_history, state.scale, state.scale_inv, state.updates)
+    if b is None:  # platform_dependent passes arrays only
+        outs = _dispatch(impl, lambda *a: _quantize_jnp(cfg, a[0], None, *a[1:]),
+                         lambda cb, *a: _quantize_kernel(cfg, cb, a[0], None, *a[1:]), x, *args[2:])
+    else:
+        outs = _dispatch(impl, lambda *a: _quantize_jnp(cfg, *a), lambda cb, *a: _quantize_kernel(cfg, cb, *a),
+                         *args)
+    outs = list(outs)
+    fp8 = jnp.dtype(cfg.fmt.dtype_name)
+    q = lax.bitcast_convert_type(outs.pop(0), fp8)
+    q_t = lax.bitcast_convert_type(outs.pop(0), fp8) if cfg.transpose else None
+    db = outs.pop(0) if cfg.dbias else None
+    si_used, hist, scale, scale_inv = outs
+    new = state.replace(amax_history=hist, scale=scale, scale_inv=scale_inv)
+    return Quantized(q, hist[0, cfg.index], q_t, db, si_used), new
+
+
+def _cfg(op, approximate, state, index, recipe, transpose, dbias) -> _QCfg:
+    _check_state(state, recipe)
+    i = state._check_index(index)
+    return _QCfg(op, approximate, i, state.format_of(i, recipe), bool(transpose), bool(dbias),
+                 float(recipe.margin_factor), recipe.first_step == "current")
+
+
+def _check_approximate(approximate: str) -> str:
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"approximate must be 'tanh' or 'none'; got {approximate!r}")
+    return approximate
+
+
+# ---- public functions ------------------------------------------------------------------------
+def quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *, transpose: bool = False,
+             impl: str = "auto") -> tuple[Quantized, ScalingState]:
+    """Quantize ``x`` with tensor ``index`` of ``state`` (one fused pass: cast, amax, transpose).
+
+    Parameters
+    ----------
+    x : float32 / float16 / bfloat16 array, any shape
+    state : ScalingState of jax arrays; recipe : DelayedScaling (the format is
+        ``recipe.format_for(state.grad[index])``)
+    transpose : also return the quantized transpose of x viewed as (prod(shape[:-1]), shape[-1])
+    impl : see the module docstring
+
+    Returns
+    -------
+    (Quantized, ScalingState)
+        ``data`` (x's shape, jnp float8), ``amax`` (the staged slot after this call, a float32
+        scalar), ``data_t`` or None, ``dbias`` None, ``scale_inv`` ((1,) float32, 1 / the scale
+        used: the GEMM operand scale), and the new state.
+    """
+    _check_impl(impl)
+    cfg = _cfg("identity", "tanh", state, index, recipe, transpose, False)
+    return _run(cfg, _check_x(x, "x", transpose), None, state, impl)
+
+
+def gelu_quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *, approximate: str = "tanh",
+                  transpose: bool = False, impl: str = "auto") -> tuple[Quantized, ScalingState]:
+    """``gelu(x)`` in float32 (``approximate`` 'tanh' or 'none', as ``jax.nn.gelu``), quantized as
+    :func:`quantize` does; the amax is of gelu(x)."""
+    _check_impl(impl)
+    cfg = _cfg("gelu", _check_approximate(approximate), state, index, recipe, transpose, False)
+    return _run(cfg, _check_x(x, "x", transpose), None, state, impl)
+
+
+def dgelu_quantize(dy, x, state: ScalingState, index: int, recipe: DelayedScaling, *, approximate: str = "tanh",
+                   transpose: bool = False, dbias: bool = False, impl: str = "auto") -> tuple[Quantized, ScalingState]:
+    """The gelu backward ``dx = dy * gelu'(x)`` (float32), quantized; amax of dx; with ``dbias``
+    also the (N,) float32 column sums of the unquantized dx over its (M, N) view."""
+    _check_impl(impl)
+    cfg = _cfg("dgelu", _check_approximate(approximate), state, index, recipe, transpose, dbias)
+    dy = _check_x(dy, "dy", transpose or dbias)
+    x = _check_x(x, "x", transpose or dbias)
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ValueError(f"dy and x must have the same shape and dtype; got {dy.shape} {dy.dtype} and "
+                         f"{x.shape} {x.dtype}")
+    return _run(cfg, dy, x, state, impl)
+
+
+def dequantize(q, scale_inv, dtype=jnp.float32):
+    """``dtype(float32(q) * scale_inv)`` (plain XLA: it fuses into whatever consumes it)."""
+    q = jnp.asarray(q)
+    if q.dtype.name not in ("float8_e4m3fn", "float8_e5m2"):
+        raise TypeError(f"q must be a float8_e4m3fn / float8_e5m2 array; got {q.dtype}")
+    return jn._mul(q.astype(jnp.float32), jnp.reshape(scale_inv, ())).astype(dtype)
+
+
+# ---- update_scales ---------------------------------------------------------------------------
+def _update_jnp(recipe: DelayedScaling, hist, scale, scale_inv, overflows, updates, fmt_max):
+    xp = _JnpNamespace()
+    new = update_rule(xp, hist, scale, overflows, updates, fmt_max, jnp.float32(recipe.margin_factor),
+                      recipe.amax_compute_algo)
+    return new
+
+
+class _JnpNamespace:
+    """state.update_rule's array namespace for traced jax arrays."""
+
+    float32, int32 = jnp.float32, jnp.int32
+
+    def asarray(self, value, dtype, like):
+        return jnp.asarray(value, dtype=dtype)
+
+    def __getattr__(self, name):
+        return getattr(jnp, name)
+
+    def amax(self, a, axis):
+        return jnp.max(a, axis=axis)
+
+    def astype(self, a, dtype):
+        return a.astype(dtype)
+
+    def bits(self, a):
+        return lax.bitcast_convert_type(a, jnp.int32)
+
+
+def _update_kernel(recipe: DelayedScaling, command_buffer: bool, hist, scale, scale_inv, overflows, updates, fmt_max):
+    from jax.experimental.buffer_callback import buffer_callback
+
+    from . import _gpu
+
+    _gpu.prepare(_cuda.ModuleKey("update_scales"))
+    L, n = hist.shape
+    arrays = (hist, scale, scale_inv, overflows, updates)
+    cb = _gpu.update_callback(n=n, L=L, margin_factor=float(recipe.margin_factor),
+                              algo_max=recipe.amax_compute_algo == "max")
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    return tuple(buffer_callback(cb, shapes, vmap_method="sequential", input_output_aliases={k: k for k in range(5)},
+                                 command_buffer_compatible=command_buffer)(*arrays, fmt_max))
+
+
+def update_scales(state: ScalingState, recipe: DelayedScaling, *, impl: str = "auto") -> ScalingState:
+    """Turn the staged amaxes into the next step's scales for every tensor of ``state`` (one
+    kernel launch on CUDA; the rule of :func:`fusedfp8.state.update_rule`). Returns the new
+    state."""
+    _check_impl(impl)
+    _check_state(state, recipe)
+    fmt_max = jnp.asarray(state.fmt_max(recipe))
+    arrays = (state.amax_history, state.scale, state.scale_inv, state.overflows, state.updates)
+    new = _dispatch(impl, lambda *a: _update_jnp(recipe, *a), lambda cb, *a: _update_kernel(recipe, cb, *a),
+                    *arrays, fmt_max)
+    return state.replace(**dict(zip(("amax_history", "scale", "scale_inv", "overflows", "updates"), new)))
