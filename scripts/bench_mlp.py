@@ -24,7 +24,17 @@ Targets (DESIGN.md): fusedfp8 >= 1.40x bf16 at 4096/16384/8192 and >= 1.0x at 10
 mode against the best bf16 mode (``best``, bf16_graphed included) and against the best of bf16
 eager / compiled (``issue_baseline``, the baselines the issue names). Writes DIR/bench_mlp.json and DIR/bench_mlp.png; exits 1 when a correctness check fails.
 
+JAX (``--framework jax``): modes ``bf16_jit`` (flax nn.Dense, bf16), ``flax_fp8`` (flax's own
+``nn.Fp8DotGeneralOp`` as ``dot_general_cls``) and ``fp8_fused`` (fusedfp8.jax.flax.Fp8MLP; its
+kernels recorded into XLA's command buffers) / ``fp8_fused_nocmdbuf`` (the same, a Python callback
+per launch); the whole train step (forward, loss, backward, optax Adam, the FP8 state through
+TrainState.apply_gradients) is one jitted function. Timing is device-side: a block of steps is
+dispatched and only its last loss is waited for. Each mode also reports ``kernels_per_step``,
+the HLO instructions of the compiled step that launch GPU work (fusions, custom calls -- a
+fusedfp8 callback is 1-2 launches, a cuBLAS GEMM one --, copies, ...), and the FP8 GEMMs in it.
+
 Usage:
+  python scripts/bench_mlp.py --framework jax [--out DIR] [--shapes ...] [--modes bf16_jit,flax_fp8,fp8_fused]
   python scripts/bench_mlp.py --framework torch [--out DIR] [--shapes 4096x16384x8192,1024x4096x2048]
          [--modes bf16_eager,fp8_graphed,...] [--steps 100] [--block 10] [--reps 7] [--no-profile]
   quick: --shapes 1024x4096x2048 --modes bf16_eager,fp8_eager,fp8_graphed --steps 20 --reps 3
@@ -37,6 +47,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -311,11 +322,11 @@ def summarize(shape, res, steps):
             if tgt is not None:
                 s[key].update(target=tgt, met=s[key]["speedup"] >= tgt)
     tail = slice(max(0, steps - 10), steps)
-    ref_mode = next((m for m in ("bf16_eager", "bf16_compiled", "bf16_graphed") if m in modes), None)
+    ref_mode = next((m for m in ("bf16_eager", "bf16_compiled", "bf16_graphed", "bf16_jit") if m in modes), None)
     if ref_mode is not None:
         ref_tail = statistics.fmean(modes[ref_mode]["loss"][tail])
         s["loss_tail_reference"] = {"mode": ref_mode, "mean": ref_tail, "steps": [tail.start + 1, tail.stop]}
-        for m in f8:
+        for m in [*f8, *(m for m in modes if m.startswith("flax"))]:
             rel = statistics.fmean(modes[m]["loss"][tail]) / ref_tail - 1
             s[f"{m}_loss_tail_rel"] = rel
             s[f"{m}_loss_within_2pct"] = abs(rel) <= LOSS_TOLERANCE
@@ -364,19 +375,20 @@ def plot(results, path, meta):
         ax.set_ylabel("MSE loss")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"fusedfp8 MLP train step, torch {meta['torch']}, {meta['device']}")
+    fw = meta.get("framework", "torch")
+    fig.suptitle(f"fusedfp8 MLP train step, {fw} {meta[fw]}, {meta['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
 
 
-def print_table(results):
-    print("\n| shape (hidden/ffn/tokens) | " + " | ".join(MODES)
+def print_table(results, all_modes=MODES):
+    print("\n| shape (hidden/ffn/tokens) | " + " | ".join(all_modes)
           + " | best FP8 / best bf16 | best FP8 / best bf16 eager+compiled | loss 91-100 vs bf16 |")
-    print("| --- |" + " --- |" * (len(MODES) + 3))
+    print("| --- |" + " --- |" * (len(all_modes) + 3))
     for res in results:
         sh, s = res["shape"], res["summary"]
-        cells = [f"{res['modes'][m]['step_ms']:.3f} ms" if m in res["modes"] else "-" for m in MODES]
+        cells = [f"{res['modes'][m]['step_ms']:.3f} ms" if m in res["modes"] else "-" for m in all_modes]
         sp = [f"{b['speedup']:.2f}x ({b['fp8']} / {b['bf16']})" if b else "-"
               for b in (s.get("best"), s.get("issue_baseline"))]
         loss = ", ".join(f"{k.split('_loss')[0]} {v:+.2%}" for k, v in s.items() if k.endswith("_loss_tail_rel"))
@@ -384,23 +396,242 @@ def print_table(results):
               f"{loss or '-'} |")
 
 
+# ---- JAX -------------------------------------------------------------------------------------
+JAX_MODES = ["bf16_jit", "flax_fp8", "fp8_fused", "fp8_fused_nocmdbuf"]
+JAX_TARGET_SPEEDUP = {(4096, 16384, 8192): 1.30, (1024, 4096, 2048): 1.0}
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][a-z0-9\-]*)\(", re.M)
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all",
+                "partition-id", "replica-id", "call", "conditional", "while", "async-start", "async-done",
+                "copy-done", "iota"}
+
+
+def count_kernels(hlo: str) -> dict:
+    """Instructions of a compiled HLO module that launch GPU work, outside fusion bodies and
+    command-buffer wrappers' bookkeeping: fusions, custom calls (cuBLAS, fusedfp8 callbacks),
+    copies, ... Also the FP8 cuBLASLt GEMMs and the fusedfp8 callbacks on their own."""
+    comps = re.split(r"\n(?=(?:ENTRY )?%?[\w.\-]+ [(\[{])", hlo)
+    fused = set(re.findall(r"fusion\(.*?calls=%?([\w.\-]+)", hlo))
+    total = 0
+    for comp in comps:
+        name = re.match(r"(?:ENTRY )?%?([\w.\-]+)", comp.strip())
+        if name is None or name.group(1) in fused:
+            continue
+        total += sum(1 for op in _HLO_INSTR.findall(comp) if op not in _NOT_KERNELS)
+    return {"kernels_per_step": total, "fp8_gemms": hlo.count('"__cublas$lt$matmul$f8"'),
+            "gemms": len(re.findall(r'custom_call_target="__cublas\$', hlo)),
+            "fusedfp8_callbacks": len(re.findall(r'custom_call_target="xla_buffer_python_gpu_callback', hlo))}
+
+
+def jax_models(hidden: int, ffn: int):
+    import flax.linen as fnn
+    import jax.numpy as jnp
+
+    from fusedfp8.jax.flax import Fp8MLP
+
+    def dense(features, name, dg=None):
+        kw = {"dot_general_cls": dg} if dg is not None else {}
+        return fnn.Dense(features, name=name, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, **kw)
+
+    class FlaxMLP(fnn.Module):
+        """The reference, with the parameter names of fusedfp8.jax.flax.Fp8MLP."""
+        fp8: bool = False
+
+        @fnn.compact
+        def __call__(self, x):
+            dg = fnn.Fp8DotGeneralOp if self.fp8 else None
+            h = fnn.LayerNorm(name="norm", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)(x)
+            z = dense(ffn, "fc1", dg)(h)
+            return dense(hidden, "fc2", dg)(fnn.gelu(z, approximate=True))
+
+    return {"bf16_jit": FlaxMLP(), "flax_fp8": FlaxMLP(fp8=True),
+            "fp8_fused": Fp8MLP(ffn, recipe=fusedfp8.DelayedScaling(), param_dtype=jnp.bfloat16, impl="auto"),
+            "fp8_fused_nocmdbuf": Fp8MLP(ffn, recipe=fusedfp8.DelayedScaling(), param_dtype=jnp.bfloat16,
+                                         impl="kernel_no_cmdbuf")}
+
+
+def jax_data(hidden: int, tokens: int, device):
+    """As make_data: x ~ N(0, 1), y a fixed random teacher of x with unit variance, bf16."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(hidden * 7 + tokens)
+    x = rng.standard_normal((tokens, hidden), np.float32)
+    w1 = rng.standard_normal((hidden, hidden), np.float32) / math.sqrt(hidden)
+    w2 = rng.standard_normal((hidden, hidden), np.float32) / math.sqrt(hidden)
+    y = np.tanh(x @ w1) @ w2
+    y = y / y.std()
+    return (jax.device_put(jnp.asarray(x, jnp.bfloat16), device), jax.device_put(jnp.asarray(y, jnp.bfloat16), device))
+
+
+def jax_variables(model, init_params, x, key):
+    """Variables of ``model`` with the shared bf16 parameters ``init_params`` (its own FP8 state)."""
+    import jax
+
+    v = dict(model.init(key, x))
+    v["params"] = jax.tree.map(lambda a: a.copy(), init_params)  # its own buffers: the step donates them
+    return v
+
+
+def jax_loss_fn(model, x, y):
+    import jax.numpy as jnp
+
+    def loss(params):
+        return jnp.mean((model.apply(params, x).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
+
+    return loss
+
+
+def jax_check_correctness(models, init_params, x, y, key) -> dict:
+    """Same weights, same batch: output and parameter gradients of each FP8 model against bf16."""
+    import jax
+    import numpy as np
+
+    def out_and_grads(mode):
+        v = jax_variables(models[mode], init_params, x, key)
+        out = models[mode].apply(v, x)
+        grads = jax.grad(jax_loss_fn(models[mode], x, y))(v)["params"]
+        flat = {"/".join(str(getattr(k, "key", k)) for k in path): g
+                for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
+        return {"output": out, **flat}
+
+    def sqnr(want, got) -> float:
+        w, g = np.asarray(want, np.float64), np.asarray(got, np.float64)
+        noise = float(((w - g) ** 2).sum())
+        return math.inf if noise == 0 else 10 * math.log10(float((w * w).sum()) / noise)
+
+    want = out_and_grads("bf16_jit")
+    res = {}
+    for mode in models:
+        if mode != "bf16_jit":
+            got = out_and_grads(mode)
+            res[mode] = {k: sqnr(w, got[k]) for k, w in want.items()}
+    ok = all(v >= SQNR_MIN_DB for r in res.values() for v in r.values())
+    return {"sqnr_db": res, "ok": ok}
+
+
+def jax_run_shape(shape, modes, args, device) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax.training.train_state import TrainState
+
+    hidden, ffn, tokens = shape
+    x, y = jax_data(hidden, tokens, device)
+    models = jax_models(hidden, ffn)
+    key = jax.random.key(0)
+    init_params = jax.device_put(models["bf16_jit"].init(key, x)["params"], device)
+    res = {"shape": {"hidden": hidden, "ffn": ffn, "tokens": tokens}, "modes": {}}
+    res["correctness"] = jax_check_correctness({m: models[m] for m in ["bf16_jit", *modes] if m in models},
+                                               init_params, x, y, key)
+    print(f"[{hidden}x{ffn}x{tokens}] correctness ok={res['correctness']['ok']} "
+          + " ".join(f"{m}:{k}={v:.1f}dB" for m, r in res["correctness"]["sqnr_db"].items() for k, v in r.items()),
+          flush=True)
+    for mode in modes:
+        t0 = time.perf_counter()
+        model = models[mode]
+        state = TrainState.create(apply_fn=model.apply, params=jax_variables(model, init_params, x, key),
+                                  tx=optax.adam(LR))
+        loss_fn = jax_loss_fn(model, x, y)
+
+        def step(state):
+            loss, grads = jax.value_and_grad(loss_fn)(state.params)
+            return state.apply_gradients(grads=grads), loss
+
+        step = jax.jit(step, donate_argnums=0)
+        row = count_kernels(step.lower(state).compile().as_text())
+        losses = []
+        for _ in range(args.steps):
+            state, loss = step(state)
+            losses.append(loss)
+        losses = [float(v) for v in jax.device_get(losses)]
+        times = []
+        for _ in range(args.reps):
+            jax.block_until_ready(state)
+            t = time.perf_counter()
+            for _ in range(args.block):
+                state, loss = step(state)
+            jax.block_until_ready(loss)
+            times.append((time.perf_counter() - t) * 1e3 / args.block)
+        row.update(loss=losses, step_ms=statistics.median(times), step_ms_all=times,
+                   wall_s=time.perf_counter() - t0)
+        stats = getattr(device, "memory_stats", lambda: None)()
+        if stats and "peak_bytes_in_use" in stats:
+            row["peak_mem_gib"] = stats["peak_bytes_in_use"] / 2**30
+        res["modes"][mode] = row
+        del state
+        print(f"[{hidden}x{ffn}x{tokens}] {mode:<19} {row['step_ms']:8.3f} ms/step  loss {losses[0]:.4f} -> "
+              f"{losses[-1]:.4f}  kernels/step {row['kernels_per_step']} (FP8 GEMMs {row['fp8_gemms']}, "
+              f"fusedfp8 callbacks {row['fusedfp8_callbacks']})  ({row['wall_s']:.0f} s)", flush=True)
+    summarize(shape, res, args.steps)
+    s, modes_ms = res["summary"], {m: r["step_ms"] for m, r in res["modes"].items()}
+    tgt = JAX_TARGET_SPEEDUP.get(tuple(shape))
+    for key in ("best", "issue_baseline"):
+        if key in s and tgt is not None:
+            s[key].update(target=tgt, met=s[key]["speedup"] >= tgt)
+    if "bf16_jit" in modes_ms:
+        for m, t in modes_ms.items():
+            if m != "bf16_jit":
+                s[f"{m}_vs_bf16_jit"] = modes_ms["bf16_jit"] / t
+    return res
+
+
+def main_jax(args, shapes, modes) -> int:
+    import jax
+
+    import fusedfp8.jax  # noqa: F401  (registers the state pytree)
+
+    plat = "gpu" if args.device == "cuda" else args.device
+    try:
+        device = jax.devices(plat)[0]
+    except RuntimeError:
+        print(f"no jax {plat} device: run on the GPU machine, or --device cpu for a smoke test", file=sys.stderr)
+        return 2
+    if plat != "gpu":
+        if "fp8_fused_nocmdbuf" in modes and args.modes:
+            print("fp8_fused_nocmdbuf launches the CUDA kernels: it needs --device cuda", file=sys.stderr)
+            return 2
+        modes = [m for m in modes if m != "fp8_fused_nocmdbuf"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with jax.default_device(device):
+        results = [jax_run_shape(s, modes, args, device) for s in shapes]
+    import flax
+
+    meta = {"framework": "jax", "device": getattr(device, "device_kind", str(device)), "date": time.strftime("%Y-%m-%d"),
+            "jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version(),
+            "fusedfp8": fusedfp8.__version__, "recipe": str(fusedfp8.DelayedScaling()), "lr": LR,
+            "wall_s": time.perf_counter() - t0, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    (out / "bench_mlp.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"wrote {out / 'bench_mlp.json'}")
+    plot(results, out / "bench_mlp.png", meta)
+    print_table(results, JAX_MODES)
+    for res in results:
+        print(json.dumps({"shape": res["shape"], "summary": res["summary"],
+                          "kernels_per_step": {m: r["kernels_per_step"] for m, r in res["modes"].items()}}))
+    return 0 if all(r["correctness"]["ok"] for r in results) else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--framework", choices=["torch"], required=True, help="the framework to benchmark")
+    ap.add_argument("--framework", choices=["torch", "jax"], required=True, help="the framework to benchmark")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder")
     ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES),
                     help="hidden x ffn x tokens, comma separated")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma separated, from {MODES}")
+    ap.add_argument("--modes", default=None, help=f"comma separated, from {MODES} (torch) or {JAX_MODES} (jax)")
     ap.add_argument("--steps", type=int, default=100, help="training steps of the loss curve")
     ap.add_argument("--block", type=int, default=10, help="steps per timed block")
     ap.add_argument("--reps", type=int, default=7, help="timed blocks (the median is reported)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of the eager steps")
     ap.add_argument("--device", default="cuda", help="'cuda' (the benchmark) or 'cpu' (a smoke test of the script)")
     args = ap.parse_args(argv)
-    modes = args.modes.split(",")
-    bad = [m for m in modes if m not in MODES]
+    known = JAX_MODES if args.framework == "jax" else MODES
+    modes = (args.modes or ",".join(known)).split(",")
+    bad = [m for m in modes if m not in known]
     if bad:
-        ap.error(f"--modes: unknown {bad}; choose from {MODES}")
+        ap.error(f"--modes: unknown {bad}; choose from {known}")
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     except ValueError:
@@ -409,6 +640,8 @@ def main(argv=None) -> int:
         ap.error(f"--shapes: each shape is hidden x ffn x tokens; got {args.shapes!r}")
     if args.steps < 1:
         ap.error(f"--steps must be >= 1; got {args.steps}")
+    if args.framework == "jax":
+        return main_jax(args, shapes, modes)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: run on the GPU machine, or --device cpu for a smoke test of the script")

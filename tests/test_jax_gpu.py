@@ -1,0 +1,235 @@
+"""fusedfp8.jax on a GPU: the buffer_callback kernel path byte for byte against the jax.numpy
+path under jit (with XLA command buffers and without), the state machine over several jitted
+steps, the cuBLASLt FP8 GEMM in the compiled HLO, and the flax MLP train step. Skipped, with
+the probe's reason, where there is no such GPU; run on the GPU machine."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from _markers import fp8_gemm_ok, fp8_gemm_reason, gpu_ok, gpu_reason
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import fusedfp8  # noqa: E402
+from fusedfp8.jax import functional as F  # noqa: E402
+from fusedfp8.jax import primitives as P  # noqa: E402
+from fusedfp8.state import ScalingState  # noqa: E402
+
+
+def _jax_gpu() -> tuple[bool, str]:
+    try:
+        return bool(jax.devices("gpu")), "jax GPU backend"
+    except RuntimeError as e:
+        return False, f"jax has no GPU backend ({e})"
+
+
+_jax_ok, _jax_reason = _jax_gpu()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ok, reason=gpu_reason),
+              pytest.mark.skipif(not _jax_ok, reason=_jax_reason)]
+requires_fp8_gemm = pytest.mark.skipif(not fp8_gemm_ok, reason=fp8_gemm_reason)
+
+RECIPE = fusedfp8.DelayedScaling(amax_history_len=31)
+KERNEL_IMPLS = ["kernel", "kernel_no_cmdbuf"]
+SHAPES = {"aligned-256x512": (256, 512), "ragged-303x300": (303, 300), "ragged-1x1": (1, 1),
+          "ragged-0x16": (0, 16), "ragged-3d-3x5x7": (3, 5, 7), "large-2048x4096": (2048, 4096)}
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def u8(a) -> np.ndarray:
+    return np.asarray(jax.device_get(a)).view(np.uint8)
+
+
+def gpu(a):
+    return jax.device_put(a, jax.devices("gpu")[0])
+
+
+def fresh_state(grad=(False, False, True), recipe=RECIPE):
+    return ScalingState.create(grad, recipe, like=gpu(jnp.zeros(1)))
+
+
+def inputs(shape, dtype, seed=0, scale=3.0, special=True):
+    """Random data on the GPU; with ``special`` the first elements are inf, -0, a denormal, 448."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    if x.size and special:
+        x.reshape(-1)[:4] = [np.inf, -0.0, 1e-40, 448.0][: min(4, x.size)]
+    return gpu(jnp.asarray(x).astype(dtype))
+
+
+def assert_same(got, want, what):
+    """Quantized results and states of two backends: FP8 bytes, scale_inv and state equal, dbias close."""
+    (rg, sg), (rw, sw) = got, want
+    np.testing.assert_array_equal(u8(rg.data), u8(rw.data), err_msg=f"{what}: data")
+    if rw.data_t is not None:
+        np.testing.assert_array_equal(u8(rg.data_t), u8(rw.data_t), err_msg=f"{what}: data_t")
+    np.testing.assert_array_equal(np.asarray(rg.scale_inv), np.asarray(rw.scale_inv), err_msg=f"{what}: scale_inv")
+    if rw.dbias is not None:
+        np.testing.assert_allclose(np.asarray(rg.dbias), np.asarray(rw.dbias), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{what}: dbias")
+    for name in ("amax_history", "scale", "scale_inv", "overflows", "updates"):
+        np.testing.assert_array_equal(np.asarray(getattr(sg, name)), np.asarray(getattr(sw, name)),
+                                      err_msg=f"{what}: state.{name}")
+
+
+def run(fn, impl, *args):
+    return jax.jit(lambda *a: fn(*a, impl=impl))(*args)
+
+
+# ---- the kernels against the jax.numpy path ------------------------------------------------------
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_kernel_matches_jnp(dtype, shape, impl):
+    x = inputs(shape, dtype)
+    for index, transpose in ((0, True), (2, False)):  # a forward tensor (E4M3), a gradient (E5M2)
+        def fn(x, st, impl):
+            return P.quantize(x, st, index, RECIPE, transpose=transpose, impl=impl)
+
+        st = fresh_state()
+        assert_same(run(fn, impl, x, st), run(fn, "jnp", x, st), f"quantize[{index}]")
+        # delayed scaling: a set scale, a staged amax to accumulate into, updates > 0
+        st = st.replace(scale=gpu(jnp.asarray([3.0, 0.5, 2.0 ** 10], jnp.float32)),
+                        amax_history=st.amax_history.at[0, index].set(7.0), updates=gpu(jnp.ones(3, jnp.int32)))
+        assert_same(run(fn, impl, x, st), run(fn, "jnp", x, st), f"quantize[{index}] delayed")
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("shape", [(256, 512), (303, 300), (0, 16), (2048, 4096)], ids=str)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_activation_kernels_match_jnp(dtype, shape, approximate, impl):
+    x = inputs(shape, dtype, seed=1, scale=5.0)
+    dy = inputs(shape, dtype, seed=2, scale=1e-3)
+
+    def gelu(x, st, impl):
+        return P.gelu_quantize(x, st, 0, RECIPE, approximate=approximate, transpose=True, impl=impl)
+
+    def dgelu(dy, x, st, impl):
+        return P.dgelu_quantize(dy, x, st, 2, RECIPE, approximate=approximate, transpose=True, dbias=True, impl=impl)
+
+    st = fresh_state()
+    assert_same(run(gelu, impl, x, st), run(gelu, "jnp", x, st), "gelu_quantize")
+    assert_same(run(dgelu, impl, dy, x, st), run(dgelu, "jnp", dy, x, st), "dgelu_quantize")
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_state_machine_over_jitted_steps_matches_jnp(impl):
+    """Six steps of quantize (3 tensors) + update_scales in one jitted step function, replayed
+    (command buffers replay the recorded launches: a stale capture would show here), with a NaN
+    step and a step where the gradient tensor does not run."""
+    recipe = fusedfp8.DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
+
+    def make_step(impl):
+        @jax.jit
+        def step(st, x, w, g):
+            _, st = P.quantize(x, st, 0, recipe, transpose=True, impl=impl)
+            _, st = P.quantize(w, st, 1, recipe, impl=impl)
+            r, st = P.quantize(g, st, 2, recipe, transpose=True, impl=impl)
+            return P.update_scales(st, recipe, impl=impl), r.data
+
+        return step
+
+    states = {i: ScalingState.create((False, False, True), recipe, like=gpu(jnp.zeros(1))) for i in (impl, "jnp")}
+    steps = {i: make_step(i) for i in states}
+    for k in range(6):
+        x = inputs((512, 256), "bfloat16", seed=k, scale=2.0 ** k, special=False)
+        w = inputs((256, 128), "bfloat16", seed=10 + k, scale=0.1, special=False)
+        g = inputs((512, 256), "bfloat16", seed=20 + k, scale=1e-4, special=False)
+        if k == 3:
+            x = x.at[5, 5].set(jnp.nan)
+        if k == 4:
+            g = jnp.zeros_like(g)  # not quantized this step: amax 0, no roll
+        outs = {}
+        for i in states:
+            states[i], outs[i] = steps[i](states[i], x, w, g)
+        np.testing.assert_array_equal(u8(outs[impl]), u8(outs["jnp"]), err_msg=f"step {k}")
+        for name in ("amax_history", "scale", "scale_inv", "overflows", "updates"):
+            np.testing.assert_array_equal(np.asarray(getattr(states[impl], name)),
+                                          np.asarray(getattr(states["jnp"], name)), err_msg=f"step {k}: {name}")
+    assert int(states[impl].overflows[0]) == 1 and int(states[impl].updates[2]) == 5
+
+
+def test_vmap_over_the_kernel_path_matches_jnp():
+    x = inputs((4, 64, 32), "bfloat16")
+    st = fresh_state()
+
+    def fn(impl):
+        return jax.jit(jax.vmap(lambda x: P.quantize(x, st, 0, RECIPE, transpose=True, impl=impl)))(x)
+
+    (rk, sk), (rj, sj) = fn("kernel"), fn("jnp")
+    np.testing.assert_array_equal(u8(rk.data), u8(rj.data))
+    np.testing.assert_array_equal(np.asarray(sk.amax_history), np.asarray(sj.amax_history))
+
+
+# ---- the FP8 GEMM in the compiled HLO ------------------------------------------------------------
+def _compiled_text(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@requires_fp8_gemm
+def test_fp8_dot_compiles_to_cublaslt_fp8_gemms_without_transposes():
+    M, K, N = 2048, 1024, 4096
+    x = inputs((M, K), "bfloat16", scale=1.0, special=False)
+    w = inputs((K, N), "bfloat16", scale=0.03, special=False)
+    meta = jax.tree.map(gpu, F.fresh_meta(RECIPE))
+
+    def loss(x, w, meta):
+        return jnp.sum(F.fp8_dot(x, w, meta, RECIPE).astype(jnp.float32) ** 2)
+
+    text = _compiled_text(jax.grad(loss, argnums=(0, 1, 2)), x, w, meta)
+    gemms = text.count('custom_call_target="__cublas$lt$matmul$f8"')
+    assert gemms == 3, f"expected 3 FP8 GEMMs (forward, dgrad, wgrad); found {gemms}"
+    f8_transposes = [ln for ln in text.splitlines() if "transpose(" in ln and re.search(r"f8e[45]m[23]", ln)]
+    assert not f8_transposes, f8_transposes[:3]
+
+
+# ---- the MLP train step of DESIGN.md -------------------------------------------------------------
+@requires_fp8_gemm
+def test_flax_mlp_train_step_kernel_path_matches_jnp_path_and_bf16():
+    import flax.linen as nn
+    import optax
+    from flax.training.train_state import TrainState
+
+    from fusedfp8.jax.flax import Fp8MLP
+
+    hidden, ffn, tokens = 1024, 4096, 2048
+    rng = np.random.default_rng(0)
+    x = gpu(jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16))
+    y = gpu(jnp.asarray(np.tanh(rng.standard_normal((tokens, hidden))), jnp.bfloat16))
+    bf16 = nn.Sequential([nn.LayerNorm(name="norm"), nn.Dense(ffn, name="fc1"), lambda z: nn.gelu(z, approximate=True),
+                          nn.Dense(hidden, name="fc2")])
+
+    def train(model, variables, steps=20):
+        state = TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(1e-3))
+
+        @jax.jit
+        def step(state):
+            def loss_fn(p):
+                return jnp.mean((state.apply_fn(p, x).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
+
+            loss, grads = jax.value_and_grad(loss_fn)(state.params)
+            return state.apply_gradients(grads=grads), loss
+
+        losses = []
+        for _ in range(steps):
+            state, loss = step(state)
+            losses.append(float(loss))
+        return state, losses
+
+    models = {impl: Fp8MLP(ffn, impl=impl, param_dtype=jnp.bfloat16) for impl in ("auto", "jnp")}
+    variables = models["auto"].init(jax.random.key(0), x)
+    runs = {impl: train(m, variables) for impl, m in models.items()}
+    np.testing.assert_allclose(runs["auto"][1], runs["jnp"][1], rtol=1e-5)  # same bytes into the same GEMMs
+    p = variables["params"]
+    ref_vars = {"params": {"layers_0": p["norm"], "layers_1": p["fc1"], "layers_3": p["fc2"]}}
+    _, ref_losses = train(bf16, jax.tree.map(lambda a: a.astype(jnp.bfloat16), ref_vars))
+    got = runs["auto"][1]
+    assert got[-1] < 0.9 * got[0]
+    assert abs(np.mean(got[-5:]) / np.mean(ref_losses[-5:]) - 1) < 0.05, (got[-5:], ref_losses[-5:])
+    hist = runs["auto"][0].params["_overwrite_with_gradient"]
+    for layer in ("fc1", "fc2"):
+        np.testing.assert_array_equal(np.asarray(hist[layer]["updates"]), [19, 19, 19])
