@@ -147,10 +147,12 @@ def to_numpy(info: ArrayInfo) -> np.ndarray:
     if info.framework == "torch":
         import torch
 
+        # through DLPack, not Tensor.numpy(): .numpy() pins the storage, which FSDP2 must free
+        # after the forward (it refuses to resize a storage that a numpy array still views)
         if info.dtype in ("bfloat16",) + FP8_DTYPES:
-            raw = x.detach().view(torch.int16 if info.dtype == "bfloat16" else torch.uint8).numpy()
+            raw = np.from_dlpack(x.detach().view(torch.int16 if info.dtype == "bfloat16" else torch.uint8))
             return raw.view(getattr(ml_dtypes, info.dtype))
-        return x.detach().numpy()
+        return np.from_dlpack(x.detach())
     return np.asarray(x)
 
 

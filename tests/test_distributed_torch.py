@@ -417,11 +417,6 @@ def test_ddp(runs, tag):
         assert (res[0][f"{tag}/scale/{step}"] != 1).all()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FSDP2 on CPU: the reference path reads the unsharded weight through Tensor.numpy() "
-    "(fusedfp8._interop.to_numpy), which marks its storage non-resizable, and FSDP2's reshard "
-    "after forward then fails with 'Trying to resize storage that is not resizable'. "
-    "np.from_dlpack keeps it resizable (tried: FSDP2 then trains with identical scales on every rank)."))
 def test_fsdp2_cpu(tmp_path_factory):
     res = _results(2, tmp_path_factory)
     assert "fsdp2/error" not in res[0], str(res[0]["fsdp2/error"])

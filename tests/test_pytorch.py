@@ -629,3 +629,16 @@ def test_compile_inductor_on_cpu():
     x = inputs(16, 32)
     y = torch.compile(twin, fullgraph=True)(x)
     assert torch.equal(y, f(x)) and same_state(twin, f.fp8_state)
+
+
+def test_load_state_dict_strict_false_takes_the_weights_of_a_plain_linear():
+    """torch hands strict=True to every _load_from_state_dict; strict=False must still load a
+    plain nn.Linear's weights and keep the FP8 state (a regression the bench script hit)."""
+    lin, m = nn.Linear(16, 16), fp8.Fp8Linear(16, 16)
+    before = {k: v.clone() for k, v in m.state_dict().items() if k in STATE_FIELDS}
+    res = m.load_state_dict(lin.state_dict(), strict=False)
+    assert sorted(res.missing_keys) == sorted(STATE_FIELDS) and torch.equal(m.weight, lin.weight)
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+    parent = nn.Sequential(fp8.Fp8MLP(16, 32))
+    plain = {k: v for k, v in parent.state_dict().items() if k.split(".")[-1] in ("weight", "bias")}
+    assert parent.load_state_dict(plain, strict=False).missing_keys

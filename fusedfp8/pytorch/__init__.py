@@ -16,9 +16,9 @@ Modules: ``ops`` (the ``torch.ops.fusedfp8.*`` custom ops), ``functional`` (``qu
 (``convert_to_fp8``, ``update_scales``).
 """
 from . import ops
-from .convert import convert_to_fp8, fp8_modules, update_scales
+from .convert import PendingScaleUpdate, convert_to_fp8, fp8_modules, update_scales
 from .functional import QuantizeSTE, quantize_ste, scaled_mm
 from .modules import Fp8Linear, Fp8MLP, MissedScaleUpdateError, MissedScaleUpdateWarning
 
-__all__ = ["ops", "convert_to_fp8", "fp8_modules", "update_scales", "QuantizeSTE", "quantize_ste", "scaled_mm",
+__all__ = ["ops", "convert_to_fp8", "fp8_modules", "update_scales", "PendingScaleUpdate", "QuantizeSTE", "quantize_ste", "scaled_mm",
            "Fp8Linear", "Fp8MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]

@@ -29,6 +29,7 @@ Forward passes also stage amaxes in eval mode and under ``torch.no_grad()``.
 """
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 
@@ -43,6 +44,25 @@ __all__ = ["Fp8Linear", "Fp8MLP", "MissedScaleUpdateError", "MissedScaleUpdateWa
 
 GRAD = (False, False, True)  # tensors of an Fp8Linear's state: input, weight, output gradient
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+# torch passes strict=True to every _load_from_state_dict whatever the caller asked; the strict
+# of a load_state_dict called on an FP8 module itself is kept here (None: called on a parent,
+# where torch's own missing-keys report applies)
+_LOAD = threading.local()
+
+
+def _load_strict() -> bool | None:
+    return getattr(_LOAD, "strict", None)
+
+
+class _StrictLoad:
+    """``load_state_dict`` of an FP8 module: remember the caller's ``strict`` for the checks."""
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        outer, _LOAD.strict = _load_strict(), bool(strict)
+        try:
+            return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
+        finally:
+            _LOAD.strict = outer
 MISSED_UPDATE_MODES = ("raise", "warn", "ignore")
 
 
@@ -92,7 +112,7 @@ def _check_input(layer: str, x: torch.Tensor, features: int, weight: torch.Tenso
         raise ValueError(f"{layer}: input is on {x.device} but the weight is on {weight.device}")
 
 
-class Fp8Linear(nn.Linear):
+class Fp8Linear(_StrictLoad, nn.Linear):
     """``nn.Linear`` with FP8 GEMMs and delayed scaling (a drop-in replacement).
 
     Forward: the input and the weight are quantized (the forward format of the recipe, E4M3)
@@ -200,8 +220,9 @@ class Fp8Linear(nn.Linear):
         self._pending_version = self.weight._version  # a move is not an optimizer step
         return self
 
-    def _check_loaded_state(self, state_dict, prefix: str, strict: bool) -> None:
-        """Refuse, before anything is copied, a state dict whose FP8 state cannot be this module's."""
+    def _check_loaded_state(self, state_dict, prefix: str) -> None:
+        """Refuse, before anything is copied, a state dict whose FP8 state cannot be this module's
+        (and, in a strict load called on the FP8 module itself, one that has no FP8 state)."""
         key = prefix + "amax_history"
         hist = state_dict.get(key)
         want = (self._recipe.amax_history_len, len(GRAD))
@@ -211,7 +232,7 @@ class Fp8Linear(nn.Linear):
                 f"recipe has amax_history_len={want[0]}, so the state must be {want}; build the module with "
                 f"DelayedScaling(amax_history_len={hist.shape[0]}) to load this state")
         missing = [prefix + name for name in STATE_FIELDS if prefix + name not in state_dict]
-        if strict and missing:
+        if missing and _load_strict():
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: the state dict has no FP8 state {missing} (one of a plain "
                 "nn.Linear?); nothing was loaded. Pass strict=False to load the weights and keep the current FP8 "
@@ -219,7 +240,7 @@ class Fp8Linear(nn.Linear):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        self._check_loaded_state(state_dict, prefix, strict)
+        self._check_loaded_state(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self._prepass = self._recipe.first_step == "current"  # the loaded state decides on the device
@@ -281,7 +302,7 @@ class Fp8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self._recipe}"
 
 
-class Fp8MLP(nn.Module):
+class Fp8MLP(_StrictLoad, nn.Module):
     """LayerNorm -> Fp8Linear -> gelu -> Fp8Linear, with the activation fused into FP8.
 
     The first GEMM's output z (the pre-activation) goes straight through the gelu + quantize
@@ -319,8 +340,8 @@ class Fp8MLP(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # checked here, before the LayerNorm's parameters are copied: a refused load changes nothing
-        self.fc1._check_loaded_state(state_dict, prefix + "fc1.", strict)
-        self.fc2._check_loaded_state(state_dict, prefix + "fc2.", strict)
+        self.fc1._check_loaded_state(state_dict, prefix + "fc1.")
+        self.fc2._check_loaded_state(state_dict, prefix + "fc2.")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
