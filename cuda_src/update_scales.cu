@@ -29,23 +29,23 @@ extern "C" __global__ void __launch_bounds__(128) update_scales(
     const int i = blockIdx.x * 128 + threadIdx.x;
     if (i >= n) return;
     const float a = history[i];
-    const u32 abits = __float_as_uint(a);
+    const u32 abits = __float_as_uint(a) & 0x7fffffffu;  // |a|: -0 is 0 (not quantized this step)
     float s = scale[i];
     if ((abits & 0x7f800000u) == 0x7f800000u) {  // NaN or inf: overflow
         overflows[i] += 1;
         history[i] = 0.0f;
     } else if (abits != 0u) {
-        u32 amax = abits;
+        u32 amax = abits;  // max of |history| as bits (finite, non-negative: ordered as floats)
         if (algo_max) {
             int r = 1;
             for (; r + 8 <= L; r += 8) {
                 u32 v[8];
 #pragma unroll
-                for (int k = 0; k < 8; ++k) v[k] = __float_as_uint(history[(i64)(r + k) * n + i]);
+                for (int k = 0; k < 8; ++k) v[k] = __float_as_uint(history[(i64)(r + k) * n + i]) & 0x7fffffffu;
 #pragma unroll
                 for (int k = 0; k < 8; ++k) amax = max(amax, v[k]);
             }
-            for (; r < L; ++r) amax = max(amax, __float_as_uint(history[(i64)r * n + i]));
+            for (; r < L; ++r) amax = max(amax, __float_as_uint(history[(i64)r * n + i]) & 0x7fffffffu);
         }
         s = scale_from_amax(__uint_as_float(amax), fmt_max[i], margin_factor);
         // roll: row r <- row r + 1 for r = 1 .. L-2, row L-1 <- a, row 0 <- 0

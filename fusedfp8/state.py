@@ -42,6 +42,9 @@ class _TorchNamespace:
     def isinf(self, a):
         return self.torch.isinf(a)
 
+    def abs(self, a):
+        return self.torch.abs(a)
+
     def amax(self, a, axis):
         return self.torch.amax(a, dim=axis)
 
@@ -125,17 +128,17 @@ def update_rule(xp, amax_history, scale, overflows, updates, fmt_max, margin_fac
 
     Per column, with ``a = amax_history[0]`` (the staged amax of this step):
       a NaN/inf -> overflow: scale kept, overflows += 1, slot cleared, no roll;
-      a == 0    -> not quantized this step: nothing changes;
-      otherwise -> amax = max(history) or a; scale = fmt_max / amax / 2**margin (FLT_MAX if
+      a == 0    -> (+0 or -0) not quantized this step: nothing changes;
+      otherwise -> amax = max |history| or |a|; scale = fmt_max / amax / 2**margin (FLT_MAX if
                    inf); the column rolls by -1 (a moves to the last row); slot cleared.
     scale_inv = 1 / scale always. Returns (amax_history, scale, scale_inv, overflows, updates).
     """
     a = amax_history[0]
     finite = xp.isfinite(a)
-    # a >= 0, so "a > 0" is "any bit set": compared as bits, so that a backend which treats
-    # denormals as zero (XLA on CPU) still sees a denormal amax.
-    seen = finite & (xp.bits(a) != 0)
-    amax = xp.amax(amax_history, axis=0) if algo == "max" else a
+    # "|a| > 0" is "any bit but the sign set" (-0 is 0: not quantized): compared as bits, so
+    # that a backend which treats denormals as zero (XLA on CPU) still sees a denormal amax.
+    seen = finite & ((xp.bits(a) & 0x7FFFFFFF) != 0)
+    amax = xp.amax(xp.abs(amax_history), axis=0) if algo == "max" else xp.abs(a)
     one = xp.asarray(1.0, xp.float32, a)
     s = compute_scale(xp, xp.where(seen, amax, one), fmt_max, margin_factor)
     new_scale = xp.where(seen, s, scale)

@@ -281,12 +281,7 @@ CASES = [
      TypeError, r"^state\.scale is a numpy array but the input is a torch array"),
     ("quantize-ste-x-on-meta", lambda w: lambda: _ste(w, torch.ones(4, 8, device="meta")),
      ValueError, r"^x: fusedfp8 runs on CUDA or CPU tensors; got a tensor on meta"),
-    pytest.param(
-        "quantize-ste-x-numpy", lambda w: lambda: _ste(w, w.x_np), TypeError, r"^x: expected a .*torch",
-        marks=pytest.mark.xfail(strict=True, raises=AttributeError,
-                                reason="quantize_ste has no type check of x (fusedfp8/pytorch/functional.py): a "
-                                       "numpy x gives AttributeError: 'numpy.ndarray' object has no attribute "
-                                       "'contiguous'")),
+    ("quantize-ste-x-numpy", lambda w: lambda: _ste(w, w.x_np), TypeError, r"^x: expected a .*torch"),
 ]
 
 

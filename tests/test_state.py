@@ -554,3 +554,15 @@ def test_jax_slot_is_refused_for_eager_quantize():
     after = snapshot(state)
     for f in STATE_FIELDS:
         assert after[f].tobytes() == before[f].tobytes()
+
+
+def test_negative_zero_amax_is_not_a_quantization():
+    """-0 staged (or left in the history by a caller) is 0: no update, no FLT_MAX scale from the
+    sign bit (the fuzz found the kernel's bitwise max ranking -0 above every amax)."""
+    recipe = DelayedScaling(amax_history_len=3)
+    s = ScalingState.create([False, False], recipe)
+    s.amax_history[0] = [-0.0, 2.0]
+    s.amax_history[1] = [1.0, -0.0]
+    ops.update_scales(s, recipe)
+    assert s.updates.tolist() == [0, 1] and s.scale[0] == 1.0
+    assert s.scale[1] == np.float32(448.0) / np.float32(2.0)

@@ -59,10 +59,12 @@ class _StateGroup:
             arrays = {name: torch.cat([getattr(m, name) for m in modules], dim=-1) for name in STATE_FIELDS}
         self.state = ScalingState(**arrays, grad=GRAD * len(modules))
         self.members = []
+        self.arrays = tuple(arrays[name] for name in ("amax_history", "scale", "scale_inv", "updates"))
         for j, m in enumerate(modules):
             views = {name: a[..., j * n:(j + 1) * n] for name, a in arrays.items()}
             m._buffers.update(views)
             m._group = self
+            m._link = (views, self.arrays, j * n)
             self.members.append((weakref.ref(m), views))
 
     def intact(self) -> bool:

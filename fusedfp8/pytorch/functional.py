@@ -115,6 +115,8 @@ def quantize_ste(x: Tensor, state: ScalingState, index: int, recipe: DelayedScal
     TypeError, IndexError, ValueError
         On a bad index, dtype or device (nothing is written).
     """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x: expected a torch.Tensor; got {type(x).__name__} (fusedfp8.ops.quantize takes any array)")
     fmt = state.format_of(index, recipe).name
     return QuantizeSTE.apply(x, state.amax_history, state.scale, state.scale_inv, state.updates, index, fmt,
                              recipe.margin_factor, recipe.first_step == "current")
@@ -140,16 +142,16 @@ class _LinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, amax_history, scale, scale_inv, updates, fwd_fmt, grad_fmt, margin_factor,
+    def forward(ctx, x, weight, bias, amax_history, scale, scale_inv, updates, col, fwd_fmt, grad_fmt, margin_factor,
                 current_first, need_dgrad, need_wgrad):
         state = (amax_history, scale, scale_inv, updates)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         w = weight.contiguous()
-        x_q, x_t, x_si = _quantize(x2, state, 0, fwd_fmt, margin_factor, current_first, need_wgrad)
-        w_q, w_t, w_si = _quantize(w, state, 1, fwd_fmt, margin_factor, current_first, need_dgrad)
+        x_q, x_t, x_si = _quantize(x2, state, col, fwd_fmt, margin_factor, current_first, need_wgrad)
+        w_q, w_t, w_si = _quantize(w, state, col + 1, fwd_fmt, margin_factor, current_first, need_dgrad)
         y = scaled_mm(x_q, w_q.t(), x_si, w_si, bias, x.dtype, fast_accum=True)
         ctx.save_for_backward(x_t, w_t, x_si, w_si)
-        ctx.state = state
+        ctx.state, ctx.col = state, col
         ctx.cfg = (grad_fmt, margin_factor, current_first)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -162,20 +164,21 @@ class _LinearFn(torch.autograd.Function):
         dx = dw = db = None
         if x_t is not None or w_t is not None:
             grad_fmt, margin_factor, current_first = ctx.cfg
-            g_q, g_t, g_si = fops.call(fops.quantize_t, g2, *ctx.state, 2, grad_fmt, margin_factor, current_first)
+            g_q, g_t, g_si = fops.call(fops.quantize_t, g2, *ctx.state, ctx.col + 2, grad_fmt, margin_factor,
+                                       current_first)
             if w_t is not None:
                 dx = scaled_mm(g_q, w_t.t(), g_si, w_si, None, ctx.x_dtype).reshape(ctx.x_shape)
             if x_t is not None:
                 dw = scaled_mm(g_t, x_t.t(), g_si, x_si, None, ctx.w_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _bias_grad(g2, ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: tuple, cfg: tuple, need_dgrad: bool,
            need_wgrad: bool) -> Tensor:
-    """The FP8 linear: ``state`` = (amax_history, scale, scale_inv, updates) with columns
-    (input, weight, output gradient); ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first).
+    """The FP8 linear: ``state`` = (amax_history, scale, scale_inv, updates, col) with columns
+    col, col + 1, col + 2 = (input, weight, output gradient); ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first).
     Inputs are checked by the caller (:class:`fusedfp8.pytorch.Fp8Linear`)."""
     return _LinearFn.apply(x, weight, bias, *state, *cfg, need_dgrad, need_wgrad)
 
@@ -192,24 +195,24 @@ class _MLPFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, w1, b1, w2, b2, hist1, scale1, scale_inv1, updates1, hist2, scale2, scale_inv2, updates2,
-                fwd_fmt, grad_fmt, margin_factor, current_first1, current_first2, approximate, training):
+    def forward(ctx, h, w1, b1, w2, b2, hist1, scale1, scale_inv1, updates1, c1, hist2, scale2, scale_inv2, updates2,
+                c2, fwd_fmt, grad_fmt, margin_factor, current_first1, current_first2, approximate, training):
         st1 = (hist1, scale1, scale_inv1, updates1)
-        st2 = (hist2, scale2, scale_inv2, updates2)
+        st2 = st1 if hist2 is None else (hist2, scale2, scale_inv2, updates2)
         mf = margin_factor
         h2 = h.reshape(-1, h.shape[-1]).contiguous()
-        h_q, h_t, h_si = _quantize(h2, st1, 0, fwd_fmt, mf, current_first1, training)
-        w1_q, w1_t, w1_si = _quantize(w1.contiguous(), st1, 1, fwd_fmt, mf, current_first1, training)
+        h_q, h_t, h_si = _quantize(h2, st1, c1, fwd_fmt, mf, current_first1, training)
+        w1_q, w1_t, w1_si = _quantize(w1.contiguous(), st1, c1 + 1, fwd_fmt, mf, current_first1, training)
         z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, b1, h.dtype, fast_accum=True)
         if training:
-            a_q, a_t, a_si = fops.call(fops.gelu_quantize_t, z, *st2, 0, fwd_fmt, mf, current_first2, approximate)
+            a_q, a_t, a_si = fops.call(fops.gelu_quantize_t, z, *st2, c2, fwd_fmt, mf, current_first2, approximate)
         else:
-            (a_q, a_si), a_t = fops.call(fops.gelu_quantize, z, *st2, 0, fwd_fmt, mf, current_first2, approximate), None
-        w2_q, w2_t, w2_si = _quantize(w2.contiguous(), st2, 1, fwd_fmt, mf, current_first2, training)
+            (a_q, a_si), a_t = fops.call(fops.gelu_quantize, z, *st2, c2, fwd_fmt, mf, current_first2, approximate), None
+        w2_q, w2_t, w2_si = _quantize(w2.contiguous(), st2, c2 + 1, fwd_fmt, mf, current_first2, training)
         y = scaled_mm(a_q, w2_q.t(), a_si, w2_si, b2, h.dtype, fast_accum=True)
         if training:
             ctx.save_for_backward(h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si)
-            ctx.states = (st1, st2)
+            ctx.states, ctx.cols = (st1, st2), (c1, c2)
             ctx.cfg = (grad_fmt, mf, current_first1, current_first2, approximate)
             ctx.meta = (h.shape, h.dtype, w1.dtype, w2.dtype, None if b1 is None else b1.dtype,
                         None if b2 is None else b2.dtype)
@@ -222,21 +225,24 @@ class _MLPFn(torch.autograd.Function):
         grad_fmt, mf, cf1, cf2, approximate = ctx.cfg
         h_shape, h_dtype, w1_dtype, w2_dtype, b1_dtype, b2_dtype = ctx.meta
         gy = grad.reshape(-1, grad.shape[-1]).contiguous()
-        gy_q, gy_t, gy_si = fops.call(fops.quantize_t, gy, *st2, 2, grad_fmt, mf, cf2)
+        c1, c2 = ctx.cols
+        gy_q, gy_t, gy_si = fops.call(fops.quantize_t, gy, *st2, c2 + 2, grad_fmt, mf, cf2)
         da = scaled_mm(gy_q, w2_t.t(), gy_si, w2_si, None, z.dtype)
         dw2 = scaled_mm(gy_t, a_t.t(), gy_si, a_si, None, w2_dtype)
         db2 = _bias_grad(gy, b2_dtype) if b2_dtype is not None else None
-        dz_q, dz_t, db1, dz_si = fops.call(fops.dgelu_quantize_t, da, z, *st1, 2, grad_fmt, mf, cf1, approximate,
-                                           b1_dtype is not None)
+        dz_q, dz_t, db1, dz_si = fops.call(fops.dgelu_quantize_t, da, z, *st1, c1 + 2, grad_fmt, mf, cf1,
+                                           approximate, b1_dtype is not None)
         dh = scaled_mm(dz_q, w1_t.t(), dz_si, w1_si, None, h_dtype).reshape(h_shape)
         dw1 = scaled_mm(dz_t, h_t.t(), dz_si, h_si, None, w1_dtype)
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
-        return (dh, dw1, db1, dw2, db2) + (None,) * 15
+        return (dh, dw1, db1, dw2, db2) + (None,) * 17
 
 
 def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, state1: tuple, state2: tuple,
         cfg: tuple, approximate: str, training: bool) -> Tensor:
     """fc2(gelu(fc1(h))) in FP8 with the fused activation kernels; ``state1``/``state2`` as in
-    :func:`linear`, ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first1, current_first2);
+    :func:`linear` (with their columns), ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first1, current_first2);
     ``training`` = a backward will follow (the forward then also writes the transposes)."""
+    if all(a is b for a, b in zip(state1[:4], state2[:4])):  # both columns of one linked state:
+        state2 = (None,) * 4 + tuple(state2[4:])  # passed once (dynamo refuses a tensor given twice)
     return _MLPFn.apply(h, w1, b1, w2, b2, *state1, *state2, *cfg, approximate, training)

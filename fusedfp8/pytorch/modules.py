@@ -166,6 +166,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         self._cfg = (recipe.format_for(False).name, recipe.format_for(True).name, recipe.margin_factor)
         self._init_state(self.weight.device)
         self._group = None  # the model-level state this module's buffers are views of (convert.py)
+        self._link = None  # (views handed out, the model-level arrays, this module's first column)
         self._ensure_hook()
 
     @classmethod
@@ -204,7 +205,18 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         return ScalingState(*(getattr(self, name) for name in STATE_FIELDS), grad=GRAD)
 
     def _state(self) -> tuple:
-        return self.amax_history, self.scale, self.scale_inv, self.updates
+        """(amax_history, scale, scale_inv, updates, column of tensor 0) for the kernels.
+
+        Linked (see convert.py), the kernels get the model-level arrays and this module's column
+        in them, not the module's views: views of one base passed as separate inputs of a
+        compiled graph were written back into each other's columns by inductor (torch 2.11,
+        H200: wrong scales and NaN gradients), while one base tensor mutated by several ops is
+        ordinary input mutation."""
+        link = self._link
+        if link is not None and self._group is not None and all(
+                self._buffers[k] is v for k, v in link[0].items()):
+            return (*link[1], link[2])
+        return self.amax_history, self.scale, self.scale_inv, self.updates, 0
 
     def _kernel_cfg(self) -> tuple:
         return (*self._cfg, self._prepass)
@@ -249,6 +261,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     def __getstate__(self):
         state = super().__getstate__()
         state["_group"] = None  # copies and pickles get their own state; update_scales links them again
+        state["_link"] = None
         return state
 
     # -- missed-update detection ---------------------------------------------------------------
