@@ -4,8 +4,8 @@
 // n floats apart, so a warp's accesses are coalesced) and walks it 8 rows at a time.
 // Per tensor, a = history[0, i] (bits, so a denormal amax counts as seen):
 //   a NaN or inf  -> overflow: overflows += 1, history[0, i] = 0, scale kept, no roll
-//   a == 0        -> not quantized this step: nothing changes
-//   otherwise     -> amax = max(history[:, i]) (algo_max) or a; scale = fmt_max / amax / 2**margin,
+//   a == 0 (+-0)  -> not quantized this step: nothing changes (a -0 slot is cleared to +0)
+//   otherwise     -> amax = max |history[:, i]| (algo_max) or |a|; scale = fmt_max / amax / 2**margin,
 //                    FLT_MAX if that is inf (tiny amax); the column rolls by -1 (a moves to the
 //                    last row, the oldest past row is dropped), history[0, i] = 0; updates += 1
 //   always        -> scale_inv = 1 / scale
@@ -33,7 +33,6 @@ extern "C" __global__ void __launch_bounds__(128) update_scales(
     float s = scale[i];
     if ((abits & 0x7f800000u) == 0x7f800000u) {  // NaN or inf: overflow
         overflows[i] += 1;
-        history[i] = 0.0f;
     } else if (abits != 0u) {
         u32 amax = abits;  // max of |history| as bits (finite, non-negative: ordered as floats)
         if (algo_max) {
@@ -59,9 +58,9 @@ extern "C" __global__ void __launch_bounds__(128) update_scales(
         }
         for (; r < L - 1; ++r) history[(i64)r * n + i] = history[(i64)(r + 1) * n + i];
         if (L > 1) history[(i64)(L - 1) * n + i] = a;
-        history[i] = 0.0f;
         scale[i] = s;
         updates[i] += 1;
     }
+    history[i] = 0.0f;  // the staging slot is cleared in every case (a -0 included)
     scale_inv[i] = fdiv(1.0f, s);
 }
