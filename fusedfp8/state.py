@@ -118,8 +118,10 @@ def namespace(a):
 # --------------------------------------------------------------------------------------------
 def compute_scale(xp, amax, fmt_max, margin_factor):
     """``(fmt_max / amax) / margin_factor`` in fp32, FLT_MAX where that is inf. ``amax`` > 0."""
+    # ``opaque`` (the jax namespace's): XLA rewrites (a / b) / c into a / (b * c), another rounding
+    opaque = getattr(xp, "opaque", None) or (lambda v: v)
     with np.errstate(over="ignore", divide="ignore"):
-        s = (fmt_max / amax) / margin_factor
+        s = opaque(fmt_max / amax) / margin_factor
     return xp.where(xp.isinf(s), xp.asarray(FLT_MAX, xp.float32, s), s)
 
 

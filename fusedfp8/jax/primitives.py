@@ -286,6 +286,10 @@ class _JnpNamespace:
     def bits(self, a):
         return lax.bitcast_convert_type(a, jnp.int32)
 
+    def opaque(self, a):
+        """``a`` bit for bit, hidden from XLA's algebraic rewrites (see compute_scale)."""
+        return jn._hide(a)
+
 
 def _update_kernel(recipe: DelayedScaling, command_buffer: bool, hist, scale, scale_inv, overflows, updates, fmt_max):
     from jax.experimental.buffer_callback import buffer_callback
