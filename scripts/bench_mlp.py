@@ -182,7 +182,7 @@ class Runner:
         if self.steps_done <= GRAPH_WARMUP:
             if self.steps_done == 1:
                 self.side = torch.cuda.Stream()
-                self.side.wait_stream(torch.cuda.current_stream())
+            self.side.wait_stream(torch.cuda.current_stream())  # the batch was copied in on it
             with torch.cuda.stream(self.side):
                 loss = self.eager_step()
             # the caller reads the loss on the current stream: it must wait for the side stream
