@@ -11,14 +11,25 @@ and, for every FP8 tensor, its amax and its scale over the steps.
 Where it runs. With a CUDA GPU, CuPy and FP8 support (the capability probe says so), on the
 GPU at the shape of DESIGN.md (hidden 4096, ffn 16384, 8192 tokens). Otherwise on the CPU
 through the reference path at a small shape: the FP8 numerics are then emulated bit-exactly in
-NumPy and the GEMMs run in float32, so the CPU step times say nothing about FP8 speed; the
-loss curves and the scaling state are the real thing.
+NumPy and the GEMMs run in float32 (jax: in jax.numpy, with XLA's FP8 GEMMs in software), so
+the CPU step times say nothing about FP8 speed; the loss curves and the scaling state are the
+real thing.
 
 Timing. Every step is timed (CUDA events around it on the GPU, ``time.perf_counter`` on the
 CPU) and the median over the steps after the first three is reported. The FP8 step includes
 two small device copies that record the staged amaxes and the new scales for the plot. On the
 CPU, torch runs single-threaded during the demo (with more threads, torch's idle OpenMP workers
 spin against NumPy's reference kernels and slow the FP8 emulation several-fold).
+
+JAX (``--framework jax``). The same task and outputs with flax: a bf16 reference built from
+``flax.linen`` LayerNorm / Dense and ``fusedfp8.jax.flax.Fp8MLP`` (identical parameter names,
+so both start from the same bf16 weights), trained with ``optax.adam`` in a flax ``TrainState``
+by one jitted step each (compiled before the timed steps), timed per step with
+``time.perf_counter`` around the step and ``jax.block_until_ready``. The jax modules defer
+``update_scales`` to the next forward; to plot the scale after each step as the torch runner
+does, the step also applies the update to a copy of the FP8 state (the trained state is left
+as the modules keep it). On the CPU the FP8 numerics run in jax.numpy, compiled by XLA: the
+default CPU shape runs in about 15 s on two cores, a third of it compiling the FP8 step.
 
 Frameworks plug in through :data:`FRAMEWORKS`: a function ``train(config, device, progress)``
 returning ``{'bf16': Curve, 'fp8': Curve}``. Library use::
@@ -54,7 +65,7 @@ DEVICES = ("auto", "cuda", "cpu")
 
 
 class DemoError(RuntimeError):
-    """The demo cannot run as asked (missing package, no usable GPU, framework not ready)."""
+    """The demo cannot run as asked (missing package, no usable GPU)."""
 
 
 @dataclass(frozen=True)
@@ -177,8 +188,11 @@ class DemoResult:
         rel = self.curves["fp8"].tail_loss() / self.curves["bf16"].tail_loss() - 1
         lines.append(f"FP8 mean loss of the last {min(LOSS_TAIL, self.config.steps)} steps: {rel:+.2%} of bf16's")
         if self.device == "cpu":
-            lines.append("CPU reference path: FP8 is emulated bit-exactly in NumPy and the GEMMs run in float32, "
-                         "so these step times are not an FP8 speed measurement; run on an FP8 GPU for that")
+            how = ("FP8 is emulated bit-exactly in NumPy and the GEMMs run in float32"
+                   if self.config.framework == "torch"
+                   else "FP8 quantization is emulated bit-exactly in jax.numpy and XLA runs the FP8 GEMMs in software")
+            lines.append(f"CPU reference path: {how}, so these step times are not an FP8 speed measurement; "
+                         "run on an FP8 GPU for that")
         return lines
 
     def table(self) -> str:
@@ -368,27 +382,165 @@ def _torch_meta(device: str) -> dict:
 
 
 # ---- jax ---------------------------------------------------------------------------------------
-JAX_NEEDS = ("Fp8MLP", "Fp8DotGeneral")  # what the jax runner needs from fusedfp8.jax.flax
+def _jax_device(device: str):
+    """The jax device for 'cuda' / 'cpu'; DemoError when jax has no GPU backend."""
+    import jax
+
+    plat = "gpu" if device == "cuda" else "cpu"
+    try:
+        return jax.devices(plat)[0]
+    except RuntimeError as e:
+        raise DemoError(f"--framework jax on {device}: jax has no {plat} backend ({e}); install a CUDA build of "
+                        "jax or pass --device cpu") from None
+
+
+def _jax_data(hidden: int, tokens: int, seed: int, dev):
+    """As :func:`_torch_data` (x ~ N(0, 1), y = a fixed random teacher MLP of x at unit variance,
+    bf16): drawn with NumPy, the teacher evaluated on ``dev`` in float32."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed + 1)
+    x, w1, w2 = (jax.device_put(rng.standard_normal(s, np.float32), dev)
+                 for s in ((tokens, hidden), (hidden, hidden), (hidden, hidden)))
+    hp = jax.lax.Precision.HIGHEST
+    y = jnp.matmul(jnp.tanh(jnp.matmul(x, w1 / math.sqrt(hidden), precision=hp)), w2 / math.sqrt(hidden), precision=hp)
+    return x.astype(jnp.bfloat16), (y / jnp.std(y)).astype(jnp.bfloat16)
+
+
+def _jax_models(hidden: int, ffn: int, recipe: DelayedScaling):
+    """The bf16 reference (flax LayerNorm / Dense, named as Fp8MLP's parameters) and the Fp8MLP."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    from fusedfp8.jax.flax import Fp8MLP
+
+    class BF16MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+            h = nn.LayerNorm(name="norm", **kw)(x)
+            h = nn.gelu(nn.Dense(ffn, name="fc1", **kw)(h), approximate=True)
+            return nn.Dense(hidden, name="fc2", **kw)(h)
+
+    return BF16MLP(), Fp8MLP(ffn, recipe=recipe, param_dtype=jnp.bfloat16)
+
+
+def _jax_fresh_variables(model, init_params, x, recipe: DelayedScaling) -> dict:
+    """``model``'s variables with copies of the shared bf16 parameters (its own buffers: the step
+    donates them) and a fresh FP8 state, laid out as ``model.init`` would (checked against
+    ``jax.eval_shape`` of it: the real init would run the FP8 forward once more, ~1 s on a CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    from fusedfp8.jax.flax import OVERWRITE_WITH_GRADIENT, STATE_VARIABLES
+    from fusedfp8.jax.functional import fresh_meta
+
+    shapes = jax.eval_shape(model.init, jax.random.key(0), x)
+    if set(shapes) - {"params", OVERWRITE_WITH_GRADIENT}:
+        raise RuntimeError(f"demo: unexpected variable collections {sorted(shapes)}")
+    variables = {"params": jax.tree.map(jnp.copy, init_params)}
+    if OVERWRITE_WITH_GRADIENT in shapes:
+        # fresh_meta shares one zeros array between the counters: copies, as the step donates them
+        variables[OVERWRITE_WITH_GRADIENT] = {m: dict(zip(STATE_VARIABLES, map(jnp.copy, fresh_meta(recipe))))
+                                              for m in shapes[OVERWRITE_WITH_GRADIENT]}
+    got = jax.tree.map(lambda a: (a.shape, a.dtype), variables)
+    want = jax.tree.map(lambda a: (a.shape, a.dtype), dict(shapes))
+    if got != want:
+        raise RuntimeError(f"demo: the jax {type(model).__name__}'s variables differ from the bf16 parameters "
+                           f"plus a fresh FP8 state: {want} != {got}")
+    return variables
 
 
 def _jax_train(config: DemoConfig, device: str, bar) -> dict:
-    try:
-        import fusedfp8.jax.flax as fj
-    except ImportError as e:
-        raise DemoError(f"--framework jax is not available yet: fusedfp8.jax.flax cannot be imported ({e}); "
-                        "use --framework torch") from None
-    missing = [n for n in JAX_NEEDS if not hasattr(fj, n)]
-    if missing:
-        raise DemoError(f"--framework jax is not available yet: fusedfp8.jax.flax does not provide "
-                        f"{', '.join(missing)} (the JAX integration is being written); use --framework torch")
-    raise DemoError("--framework jax is not available yet: the demo's JAX runner is not written; "
-                    "use --framework torch")
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax.training.train_state import TrainState
+
+    import fusedfp8.jax as fjax
+    from fusedfp8.jax.flax import OVERWRITE_WITH_GRADIENT, STATE_VARIABLES
+    from fusedfp8.jax.functional import meta_to_state
+
+    dev = _jax_device(device)
+    hidden, ffn, tokens = config.shape_for(device)
+    recipe = config.recipe
+    curves = {}
+    with jax.default_device(dev):
+        x, y = _jax_data(hidden, tokens, config.seed, dev)
+        models = _jax_models(hidden, ffn, recipe)
+        key = jax.random.key(config.seed)
+        init_params = jax.jit(models[0].init)(key, x)["params"]  # eager init would compile op by op
+        for name, model in zip(("bf16", "fp8"), models):
+            bar.set_description(f"{name} ({device}, jax)")
+            variables = _jax_fresh_variables(model, init_params, x, recipe)
+            fp8_mods = sorted(variables.get(OVERWRITE_WITH_GRADIENT, {}))  # ['fc1', 'fc2']
+            state = TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(config.lr))
+
+            def metas(params):
+                """Each FP8 module's meta (after a step: the scales it used, its amaxes staged in row 0)."""
+                return [tuple(params[OVERWRITE_WITH_GRADIENT][m][v] for v in STATE_VARIABLES) for m in fp8_mods]
+
+            def updated(params):
+                """Each FP8 module's ScalingState after update_scales, which turns the staged amaxes
+                into the next step's scales. The jax modules defer the update to the next forward;
+                the demo applies it to a copy, to read the scales as torch's demo step does."""
+                return [fjax.update_scales(meta_to_state(m), recipe) for m in metas(params)]
+
+            def step(state, x, y):
+                def loss_fn(params):
+                    out = model.apply(params, x)
+                    return jnp.mean((out.astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
+
+                loss, grads = jax.value_and_grad(loss_fn)(state.params)
+                state = state.apply_gradients(grads=grads)  # stores the new FP8 metas
+                if not fp8_mods:
+                    return state, loss, None, None
+                amax = jnp.concatenate([m[0][0] for m in metas(state.params)])
+                return state, loss, amax, jnp.concatenate([s.scale for s in updated(state.params)])
+
+            bar.set_postfix_str("compiling")
+            step = jax.jit(step, donate_argnums=0).lower(state, x, y).compile()  # outside the timed steps
+            losses, amaxes, scales, step_ms = [], [], [], []
+            for i in range(config.steps):
+                t0 = time.perf_counter()
+                state, loss, amax, scale = step(state, x, y)
+                jax.block_until_ready(loss)  # device-side completion of the whole step
+                jax.block_until_ready(state)
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+                losses.append(loss)
+                amaxes.append(amax)
+                scales.append(scale)
+                if device == "cpu":
+                    bar.set_postfix_str(f"loss {float(loss):.4f}")
+                bar.update(1)
+            curve = Curve(loss=np.asarray(jax.device_get(losses), np.float32), step_ms=np.array(step_ms))
+            bar.set_postfix_str(f"loss {curve.loss[-1]:.4f}")
+            if fp8_mods:
+                curve.tensors = [f"{m}.{role}" for m in fp8_mods for role in TENSOR_ROLES]
+                curve.amax = np.asarray(jax.device_get(amaxes), np.float32)
+                curve.scale = np.asarray(jax.device_get(scales), np.float32)
+                rows = []
+                for m, st in zip(fp8_mods, jax.jit(updated)(state.params)):
+                    rows += _logging.state_rows(st, recipe, [f"{m}.{role}" for role in TENSOR_ROLES])
+                curve.overflows = np.array([r["overflows"] for r in rows])
+                curve.state_table = _logging.format_table(rows)
+            curves[name] = curve
+            del state, step
+    return curves
 
 
 def _jax_meta(device: str) -> dict:
+    import flax
     import jax
+    import optax
 
-    return {"jax": jax.__version__, "device_name": str(jax.devices()[0])}
+    dev = _jax_device(device)
+    meta = {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+            "jax_backend": dev.platform}
+    meta["device_name"] = (dev.device_kind if device == "cuda"
+                           else platform.processor() or platform.machine() or "cpu")
+    return meta
 
 
 # name -> (train(config, device, bar) -> {'bf16': Curve, 'fp8': Curve}, meta(device) -> dict)
@@ -481,7 +633,7 @@ def _check_packages(config: DemoConfig) -> None:
         need.append("tqdm")
     if config.plot:
         need.append("matplotlib")
-    need.append(config.framework)
+    need += ["torch"] if config.framework == "torch" else ["jax", "flax", "optax"]
     missing = []
     for name in need:
         try:
@@ -503,8 +655,8 @@ def run_demo(config: DemoConfig = DemoConfig(), echo: Callable[[str], None] | No
     Raises
     ------
     DemoError
-        A package is missing, ``device='cuda'`` on a machine whose GPU the probe refuses, or a
-        framework that is not available yet.
+        A package is missing, ``device='cuda'`` on a machine whose GPU the probe refuses, or
+        jax without a GPU backend on such a machine.
     """
     say = echo or (lambda s: None)
     device, reason = choose_device(config.device)

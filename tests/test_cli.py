@@ -109,11 +109,37 @@ def test_demo_cuda_without_usable_gpu_says_why(capsys, tmp_path):
     assert "--device cuda" in err and _cuda.probe(0, need_fp8_gemm=True)[1] in err
 
 
-def test_demo_jax_framework(capsys, tmp_path):
-    """Until fusedfp8.jax provides what the demo's JAX runner needs, --framework jax says so."""
-    assert cli.main(["demo", "--framework", "jax", "--device", "cpu", "--steps", "3", *TINY, "--no-progress",
-                     "--out", str(tmp_path)]) == 1
-    assert "--framework jax is not available yet" in capsys.readouterr().err
+def test_demo_jax_tiny_writes_table_json_and_png(capsys, tmp_path):
+    """--framework jax at the tiny shape: the same table, files and per-step FP8 trace as torch."""
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--framework", "jax", "--device", "cpu", "--steps", "4", *TINY, "--amax-history-len", "16",
+                     "--no-progress", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    for text in (stdout, (out / "demo_summary.md").read_text()):
+        assert "| model | step time (median) | speed-up vs bf16 |" in text
+        assert "| bf16 |" in text and "| fp8 |" in text
+        assert "jax, cpu" in text and "amax_history_len=16" in text
+        assert "fc2.grad_output" in text  # the ScalingState.summary table
+    png = (out / "demo.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    data = json.loads((out / "demo.json").read_text())
+    assert data["config"]["framework"] == "jax" and data["device"] == "cpu" and data["shape"] == [32, 64, 48]
+    assert "flax" in data["meta"] and "optax" in data["meta"]
+    bf16, f8 = data["curves"]["bf16"], data["curves"]["fp8"]
+    assert len(bf16["loss"]) == len(f8["loss"]) == 4 and np.all(np.isfinite(f8["loss"]))
+    assert bf16["loss"][-1] < bf16["loss"][0] and f8["loss"][-1] < f8["loss"][0]  # both train
+    assert abs(f8["loss"][0] / bf16["loss"][0] - 1) < 0.05  # same weights and data at step 1
+    assert f8["tensors"] == [f"fc{i}.{r}" for i in (1, 2) for r in ("input", "weight", "grad_output")]
+    scale, amax = np.array(f8["scale"]), np.array(f8["amax"], dtype=float)
+    assert scale.shape == amax.shape == (4, 6) and np.all(amax > 0)
+    # the scale after every step's update: fmt_max / max(history so far), 'max' over a 16-row history
+    fmt_max = np.array([448, 448, 57344] * 2, np.float32)
+    for i in range(4):
+        np.testing.assert_allclose(scale[i], fmt_max / amax[:i + 1].max(axis=0), rtol=1e-6)
+    assert f8["overflows"] == [0] * 6
+    assert bf16["tensors"] == [] and bf16["amax"] is None
 
 
 def test_demo_help_explains_flags(capsys):
