@@ -1,6 +1,7 @@
 """Reliability on the CPU (issue 8): fault injection in training and checkpoint/restore, with the
-torch modules on their reference path. The GPU twins are in tests/test_reliability_gpu.py; the
-flax parts come with fusedfp8.jax (placeholders at the end).
+torch modules on their reference path, and the flax modules on the jax.numpy path (at the end;
+a fault every 10th step alternates input inf and NaN). The GPU twins are in
+tests/test_reliability_gpu.py.
 
 Fault injection (tests/_reliability.py): one step whose input or output gradient holds inf or
 NaN in one element. That tensor's overflow counter goes up by one, its scale, scale_inv and
@@ -93,7 +94,37 @@ def test_checkpoint_restored_in_a_fresh_process_continues_bitwise(tmp_path):
 
 
 # ---- flax (fusedfp8.jax) ---------------------------------------------------------------------
-def test_flax_fault_injection_and_checkpoint():
-    """The flax twins of the tests above (a faulty step in a flax train step; a flax run saved at
-    step 50 and restored in a fresh process) go here once fusedfp8.jax has its flax module."""
-    pytest.skip("not written yet: fusedfp8.jax's flax module is being written (issue 5)")
+# The same on the flax modules (jax.numpy path): tests/_flax_reliability.py, tests/_flax_checkpoint_run.py.
+@pytest.mark.parametrize("fault", ["input-inf", "input-nan"])
+def test_flax_one_faulty_step(fault):
+    import _flax_reliability as frel
+
+    frel.check_fault_step(fault)
+
+
+def test_flax_overflow_every_10th_step_ends_within_2_percent_of_clean():
+    import _flax_reliability as frel
+
+    frel.check_periodic_overflows()
+
+
+def test_flax_checkpoint_restored_in_a_fresh_process_continues_bitwise(tmp_path):
+    """The uninterrupted run (here; it saves the TrainState at step 50 with flax.serialization)
+    against the restored one (a fresh process: from_bytes, 50 more steps)."""
+    import _flax_checkpoint_run
+
+    ckpt, record = tmp_path / "step50.msgpack", tmp_path / "resumed.npz"
+    whole = _flax_checkpoint_run.run(0, 100, save_at=(50, str(ckpt)))
+    cmd = [sys.executable, os.path.join(HERE, "_flax_checkpoint_run.py"), "50", "100", str(record), "--load", str(ckpt)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = dict(np.load(record))
+    keys = [k for k in whole if not k.startswith(("loss/", "state/")) or int(k.split("/")[1]) >= 50]
+    assert sorted(keys) == sorted(resumed), set(keys) ^ set(resumed)
+    differ = [k for k in keys if whole[k].tobytes() != resumed[k].tobytes()]
+    assert not differ, differ[:10]
+    # the run is not trivial: scales moved after the save, and overflows were counted after it
+    scales = [whole[f"state/{s}/0/scale"] for s in (50, 99)]
+    assert scales[0].tobytes() != scales[1].tobytes()
+    over = [sum(float(whole[f"state/{s}/{k}/overflows"].sum()) for k in range(4)) for s in (50, 99)]
+    assert over[1] > over[0] > 0

@@ -52,8 +52,11 @@ def _declare_state(module: nn.Module, recipe: DelayedScaling):
         if v.shape != shape:
             raise ValueError(f"{module.__class__.__name__}: variable '{name}' has shape {v.shape} but the recipe "
                              f"(amax_history_len={L}) needs {shape}")
-        if v.dtype != jnp.float32:  # flax's fp32_max_grad meta dtype: max-accumulated cotangents
-            v = lax.convert_element_type(v, jnp.float32)
+        if v.dtype != jnp.float32:
+            if not jnp.issubdtype(v.dtype, jax.dtypes.extended):  # flax's fp32_max_grad wraps float32
+                raise TypeError(f"{module.__class__.__name__}: variable '{name}' must be float32 (or flax's "
+                                f"fp32_max_grad); got {v.dtype}")
+            v = lax.convert_element_type(v, jnp.float32)  # max-accumulated cotangents
         meta.append(v)
     return tuple(meta)
 
@@ -142,6 +145,8 @@ class Fp8MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         recipe = _check_recipe(self)
+        if jnp.asarray(x).dtype.name not in ("float32", "float16", "bfloat16"):  # before LayerNorm's own message
+            raise TypeError(f"Fp8MLP: x must be float32, float16 or bfloat16; got {jnp.asarray(x).dtype}")
         hidden = x.shape[-1]
         out = self.out_features or hidden
         dtype = self.dtype or x.dtype

@@ -171,7 +171,10 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=
     if not isinstance(recipe, DelayedScaling):
         raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
     meta = _check_meta(meta, 3, recipe)
-    cfg = _Cfg(recipe, P._check_impl(impl), jnp.dtype(out_dtype or x.dtype).name)
+    out_name = jnp.dtype(out_dtype or x.dtype).name
+    if out_name not in ("float32", "float16", "bfloat16"):
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16; got {out_name}")
+    cfg = _Cfg(recipe, P._check_impl(impl), out_name)
     return _dot(x, w, meta, cfg)
 
 
