@@ -40,7 +40,8 @@ except ValueError:  # registered already (a reload)
     pass
 
 from .functional import fp8_dot, fp8_mlp, quantize_ste  # noqa: E402
-from .primitives import IMPLS, dequantize, dgelu_quantize, gelu_quantize, quantize, update_scales  # noqa: E402
+from .primitives import (IMPLS, dequantize, dgelu_quantize, gelu_quantize, quantize, sync_staged,  # noqa: E402
+                         update_scales)
 
-__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "update_scales", "dequantize", "quantize_ste", "fp8_dot",
-           "fp8_mlp", "IMPLS"]
+__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "update_scales", "sync_staged", "dequantize",
+           "quantize_ste", "fp8_dot", "fp8_mlp", "IMPLS"]

@@ -78,11 +78,15 @@ class Fp8DotGeneral(nn.Module):
     do; ``precision`` is ignored (FP8); the output dtype is ``preferred_element_type`` or the
     kernel dtype.
 
-    Attributes: ``recipe`` (DelayedScaling), ``impl`` (see :data:`fusedfp8.jax.IMPLS`).
+    Attributes: ``recipe`` (DelayedScaling), ``impl`` (see :data:`fusedfp8.jax.IMPLS`),
+    ``axis_name`` (None, or the mesh axis name(s) inside ``shard_map`` over which the staged
+    amaxes are MAX-reduced before each update: ``functools.partial(Fp8DotGeneral,
+    axis_name='data')``).
     """
 
     recipe: DelayedScaling = DelayedScaling()
     impl: str = "auto"
+    axis_name: str | tuple | None = None
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -101,7 +105,8 @@ class Fp8DotGeneral(nn.Module):
             raise ValueError(f"contracting dimensions disagree: {lhs.shape} and {rhs.shape}")
         x2 = jnp.asarray(lhs, rhs.dtype).reshape(math.prod(lead), k)
         w2 = rhs.reshape(k, math.prod(rest))
-        y = F.fp8_dot(x2, w2, meta, recipe, out_dtype=preferred_element_type or rhs.dtype, impl=self.impl)
+        y = F.fp8_dot(x2, w2, meta, recipe, out_dtype=preferred_element_type or rhs.dtype,
+                      axis_name=self.axis_name, impl=self.impl)
         return y.reshape(*lead, *rest)
 
 
@@ -131,7 +136,15 @@ class Fp8MLP(nn.Module):
 
     Attributes: ``ffn`` (inner width), ``out_features`` (default: the input width), ``recipe``,
     ``approximate`` ('tanh' or 'none'), ``dtype`` (computation dtype, default the input's),
-    ``param_dtype``, ``impl``.
+    ``param_dtype``, ``impl``, ``axis_name`` (as :class:`Fp8DotGeneral`; one ``lax.pmax``
+    for both linears).
+
+    Under ``shard_map`` with ``axis_name``, carry the '_overwrite_with_gradient' collection as a
+    per-device value (e.g. a leading device axis with ``P(axis_name)``): after a step, row 0 of
+    each history holds that device's own amaxes until the next forward reduces them; a
+    replicated (``P()``) state would have its "gradient" summed over the devices. Under
+    ``first_step='current'`` the first step's scales are each device's own (see
+    :mod:`fusedfp8.jax.primitives`); ``first_step='unit'`` keeps the devices identical from step 0.
     """
 
     ffn: int
@@ -141,6 +154,7 @@ class Fp8MLP(nn.Module):
     dtype: jnp.dtype | None = None
     param_dtype: jnp.dtype = jnp.float32
     impl: str = "auto"
+    axis_name: str | tuple | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -155,5 +169,5 @@ class Fp8MLP(nn.Module):
         w2, b2, meta2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")()
         h2 = jnp.asarray(h, dtype).reshape(-1, hidden)
         y = F.fp8_mlp(h2, w1.astype(dtype), b1.astype(dtype), w2.astype(dtype), b2.astype(dtype), meta1, meta2, recipe,
-                      approximate=self.approximate, impl=self.impl)
+                      approximate=self.approximate, axis_name=self.axis_name, impl=self.impl)
         return y.reshape(*x.shape[:-1], out)

@@ -106,10 +106,11 @@ class _Cfg(NamedTuple):
     recipe: DelayedScaling
     impl: str
     out_dtype: str
+    axis_name: str | tuple | None = None
 
 
 def _forward_states(meta, n_states, cfg: _Cfg):
-    return P.update_scales(meta_to_state(meta), cfg.recipe, impl=cfg.impl)
+    return P.update_scales(meta_to_state(meta), cfg.recipe, axis_name=cfg.axis_name, impl=cfg.impl)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -149,7 +150,8 @@ def _check_operand(a, argname: str):
     return a
 
 
-def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=None, impl: str = "auto"):
+def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=None, axis_name=None,
+            impl: str = "auto"):
     """``x @ w`` with FP8 GEMMs and delayed scaling (forward and both backward GEMMs).
 
     Parameters
@@ -159,6 +161,9 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=
         docstring. Its VJP is the new meta.
     recipe : DelayedScaling (history length must match the meta)
     out_dtype : the output dtype (x's by default)
+    axis_name : None, or the mesh axis name(s) (inside ``shard_map``) over which the previous
+        step's staged amaxes are MAX-reduced before the update (one ``lax.pmax``), so every
+        device quantizes with the same scales; see :func:`fusedfp8.jax.primitives.sync_staged`
     impl : backend of the quantize primitives (:data:`fusedfp8.jax.IMPLS`)
 
     Returns
@@ -174,8 +179,9 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=
     out_name = jnp.dtype(out_dtype or x.dtype).name
     if out_name not in ("float32", "float16", "bfloat16"):
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16; got {out_name}")
-    cfg = _Cfg(recipe, P._check_impl(impl), out_name)
-    return _dot(x, w, meta, cfg)
+    cfg = _Cfg(recipe, P._check_impl(impl), out_name, P._check_axis_name(axis_name))
+    x, w, *meta = P._as_varying_as((x, w, *meta), (x, w, *meta))
+    return _dot(x, w, tuple(meta), cfg)
 
 
 # ---- the fused MLP core: Linear -> gelu -> Linear --------------------------------------------
@@ -183,6 +189,7 @@ class _MlpCfg(NamedTuple):
     recipe: DelayedScaling
     impl: str
     approximate: str
+    axis_name: str | tuple | None = None
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -192,8 +199,10 @@ def _mlp(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg):
 
 def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg, training: bool = True):
     r, impl = cfg.recipe, cfg.impl
-    st1 = P.update_scales(meta_to_state(meta1), r, impl=impl)
-    st2 = P.update_scales(meta_to_state(meta2), r, impl=impl)
+    # both linears' staged amaxes in one all-reduce, then the two (local) updates
+    st1, st2 = P.sync_staged([meta_to_state(meta1), meta_to_state(meta2)], cfg.axis_name)
+    st1 = P.update_scales(st1, r, impl=impl)
+    st2 = P.update_scales(st2, r, impl=impl)
     rh, st1 = P.quantize(h, st1, 0, r, transpose=training, impl=impl)
     rw1, st1 = P.quantize(w1, st1, 1, r, transpose=True, impl=impl)
     z = gemm(rh.data, rw1.data_t, rh.scale_inv, rw1.scale_inv, h.dtype) + b1.astype(h.dtype)
@@ -223,7 +232,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
-            approximate: str = "tanh", impl: str = "auto"):
+            approximate: str = "tanh", axis_name=None, impl: str = "auto"):
     """``gelu(h @ w1 + b1) @ w2 + b2`` with FP8 GEMMs, the activation quantized (with its
     transpose) straight from the first GEMM's output by the fused gelu kernel, and the gelu
     backward (+ the first bias gradient) by the fused dgelu kernel.
@@ -231,7 +240,7 @@ def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedSca
     h (M, H); w1 (H, F), b1 (F,); w2 (F, H2), b2 (H2,); meta1 / meta2: the metas of fc1 (h,
     w1, dz) and fc2 (gelu(z), w2, dy), whose VJPs are the new metas. Output (M, H2) in h's
     dtype; the pre-activation z is saved for the backward in h's dtype, everything else saved
-    is FP8.
+    is FP8. ``axis_name``: as :func:`fp8_dot` (one ``lax.pmax`` for both metas).
     """
     h, w1, w2 = _check_operand(h, "h"), _check_operand(w1, "w1"), _check_operand(w2, "w2")
     if h.shape[1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
@@ -242,5 +251,9 @@ def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedSca
     if not isinstance(recipe, DelayedScaling):
         raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
     meta1, meta2 = _check_meta(meta1, 3, recipe, "meta1"), _check_meta(meta2, 3, recipe, "meta2")
-    cfg = _MlpCfg(recipe, P._check_impl(impl), P._check_approximate(approximate))
-    return _mlp(h, w1, b1, w2, b2, meta1, meta2, cfg)
+    cfg = _MlpCfg(recipe, P._check_impl(impl), P._check_approximate(approximate), P._check_axis_name(axis_name))
+    # inside shard_map, every operand varies over the mesh axes that any does (the implicit
+    # broadcast that plain ops insert; its transpose sums a replicated weight's gradient)
+    h, w1, b1, w2, b2, *metas = P._as_varying_as((h, w1, b1, w2, b2, *meta1, *meta2),
+                                                 (h, w1, b1, w2, b2, *meta1, *meta2))
+    return _mlp(h, w1, b1, w2, b2, tuple(metas[:5]), tuple(metas[5:]), cfg)

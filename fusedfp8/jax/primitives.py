@@ -21,6 +21,18 @@ current scale into ``scale`` / ``scale_inv``. FP8 data comes back as ``jnp.float
 vmap. Mapping a primitive over a batch axis quantizes each example on its own, with its own
 amax and its own staged state: the jax.numpy path vectorises, the kernel path loops over the
 batch (``vmap_method='sequential'``). A batched state must then be reduced by the caller.
+
+Several devices. Inside ``shard_map`` (or ``pmap``), ``update_scales(..., axis_name=...)``
+MAX-reduces the staged amaxes (row 0 of the history) over the named mesh axis with one
+``lax.pmax`` before the rule, so every device computes the same scales from the same amaxes; a
+non-finite amax on any device is an overflow on all of them (:func:`sync_staged`). Between the
+quantizations of a step and that update, row 0 holds each device's own amaxes: carry the state
+as a per-device (device-varying) value, not as a replicated one. With ``first_step='current'``
+a tensor's first scale comes from each device's own amax (no collective in the quantization),
+so the devices agree from the first update on; ``first_step='unit'`` makes them agree from the
+start. Under plain ``jax.jit`` on
+sharded inputs (no named axis) the amax of a sharded tensor is already global: XLA inserts the
+reduction itself.
 """
 from __future__ import annotations
 
@@ -39,7 +51,7 @@ from ..reference import Quantized
 from ..state import ScalingState, update_rule
 from . import numerics as jn
 
-__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "update_scales", "dequantize", "IMPLS"]
+__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "update_scales", "sync_staged", "dequantize", "IMPLS"]
 
 IMPLS = ("auto", "jnp", "kernel", "kernel_no_cmdbuf")
 _FLOATS = ("float32", "float16", "bfloat16")
@@ -159,14 +171,28 @@ def _quantize_kernel(cfg: _QCfg, command_buffer: bool, x, b, hist, scale, scale_
     return tuple(outs)
 
 
+def _vma(a) -> frozenset:
+    """The mesh axes that ``a`` varies over inside ``shard_map`` (empty outside)."""
+    mat = getattr(jax.typeof(a), "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _as_varying_as(outs, args):
+    """``outs`` marked device-varying over every mesh axis that some of ``args`` vary over
+    (inside ``shard_map``): a callback's results carry no such type, the jnp branch's do."""
+    vma = frozenset().union(*(_vma(a) for a in args))
+    if not vma:
+        return outs
+    return tuple(lax.pcast(o, tuple(sorted(vma - _vma(o))), to="varying")
+                 if vma - _vma(o) else o for o in outs)
+
+
 def _dispatch(impl: str, jnp_fn, kernel_fn, *args):
     if impl == "jnp":
         return jnp_fn(*args)
-    if impl == "kernel":
-        return kernel_fn(True, *args)
-    if impl == "kernel_no_cmdbuf":
-        return kernel_fn(False, *args)
-    return lax.platform_dependent(*args, cuda=lambda *a: kernel_fn(True, *a), default=jnp_fn)
+    if impl in ("kernel", "kernel_no_cmdbuf"):
+        return _as_varying_as(kernel_fn(impl == "kernel", *args), args)
+    return lax.platform_dependent(*args, cuda=lambda *a: _as_varying_as(kernel_fn(True, *a), a), default=jnp_fn)
 
 
 def _run(cfg: _QCfg, x, b, state: ScalingState, impl: str) -> tuple[Quantized, ScalingState]:
@@ -306,12 +332,56 @@ def _update_kernel(recipe: DelayedScaling, command_buffer: bool, hist, scale, sc
                                  command_buffer_compatible=command_buffer)(*arrays, fmt_max))
 
 
-def update_scales(state: ScalingState, recipe: DelayedScaling, *, impl: str = "auto") -> ScalingState:
+def _check_axis_name(axis_name):
+    if axis_name is None or isinstance(axis_name, str):
+        return axis_name
+    if isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name):
+        return tuple(axis_name)
+    raise TypeError(f"axis_name must be None, a mesh axis name (str) or a non-empty tuple of them; got {axis_name!r}")
+
+
+_MAG = 0x7FFFFFFF  # every bit but the sign
+_INF_BITS = 0x7F800000  # +inf
+
+
+def sync_staged(states, axis_name) -> list:
+    """``states`` (a sequence of ScalingState) with row 0 of every amax history MAX-reduced
+    over the mesh axis ``axis_name`` (str or tuple of str), with ONE ``lax.pmax`` for all of
+    them; call inside ``shard_map`` / ``pmap``. Rows 1.. and the other arrays are untouched.
+
+    The staged amaxes (>= 0, or non-finite) are reduced as the int32 bit patterns of their
+    magnitudes, which order as the floats do: exact for denormals (which XLA:CPU's float max
+    may flush) and independent of how the collective treats NaN. A non-finite amax is mapped to
+    +inf first, so a NaN or inf on any device is an overflow on every device.
+    """
+    axis_name = _check_axis_name(axis_name)
+    states = list(states)
+    if axis_name is None or not states:
+        return states
+    rows = [s.amax_history[0] for s in states]
+    a = jnp.concatenate(rows) if len(rows) > 1 else rows[0]
+    b = jnp.where(jnp.isfinite(a), lax.bitcast_convert_type(a, jnp.int32) & _MAG, jnp.int32(_INF_BITS))
+    a = lax.bitcast_convert_type(lax.pmax(b, axis_name), jnp.float32)
+    out, at = [], 0
+    for s, r in zip(states, rows):
+        out.append(s.replace(amax_history=s.amax_history.at[0].set(a[at:at + r.shape[0]])))
+        at += r.shape[0]
+    return out
+
+
+def update_scales(state: ScalingState, recipe: DelayedScaling, *, axis_name=None,
+                  impl: str = "auto") -> ScalingState:
     """Turn the staged amaxes into the next step's scales for every tensor of ``state`` (one
     kernel launch on CUDA; the rule of :func:`fusedfp8.state.update_rule`). Returns the new
-    state."""
+    state.
+
+    ``axis_name`` (str or tuple of str, inside ``shard_map`` / ``pmap``): first MAX-reduce the
+    staged amaxes over that mesh axis (:func:`sync_staged`: one ``lax.pmax`` for the whole
+    state, non-finite -> overflow on every device), so every device ends with identical scales
+    and histories."""
     _check_impl(impl)
     _check_state(state, recipe)
+    (state,) = sync_staged([state], axis_name)
     fmt_max = jnp.asarray(state.fmt_max(recipe))
     arrays = (state.amax_history, state.scale, state.scale_inv, state.overflows, state.updates)
     new = _dispatch(impl, lambda *a: _update_jnp(recipe, *a), lambda cb, *a: _update_kernel(recipe, cb, *a),
