@@ -81,6 +81,10 @@ class _NumpyLikeNamespace:
         return self.m.asarray(value, dtype=dtype)
 
     def __getattr__(self, name):
+        if name == "div_rn" and self.m.__name__ == "jax.numpy":
+            from .jax.numerics import div_rn
+
+            return div_rn
         return getattr(self.m, name)
 
     def amax(self, a, axis):
@@ -118,11 +122,16 @@ def namespace(a):
 # --------------------------------------------------------------------------------------------
 def compute_scale(xp, amax, fmt_max, margin_factor):
     """``(fmt_max / amax) / margin_factor`` in fp32, FLT_MAX where that is inf. ``amax`` > 0."""
-    # ``opaque`` (the jax namespace's): XLA rewrites (a / b) / c into a / (b * c), another rounding
-    opaque = getattr(xp, "opaque", None) or (lambda v: v)
+    div = _divide(xp)
     with np.errstate(over="ignore", divide="ignore"):
-        s = opaque(fmt_max / amax) / margin_factor
+        s = div(div(fmt_max, amax), margin_factor)
     return xp.where(xp.isinf(s), xp.asarray(FLT_MAX, xp.float32, s), s)
+
+
+def _divide(xp):
+    """The namespace's IEEE float32 division: its ``div_rn`` where its ``/`` is not IEEE (jax:
+    XLA:GPU's ``div.full.f32`` is up to 2 ulp off, XLA:CPU flushes denormal quotients)."""
+    return getattr(xp, "div_rn", None) or (lambda a, b: a / b)
 
 
 def update_rule(xp, amax_history, scale, overflows, updates, fmt_max, margin_factor, algo):
@@ -149,7 +158,7 @@ def update_rule(xp, amax_history, scale, overflows, updates, fmt_max, margin_fac
         rolled = xp.concatenate([amax_history[2:], a[None]], axis=0)
         past = xp.where(seen[None], rolled, past)
     new_history = xp.concatenate([xp.zeros_like(a)[None], past], axis=0)
-    new_scale_inv = one / new_scale
+    new_scale_inv = _divide(xp)(one, new_scale)
     new_overflows = overflows + xp.astype(~finite, xp.int32)
     new_updates = updates + xp.astype(seen, xp.int32)
     return new_history, new_scale, new_scale_inv, new_overflows, new_updates

@@ -141,6 +141,64 @@ def fma_f32(a, b, c, tiny_products: bool = True) -> jax.Array:
     return jnp.where(safe, z, naive)
 
 
+# ---- division ----------------------------------------------------------------------------------
+_QUOTIENT_BITS = 26  # 24 significant bits, a guard bit and one for a quotient below 1 (ma < mb)
+
+
+def _unpack(ib):
+    """(significand, biased exponent) of float32 bits with the sign masked off; a denormal is
+    normalised (its significand shifted up to bit 23, the exponent lowered to match)."""
+    frac = ib & 0x7FFFFF
+    e = (ib >> 23) & 0xFF
+    shift = jnp.where(e == 0, lax.clz(frac) - 8, 0)
+    return jnp.where(e == 0, frac << shift, frac | 0x800000), jnp.where(e == 0, 1 - shift, e)
+
+
+def div_rn(a, b) -> jax.Array:
+    """IEEE float32 ``a / b``, round to nearest even: the kernels' ``div.rn.f32``, bit for bit.
+
+    XLA:GPU lowers float32 division to ``div.full.f32`` (up to 2 ulp off; openxla/xla#37181),
+    and XLA:CPU flushes a denormal quotient to zero, so neither backend's ``/`` can be the
+    twin of the kernels' scale arithmetic. This is a restoring long division of the 24-bit
+    significands in int32 (26 quotient bits and a sticky bit, unrolled for XLA to fuse), rounded
+    once at the result's precision, denormal quotients included; specials as IEEE (x/0 = inf,
+    0/0 = inf/inf = NaN, x/inf = 0; a NaN operand propagates). It costs ~130 integer ops per element.
+    """
+    a, b = jnp.asarray(a, f32), jnp.asarray(b, f32)
+    ia, ib = bits(a), bits(b)
+    ma_bits, mb_bits = ia & _MAG, ib & _MAG
+    ma, ea = _unpack(ma_bits)
+    mb, eb = _unpack(mb_bits)
+    below = ma < mb  # the quotient of the significands lies in (1/2, 1): one more bit from ma
+    r = jnp.where(below, ma << 1, ma)
+    q = jnp.zeros_like(r)
+    for _ in range(_QUOTIENT_BITS):  # r < 2 * mb < 2**25 throughout: int32 is enough
+        take = r >= mb
+        r = jnp.where(take, r - mb, r)
+        q = (q << 1) | take.astype(jnp.int32)
+        r = r << 1
+    # |a / b| = (q + rest) * 2**(E - 25), q in [2**25, 2**26), rest in [0, 1) is nonzero iff r is.
+    biased = ea - eb - below.astype(jnp.int32) + 127  # of the truncated quotient
+    over = biased > 254
+    biased = jnp.clip(biased, -200, 254)
+    drop = jnp.minimum(2 + jnp.maximum(1 - biased, 0), 28)  # bits below the result's last place
+    kept = q >> drop
+    rest = q & ((1 << drop) - 1)
+    half = 1 << (drop - 1)
+    up = (rest > half) | ((rest == half) & ((r != 0) | ((kept & 1) == 1)))
+    mag = lax.shift_left(jnp.maximum(biased, 1) - 1, jnp.int32(23)) + kept + up.astype(jnp.int32)
+    mag = jnp.where(over, _INF_BITS, jnp.minimum(mag, _INF_BITS))  # rounded past FLT_MAX: inf
+    a_zero, b_zero = ma_bits == 0, mb_bits == 0
+    a_inf, b_inf = ma_bits == _INF_BITS, mb_bits == _INF_BITS
+    nan = (ma_bits > _INF_BITS) | (mb_bits > _INF_BITS) | (a_zero & b_zero) | (a_inf & b_inf)
+    mag = jnp.where(a_inf | b_zero, _INF_BITS, jnp.where(a_zero | b_inf, 0, mag))
+    # a NaN operand comes back quieted (a's first, as x86 and XLA's own division propagate it);
+    # an invalid operation (0/0, inf/inf) gives the canonical NaN of CUDA
+    nan_bits = jnp.where(ma_bits > _INF_BITS, ia | 0x400000,
+                         jnp.where(mb_bits > _INF_BITS, ib | 0x400000, np.int32(0x7FFFFFFF)))
+    return from_bits(jnp.where(nan, nan_bits, ((ia ^ ib) & _SIGN) | mag))
+
+
 # ---- exp / erfc / gelu / dgelu, the reference's op sequence ------------------------------------
 def exp_f32(a) -> jax.Array:
     a = jnp.asarray(a, f32)
@@ -159,7 +217,7 @@ def exp_f32(a) -> jax.Array:
 def erfc_f32(z) -> jax.Array:
     z = jnp.asarray(z, f32)
     a = jnp.abs(z)
-    t = _c(1.0) / fma_f32(_c(0.5), a, _c(1.0), tiny_products=False)
+    t = div_rn(_c(1.0), fma_f32(_c(0.5), a, _c(1.0), tiny_products=False))
     p = _c(ref.ERFC_POLY[0])
     for coef in ref.ERFC_POLY[1:]:
         p = fma_f32(p, t, _c(coef), tiny_products=False)
@@ -185,7 +243,7 @@ def gelu_f32(x, approximate: str) -> jax.Array:
     x = jnp.asarray(x, f32)
     if approximate == "tanh":
         _, _, d, sel = _sigmoid_parts(x)
-        return _mul(x, sel) / d
+        return div_rn(_mul(x, sel), d)
     return _mul(_mul(_c(0.5), x), erfc_f32(_mul(-x, _c(ref.INV_SQRT2))))
 
 
@@ -195,7 +253,7 @@ def dgelu_f32(x, approximate: str) -> jax.Array:
     if approximate == "tanh":
         xc = _clamp(x, 20.0)
         x2, e, d, sel = _sigmoid_parts(xc)
-        rd = _c(1.0) / d
+        rd = div_rn(_c(1.0), d)
         dudx = _mul(_c(ref.SQRT_2_OVER_PI), fma_f32(_c(ref.GELU_C3), x2, _c(1.0)))
         return fma_f32(_mul(_mul(_mul(_mul(_c(2.0), xc), e), rd), rd), dudx, _mul(sel, rd))
     xc = _clamp(x, 40.0)

@@ -120,7 +120,7 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
         fresh = updates[i] == 0
         s = jnp.where(fresh, jn.current_scale(acc, cfg.fmt, cfg.margin_factor, s_old), s_old)
         scale = scale.at[i].set(s)
-        scale_inv = scale_inv.at[i].set(jnp.where(fresh, jnp.float32(1.0) / s, scale_inv[i]))
+        scale_inv = scale_inv.at[i].set(jnp.where(fresh, jn.div_rn(1.0, s), scale_inv[i]))
     else:
         s = s_old
     v = jn.scale_input(y, s) if cfg.op == "identity" else jn._mul(y, s)
@@ -131,7 +131,7 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
         outs.append(q.reshape(rows, cols).T)
     if cfg.dbias:
         outs.append(jnp.sum(y.reshape(rows, cols), axis=0, dtype=jnp.float32))
-    si_used = (jnp.float32(1.0) / s).reshape(1)
+    si_used = jn.div_rn(1.0, s).reshape(1)
     return (*outs, si_used, hist.at[0, i].set(acc), scale, scale_inv)
 
 
@@ -312,9 +312,8 @@ class _JnpNamespace:
     def bits(self, a):
         return lax.bitcast_convert_type(a, jnp.int32)
 
-    def opaque(self, a):
-        """``a`` bit for bit, hidden from XLA's algebraic rewrites (see compute_scale)."""
-        return jn._hide(a)
+    def div_rn(self, a, b):
+        return jn.div_rn(a, b)
 
 
 def _update_kernel(recipe: DelayedScaling, command_buffer: bool, hist, scale, scale_inv, overflows, updates, fmt_max):
