@@ -79,29 +79,54 @@ def run(fn, impl, *args):
     return jax.jit(lambda *a: fn(*a, impl=impl))(*args)
 
 
+# ---- the numerics' division on XLA:GPU ------------------------------------------------------------
+def test_div_rn_on_the_gpu_is_ieee_division():
+    """numerics.div_rn under jit on the GPU equals NumPy's IEEE division bit for bit (XLA:GPU's
+    own ``/`` is div.full.f32, up to 2 ulp off: the count of its misses is printed, not asserted)."""
+    from fusedfp8.jax import numerics as jn
+
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 2**32, 1_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    b = rng.integers(0, 2**32, 1_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    a[:1000], b[:1000] = 448.0, rng.uniform(1e-6, 1e3, 1000).astype(np.float32)  # fmt_max / amax
+    with np.errstate(all="ignore"):
+        want = a / b
+    got = np.asarray(jax.jit(jn.div_rn)(gpu(a), gpu(b)))
+    xla = np.asarray(jax.jit(jnp.divide)(gpu(a), gpu(b)))
+    keep = ~(np.isnan(got) & np.isnan(want))
+    assert np.array_equal(got.view(np.uint32)[keep], want.view(np.uint32)[keep])
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    print(f"XLA:GPU '/' differs from IEEE on {(xla.view(np.uint32) != want.view(np.uint32))[keep].sum()} of {keep.sum()}")
+
+
 # ---- the kernels against the jax.numpy path ------------------------------------------------------
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def assert_kernels_match_jnp(fn, args, what):
+    """Every kernel impl (command buffers on and off) against the jnp path, compiled once."""
+    want = run(fn, "jnp", *args)
+    for impl in KERNEL_IMPLS:
+        assert_same(run(fn, impl, *args), want, f"{impl}: {what}")
+
+
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_quantize_kernel_matches_jnp(dtype, shape, impl):
+def test_quantize_kernel_matches_jnp(dtype, shape):
     x = inputs(shape, dtype)
     for index, transpose in ((0, True), (2, False)):  # a forward tensor (E4M3), a gradient (E5M2)
         def fn(x, st, impl):
             return P.quantize(x, st, index, RECIPE, transpose=transpose, impl=impl)
 
         st = fresh_state()
-        assert_same(run(fn, impl, x, st), run(fn, "jnp", x, st), f"quantize[{index}]")
+        assert_kernels_match_jnp(fn, (x, st), f"quantize[{index}]")
         # delayed scaling: a set scale, a staged amax to accumulate into, updates > 0
         st = st.replace(scale=gpu(jnp.asarray([3.0, 0.5, 2.0 ** 10], jnp.float32)),
                         amax_history=st.amax_history.at[0, index].set(7.0), updates=gpu(jnp.ones(3, jnp.int32)))
-        assert_same(run(fn, impl, x, st), run(fn, "jnp", x, st), f"quantize[{index}] delayed")
+        assert_kernels_match_jnp(fn, (x, st), f"quantize[{index}] delayed")
 
 
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
-@pytest.mark.parametrize("shape", [(256, 512), (303, 300), (0, 16), (2048, 4096)], ids=str)
+@pytest.mark.parametrize("shape", [(256, 512), (303, 300), (0, 16), (1024, 2048)], ids=str)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_activation_kernels_match_jnp(dtype, shape, approximate, impl):
+def test_activation_kernels_match_jnp(dtype, shape, approximate):
     x = inputs(shape, dtype, seed=1, scale=5.0)
     dy = inputs(shape, dtype, seed=2, scale=1e-3)
 
@@ -112,8 +137,8 @@ def test_activation_kernels_match_jnp(dtype, shape, approximate, impl):
         return P.dgelu_quantize(dy, x, st, 2, RECIPE, approximate=approximate, transpose=True, dbias=True, impl=impl)
 
     st = fresh_state()
-    assert_same(run(gelu, impl, x, st), run(gelu, "jnp", x, st), "gelu_quantize")
-    assert_same(run(dgelu, impl, dy, x, st), run(dgelu, "jnp", dy, x, st), "dgelu_quantize")
+    assert_kernels_match_jnp(gelu, (x, st), "gelu_quantize")
+    assert_kernels_match_jnp(dgelu, (dy, x, st), "dgelu_quantize")
 
 
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
@@ -224,8 +249,30 @@ def test_flax_mlp_train_step_kernel_path_matches_jnp_path_and_bf16():
 
     models = {impl: Fp8MLP(ffn, impl=impl, param_dtype=jnp.bfloat16) for impl in ("auto", "jnp")}
     variables = models["auto"].init(jax.random.key(0), x)
+
+    # one step from the same variables: the same FP8 bytes into the same GEMMs, so the loss and
+    # every gradient a GEMM produces are bitwise equal; the bias gradients come from the
+    # kernel's dbias (its own summation order) against jnp.sum, so they are only close
+    def loss_and_grads(impl):
+        def loss_fn(p):
+            return jnp.mean((models[impl].apply(p, x).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
+
+        loss, g = jax.jit(jax.value_and_grad(loss_fn))(variables)
+        return loss, {"/".join(str(getattr(k, "key", k)) for k in path): v
+                      for path, v in jax.tree_util.tree_flatten_with_path(g["params"])[0]}
+
+    (lk, gk), (lj, gj) = loss_and_grads("auto"), loss_and_grads("jnp")
+    assert np.asarray(lk) == np.asarray(lj)
+    for name in gk:
+        if name.endswith("bias"):
+            np.testing.assert_allclose(np.asarray(gk[name], np.float32), np.asarray(gj[name], np.float32),
+                                       rtol=2e-2, atol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(np.asarray(gk[name], np.float32), np.asarray(gj[name], np.float32),
+                                          err_msg=name)
     runs = {impl: train(m, variables) for impl, m in models.items()}
-    np.testing.assert_allclose(runs["auto"][1], runs["jnp"][1], rtol=1e-5)  # same bytes into the same GEMMs
+    # over 20 Adam steps the bias differences move the two runs apart, slowly
+    np.testing.assert_allclose(runs["auto"][1], runs["jnp"][1], rtol=1e-2)
     p = variables["params"]
     ref_vars = {"params": {"layers_0": p["norm"], "layers_1": p["fc1"], "layers_3": p["fc2"]}}
     _, ref_losses = train(bf16, jax.tree.map(lambda a: a.astype(jnp.bfloat16), ref_vars))
