@@ -549,6 +549,74 @@ def jax_check_correctness(models, init_params, x, y, key) -> dict:
     return {"sqnr_db": res, "ok": ok}
 
 
+def jax_breakdown(hidden: int, ffn: int, tokens: int, device, block: int, reps: int) -> dict:
+    """Where an FP8 step's time goes, device-timed piece by piece (median ms of ``reps`` blocks of
+    ``block`` calls): the fusedfp8 ops of one train step (2 updates, 6 quantizes: the calls of
+    fusedfp8.jax.functional.fp8_mlp), its 6 FP8 GEMMs (forward fast accumulation, gradients
+    split accumulation) and the 6 bf16 GEMMs of the bf16 step, on random data."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from fusedfp8.jax import functional as FJ
+    from fusedfp8.jax import primitives as P
+
+    r = fusedfp8.DelayedScaling()
+    ks = jax.random.split(jax.random.key(1), 5)
+    with jax.default_device(device):
+        h = jax.random.normal(ks[0], (tokens, hidden), jnp.bfloat16)
+        w1 = jax.random.normal(ks[1], (hidden, ffn), jnp.bfloat16) * 0.02
+        w2 = jax.random.normal(ks[2], (ffn, hidden), jnp.bfloat16) * 0.02
+        z = jax.random.normal(ks[3], (tokens, ffn), jnp.bfloat16)
+        g = jax.random.normal(ks[4], (tokens, hidden), jnp.bfloat16) * 1e-3
+        st1 = FJ.meta_to_state(jax.device_put(FJ.fresh_meta(r), device))
+        st2 = FJ.meta_to_state(jax.device_put(FJ.fresh_meta(r), device))
+
+    @jax.jit
+    def fp8_ops(h, w1, w2, z, g, st1, st2):
+        st1, st2 = P.update_scales(st1, r), P.update_scales(st2, r)
+        rh, st1 = P.quantize(h, st1, 0, r, transpose=True)
+        rw1, st1 = P.quantize(w1, st1, 1, r, transpose=True)
+        ra, st2 = P.gelu_quantize(z, st2, 0, r, approximate="tanh", transpose=True)
+        rw2, st2 = P.quantize(w2, st2, 1, r, transpose=True)
+        rg, st2 = P.quantize(g, st2, 2, r, transpose=True)
+        rdz, st1 = P.dgelu_quantize(z, z, st1, 2, r, approximate="tanh", transpose=True, dbias=True)
+        return (rh, rw1, ra, rw2, rg, rdz), st1, st2
+
+    @jax.jit
+    def fp8_gemms(q):
+        rh, rw1, ra, rw2, rg, rdz = q
+        G = FJ.gemm
+        return (G(rh.data, rw1.data_t, rh.scale_inv, rw1.scale_inv, jnp.bfloat16),
+                G(ra.data, rw2.data_t, ra.scale_inv, rw2.scale_inv, jnp.bfloat16),
+                G(rg.data, rw2.data, rg.scale_inv, rw2.scale_inv, jnp.bfloat16, grad=True),
+                G(ra.data_t, rg.data_t, ra.scale_inv, rg.scale_inv, jnp.bfloat16, grad=True),
+                G(rdz.data, rw1.data, rdz.scale_inv, rw1.scale_inv, jnp.bfloat16, grad=True),
+                G(rh.data_t, rdz.data_t, rh.scale_inv, rdz.scale_inv, jnp.bfloat16, grad=True))
+
+    @jax.jit
+    def bf16_gemms(h, w1, w2, z, g):
+        def mm(a, b, ca, cb):
+            return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), preferred_element_type=jnp.float32
+                                   ).astype(jnp.bfloat16)
+        return (mm(h, w1, 1, 0), mm(z, w2, 1, 0), mm(g, w2, 1, 1), mm(z, g, 0, 0), mm(z, w1, 1, 1), mm(h, z, 0, 0))
+
+    def median_ms(fn, *a):
+        jax.block_until_ready(fn(*a))  # compile and warm up
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            for _ in range(block):
+                out = fn(*a)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t) * 1e3 / block)
+        return statistics.median(times)
+
+    q = fp8_ops(h, w1, w2, z, g, st1, st2)[0]
+    return {"fusedfp8_ops_ms": median_ms(fp8_ops, h, w1, w2, z, g, st1, st2),
+            "fp8_gemms_ms": median_ms(fp8_gemms, q), "bf16_gemms_ms": median_ms(bf16_gemms, h, w1, w2, z, g)}
+
+
 def jax_run_shape(shape, modes, args, device) -> dict:
     import jax
     import jax.numpy as jnp
@@ -601,6 +669,10 @@ def jax_run_shape(shape, modes, args, device) -> dict:
         print(f"[{hidden}x{ffn}x{tokens}] {mode:<19} {row['step_ms']:8.3f} ms/step  loss {losses[0]:.4f} -> "
               f"{losses[-1]:.4f}  kernels/step {row['kernels_per_step']} (FP8 GEMMs {row['fp8_gemms']}, "
               f"fusedfp8 callbacks {row['fusedfp8_callbacks']})  ({row['wall_s']:.0f} s)", flush=True)
+    if device.platform == "gpu" and "fp8_fused" in modes:
+        res["breakdown"] = jax_breakdown(hidden, ffn, tokens, device, args.block, args.reps)
+        print(f"[{hidden}x{ffn}x{tokens}] breakdown " + "  ".join(f"{k} {v:.3f}" for k, v in res["breakdown"].items()),
+              flush=True)
     summarize(shape, res, args.steps)
     s, modes_ms = res["summary"], {m: r["step_ms"] for m, r in res["modes"].items()}
     tgt = JAX_TARGET_SPEEDUP.get(tuple(shape))

@@ -250,26 +250,25 @@ def test_flax_mlp_train_step_kernel_path_matches_jnp_path_and_bf16():
     models = {impl: Fp8MLP(ffn, impl=impl, param_dtype=jnp.bfloat16) for impl in ("auto", "jnp")}
     variables = models["auto"].init(jax.random.key(0), x)
 
-    # one step from the same variables: the same FP8 bytes into the same GEMMs, so the loss and
-    # every gradient a GEMM produces are bitwise equal; the bias gradients come from the
-    # kernel's dbias (its own summation order) against jnp.sum, so they are only close
+    # one step from the same variables: the two paths feed the same FP8 bytes to the same GEMMs
+    # (the primitive tests above check the bytes); around them XLA fuses the two programs
+    # differently (LayerNorm, the loss), so the loss agrees to float32 rounding and every gradient
+    # to >= 40 dB (the bias gradients come from the kernel's dbias, summed in its own order)
     def loss_and_grads(impl):
         def loss_fn(p):
             return jnp.mean((models[impl].apply(p, x).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
 
         loss, g = jax.jit(jax.value_and_grad(loss_fn))(variables)
-        return loss, {"/".join(str(getattr(k, "key", k)) for k in path): v
+        return loss, {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v, np.float64)
                       for path, v in jax.tree_util.tree_flatten_with_path(g["params"])[0]}
 
     (lk, gk), (lj, gj) = loss_and_grads("auto"), loss_and_grads("jnp")
-    assert np.asarray(lk) == np.asarray(lj)
+    print(f"step-1 loss kernel {float(lk)!r} jnp {float(lj)!r}; bitwise equal gradients: "
+          f"{sorted(n for n in gk if np.array_equal(gk[n], gj[n]))}")
+    np.testing.assert_allclose(float(lk), float(lj), rtol=1e-6)
     for name in gk:
-        if name.endswith("bias"):
-            np.testing.assert_allclose(np.asarray(gk[name], np.float32), np.asarray(gj[name], np.float32),
-                                       rtol=2e-2, atol=1e-6, err_msg=name)
-        else:
-            np.testing.assert_array_equal(np.asarray(gk[name], np.float32), np.asarray(gj[name], np.float32),
-                                          err_msg=name)
+        noise = ((gk[name] - gj[name]) ** 2).sum()
+        assert noise <= 1e-4 * (gj[name] ** 2).sum(), name
     runs = {impl: train(m, variables) for impl, m in models.items()}
     # over 20 Adam steps the bias differences move the two runs apart, slowly
     np.testing.assert_allclose(runs["auto"][1], runs["jnp"][1], rtol=1e-2)

@@ -100,13 +100,20 @@ def _rows_cols(shape) -> tuple[int, int]:
 
 
 # ---- the jax.numpy backend -------------------------------------------------------------------
+def _as_f32(x):
+    """x widened to float32 exactly as the kernels read it. The barrier keeps a bf16/f16 input
+    rounded: XLA (xla_allow_excess_precision) otherwise folds convert(convert(h, bf16), f32) of
+    the producer into h and quantizes the unrounded float32 value, which the kernels never see."""
+    return x if x.dtype == jnp.float32 else lax.optimization_barrier(x).astype(jnp.float32)
+
+
 def _activation(cfg: _QCfg, x, b):
-    xf = x.astype(jnp.float32)
+    xf = _as_f32(x)
     if cfg.op == "identity":
         return xf
     if cfg.op == "gelu":
         return jn.gelu_f32(xf, cfg.approximate)
-    return jn._mul(xf, jn.dgelu_f32(b.astype(jnp.float32), cfg.approximate))
+    return jn._mul(xf, jn.dgelu_f32(_as_f32(b), cfg.approximate))
 
 
 def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
