@@ -690,6 +690,9 @@ def main_jax(args, shapes, modes) -> int:
     import jax
 
     import fusedfp8.jax  # noqa: F401  (registers the state pytree)
+    from fusedfp8.jax import functional as FJ
+
+    FJ.FORWARD_FAST_ACCUM = args.jax_forward_accum == "fast"
 
     plat = "gpu" if args.device == "cuda" else args.device
     try:
@@ -712,6 +715,7 @@ def main_jax(args, shapes, modes) -> int:
     meta = {"framework": "jax", "device": getattr(device, "device_kind", str(device)), "date": time.strftime("%Y-%m-%d"),
             "jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version(),
             "fusedfp8": fusedfp8.__version__, "recipe": str(fusedfp8.DelayedScaling()), "lr": LR,
+            "forward_accum": args.jax_forward_accum,
             "wall_s": time.perf_counter() - t0, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     (out / "bench_mlp.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {out / 'bench_mlp.json'}")
@@ -734,6 +738,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=10, help="steps per timed block")
     ap.add_argument("--reps", type=int, default=7, help="timed blocks (the median is reported)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of the eager steps")
+    ap.add_argument("--jax-forward-accum", choices=["fast", "split"], default="fast",
+                    help="jax: cuBLASLt accumulation of the forward FP8 GEMMs (gradients: always split)")
     ap.add_argument("--device", default="cuda", help="'cuda' (the benchmark) or 'cpu' (a smoke test of the script)")
     args = ap.parse_args(argv)
     known = JAX_MODES if args.framework == "jax" else MODES
