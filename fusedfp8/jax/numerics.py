@@ -19,6 +19,9 @@ of its habits, and tested byte for byte against the reference:
   XLA:CPU, so a value below 2**-126 becomes 0. It only shows in the FP8 result when the scale is
   beyond 2**100 (a tensor whose every activation is below 2**-100), or as the sign of a zero
   in the erf gelu gradient near x = -13. XLA:GPU keeps denormals (``xla_gpu_ftz`` is off).
+- Division. XLA:GPU's float32 ``/`` is ``div.full.f32`` (up to 2 ulp off; it made a scale differ by
+  one ulp from the kernels' on the H200), and XLA:CPU flushes denormal quotients. Every division
+  of the reference is :func:`div_rn`, an exact integer long division.
 """
 from __future__ import annotations
 
