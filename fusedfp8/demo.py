@@ -273,24 +273,12 @@ def _torch_data(hidden: int, tokens: int, seed: int, device):
 def _torch_models(hidden: int, ffn: int, recipe: DelayedScaling, seed: int, device):
     """The bf16 reference and the Fp8MLP, with identical bf16 weights."""
     import torch
-    import torch.nn.functional as F
-    from torch import nn
 
     import fusedfp8.pytorch as fp8
 
-    class BF16MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm = nn.LayerNorm(hidden)
-            self.fc1 = nn.Linear(hidden, ffn)
-            self.fc2 = nn.Linear(ffn, hidden)
-
-        def forward(self, x):
-            return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
-
     torch.manual_seed(seed)
     with torch.device(device):
-        bf16 = BF16MLP().to(torch.bfloat16)
+        bf16 = fp8.MLP(hidden, ffn).to(torch.bfloat16)
         f8 = fp8.Fp8MLP(hidden, ffn, recipe).to(torch.bfloat16)  # the FP8 state stays float32
     params = dict(f8.named_parameters())
     if set(params) != {n for n, _ in bf16.named_parameters()}:

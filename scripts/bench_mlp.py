@@ -1,8 +1,8 @@
 """Train-step benchmark of the MLP of DESIGN.md: LayerNorm -> Linear -> gelu(tanh) -> Linear,
 MSE loss on random regression data, Adam; bf16 against fusedfp8 FP8 in the same framework and run.
 
-Modes (``--modes``): ``bf16_eager``, ``bf16_compiled`` (torch.compile of forward + loss),
-``bf16_graphed`` (the whole step in one CUDA graph), ``fp8_eager`` (fusedfp8.pytorch.Fp8MLP),
+Modes (``--modes``): ``bf16_eager`` (fusedfp8.pytorch.MLP), ``bf16_compiled`` (torch.compile of
+forward + loss), ``bf16_graphed`` (the whole step in one CUDA graph), ``fp8_eager`` (fusedfp8.pytorch.Fp8MLP),
 ``fp8_compiled``, ``fp8_graphed``. A step is: zero_grad, forward, loss, backward,
 ``Adam(fused=True, capturable=True).step()`` and, for FP8, ``fusedfp8.pytorch.update_scales``;
 graphed modes capture exactly that after three eager warm-up steps (the capture runs nothing;
@@ -57,8 +57,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
 
 import fusedfp8  # noqa: E402
 import fusedfp8.pytorch as fp8  # noqa: E402
@@ -76,19 +74,6 @@ KERNEL_CATEGORIES = (  # (category, name substrings), first match wins
     ("layernorm", ("layer_norm", "layernorm")),
     ("adam", ("adam",)),
 )
-
-
-class BF16MLP(nn.Module):
-    """The reference: the same parameter names as fusedfp8.pytorch.Fp8MLP."""
-
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, ffn)
-        self.fc2 = nn.Linear(ffn, hidden)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
 
 
 def mse(out, target):
@@ -133,7 +118,7 @@ def _teacher_std(hidden: int) -> float:
 
 def make_model(kind: str, hidden: int, ffn: int, init: dict, device):
     with torch.device(device):
-        model = BF16MLP(hidden, ffn) if kind == "bf16" else fp8.Fp8MLP(hidden, ffn, fusedfp8.DelayedScaling())
+        model = fp8.MLP(hidden, ffn) if kind == "bf16" else fp8.Fp8MLP(hidden, ffn, fusedfp8.DelayedScaling())
     model = model.to(torch.bfloat16)  # an Fp8MLP keeps its FP8 state in float32
     missing, unexpected = model.load_state_dict(init, strict=False)
     if unexpected or any(k.rsplit(".", 1)[-1] not in fusedfp8.state.STATE_FIELDS for k in missing):
@@ -288,7 +273,7 @@ def run_shape(shape, modes, args, device, clock) -> dict:
     hidden, ffn, tokens = shape
     torch.manual_seed(0)
     with torch.device(device):
-        init = {k: v.to(torch.bfloat16) for k, v in BF16MLP(hidden, ffn).state_dict().items()}
+        init = {k: v.to(torch.bfloat16) for k, v in fp8.MLP(hidden, ffn).state_dict().items()}
     x, y = make_data(hidden, tokens, device)
     res = {"shape": {"hidden": hidden, "ffn": ffn, "tokens": tokens}, "modes": {}}
     res["correctness"] = check_correctness(hidden, ffn, init, x, y, device)

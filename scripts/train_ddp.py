@@ -8,8 +8,8 @@ gathers every rank's scales and histories and checks they are bitwise identical 
 whether the weights are).
 
 Models (``--model``): ``fp8mlp`` (fusedfp8.pytorch.Fp8MLP: gelu fused into the quantization),
-``convert`` (an nn.Module MLP converted with convert_to_fp8: two Fp8Linear, gelu in torch),
-``bf16`` (no FP8: the baseline; no scale update).
+``convert`` (fusedfp8.pytorch.MLP converted with convert_to_fp8: two Fp8Linear, gelu in torch),
+``bf16`` (fusedfp8.pytorch.MLP, no FP8: the baseline; no scale update).
 
 Per step it reports (rank 0, wall clock, the device synchronised around each timed region):
 ``step_ms`` the whole step (forward, backward with DDP's gradient all-reduce, Adam, the scale
@@ -52,19 +52,6 @@ MODELS = ("fp8mlp", "convert", "bf16")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-class MLP(nn.Module):
-    """The plain-torch MLP (``--model bf16``, and the input of ``convert_to_fp8``)."""
-
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, ffn)
-        self.fc2 = nn.Linear(ffn, hidden)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -96,7 +83,7 @@ def build(args, device, dtype):
     if args.model == "fp8mlp":
         model = fp8.Fp8MLP(args.hidden, args.ffn, recipe)
     else:
-        model = MLP(args.hidden, args.ffn)
+        model = fp8.MLP(args.hidden, args.ffn)  # the plain-torch MLP: --model bf16, or converted
         if args.model == "convert":
             fp8.convert_to_fp8(model, recipe)
     return model.to(device=device, dtype=dtype)

@@ -277,19 +277,18 @@ def test_scales_change_step_to_step_by_the_rule():
 
 
 # ---- Fp8MLP ----------------------------------------------------------------------------------
-def _mlp_pair(hidden, ffn, dtype, recipe=DelayedScaling(amax_history_len=8)):
+def _mlp_pair(hidden, ffn, dtype, recipe=DelayedScaling(amax_history_len=8), approximate="tanh"):
     torch.manual_seed(0)
-    m = fp8.Fp8MLP(hidden, ffn, recipe, dtype=dtype)
-    ref_mlp = nn.Sequential(nn.LayerNorm(hidden, dtype=dtype), nn.Linear(hidden, ffn, dtype=dtype),
-                            nn.GELU(approximate="tanh"), nn.Linear(ffn, hidden, dtype=dtype))
-    ref_mlp.load_state_dict({k.replace("norm", "0").replace("fc1", "1").replace("fc2", "3"): v
-                             for k, v in m.state_dict().items() if k.split(".")[-1] in ("weight", "bias")})
+    m = fp8.Fp8MLP(hidden, ffn, recipe, approximate=approximate, dtype=dtype)
+    ref_mlp = fp8.MLP(hidden, ffn, approximate=approximate, dtype=dtype)
+    ref_mlp.load_state_dict({k: v for k, v in m.state_dict().items() if k.split(".")[-1] in ("weight", "bias")})
     return m, ref_mlp
 
 
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_fp8_mlp_close_to_bf16_mlp(dtype):
-    m, ref_mlp = _mlp_pair(64, 128, dtype)
+def test_fp8_mlp_close_to_bf16_mlp(dtype, approximate):
+    m, ref_mlp = _mlp_pair(64, 128, dtype, approximate=approximate)
     x = inputs(48, 64, dtype)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     g = (inputs(48, 64, seed=7) * 1e-6).to(dtype)
@@ -299,6 +298,33 @@ def test_fp8_mlp_close_to_bf16_mlp(dtype):
     assert 20 <= sqnr(y_ref, y) < 60 and 20 <= sqnr(x1.grad, x2.grad) < 60  # close, yet quantized
     for (_, p_ref), (name, p) in zip(ref_mlp.named_parameters(), m.named_parameters()):
         assert sqnr(p_ref.grad, p.grad) >= 20, name  # fc2.bias sums the unquantized gradient: exact
+
+
+def test_mlp_is_the_plain_torch_twin_of_fp8_mlp():
+    """fusedfp8.pytorch.MLP: the same initial weights for one seed, parameter names and gelu as
+    Fp8MLP, its state dict loads into an Fp8MLP (strict=False: there is no FP8 state in it), and
+    convert_to_fp8 turns its two Linears into Fp8Linear."""
+    torch.manual_seed(0)
+    ref_mlp = fp8.MLP(32, 64)
+    torch.manual_seed(0)
+    m = fp8.Fp8MLP(32, 64, DelayedScaling(amax_history_len=4))
+    assert ref_mlp.approximate == m.approximate == "tanh"
+    weights = {k: v for k, v in m.state_dict().items() if k.split(".")[-1] in ("weight", "bias")}
+    assert list(ref_mlp.state_dict()) == list(weights)
+    assert all(torch.equal(v, weights[k]) for k, v in ref_mlp.state_dict().items())
+    x = inputs(8, 32)
+    want = ref_mlp.fc2(torch.nn.functional.gelu(ref_mlp.fc1(ref_mlp.norm(x)), approximate="tanh"))
+    assert torch.equal(ref_mlp(x), want)
+    with pytest.raises(ValueError, match="no FP8 state"):
+        m.load_state_dict(ref_mlp.state_dict())
+    missing, unexpected = m.load_state_dict(ref_mlp.state_dict(), strict=False)
+    assert not unexpected and {k.rsplit(".", 1)[-1] for k in missing} == set(STATE_FIELDS)
+    converted = fp8.convert_to_fp8(fp8.MLP(32, 64, bias=False), DelayedScaling(amax_history_len=4))
+    assert isinstance(converted.fc1, fp8.Fp8Linear) and isinstance(converted.fc2, fp8.Fp8Linear)
+    assert converted.fc1.bias is None and isinstance(converted.norm, nn.LayerNorm)
+    assert fp8.MLP(16, 32, approximate="none", dtype=torch.bfloat16).fc1.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="approximate must be 'tanh' or 'none'"):
+        fp8.MLP(16, 32, approximate="fast")
 
 
 def test_fp8_mlp_operands_are_the_fused_kernels(monkeypatch):

@@ -1,4 +1,5 @@
-"""PyTorch integration: custom ops, autograd functions, ``Fp8Linear``, ``Fp8MLP``.
+"""PyTorch integration: custom ops, autograd functions, ``Fp8Linear``, ``Fp8MLP`` (and ``MLP``,
+its plain-torch reference).
 
 ::
 
@@ -12,13 +13,13 @@
         fp8.update_scales(model)          # once per optimizer step; forgetting it raises
 
 Modules: ``ops`` (the ``torch.ops.fusedfp8.*`` custom ops), ``functional`` (``quantize_ste``,
-``scaled_mm`` and the autograd functions), ``modules`` (``Fp8Linear``, ``Fp8MLP``), ``convert``
-(``convert_to_fp8``, ``update_scales``).
+``scaled_mm`` and the autograd functions), ``modules`` (``Fp8Linear``, ``Fp8MLP``, ``MLP``),
+``convert`` (``convert_to_fp8``, ``update_scales``).
 """
 from . import ops
 from .convert import PendingScaleUpdate, convert_to_fp8, fp8_modules, update_scales
 from .functional import QuantizeSTE, quantize_ste, scaled_mm
-from .modules import Fp8Linear, Fp8MLP, MissedScaleUpdateError, MissedScaleUpdateWarning
+from .modules import MLP, Fp8Linear, Fp8MLP, MissedScaleUpdateError, MissedScaleUpdateWarning
 
 __all__ = ["ops", "convert_to_fp8", "fp8_modules", "update_scales", "PendingScaleUpdate", "QuantizeSTE", "quantize_ste", "scaled_mm",
-           "Fp8Linear", "Fp8MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
+           "Fp8Linear", "Fp8MLP", "MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]

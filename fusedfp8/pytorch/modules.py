@@ -1,5 +1,6 @@
-"""``Fp8Linear`` (a drop-in for ``nn.Linear``) and ``Fp8MLP`` (LayerNorm -> Linear -> gelu ->
-Linear with the fused activation kernels).
+"""``Fp8Linear`` (a drop-in for ``nn.Linear``), ``Fp8MLP`` (LayerNorm -> Linear -> gelu ->
+Linear with the fused activation kernels) and ``MLP`` (the same MLP in plain torch: the
+high-precision reference, with Fp8MLP's parameter names).
 
 State. Each :class:`Fp8Linear` owns the delayed-scaling state of its three tensors
 ``[input, weight, output gradient]`` (``grad = (False, False, True)``) as registered buffers
@@ -34,16 +35,18 @@ import warnings
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 from . import functional as F8
 
-__all__ = ["Fp8Linear", "Fp8MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
+__all__ = ["Fp8Linear", "Fp8MLP", "MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
 
 GRAD = (False, False, True)  # tensors of an Fp8Linear's state: input, weight, output gradient
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+GELU_APPROXIMATIONS = ("tanh", "none")  # the gelu of Fp8MLP / MLP (as torch.nn.functional.gelu)
 # torch passes strict=True to every _load_from_state_dict whatever the caller asked; the strict
 # of a load_state_dict called on an FP8 module itself is kept here (None: called on a parent,
 # where torch's own missing-keys report applies)
@@ -315,6 +318,11 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         return f"{super().extra_repr()}, recipe={self._recipe}"
 
 
+def _check_approximate(approximate: str) -> None:
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be 'tanh' or 'none'; got {approximate!r}")
+
+
 class Fp8MLP(_StrictLoad, nn.Module):
     """LayerNorm -> Fp8Linear -> gelu -> Fp8Linear, with the activation fused into FP8.
 
@@ -342,8 +350,7 @@ class Fp8MLP(_StrictLoad, nn.Module):
     def __init__(self, hidden: int, ffn: int, recipe: DelayedScaling = DelayedScaling(), *,
                  approximate: str = "tanh", bias: bool = True, device=None, dtype=None,
                  missed_update: str = "raise"):
-        if approximate not in ("tanh", "none"):
-            raise ValueError(f"approximate must be 'tanh' or 'none'; got {approximate!r}")
+        _check_approximate(approximate)
         super().__init__()
         self.approximate = approximate
         self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
@@ -380,3 +387,46 @@ class Fp8MLP(_StrictLoad, nn.Module):
         cfg = (*fc1._cfg, fc1._prepass, fc2._prepass)
         return F8.mlp(h, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1._state(), fc2._state(), cfg,
                       self.approximate, training)
+
+
+class MLP(nn.Module):
+    """LayerNorm -> nn.Linear -> gelu -> nn.Linear in plain torch: :class:`Fp8MLP` without FP8.
+
+    The high-precision twin of :class:`Fp8MLP` (the reference it is compared and benchmarked
+    against): the same computation, ``fc2(gelu(fc1(norm(x))))``, in the parameters' dtype
+    (bf16 or float32), the same construction order (so the same initial weights for one seed)
+    and the same parameter names. Its ``state_dict()`` loads into an Fp8MLP with
+    ``strict=False`` (the FP8 state keeps its current values; a strict load refuses a state
+    without one), and an Fp8MLP's weights load into it once its FP8 state keys are dropped.
+    :func:`fusedfp8.pytorch.convert_to_fp8` turns ``fc1`` and ``fc2`` into :class:`Fp8Linear`
+    (the gelu then stays in torch, unfused).
+
+    Parameters
+    ----------
+    hidden, ffn : int
+        Input/output width and the inner width (fc1: hidden -> ffn, fc2: ffn -> hidden).
+    approximate : {'tanh', 'none'}
+        The gelu (as ``torch.nn.functional.gelu``); 'tanh' as Fp8MLP's default.
+    bias : bool
+    device, dtype : as for ``nn.Linear`` (all parameters, the LayerNorm's included).
+
+    Attributes: ``norm`` (nn.LayerNorm), ``fc1``, ``fc2`` (nn.Linear).
+    Input (..., hidden), of the parameters' dtype (as any nn.Linear); output (..., hidden).
+
+    Raises
+    ------
+    ValueError
+        At construction, on an ``approximate`` other than 'tanh' or 'none'.
+    """
+
+    def __init__(self, hidden: int, ffn: int, *, approximate: str = "tanh", bias: bool = True, device=None,
+                 dtype=None):
+        _check_approximate(approximate)
+        super().__init__()
+        self.approximate = approximate
+        self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
+        self.fc1 = nn.Linear(hidden, ffn, bias, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(ffn, hidden, bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate=self.approximate))
