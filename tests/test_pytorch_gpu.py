@@ -99,8 +99,10 @@ def test_mlp_forward_backward_close_to_bf16(shape):
     hidden, ffn, tokens = shape
     torch.manual_seed(0)
     m = fp8.Fp8MLP(hidden, ffn, DelayedScaling(amax_history_len=16), device=DEV, dtype=torch.bfloat16)
-    ref_mlp = fp8.MLP(hidden, ffn).to(device=DEV, dtype=torch.bfloat16)
-    ref_mlp.load_state_dict({k: v for k, v in m.state_dict().items() if k.split(".")[-1] in ("weight", "bias")})
+    ref_mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.GELU(approximate="tanh"),
+                            nn.Linear(ffn, hidden)).to(device=DEV, dtype=torch.bfloat16)
+    ref_mlp.load_state_dict({k.replace("norm", "0").replace("fc1", "1").replace("fc2", "3"): v
+                             for k, v in m.state_dict().items() if k.split(".")[-1] in ("weight", "bias")})
     x = inputs(tokens, hidden, torch.bfloat16)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     g = (inputs(tokens, hidden, seed=7) * 1e-6).to(torch.bfloat16)
