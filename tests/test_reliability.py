@@ -74,6 +74,20 @@ def restore_in_fresh_process(device, ckpt, record, first=50, last=100) -> dict:
     return dict(np.load(record))
 
 
+def assert_resumed_run_equals_the_whole(whole: dict, resumed: dict, saved_at: int = 50, last: int = 99) -> None:
+    """The run restored from the step-``saved_at`` checkpoint recorded bitwise what the
+    uninterrupted run recorded from that step on (losses, states, final weights), and the run is
+    not trivial: scales moved after the save, and overflows were counted after it."""
+    keys = [k for k in whole if not k.startswith(("loss/", "state/")) or int(k.split("/")[1]) >= saved_at]
+    assert sorted(keys) == sorted(resumed), set(keys) ^ set(resumed)
+    differ = [k for k in keys if whole[k].tobytes() != resumed[k].tobytes()]
+    assert not differ, differ[:10]
+    scales = [whole[f"state/{s}/0/scale"] for s in (saved_at, last)]
+    assert scales[0].tobytes() != scales[1].tobytes()
+    over = [sum(float(whole[f"state/{s}/{k}/overflows"].sum()) for k in range(4)) for s in (saved_at, last)]
+    assert over[1] > over[0] > 0
+
+
 def test_checkpoint_restored_in_a_fresh_process_continues_bitwise(tmp_path):
     """The uninterrupted run (here; it saves at step 50 with torch.save) against the restored one
     (a fresh process: torch.load, 50 more steps)."""
@@ -82,15 +96,7 @@ def test_checkpoint_restored_in_a_fresh_process_continues_bitwise(tmp_path):
     ckpt = tmp_path / "step50.pt"
     whole = _checkpoint_run.run("cpu", 0, 100, save_at=(50, str(ckpt)))
     resumed = restore_in_fresh_process("cpu", ckpt, tmp_path / "resumed.npz")
-    keys = [k for k in whole if not k.startswith(("loss/", "state/")) or int(k.split("/")[1]) >= 50]
-    assert sorted(keys) == sorted(resumed), set(keys) ^ set(resumed)
-    differ = [k for k in keys if whole[k].tobytes() != resumed[k].tobytes()]
-    assert not differ, differ[:10]
-    # the run is not trivial: scales moved after the save, and overflows were counted after it
-    scales = [whole[f"state/{s}/0/scale"] for s in (50, 99)]
-    assert scales[0].tobytes() != scales[1].tobytes()
-    over = [int(sum(whole[f"state/{s}/{k}/overflows"].sum() for k in range(4))) for s in (50, 99)]
-    assert over[1] > over[0] > 0
+    assert_resumed_run_equals_the_whole(whole, resumed)
 
 
 # ---- flax (fusedfp8.jax) ---------------------------------------------------------------------
@@ -119,12 +125,4 @@ def test_flax_checkpoint_restored_in_a_fresh_process_continues_bitwise(tmp_path)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = dict(np.load(record))
-    keys = [k for k in whole if not k.startswith(("loss/", "state/")) or int(k.split("/")[1]) >= 50]
-    assert sorted(keys) == sorted(resumed), set(keys) ^ set(resumed)
-    differ = [k for k in keys if whole[k].tobytes() != resumed[k].tobytes()]
-    assert not differ, differ[:10]
-    # the run is not trivial: scales moved after the save, and overflows were counted after it
-    scales = [whole[f"state/{s}/0/scale"] for s in (50, 99)]
-    assert scales[0].tobytes() != scales[1].tobytes()
-    over = [sum(float(whole[f"state/{s}/{k}/overflows"].sum()) for k in range(4)) for s in (50, 99)]
-    assert over[1] > over[0] > 0
+    assert_resumed_run_equals_the_whole(whole, resumed)

@@ -346,10 +346,6 @@ def _check_axis_name(axis_name):
     raise TypeError(f"axis_name must be None, a mesh axis name (str) or a non-empty tuple of them; got {axis_name!r}")
 
 
-_MAG = 0x7FFFFFFF  # every bit but the sign
-_INF_BITS = 0x7F800000  # +inf
-
-
 def sync_staged(states, axis_name) -> list:
     """``states`` (a sequence of ScalingState) with row 0 of every amax history MAX-reduced
     over the mesh axis ``axis_name`` (str or tuple of str), with ONE ``lax.pmax`` for all of
@@ -366,8 +362,8 @@ def sync_staged(states, axis_name) -> list:
         return states
     rows = [s.amax_history[0] for s in states]
     a = jnp.concatenate(rows) if len(rows) > 1 else rows[0]
-    b = jnp.where(jnp.isfinite(a), lax.bitcast_convert_type(a, jnp.int32) & _MAG, jnp.int32(_INF_BITS))
-    a = lax.bitcast_convert_type(lax.pmax(b, axis_name), jnp.float32)
+    b = jnp.where(jnp.isfinite(a), jn.bits(a) & jn._MAG, jn._INF_BITS)
+    a = jn.from_bits(lax.pmax(b, axis_name))
     out, at = [], 0
     for s, r in zip(states, rows):
         out.append(s.replace(amax_history=s.amax_history.at[0].set(a[at:at + r.shape[0]])))

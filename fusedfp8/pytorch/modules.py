@@ -66,6 +66,8 @@ class _StrictLoad:
             return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
         finally:
             _LOAD.strict = outer
+
+
 MISSED_UPDATE_MODES = ("raise", "warn", "ignore")
 
 
