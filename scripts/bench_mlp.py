@@ -617,6 +617,58 @@ def jax_breakdown(hidden: int, ffn: int, tokens: int, device, block: int, reps: 
             "fp8_gemms_ms": median_ms(fp8_gemms, q), "bf16_gemms_ms": median_ms(bf16_gemms, h, w1, w2, z, g)}
 
 
+def jax_kernel_profile(step, state, x, y, nsteps: int = 10):
+    """The GPU kernels of ``nsteps`` train steps under ``jax.profiler.trace`` (CUPTI), read back
+    with ``jax.profiler.ProfileData``: device time per step by category (KERNEL_CATEGORIES; XLA's
+    own fusions fall in 'other'), the span from the first kernel's start to the last one's end per
+    step (so busy / span says how much of the step the GPU idled), and the kernels taking most
+    time. Returns (the new state, the profile dict)."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    state, loss = step(state, x, y)
+    jax.block_until_ready(loss)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(nsteps):
+                state, loss = step(state, x, y)
+            jax.block_until_ready(loss)
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return state, {"error": "the trace wrote no .xplane.pb"}
+        data = ProfileData.from_file(files[0])
+        by_name, lines, t_lo, t_hi = {}, {}, math.inf, -math.inf
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                evs = list(line.events)
+                lines[f"{plane.name}|{line.name}"] = len(evs)
+                if not line.name.lower().startswith("stream"):
+                    continue  # 'XLA Ops' / 'XLA Modules' repeat the stream's kernels at op level
+                for e in evs:
+                    k = by_name.setdefault(e.name, [0, 0.0])
+                    k[0] += 1
+                    k[1] += e.duration_ns / 1e6
+                    t_lo, t_hi = min(t_lo, e.start_ns), max(t_hi, e.start_ns + e.duration_ns)
+    cats = {c: 0.0 for c, _ in KERNEL_CATEGORIES}
+    cats["other"] = 0.0
+    for name, (_, ms) in by_name.items():
+        cat = next((c for c, subs in KERNEL_CATEGORIES if any(s in name.lower() for s in subs)), "other")
+        cats[cat] += ms / nsteps
+    busy = sum(cats.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:20]
+    return state, {"steps": nsteps, "device_ms_per_step": cats, "busy_ms_per_step": busy,
+                   "span_ms_per_step": (t_hi - t_lo) / 1e6 / nsteps if by_name else 0.0,
+                   "kernels_per_step": sum(n for n, _ in by_name.values()) / nsteps,
+                   "top_kernels": [{"name": n[:160], "calls_per_step": c / nsteps, "ms_per_step": ms / nsteps}
+                                   for n, (c, ms) in top],
+                   "trace_lines": lines}
+
+
 def jax_run_shape(shape, modes, args, device) -> dict:
     import jax
     import jax.numpy as jnp
@@ -661,6 +713,16 @@ def jax_run_shape(shape, modes, args, device) -> dict:
             times.append((time.perf_counter() - t) * 1e3 / args.block)
         row.update(loss=losses, step_ms=statistics.median(times), step_ms_all=times,
                    wall_s=time.perf_counter() - t0)
+        if device.platform == "gpu" and not args.no_profile:
+            try:
+                state, row["profile"] = jax_kernel_profile(step, state, x, y)
+            except Exception as e:  # a diagnostic: the timing above stands without it
+                row["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            p = row["profile"]
+            print(f"[{hidden}x{ffn}x{tokens}] {mode:<19} profile " + (p["error"] if "error" in p else
+                  f"busy {p['busy_ms_per_step']:.3f} of span {p['span_ms_per_step']:.3f} ms/step, "
+                  f"{p['kernels_per_step']:.0f} kernels: " + "  ".join(f"{k} {v:.3f}" for k, v in
+                                                                         p["device_ms_per_step"].items())), flush=True)
         stats = getattr(device, "memory_stats", lambda: None)()
         if stats and "peak_bytes_in_use" in stats:
             row["peak_mem_gib"] = stats["peak_bytes_in_use"] / 2**30
@@ -737,7 +799,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=100, help="training steps of the loss curve")
     ap.add_argument("--block", type=int, default=10, help="steps per timed block")
     ap.add_argument("--reps", type=int, default=7, help="timed blocks (the median is reported)")
-    ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of the eager steps")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the per-kernel profile (torch: of the eager steps; jax: of 10 jitted steps)")
     ap.add_argument("--jax-forward-accum", choices=["fast", "split"], default="fast",
                     help="jax: cuBLASLt accumulation of the forward FP8 GEMMs (gradients: always split)")
     ap.add_argument("--jax-init", choices=["f32", "bf16"], default="f32",

@@ -115,14 +115,21 @@ def test_flax_overflow_every_10th_step_ends_within_2_percent_of_clean():
 
 
 def test_flax_checkpoint_restored_in_a_fresh_process_continues_bitwise(tmp_path):
-    """The uninterrupted run (here; it saves the TrainState at step 50 with flax.serialization)
-    against the restored one (a fresh process: from_bytes, 50 more steps)."""
-    import _flax_checkpoint_run
+    """The uninterrupted run (it saves the TrainState at step 50 with flax.serialization) against
+    the restored one (from_bytes, 50 more steps), each in a fresh process.
 
-    ckpt, record = tmp_path / "step50.msgpack", tmp_path / "resumed.npz"
-    whole = _flax_checkpoint_run.run(0, 100, save_at=(50, str(ckpt)))
-    cmd = [sys.executable, os.path.join(HERE, "_flax_checkpoint_run.py"), "50", "100", str(record), "--load", str(ckpt)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    resumed = dict(np.load(record))
+    Both run with ``--xla_gpu_deterministic_ops=true``: XLA:GPU picks its GEMM algorithms by
+    timing them at compile time, so two processes can compile the same step with different
+    algorithms (a different summation order). On the H200 without the flag the restored run
+    differed from its first step on (loss/50); the flag turns the autotuning off. Harmless on the
+    CPU."""
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
+    env = dict(os.environ, XLA_FLAGS=flags)
+    ckpt, records = tmp_path / "step50.msgpack", (tmp_path / "whole.npz", tmp_path / "resumed.npz")
+    script = os.path.join(HERE, "_flax_checkpoint_run.py")
+    for cmd in ([sys.executable, script, "0", "100", str(records[0]), "--save-at", "50", str(ckpt)],
+                [sys.executable, script, "50", "100", str(records[1]), "--load", str(ckpt)]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    whole, resumed = (dict(np.load(r)) for r in records)
     assert_resumed_run_equals_the_whole(whole, resumed)
