@@ -139,7 +139,7 @@ def _random_history(rng, L: int, n: int) -> np.ndarray:
 
 
 def test_fuzz_update_scales():
-    """2,000 updates: history lengths 1..1024 (odd ones included), 1..300 tensors, both algos,
+    """2,000 updates: history lengths 1..3000 (odd ones, and more than one roll chunk of the kernel, included), 1..300 tensors, both algos,
     margins, formats, staged amaxes 0 / -0 / NaN / inf / denormal / huge; 1,000 states, two steps
     each, every array byte for byte against the rule on NumPy."""
     fuzz_update_scales(1000)
@@ -150,7 +150,7 @@ def fuzz_update_scales(count: int) -> None:
     rng = np.random.default_rng([SEED, 7])
     failures = []
     for k in range(count):
-        L = int(rng.choice([1, 2, 3, 16, 31, 33, 127, 1024]))
+        L = int(rng.choice([1, 2, 3, 16, 31, 33, 127, 257, 1024, 1025, 1026, 3000]))
         n = int(rng.choice([1, 2, 3, 7, 31, 64, 127, 129, 300]))
         recipe = DelayedScaling(margin=float(rng.choice([0, 1, 2.5])), amax_history_len=L,
                                 amax_compute_algo=str(rng.choice(["max", "most_recent"])),

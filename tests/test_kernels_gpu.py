@@ -227,7 +227,7 @@ def random_history(rng, L, n):
     return h
 
 
-@pytest.mark.parametrize("L", [1, 31, 1024])
+@pytest.mark.parametrize("L", [1, 2, 31, 1024, 1026, 2500])  # 1026+: more than one roll chunk
 @pytest.mark.parametrize("n", [1, 7, 1024])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 2])
