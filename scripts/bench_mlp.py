@@ -32,6 +32,9 @@ TrainState.apply_gradients) is one jitted function. Timing is device-side: a blo
 dispatched and only its last loss is waited for. Each mode also reports ``kernels_per_step``,
 the HLO instructions of the compiled step that launch GPU work (fusions, custom calls -- a
 fusedfp8 callback is 1-2 launches, a cuBLAS GEMM one --, copies, ...), and the FP8 GEMMs in it.
+On the GPU each mode is also traced for 10 steps (``jax.profiler``, CUPTI; ``--no-profile`` skips
+it): device time per step by kernel category, GPU busy time against the traced span, the top
+kernels.
 
 Usage:
   python scripts/bench_mlp.py --framework jax [--out DIR] [--shapes ...] [--modes bf16_jit,flax_fp8,fp8_fused]
