@@ -1,6 +1,6 @@
 // fusedfp8: the delayed-scaling update for every tensor of a state in ONE launch; byte for byte
 // the rule of fusedfp8/state.py::update_rule.
-// Grid: one block of UPD_THREADS threads per tensor (column i of the history; rows are n floats
+// Grid: one block of FF8_THREADS threads per tensor (column i of the history; rows are n floats
 // apart). The block reduces max |history[1:, i]| (a max of bits: exact in any order) and rolls
 // the column in parallel, in chunks whose reads all land before their writes (a __syncthreads
 // between), so a 1024-row history costs a few memory round trips, not 1024 dependent ones.
@@ -16,10 +16,10 @@
 
 using namespace ff8;
 
-#define UPD_THREADS 256
 #define UPD_ROWS 4  // rows per thread per roll chunk
+static_assert(FF8_THREADS % 32 == 0, "update_scales reduces whole warps");
 
-extern "C" __global__ void __launch_bounds__(UPD_THREADS) update_scales(
+extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
     float* __restrict__ history,        // [L, n] amax history; row 0 is the staging slot
     float* __restrict__ scale,          // [n]
     float* __restrict__ scale_inv,      // [n]
@@ -35,7 +35,7 @@ extern "C" __global__ void __launch_bounds__(UPD_THREADS) update_scales(
     if (i >= n) return;
     const int t = threadIdx.x;
     __shared__ float a_sh;
-    __shared__ u32 red[UPD_THREADS / 32];
+    __shared__ u32 red[FF8_THREADS / 32];
     if (t == 0) a_sh = history[i];  // read once: thread 0 clears the slot at the end
     __syncthreads();
     const float a = a_sh;
@@ -45,30 +45,30 @@ extern "C" __global__ void __launch_bounds__(UPD_THREADS) update_scales(
     if (!overflow && abits != 0u) {
         u32 amax = abits;  // max of |history| as bits (finite, non-negative: ordered as floats)
         if (algo_max) {
-            for (int r = 1 + t; r < L; r += UPD_THREADS)
+            for (int r = 1 + t; r < L; r += FF8_THREADS)
                 amax = max(amax, __float_as_uint(history[(i64)r * n + i]) & 0x7fffffffu);
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
             if ((t & 31) == 0) red[t >> 5] = amax;
             __syncthreads();  // also: every read of the max lands before the roll writes
 #pragma unroll
-            for (int w = 0; w < UPD_THREADS / 32; ++w) amax = max(amax, red[w]);
+            for (int w = 0; w < FF8_THREADS / 32; ++w) amax = max(amax, red[w]);
         }
         s = scale_from_amax(__uint_as_float(amax), fmt_max[i], margin_factor);
         // roll: row r <- row r + 1 for r = 1 .. L-2, row L-1 <- a, row 0 <- 0. A chunk writes rows
         // [base, base + C) after reading rows [base + 1, base + C]; the next chunk writes row
         // base + C only after its own barrier, which every reader of this chunk has passed.
-        for (int base = 1; base < L - 1; base += UPD_THREADS * UPD_ROWS) {
+        for (int base = 1; base < L - 1; base += FF8_THREADS * UPD_ROWS) {
             float v[UPD_ROWS];
 #pragma unroll
             for (int k = 0; k < UPD_ROWS; ++k) {
-                const int r = base + k * UPD_THREADS + t;
+                const int r = base + k * FF8_THREADS + t;
                 if (r < L - 1) v[k] = history[(i64)(r + 1) * n + i];
             }
             __syncthreads();
 #pragma unroll
             for (int k = 0; k < UPD_ROWS; ++k) {
-                const int r = base + k * UPD_THREADS + t;
+                const int r = base + k * FF8_THREADS + t;
                 if (r < L - 1) history[(i64)r * n + i] = v[k];
             }
         }

@@ -219,9 +219,6 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: Format, op: st
              scale_inv_out, scale_inv_used, updates, n, margin_factor)
 
 
-UPDATE_THREADS = 256  # one block per tensor (cuda_src/update_scales.cu: UPD_THREADS)
-
-
 def launch_update_scales(device: int, stream: int, *, amax_history: int, scale: int, scale_inv: int,
                          overflows: int, updates: int, fmt_max: int, n: int, L: int, margin_factor: float,
                          algo_max: bool) -> None:
@@ -229,8 +226,8 @@ def launch_update_scales(device: int, stream: int, *, amax_history: int, scale: 
     ``amax_history`` (L, n) float32, ``scale``/``scale_inv`` (n,) float32, ``overflows``/``updates``
     (n,) int32, ``fmt_max`` (n,) float32 (each tensor's format max)."""
     kern = _cuda.kernels(_cuda.ModuleKey("update_scales"), device)["update"]
-    kern(max(n, 1), UPDATE_THREADS, stream, amax_history, scale, scale_inv, overflows, updates, fmt_max, n, L,
-         margin_factor, int(algo_max))
+    kern(max(n, 1), _cuda.THREADS, stream, amax_history, scale, scale_inv, overflows, updates, fmt_max, n, L,
+         margin_factor, int(algo_max))  # one block per tensor
 
 
 def _device_run(p: _Plan, approximate: str) -> Quantized:

@@ -139,9 +139,10 @@ def _random_history(rng, L: int, n: int) -> np.ndarray:
 
 
 def test_fuzz_update_scales():
-    """2,000 updates: history lengths 1..3000 (odd ones, and more than one roll chunk of the kernel, included), 1..300 tensors, both algos,
-    margins, formats, staged amaxes 0 / -0 / NaN / inf / denormal / huge; 1,000 states, two steps
-    each, every array byte for byte against the rule on NumPy."""
+    """2,000 updates: history lengths 1..3000 (odd ones, and more than one roll chunk of the
+    kernel, included), 1..300 tensors, both algos, margins, formats, staged amaxes 0 / -0 / NaN /
+    inf / denormal / huge; 1,000 states, two steps each, every array byte for byte against the
+    rule on NumPy."""
     fuzz_update_scales(1000)
 
 
