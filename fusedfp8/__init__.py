@@ -1,15 +1,19 @@
 """fusedfp8: fused FP8 quantize + amax (+ transpose, + gelu) kernels with delayed scaling.
 
-See README.md for the contract and usage. The framework-agnostic API lives in
-:mod:`fusedfp8.ops`; torch glue in :mod:`fusedfp8.pytorch`, JAX glue in :mod:`fusedfp8.jax`.
+The face of the package (framework-agnostic, eager): the formats, :class:`DelayedScaling`,
+:class:`ScalingState` (and its per-tensor :class:`Slot`), :class:`Quantized`, and the five
+functions ``quantize``, ``gelu_quantize``, ``dgelu_quantize``, ``dequantize`` and
+``update_scales``. Framework glue lives in :mod:`fusedfp8.pytorch` (modules, autograd, the
+model-level ``update_model_scales``) and :mod:`fusedfp8.jax` (the same functions traceable inside
+``jax.jit``, and flax modules). README.md lists what each exports.
 """
-from .formats import E4M3, E5M2, FORMATS, HYBRID, Format, get_format
+from .formats import E4M3, E5M2, Format
 from .ops import dequantize, dgelu_quantize, gelu_quantize, quantize, update_scales
 from .recipe import DelayedScaling
-from .reference import Quantized
-from .state import ScalingState, Slot, slot
+from .state import ScalingState, Slot
+from .types import Quantized
 
 __version__ = "0.1.0"
 
-__all__ = ["E4M3", "E5M2", "FORMATS", "HYBRID", "Format", "get_format", "DelayedScaling", "ScalingState", "Slot",
-           "slot", "Quantized", "quantize", "gelu_quantize", "dgelu_quantize", "dequantize", "update_scales"]
+__all__ = ["E4M3", "E5M2", "Format", "DelayedScaling", "ScalingState", "Slot", "Quantized", "quantize",
+           "gelu_quantize", "dgelu_quantize", "dequantize", "update_scales"]

@@ -1,9 +1,14 @@
-"""CUDA kernels: source assembly from ``cuda_src/``, compile cache, launch configuration.
+"""CUDA kernels: source assembly from ``cuda_src/``, compile cache, and the whole launch
+interface (parameter layouts, grids, workspaces, ``launch_*``).
 
 Every kernel family is a ``cuda_src/<family>.cu`` file of C++ templates. A module is built once
 per (family, template arguments) with ``cupy.RawModule(code=..., name_expressions=...)`` and kept
 in an lru_cache; CuPy's disk cache keys on the source text, so the shared ``common.cuh`` is
 folded into that text here (an edited header can never leave a stale kernel behind).
+
+The ``launch_*`` functions at the end take raw device pointers and a stream and are the one
+layer under every GPU entry point: :mod:`fusedfp8.ops`, the torch custom ops and the JAX
+callbacks. They check nothing: their callers own shapes, dtypes and lifetimes.
 
 Nothing here imports CuPy at module import time: the CPU path works without it.
 """
@@ -25,7 +30,7 @@ THREADS = 256  # -DFF8_THREADS for the element-wise kernels
 TILE_R, TILE_C = 128, 64  # the tiled kernel's tile (rows, columns), fixed in quantize.cu
 CPP_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 FMT_IDS = {"e4m3": 0, "e5m2": 1}
-OPS = {"identity": 0, "gelu_tanh": 1, "gelu_erf": 2, "dgelu_tanh": 3, "dgelu_erf": 4}
+OPS = {"identity": 0, "gelu_tanh": 1, "gelu_erf": 2, "dgelu_tanh": 3, "dgelu_erf": 4}  # types.kernel_op names
 COMPILE_OPTIONS = ("-std=c++17", f"-DFF8_THREADS={THREADS}")
 
 
@@ -276,3 +281,81 @@ def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
         what = "FP8 GEMMs" if need_fp8_gemm else "FP8 conversion instructions"
         return False, f"GPU of compute capability {major}.{minor} has no {what} (needs 8.9 or newer)"
     return True, f"GPU {device_id}: compute capability {major}.{minor}"
+
+
+# ---- the launch interface ------------------------------------------------------------------
+def aligned(*ptrs: int) -> bool:
+    """All pointers 16-byte aligned (the vector paths' requirement)."""
+    return all(q % 16 == 0 for q in ptrs)
+
+
+def dbias_workspace(rows: int, cols: int) -> tuple[tuple[int, int], int]:
+    """Shapes of the dbias workspaces of the tiled kernel: ``partial`` (float32, (row tiles,
+    cols)) and the int32 ``counters`` (one per column strip, zero before the launch)."""
+    return (max(1, -(-rows // TILE_R)), cols), max(1, -(-cols // TILE_C))
+
+
+def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, x: int, b: int, q: int,
+                    scale: int, amax: int, rows: int, cols: int, q_t: int = 0, dbias: int = 0, partial: int = 0,
+                    counters: int = 0, scale_inv_used: int = 0, first: bool = False, updates: int = 0,
+                    scale_out: int = 0, scale_inv_out: int = 0, margin_factor: float = 1.0) -> None:
+    """Launch the quantize kernels on raw device pointers.
+
+    Parameters
+    ----------
+    device, stream : CUDA device ordinal and stream handle (0 = legacy default stream).
+    dtype : 'float32' | 'float16' | 'bfloat16', the input's dtype.
+    fmt : 'e4m3' | 'e5m2', the format of ``q`` / ``q_t``.
+    op : one of :data:`OPS`; for 'dgelu_*' ``x`` is dy and ``b`` is the forward input.
+    x, b, q : input(s) (rows x cols, row-major) and the FP8 output (same shape, bytes).
+    scale : (1,) float32, read.  amax : (1,) float32, max-accumulated (NaN-propagating).
+    q_t : (cols, rows) FP8 transpose, or 0.  dbias : (cols,) float32 column sums, or 0; needs
+        ``partial`` and ``counters`` (:func:`dbias_workspace`; the counters zero before the launch,
+        the kernel leaves them zero).
+    scale_inv_used : (1,) float32 receiving ``1 / scale`` as used (written even when rows*cols
+        is 0), or 0.
+    first : launch the first-step pre-pass; then ``updates`` (int32 flag, 0 = first step),
+        ``scale_out`` and ``scale_inv_out`` (the state's entries, written on a first step) are set.
+    margin_factor : 2**margin, for the first-step scale.
+    """
+    kern = kernels(ModuleKey("quantize", dtype, fmt, op), device)
+    n = rows * cols
+    if not first:
+        updates = scale_out = scale_inv_out = 0
+    if n == 0:
+        if scale_inv_used:  # nothing to quantize, still hand out 1 / scale (amax max-accumulates 0)
+            kern["flat_vec0_store1"](1, THREADS, stream, x, b, q, scale, amax, 0, 0, scale_inv_used, 0, 0,
+                                     margin_factor)
+        return
+    vec = aligned(x, b, q)
+    if first:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
+        pre = kern[f"flat_vec{int(vec)}_store0"]
+        pre(flat_grid(pre, n, device), THREADS, stream, x, b, q, scale, amax, 0, 0, 0, updates, n, margin_factor)
+    if q_t or dbias:
+        tiled = kern["tiled"]
+        tiled(tiled_grid(tiled, rows, cols, device), 256, stream, x, b, q, q_t, dbias, partial, counters,
+              scale, amax, scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
+              int(vec and cols % 8 == 0), int(bool(q_t) and q_t % 8 == 0 and rows % 8 == 0), margin_factor)
+    else:
+        flat = kern[f"flat_vec{int(vec)}_store1"]
+        flat(flat_grid(flat, n, device), THREADS, stream, x, b, q, scale, amax, scale_out, scale_inv_out,
+             scale_inv_used, updates, n, margin_factor)
+
+
+def launch_dequantize(device: int, stream: int, *, dtype: str, fmt: str, q: int, out: int, scale_inv: int,
+                      n: int) -> None:
+    """``out[i] = dtype(float32(q[i]) * scale_inv[0])`` for n elements (nothing for n == 0)."""
+    if n:
+        kern = kernels(ModuleKey("dequantize", dtype, fmt), device)["dequant"]
+        kern(flat_grid(kern, n, device), THREADS, stream, q, out, scale_inv, n, int(aligned(q, out)))
+
+
+def launch_update_scales(device: int, stream: int, *, amax_history: int, scale: int, scale_inv: int,
+                         overflows: int, updates: int, fmt_max: int, n: int, L: int, margin_factor: float,
+                         algo_max: bool) -> None:
+    """Launch the fused update (:func:`fusedfp8.numerics.scaling.update_rule`) on raw pointers, in
+    place: ``amax_history`` (L, n) float32, ``scale``/``scale_inv`` (n,) float32,
+    ``overflows``/``updates`` (n,) int32, ``fmt_max`` (n,) float32 (each tensor's format max)."""
+    kern = kernels(ModuleKey("update_scales"), device)["update"]
+    kern(max(n, 1), THREADS, stream, amax_history, scale, scale_inv, overflows, updates, fmt_max, n, L,
+         margin_factor, int(algo_max))  # one block per tensor

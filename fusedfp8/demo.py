@@ -325,7 +325,7 @@ def _torch_train(config: DemoConfig, device: str, bar) -> dict:
                 opt.step()
                 if mods:
                     amax[i] = torch.cat([m.amax_history[0] for _, m in mods])
-                    fp8.update_scales(model)
+                    fp8.update_model_scales(model)
                     scale[i] = torch.cat([m.scale for _, m in mods])
                 losses[i] = loss.detach()
                 if cuda:

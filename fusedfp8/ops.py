@@ -1,18 +1,21 @@
-"""Framework-agnostic entry points.
+"""The framework-agnostic functions: quantize, gelu_quantize, dgelu_quantize, dequantize,
+update_scales.
 
 Every function accepts torch tensors, jax arrays, cupy arrays and numpy arrays. Device arrays
-run the fused CUDA kernels on the caller's current stream; host arrays run the NumPy reference
-(:mod:`fusedfp8.reference`), which is bit-identical. Results come back in the caller's framework:
-FP8 data as ``torch.float8_*`` tensors, ``jnp.float8_*`` arrays, ml_dtypes arrays (numpy), or
-uint8 arrays (cupy, which has no float8 dtype).
+run the fused CUDA kernels on the caller's current stream (through :mod:`fusedfp8._cuda`'s launch
+interface); host arrays run the NumPy reference (:mod:`fusedfp8.numerics.reference`), which is
+bit-identical. Results come back in the caller's framework: FP8 data as ``torch.float8_*``
+tensors, ``jnp.float8_*`` arrays, ml_dtypes arrays (numpy), or uint8 arrays (cupy, which has no
+float8 dtype).
 
 All arguments are checked before anything is launched or written: a rejected call changes no
 state.
 
-Scales. ``scale`` is either a 1-element float32 array on the input's device (stateless use) or a
-:class:`fusedfp8.state.Slot` from ``ScalingState.slot(i, recipe)`` / :func:`fusedfp8.state.slot`
-(delayed scaling): then the format comes from the recipe, the amax is max-accumulated into the
-state's staging row, and a tensor's first step uses current scaling when the recipe says so.
+Scales. ``scale`` is a Python float, a 1-element float32 array on the input's device (stateless
+use), or a :class:`fusedfp8.state.Slot` from ``ScalingState.slot(i, recipe)`` (delayed scaling):
+then the format comes from the recipe, the amax is max-accumulated into the state's staging row,
+and a tensor's first step uses current scaling when the recipe says so (decided on the device
+from the state's ``updates``, never by the host).
 
 Inputs must be contiguous (row-major); a non-contiguous view is refused rather than silently
 copied (call ``.contiguous()`` / ``np.ascontiguousarray`` first).
@@ -20,32 +23,33 @@ copied (call ``.contiguous()`` / ``np.ascontiguousarray`` first).
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
 from . import _cuda
 from . import _interop as io
-from . import reference as ref
 from .formats import Format, get_format
+from .numerics import reference as ref
 from .recipe import DelayedScaling
-from .reference import Quantized
-from .state import STATE_FIELDS, ScalingState, Slot, apply_update, slot
+from .state import STATE_FIELDS, ScalingState, Slot, apply_update
+from .types import FLOAT_INPUTS, FP8_DTYPES, Quantized, check_approximate, check_recipe, kernel_op
 
-__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "dequantize", "update_scales", "slot", "Quantized"]
+__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "dequantize", "update_scales"]
 
-_APPROX = {"tanh": "tanh", "none": "erf"}
+_host_lock = threading.Lock()  # host-path read-modify-writes of amax / scale slots are atomic
 
 
 # ---- argument checks -------------------------------------------------------------------------
-def _check_input(x, argname: str, transpose: bool) -> io.ArrayInfo:
+def _check_input(x, argname: str, need_dims: bool, what: str = "transpose=True") -> io.ArrayInfo:
     info = io.describe(x, argname)
-    if info.dtype not in io.FLOAT_INPUTS:
+    if info.dtype not in FLOAT_INPUTS:
         raise TypeError(f"{argname} must be float32, float16 or bfloat16; got {info.dtype}")
     if not info.contiguous:
         raise ValueError(f"{argname} must be contiguous (row-major); got a non-contiguous view of shape "
                          f"{info.shape}: call .contiguous() / np.ascontiguousarray first")
-    if transpose and len(info.shape) < 1:
-        raise ValueError(f"{argname}: transpose=True needs an input of at least 1 dimension; got a scalar")
+    if need_dims and len(info.shape) < 1:
+        raise ValueError(f"{argname}: {what} needs an input of at least 1 dimension; got a scalar")
     return info
 
 
@@ -60,26 +64,49 @@ def _check_scalar(a, argname: str, dtype: str, x: io.ArrayInfo, writable: bool) 
     if info.device != x.device:
         raise ValueError(f"{argname} is on {info.where()} but the input is on {x.where()}; "
                          "they must be on the same device")
-    if writable:
-        if info.framework == "jax":
+    if writable and not info.writable:
+        if not info.mutable:
             raise TypeError(f"{argname}: jax arrays are immutable and cannot be accumulated into; leave "
                             f"{argname}=None and take the returned amax, or use fusedfp8.jax")
-        if info.framework == "numpy" and not info.array.flags.writeable:
-            raise ValueError(f"{argname} is a read-only numpy array; it is written in place")
-        if io.overlaps(info, x):
-            raise ValueError(f"{argname} overlaps the input's memory; it is written in place, so it must not "
-                             "alias the input")
+        raise ValueError(f"{argname} is {info.why_not_writable}; it is written in place")
     return info
+
+
+def _scale_arg(scale, x: io.ArrayInfo) -> io.ArrayInfo:
+    """A Python number becomes a 1-element float32 array on x's device (a stateless convenience:
+    in a CUDA graph or a hot loop pass an array)."""
+    if isinstance(scale, (int, float, np.floating, np.integer)) and not isinstance(scale, (bool, np.bool_)):
+        scale = io.from_numpy(np.array([scale], np.float32), x) if not x.is_gpu else io.upload(
+            np.array([scale], np.float32), x)
+    elif not hasattr(scale, "shape"):
+        raise TypeError(f"scale: expected a Python float, a 1-element float32 array on the input's device, or a "
+                        f"Slot (ScalingState.slot(i, recipe)); got {type(scale).__module__}.{type(scale).__name__}")
+    return _check_scalar(scale, "scale", "float32", x, writable=False)
+
+
+def _refuse_overlaps(written: dict, read: dict) -> None:
+    """Every written array must share no byte with any input or with another written array."""
+    names = list(written)
+    for i, w in enumerate(names):
+        for r, ri in read.items():
+            if io.overlaps(written[w], ri):
+                what = "the input" if r == "x" else r
+                raise ValueError(f"{w} overlaps {what}'s memory; it is written in place, so it must not alias {what}")
+        for other in names[i + 1:]:
+            if io.overlaps(written[w], written[other]):
+                raise ValueError(f"{w} and {other} share memory; both are written, so they must be separate arrays")
 
 
 class _Plan:
     """Everything a launch needs, all checked."""
 
     def __init__(self, x, b, scale, fmt, amax, op, transpose, dbias, argname="x"):
-        self.xi = _check_input(x, argname, transpose)
+        need = transpose or dbias
+        what = "transpose=True" if transpose and not dbias else "transpose / dbias"
+        self.xi = _check_input(x, argname, need, what)
         self.bi = None
         if b is not None:
-            self.bi = _check_input(b, "x", transpose)
+            self.bi = _check_input(b, "x", need, what)
             if self.bi.shape != self.xi.shape:
                 raise ValueError(f"dy and x must have the same shape; got {self.xi.shape} and {self.bi.shape}")
             if self.bi.dtype != self.xi.dtype:
@@ -87,6 +114,7 @@ class _Plan:
             if (self.bi.framework, self.bi.device) != (self.xi.framework, self.xi.device):
                 raise ValueError(f"dy is on {self.xi.where()} ({self.xi.framework}) but x is on {self.bi.where()} "
                                  f"({self.bi.framework}); they must be on the same device")
+        inputs = {"x": self.xi} if b is None else {"dy": self.xi, "x": self.bi}
         self.slot = scale if isinstance(scale, Slot) else None
         if self.slot is not None:
             if fmt is not None and get_format(fmt) != self.slot.fmt:
@@ -99,142 +127,64 @@ class _Plan:
             self.amax = _check_scalar(self.slot.amax, "state.amax_history", "float32", self.xi, writable=True)
             self.scale_inv = _check_scalar(self.slot.scale_inv, "state.scale_inv", "float32", self.xi, writable=True)
             self.updates = _check_scalar(self.slot.updates, "state.updates", "int32", self.xi, writable=False)
+            _refuse_overlaps({"state.amax_history": self.amax, "state.scale": self.scale,
+                              "state.scale_inv": self.scale_inv}, {**inputs, "state.updates": self.updates})
         else:
             self.fmt = get_format("e4m3" if fmt is None else fmt)
-            self.scale = _check_scalar(scale, "scale", "float32", self.xi, writable=False)
+            self.scale = _scale_arg(scale, self.xi)
             self.amax = None if amax is None else _check_scalar(amax, "amax", "float32", self.xi, writable=True)
-            if self.amax is not None and io.overlaps(self.amax, self.scale):
-                raise ValueError("amax overlaps scale's memory; amax is written in place while scale is read")
             self.scale_inv = self.updates = None
+            if self.amax is not None:
+                _refuse_overlaps({"amax": self.amax}, {**inputs, "scale": self.scale})
         self.op, self.transpose, self.dbias = op, transpose, dbias
         shape = self.xi.shape
         self.rows = math.prod(shape[:-1])
         self.cols = int(shape[-1]) if shape else 1
-        if (transpose or dbias) and not shape:
-            raise ValueError(f"{argname}: transpose / dbias need an input of at least 1 dimension; got a scalar")
 
 
 # ---- host path (reference) -------------------------------------------------------------------
 def _nan_max(a: np.float32, b: np.float32) -> np.float32:
-    return np.float32(np.nan) if (np.isnan(a) or np.isnan(b)) else max(np.float32(a), np.float32(b))
+    """max of two amaxes, NaN-propagating; -0 counts as 0 (a slot holding -0 takes b)."""
+    if np.isnan(a) or np.isnan(b):
+        return np.float32(np.nan)
+    return max(np.float32(abs(a)), np.float32(b))
 
 
 def _host_run(p: _Plan, approximate: str) -> Quantized:
-    x = io.to_numpy(p.xi)
-    b = io.to_numpy(p.bi) if p.bi is not None else None
-    if p.op == "identity":
-        y = ref._float32(x)
-    elif p.op == "gelu":
-        y = ref.gelu_f32(ref._float32(x), approximate)
-    else:
-        with np.errstate(all="ignore"):
-            y = (ref._float32(x) * ref.dgelu_f32(ref._float32(b), approximate)).astype(np.float32)
+    y = ref.activation(p.op, io.to_numpy(p.xi), io.to_numpy(p.bi) if p.bi is not None else None, approximate)
     amax_y = ref.amax(y)
-    if p.slot is not None:
-        sv, av = io.to_numpy(p.scale), io.to_numpy(p.amax)
-        fresh = p.slot.current_first and int(io.to_numpy(p.updates)[0]) == 0
-        acc = _nan_max(av[0], amax_y)
-        if fresh:
-            s = ref.current_scale(acc, p.fmt, p.slot.margin_factor, sv[0])
-            sv[0] = s
-            io.to_numpy(p.scale_inv)[0] = np.float32(1.0) / s
-        else:
-            s = sv[0]
-        av[0] = acc
-        amax_out = p.amax.array
-    else:
-        s = io.to_numpy(p.scale).reshape(())
-        if p.amax is not None:
-            av = io.to_numpy(p.amax)
-            av.reshape(-1)[0] = _nan_max(av.reshape(-1)[0], amax_y)
+    with _host_lock:
+        if p.slot is not None:
+            sv, av = io.to_numpy(p.scale), io.to_numpy(p.amax)
+            fresh = p.slot.current_first and int(io.to_numpy(p.updates)[0]) == 0
+            acc = _nan_max(av[0], amax_y)
+            s = ref.current_scale(acc, p.fmt, p.slot.margin_factor, sv[0]) if fresh else sv[0]
+            if fresh:
+                sv[0] = s
+                with np.errstate(all="ignore"):
+                    io.to_numpy(p.scale_inv)[0] = np.float32(1.0) / s
+            av[0] = acc
             amax_out = p.amax.array
         else:
-            amax_out = io.from_numpy(np.array([amax_y], np.float32), p.xi)
+            s = io.to_numpy(p.scale).reshape(())
+            if p.amax is not None:
+                av = io.to_numpy(p.amax).reshape(-1)
+                av[0] = _nan_max(av[0], amax_y)
+                amax_out = p.amax.array
+            else:
+                amax_out = io.from_numpy(np.array([amax_y], np.float32), p.xi)
     with np.errstate(all="ignore"):
-        res = ref._finish(y, amax_y, np.float32(s), p.fmt, p.transpose)
-    dbias = None
-    if p.dbias:
-        dbias = io.from_numpy(ref.column_sums(y), p.xi)
+        res = ref.finish(y, amax_y, np.float32(s), p.fmt, p.transpose)
+        scale_inv = np.array([np.float32(1.0) / np.float32(s)], np.float32)
+    dbias = io.from_numpy(ref.column_sums(y), p.xi) if p.dbias else None
     data_t = io.from_numpy(res.data_t, p.xi) if res.data_t is not None else None
-    scale_inv = io.from_numpy(np.array([np.float32(1.0) / np.float32(s)], np.float32), p.xi)
-    return Quantized(io.from_numpy(res.data, p.xi), amax_out, data_t, dbias, scale_inv)
+    return Quantized(io.from_numpy(res.data, p.xi), amax_out, data_t, dbias, io.from_numpy(scale_inv, p.xi))
 
 
 # ---- device path -----------------------------------------------------------------------------
-def _aligned(*ptrs: int) -> bool:
-    return all(q % 16 == 0 for q in ptrs)
-
-
-QUANTIZE_OPS = ("identity", "gelu_tanh", "gelu_erf", "dgelu_tanh", "dgelu_erf")
-
-
-def launch_quantize(device: int, stream: int, *, dtype: str, fmt: Format, op: str, x: int, b: int, q: int,
-                    scale: int, amax: int, rows: int, cols: int, q_t: int = 0, dbias: int = 0, partial: int = 0,
-                    counters: int = 0, scale_inv_used: int = 0, first: bool = False, updates: int = 0,
-                    scale_out: int = 0, scale_inv_out: int = 0, margin_factor: float = 1.0) -> None:
-    """Launch the quantize kernels on raw device pointers (the layer under every GPU entry point:
-    :func:`quantize` and friends, the torch custom ops, the JAX buffer callbacks).
-
-    Nothing is checked here beyond the names: the caller owns shapes, dtypes and lifetimes.
-
-    Parameters
-    ----------
-    device, stream : CUDA device ordinal and stream handle (0 = legacy default stream).
-    dtype : 'float32' | 'float16' | 'bfloat16', the input's dtype.
-    fmt : the FP8 format of ``q`` / ``q_t``.
-    op : one of :data:`QUANTIZE_OPS`; for 'dgelu_*' ``x`` is dy and ``b`` is the forward input.
-    x, b, q : input(s) (rows x cols, row-major) and the FP8 output (same shape, bytes).
-    scale : (1,) float32, read.  amax : (1,) float32, max-accumulated (NaN-propagating).
-    q_t : (cols, rows) FP8 transpose, or 0.  dbias : (cols,) float32 column sums, or 0; needs
-        ``partial`` (ceil(rows/128) * cols float32 workspace) and ``counters`` (ceil(cols/64) int32,
-        zero before the first launch; the kernel leaves them zero).
-    scale_inv_used : (1,) float32 receiving ``1 / scale`` as used (written even when rows*cols
-        is 0), or 0.
-    first : launch the first-step pre-pass; then ``updates`` (int32 flag, 0 = first step),
-        ``scale_out`` and ``scale_inv_out`` (the state's entries, written on a first step) are set.
-    margin_factor : 2**margin, for the first-step scale.
-    """
-    kern = _cuda.kernels(_cuda.ModuleKey("quantize", dtype, fmt.name, op), device)
-    n = rows * cols
-    if not first:
-        updates = scale_out = scale_inv_out = 0
-    if n == 0:
-        if scale_inv_used:  # nothing to quantize, still hand out 1 / scale (amax max-accumulates 0)
-            kern["flat_vec0_store1"](1, _cuda.THREADS, stream, x, b, q, scale, amax, 0, 0, scale_inv_used, 0, 0,
-                                     margin_factor)
-        return
-    vec = _aligned(x, b, q)
-    if first:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
-        pre = kern[f"flat_vec{int(vec)}_store0"]
-        pre(_cuda.flat_grid(pre, n, device), _cuda.THREADS, stream, x, b, q, scale, amax, 0, 0, 0, updates, n,
-            margin_factor)
-    if q_t or dbias:
-        tiled = kern["tiled"]
-        tiled(_cuda.tiled_grid(tiled, rows, cols, device), 256, stream, x, b, q, q_t, dbias, partial, counters,
-              scale, amax, scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
-              int(vec and cols % 8 == 0), int(bool(q_t) and q_t % 8 == 0 and rows % 8 == 0), margin_factor)
-    else:
-        flat = kern[f"flat_vec{int(vec)}_store1"]
-        flat(_cuda.flat_grid(flat, n, device), _cuda.THREADS, stream, x, b, q, scale, amax, scale_out,
-             scale_inv_out, scale_inv_used, updates, n, margin_factor)
-
-
-def launch_update_scales(device: int, stream: int, *, amax_history: int, scale: int, scale_inv: int,
-                         overflows: int, updates: int, fmt_max: int, n: int, L: int, margin_factor: float,
-                         algo_max: bool) -> None:
-    """Launch the fused update (:func:`fusedfp8.state.update_rule`) on raw pointers, in place:
-    ``amax_history`` (L, n) float32, ``scale``/``scale_inv`` (n,) float32, ``overflows``/``updates``
-    (n,) int32, ``fmt_max`` (n,) float32 (each tensor's format max)."""
-    kern = _cuda.kernels(_cuda.ModuleKey("update_scales"), device)["update"]
-    kern(max(n, 1), _cuda.THREADS, stream, amax_history, scale, scale_inv, overflows, updates, fmt_max, n, L,
-         margin_factor, int(algo_max))  # one block per tensor
-
-
 def _device_run(p: _Plan, approximate: str) -> Quantized:
     xi = io.device_view(p.xi)
     bi = io.device_view(p.bi) if p.bi is not None else None
-    op = {"identity": "identity", "gelu": f"gelu_{_APPROX[approximate]}",
-          "dgelu": f"dgelu_{_APPROX[approximate]}"}[p.op]
     q = io.empty(p.xi, p.xi.shape, p.fmt.dtype_name)
     q_t = io.empty(p.xi, (p.cols, p.rows), p.fmt.dtype_name) if p.transpose else None
     amax = io.device_view(p.amax) if p.amax is not None else None
@@ -242,20 +192,20 @@ def _device_run(p: _Plan, approximate: str) -> Quantized:
     scale_inv = io.empty(p.xi, (1,), "float32")
     dbias = partial = counters = None
     if p.dbias:
+        part_shape, n_counters = _cuda.dbias_workspace(p.rows, p.cols)
         dbias = io.empty(p.xi, (p.cols,), "float32") if p.xi.size else io.zeros(p.xi, (p.cols,), "float32")
-        partial = io.empty(p.xi, (-(-p.rows // _cuda.TILE_R), p.cols), "float32")
-        counters = io.zeros(p.xi, (-(-p.cols // _cuda.TILE_C),), "int32")
-    first = p.slot is not None and p.slot.current_first and bool(p.slot.host_fresh[0])
-    if p.slot is not None:
-        p.slot.host_pending[0] = True
+        partial = io.empty(p.xi, part_shape, "float32")
+        counters = io.zeros(p.xi, (n_counters,), "int32")
+    first = p.slot is not None and p.slot.current_first
     ptr = io.data_ptr
-    launch_quantize(
-        xi.device, io.stream_ptr(p.xi), dtype=xi.dtype, fmt=p.fmt, op=op, x=xi.ptr, b=bi.ptr if bi is not None else 0,
-        q=ptr(q), scale=io.device_view(p.scale).ptr, amax=ptr(amax_arr), rows=p.rows, cols=p.cols,
-        q_t=ptr(q_t) if q_t is not None else 0, dbias=ptr(dbias) if p.dbias and p.xi.size else 0,
-        partial=ptr(partial) if p.dbias else 0, counters=ptr(counters) if p.dbias else 0,
-        scale_inv_used=ptr(scale_inv), first=first, updates=p.updates.ptr if first else 0,
-        scale_out=p.scale.ptr if first else 0, scale_inv_out=p.scale_inv.ptr if first else 0,
+    _cuda.launch_quantize(
+        xi.device, io.stream_ptr(p.xi), dtype=xi.dtype, fmt=p.fmt.name, op=kernel_op(p.op, approximate), x=xi.ptr,
+        b=bi.ptr if bi is not None else 0, q=ptr(q), scale=io.device_view(p.scale).ptr, amax=ptr(amax_arr),
+        rows=p.rows, cols=p.cols, q_t=ptr(q_t) if q_t is not None else 0,
+        dbias=ptr(dbias) if p.dbias and p.xi.size else 0, partial=ptr(partial) if p.dbias else 0,
+        counters=ptr(counters) if p.dbias else 0, scale_inv_used=ptr(scale_inv), first=first,
+        updates=p.updates.ptr if first else 0, scale_out=p.scale.ptr if first else 0,
+        scale_inv_out=p.scale_inv.ptr if first else 0,
         margin_factor=p.slot.margin_factor if p.slot is not None else 1.0)
     c = p.xi
     return Quantized(io.fp8_out(q, p.fmt, c), io.out_for_caller(amax_arr, c) if amax is None else p.amax.array,
@@ -264,9 +214,7 @@ def _device_run(p: _Plan, approximate: str) -> Quantized:
 
 
 def _run(p: _Plan, approximate: str = "tanh") -> Quantized:
-    if p.xi.is_gpu:
-        return _device_run(p, approximate)
-    return _host_run(p, approximate)
+    return _device_run(p, approximate) if p.xi.is_gpu else _host_run(p, approximate)
 
 
 # ---- public API ------------------------------------------------------------------------------
@@ -276,8 +224,8 @@ def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose:
     Parameters
     ----------
     x : array, float32 / float16 / bfloat16, any shape, contiguous
-    scale : 1-element float32 array on x's device, or a :class:`~fusedfp8.state.Slot`
-        ``q = fp8(float32(x) * scale)``.
+    scale : a Python float, a 1-element float32 array on x's device, or a
+        :class:`~fusedfp8.state.Slot` (``state.slot(i, recipe)``). ``q = fp8(float32(x) * scale)``.
     fmt : 'e4m3' (default) or 'e5m2'; taken from the recipe when ``scale`` is a Slot.
     amax : 1-element float32 array, optional
         Max-accumulated in place (NaN-propagating); a new one is returned when omitted.
@@ -293,7 +241,8 @@ def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose:
     Raises
     ------
     TypeError, ValueError
-        On a bad dtype, device, shape, format or a non-contiguous input; nothing is written.
+        On a bad dtype, device, shape, format, an output aliasing an input, or a non-contiguous
+        input; nothing is written.
     """
     return _run(_Plan(x, None, scale, fmt, amax, "identity", transpose, False))
 
@@ -302,7 +251,8 @@ def gelu_quantize(x, scale, fmt: str | Format | None = None, *, approximate: str
                   transpose: bool = False) -> Quantized:
     """``y = gelu(x)`` (float32; ``approximate`` 'tanh' or 'none' as in torch / jax.nn.gelu),
     quantized as :func:`quantize` does; ``amax = max |y|``. Same arguments and errors."""
-    return _run(_Plan(x, None, scale, fmt, amax, "gelu", transpose, False), ref._check_approximate(approximate))
+    approximate = check_approximate(approximate)
+    return _run(_Plan(x, None, scale, fmt, amax, "gelu", transpose, False), approximate)
 
 
 def dgelu_quantize(dy, x, scale, fmt: str | Format | None = None, *, approximate: str = "tanh", amax=None,
@@ -311,8 +261,8 @@ def dgelu_quantize(dy, x, scale, fmt: str | Format | None = None, *, approximate
     for gradients); ``amax = max |dx|``; with ``dbias=True`` also the (N,) float32 column sums of
     the unquantized dx over its (M, N) view (deterministic; equal to the reference within float32
     summation order). ``dy`` and ``x``: same shape, dtype and device."""
-    return _run(_Plan(dy, x, scale, fmt, amax, "dgelu", transpose, dbias, argname="dy"),
-                ref._check_approximate(approximate))
+    approximate = check_approximate(approximate)
+    return _run(_Plan(dy, x, scale, fmt, amax, "dgelu", transpose, dbias, argname="dy"), approximate)
 
 
 def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = None):
@@ -326,7 +276,7 @@ def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = 
     fmt : 'e4m3' or 'e5m2'; required for uint8 data, checked against q's dtype otherwise.
     """
     qi = io.describe(q, "q")
-    if qi.dtype in io.FP8_DTYPES:
+    if qi.dtype in FP8_DTYPES:
         f = get_format(qi.dtype)
         if fmt is not None and get_format(fmt) != f:
             raise ValueError(f"fmt: {get_format(fmt).name!r} disagrees with q's dtype {qi.dtype}")
@@ -336,8 +286,8 @@ def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = 
         f = get_format(fmt)
     else:
         raise TypeError(f"q must be a float8_e4m3fn / float8_e5m2 array (or uint8 with a format); got {qi.dtype}")
-    if dtype not in io.FLOAT_INPUTS:
-        raise ValueError(f"dtype must be one of {io.FLOAT_INPUTS}; got {dtype!r}")
+    if dtype not in FLOAT_INPUTS:
+        raise ValueError(f"dtype must be one of {FLOAT_INPUTS}; got {dtype!r}")
     if not qi.contiguous:
         raise ValueError(f"q must be contiguous; got a non-contiguous view of shape {qi.shape}")
     si = _check_scalar(scale_inv, "scale_inv", "float32", qi, writable=False)
@@ -351,27 +301,14 @@ def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = 
         return io.from_numpy(ref.dequantize(qn, io.to_numpy(si), out_dtype), qi)
     qd, sd = io.device_view(qi), io.device_view(si)
     out = io.empty(qi, qi.shape, dtype)
-    if qi.size:
-        kern = _cuda.kernels(_cuda.ModuleKey("dequantize", dtype, f.name), qi.device)["dequant"]
-        out_ptr = io.data_ptr(out)
-        kern(_cuda.flat_grid(kern, qi.size, qi.device), _cuda.THREADS, io.stream_ptr(qi), qd.ptr, out_ptr, sd.ptr, qi.size,
-             int(_aligned(qd.ptr, out_ptr)))
+    _cuda.launch_dequantize(qi.device, io.stream_ptr(qi), dtype=dtype, fmt=f.name, q=qd.ptr, out=io.data_ptr(out),
+                            scale_inv=sd.ptr, n=qi.size)
     return io.out_for_caller(out, qi)
 
 
-def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
-    """Turn this step's staged amaxes into the next step's scales, for every tensor at once.
-
-    The rule is :func:`fusedfp8.state.update_rule`. On a GPU it is one kernel launch (numpy,
-    torch CPU and jax run the rule through their own array namespace). numpy / torch / cupy
-    states are updated in place and returned; jax states are immutable and a new state is
-    returned. Always use the return value.
-    """
-    if not isinstance(state, ScalingState):
-        raise TypeError(f"state must be a fusedfp8.ScalingState; got {type(state).__name__}")
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
-    state.validate(recipe)
+def _check_state_arrays(state: ScalingState) -> list[io.ArrayInfo]:
+    """Every check of an update before its first write: contiguity, one device, writability,
+    no two state arrays sharing memory."""
     infos = [io.describe(getattr(state, f), f"state.{f}") for f in STATE_FIELDS]
     devices = {i.device for i in infos}
     if len(devices) != 1:
@@ -379,38 +316,49 @@ def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
     for f, i in zip(STATE_FIELDS, infos):
         if not i.contiguous:
             raise ValueError(f"state.{f} must be contiguous; got a non-contiguous view of shape {i.shape}")
-    hi = infos[0]
-    if not hi.is_gpu:
-        new = apply_update(state, recipe)
-    else:
-        views = [io.device_view(i) for i in infos]
-        if hi.framework == "jax":  # jax buffers are immutable: update copies, return a new state
-            views = [io.ArrayInfo(c, "cupy", v.device, v.dtype, v.shape, True, int(c.data.ptr))
-                     for v in views for c in (v.array.copy(),)]
-        fmt_max = _fmt_max_device(state, recipe, hi)
-        launch_update_scales(hi.device, io.stream_ptr(hi), **{f: v.ptr for f, v in zip(STATE_FIELDS, views)},
-                             fmt_max=io.data_ptr(fmt_max), n=state.num_tensors, L=state.history_len,
-                             margin_factor=recipe.margin_factor, algo_max=recipe.amax_compute_algo == "max")
-        if hi.framework == "jax":
-            new = state.replace(**{f: io.out_for_caller(v.array, hi) for f, v in zip(STATE_FIELDS, views)})
-        else:
-            new = state
-    state.mark_updated()
-    return new
+        if i.mutable and not i.writable:
+            raise ValueError(f"ScalingState.{f} is {i.why_not_writable}; the update writes the state in place")
+    _refuse_overlaps({f"state.{f}": i for f, i in zip(STATE_FIELDS, infos)}, {})
+    return infos
+
+
+_fmt_max_cache: dict = {}
 
 
 def _fmt_max_device(state: ScalingState, recipe: DelayedScaling, like: io.ArrayInfo):
-    """(n,) float32 device array of each tensor's format max, cached on the state object."""
-    cache = state.__dict__.setdefault("_fmt_max_cache", {})
-    key = (recipe.fp8_format, like.device, like.framework)
-    if key not in cache:
-        arr = io.empty(like, (state.num_tensors,), "float32")
-        host = state.fmt_max(recipe)
-        if like.framework == "torch":
-            import torch
+    """(n,) float32 device array of each tensor's format max (a constant, uploaded once per
+    (formats, device, framework) with the caller's allocator)."""
+    key = (state.grad, recipe.fp8_format, like.device, like.framework)
+    found = _fmt_max_cache.get(key)
+    if found is None:
+        found = _fmt_max_cache[key] = io.upload(state.fmt_max(recipe), like)
+    return found
 
-            arr.copy_(torch.from_numpy(host))
-        else:
-            arr.set(host)
-        cache[key] = arr
-    return cache[key]
+
+def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
+    """Turn this step's staged amaxes into the next step's scales, for every tensor at once.
+
+    The rule is :func:`fusedfp8.numerics.scaling.update_rule`. On a GPU it is one kernel launch
+    (numpy, torch CPU and jax on the CPU run the rule through their own array namespace). numpy /
+    torch / cupy states are updated in place and returned; jax states are immutable and a new
+    state is returned. Always use the return value.
+    """
+    if not isinstance(state, ScalingState):
+        raise TypeError(f"state must be a fusedfp8.ScalingState; got {type(state).__name__}")
+    check_recipe(recipe)
+    state.validate(recipe)
+    infos = _check_state_arrays(state)
+    hi = infos[0]
+    if not hi.is_gpu:
+        return apply_update(state, recipe)
+    views = [io.device_view(i) for i in infos]
+    immutable = not io.is_mutable(state.amax_history)
+    if immutable:  # jax buffers: update copies, return a new state
+        views = [io.describe(v.array.copy(), "state") for v in views]
+    fmt_max = _fmt_max_device(state, recipe, hi)
+    _cuda.launch_update_scales(hi.device, io.stream_ptr(hi), **{f: v.ptr for f, v in zip(STATE_FIELDS, views)},
+                               fmt_max=io.data_ptr(fmt_max), n=state.num_tensors, L=state.history_len,
+                               margin_factor=recipe.margin_factor, algo_max=recipe.amax_compute_algo == "max")
+    if immutable:
+        return state.replace(**{f: io.out_for_caller(v.array, hi) for f, v in zip(STATE_FIELDS, views)})
+    return state

@@ -1,18 +1,21 @@
-"""JAX integration: the fused kernels inside ``jax.jit`` (buffer_callback on CUDA, exact
-jax.numpy elsewhere), straight-through ``custom_vjp`` wrappers, an FP8 dot, and flax modules.
+"""JAX integration: the fused kernels inside ``jax.jit`` (on CUDA through XLA callbacks on
+XLA's buffers and stream, elsewhere exact jax.numpy), differentiable FP8 building blocks, and
+flax modules.
 
 ::
 
     import fusedfp8
-    import fusedfp8.jax as f8
     from fusedfp8.jax.flax import Fp8DotGeneral, Fp8MLP
 
     layer = flax.linen.Dense(1024, dot_general_cls=Fp8DotGeneral)   # a drop-in, state in
     # flax's '_overwrite_with_gradient' collection: TrainState.apply_gradients updates it
 
-Modules: ``primitives`` (quantize, gelu_quantize, dgelu_quantize, update_scales, dequantize:
-state in, state out), ``functional`` (``quantize_ste``, ``fp8_dot``, ``fp8_mlp``: custom_vjp),
-``numerics`` (the reference numerics in jax.numpy), ``flax`` (imported on demand).
+The face: ``update_scales`` (the contract of :func:`fusedfp8.update_scales`, traceable, with an
+optional mesh ``axis_name``), ``sync_staged``, ``fp8_dot`` and ``fp8_mlp`` (FP8 GEMMs with
+delayed scaling, ``custom_vjp``), ``quantize_ste`` and ``IMPLS``. Submodules: ``primitives``
+(the traceable quantize / gelu_quantize / dgelu_quantize / dequantize, state in, state out),
+``meta`` (the float32 form of a state that the flax modules carry), ``flax`` (imported on
+demand: it needs flax).
 
 Importing this package registers :class:`fusedfp8.ScalingState` as a pytree (its ``grad``
 flags are static metadata), so states pass through ``jax.jit`` and friends.
@@ -30,7 +33,9 @@ def _flatten(state):
 def _unflatten(grad, arrays):
     # no __init__: transformations rebuild pytrees with placeholders that validation would refuse
     obj = object.__new__(_ScalingState)
-    obj.__dict__.update(dict(zip(_FIELDS, arrays)), grad=grad)
+    for name, value in zip(_FIELDS, arrays):
+        object.__setattr__(obj, name, value)
+    object.__setattr__(obj, "grad", grad)
     return obj
 
 
@@ -40,8 +45,6 @@ except ValueError:  # registered already (a reload)
     pass
 
 from .functional import fp8_dot, fp8_mlp, quantize_ste  # noqa: E402
-from .primitives import (IMPLS, dequantize, dgelu_quantize, gelu_quantize, quantize, sync_staged,  # noqa: E402
-                         update_scales)
+from .primitives import IMPLS, sync_staged, update_scales  # noqa: E402
 
-__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "update_scales", "sync_staged", "dequantize",
-           "quantize_ste", "fp8_dot", "fp8_mlp", "IMPLS"]
+__all__ = ["update_scales", "sync_staged", "fp8_dot", "fp8_mlp", "quantize_ste", "IMPLS"]

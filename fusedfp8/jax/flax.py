@@ -32,40 +32,23 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..recipe import DelayedScaling
+from ..types import check_recipe
+from ..state import STATE_FIELDS as STATE_VARIABLES
 from . import functional as F
+from .meta import declare_state
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
-STATE_VARIABLES = ("amax_history", "scale", "scale_inv", "overflows", "updates")
 
 __all__ = ["Fp8DotGeneral", "Fp8MLP", "OVERWRITE_WITH_GRADIENT", "STATE_VARIABLES"]
 
 
 def _declare_state(module: nn.Module, recipe: DelayedScaling):
     """The module's state variables (created on init), read as a float32 meta."""
-    L = recipe.amax_history_len
-    inits = {"amax_history": (jnp.zeros, (L, 3)), "scale": (jnp.ones, (3,)), "scale_inv": (jnp.ones, (3,)),
-             "overflows": (jnp.zeros, (3,)), "updates": (jnp.zeros, (3,))}
-    meta = []
-    for name in STATE_VARIABLES:
-        fn, shape = inits[name]
-        v = module.variable(OVERWRITE_WITH_GRADIENT, name, fn, shape, jnp.float32).value
-        if v.shape != shape:
-            raise ValueError(f"{module.__class__.__name__}: variable '{name}' has shape {v.shape} but the recipe "
-                             f"(amax_history_len={L}) needs {shape}")
-        if v.dtype != jnp.float32:
-            if not jnp.issubdtype(v.dtype, jax.dtypes.extended):  # flax's fp32_max_grad wraps float32
-                raise TypeError(f"{module.__class__.__name__}: variable '{name}' must be float32 (or flax's "
-                                f"fp32_max_grad); got {v.dtype}")
-            v = lax.convert_element_type(v, jnp.float32)  # max-accumulated cotangents
-        meta.append(v)
-    return tuple(meta)
+    return declare_state(module, OVERWRITE_WITH_GRADIENT, recipe)
 
 
 def _check_recipe(module) -> DelayedScaling:
-    if not isinstance(module.recipe, DelayedScaling):
-        raise TypeError(f"{module.__class__.__name__}.recipe must be a fusedfp8.DelayedScaling; got "
-                        f"{type(module.recipe).__name__}")
-    return module.recipe
+    return check_recipe(module.recipe, f"{module.__class__.__name__}.recipe")
 
 
 class Fp8DotGeneral(nn.Module):
@@ -81,12 +64,14 @@ class Fp8DotGeneral(nn.Module):
     Attributes: ``recipe`` (DelayedScaling), ``impl`` (see :data:`fusedfp8.jax.IMPLS`),
     ``axis_name`` (None, or the mesh axis name(s) inside ``shard_map`` over which the staged
     amaxes are MAX-reduced before each update: ``functools.partial(Fp8DotGeneral,
-    axis_name='data')``).
+    axis_name='data')``), ``forward_fast_accum`` (the forward GEMM with cuBLASLt's fast
+    accumulation; the gradient GEMMs always split).
     """
 
     recipe: DelayedScaling = DelayedScaling()
     impl: str = "auto"
     axis_name: str | tuple | None = None
+    forward_fast_accum: bool = True
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -106,7 +91,7 @@ class Fp8DotGeneral(nn.Module):
         x2 = jnp.asarray(lhs, rhs.dtype).reshape(math.prod(lead), k)
         w2 = rhs.reshape(k, math.prod(rest))
         y = F.fp8_dot(x2, w2, meta, recipe, out_dtype=preferred_element_type or rhs.dtype,
-                      axis_name=self.axis_name, impl=self.impl)
+                      axis_name=self.axis_name, impl=self.impl, forward_fast_accum=self.forward_fast_accum)
         return y.reshape(*lead, *rest)
 
 
@@ -136,8 +121,8 @@ class Fp8MLP(nn.Module):
 
     Attributes: ``ffn`` (inner width), ``out_features`` (default: the input width), ``recipe``,
     ``approximate`` ('tanh' or 'none'), ``dtype`` (computation dtype, default the input's),
-    ``param_dtype``, ``impl``, ``axis_name`` (as :class:`Fp8DotGeneral`; one ``lax.pmax``
-    for both linears).
+    ``param_dtype``, ``impl``, ``axis_name``, ``forward_fast_accum`` (as :class:`Fp8DotGeneral`;
+    one ``lax.pmax`` for both linears).
 
     Under ``shard_map`` with ``axis_name``, carry the '_overwrite_with_gradient' collection as a
     per-device value (e.g. a leading device axis with ``P(axis_name)``): after a step, row 0 of
@@ -155,6 +140,7 @@ class Fp8MLP(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     impl: str = "auto"
     axis_name: str | tuple | None = None
+    forward_fast_accum: bool = True
 
     @nn.compact
     def __call__(self, x):
@@ -169,5 +155,6 @@ class Fp8MLP(nn.Module):
         w2, b2, meta2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")()
         h2 = jnp.asarray(h, dtype).reshape(-1, hidden)
         y = F.fp8_mlp(h2, w1.astype(dtype), b1.astype(dtype), w2.astype(dtype), b2.astype(dtype), meta1, meta2, recipe,
-                      approximate=self.approximate, axis_name=self.axis_name, impl=self.impl)
+                      approximate=self.approximate, axis_name=self.axis_name, impl=self.impl,
+                      forward_fast_accum=self.forward_fast_accum)
         return y.reshape(*x.shape[:-1], out)

@@ -1,10 +1,8 @@
 """Differentiable FP8 building blocks over the primitives (``custom_jvp`` / ``custom_vjp``).
 
 Meta. The functions that keep delayed-scaling state across training steps take it as a
-``meta``: a tuple ``(amax_history (L, n), scale (n,), scale_inv (n,), overflows (n,),
-updates (n,))`` of float32 arrays, the form in which the flax modules store it (counters as
-float32 so that ``jax.grad`` over a flax variable tree works; they are exact up to 2**24).
-Their VJP with respect to the meta is *the new meta* (flax's "overwrite with gradient"
+``meta`` (:mod:`fusedfp8.jax.meta`: the state's arrays as float32, the form in which the flax
+modules store it). Their VJP with respect to the meta is *the new meta* (flax's "overwrite with gradient"
 convention): ``flax.training.train_state.TrainState.apply_gradients`` stores it as the next
 step's state. The new meta is the old one after ``update_scales`` (which turns the previous
 step's staged amaxes into scales, a no-op on a fresh meta) with this step's amaxes staged in row
@@ -37,44 +35,12 @@ from jax import lax
 
 from ..recipe import DelayedScaling
 from ..state import ScalingState
+from ..types import check_approximate, check_recipe
 from . import primitives as P
+from .meta import check_meta as _check_meta
+from .meta import meta_to_state, state_to_meta
 
-__all__ = ["quantize_ste", "fp8_dot", "fp8_mlp", "fresh_meta", "meta_to_state", "state_to_meta", "LINEAR_GRAD"]
-
-LINEAR_GRAD = (False, False, True)  # tensors of a linear's meta: input, weight, output gradient
-
-
-# ---- meta <-> state --------------------------------------------------------------------------
-def fresh_meta(recipe: DelayedScaling, n: int = 3) -> tuple:
-    """A fresh float32 meta of ``n`` tensors (history zeros, scales one, counters zero)."""
-    L = recipe.amax_history_len
-    z = jnp.zeros((n,), jnp.float32)
-    return jnp.zeros((L, n), jnp.float32), jnp.ones((n,), jnp.float32), jnp.ones((n,), jnp.float32), z, z
-
-
-def meta_to_state(meta, grad=LINEAR_GRAD) -> ScalingState:
-    """The :class:`ScalingState` (int32 counters) of a float32 meta."""
-    hist, scale, scale_inv, overflows, updates = (jnp.asarray(m) for m in meta)
-    return ScalingState(hist, scale, scale_inv, overflows.astype(jnp.int32), updates.astype(jnp.int32), grad)
-
-
-def state_to_meta(state: ScalingState) -> tuple:
-    return (state.amax_history, state.scale, state.scale_inv, state.overflows.astype(jnp.float32),
-            state.updates.astype(jnp.float32))
-
-
-def _check_meta(meta, n: int, recipe: DelayedScaling, argname: str = "meta"):
-    if not isinstance(meta, (tuple, list)) or len(meta) != 5:
-        raise TypeError(f"{argname} must be a tuple (amax_history, scale, scale_inv, overflows, updates); got "
-                        f"{type(meta).__name__}" + (f" of length {len(meta)}" if isinstance(meta, (tuple, list)) else ""))
-    meta = tuple(jnp.asarray(m) for m in meta)
-    want = [(recipe.amax_history_len, n)] + [(n,)] * 4
-    for name, m, shape in zip(("amax_history", "scale", "scale_inv", "overflows", "updates"), meta, want):
-        if m.shape != shape or m.dtype != jnp.float32:
-            raise ValueError(f"{argname}.{name} must be float32 of shape {shape} (recipe.amax_history_len="
-                             f"{recipe.amax_history_len}); got {m.dtype} {m.shape}")
-    return meta
-
+__all__ = ["quantize_ste", "fp8_dot", "fp8_mlp", "gemm"]
 
 # ---- straight-through fake quantization ------------------------------------------------------
 @jax.custom_jvp
@@ -96,20 +62,15 @@ def quantize_ste(x, state: ScalingState, index: int, recipe: DelayedScaling, *,
 
 
 # ---- the FP8 GEMM ----------------------------------------------------------------------------
-#: cuBLASLt fast accumulation for the forward GEMMs (read when a function is traced). The
-#: gradient GEMMs always use the split accumulator.
-FORWARD_FAST_ACCUM = True
-
-
-def gemm(a, b, scale_inv_a, scale_inv_b, out_dtype, *, grad: bool = False):
+def gemm(a, b, scale_inv_a, scale_inv_b, out_dtype, *, fast_accum: bool = False):
     """``out_dtype((a @ b.T) * scale_inv_a * scale_inv_b)`` for FP8 a (M, K), b (N, K).
 
-    ``grad``: a backward GEMM (dgrad, wgrad). XLA maps the dot's precision to cuBLASLt's FP8
-    accumulation: DEFAULT is fast accumulation (partial sums never promoted), HIGHEST the split
-    accumulator. As in Transformer Engine and torch's path, the forward is fast
-    (:data:`FORWARD_FAST_ACCUM`) and the gradients, summed over many more terms, are split.
+    ``fast_accum``: XLA maps the dot's precision to cuBLASLt's FP8 accumulation: DEFAULT is fast
+    accumulation (partial sums never promoted), HIGHEST the split accumulator. As in Transformer
+    Engine and torch's path, the forward GEMMs are fast by default (``forward_fast_accum`` of
+    :func:`fp8_dot` / :func:`fp8_mlp`) and the gradients, summed over many more terms, split.
     """
-    fast = FORWARD_FAST_ACCUM and not grad
+    fast = fast_accum
     precision = lax.Precision.DEFAULT if fast else lax.Precision.HIGHEST
     y = lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
     return (y * (scale_inv_a[0] * scale_inv_b[0])).astype(out_dtype)
@@ -120,6 +81,7 @@ class _Cfg(NamedTuple):
     impl: str
     out_dtype: str
     axis_name: str | tuple | None = None
+    forward_fast_accum: bool = True
 
 
 def _forward_states(meta, n_states, cfg: _Cfg):
@@ -131,14 +93,14 @@ def _dot(x, w, meta, cfg: _Cfg):
     st = _forward_states(meta, 1, cfg)
     rx, st = P.quantize(x, st, 0, cfg.recipe, impl=cfg.impl)
     rw, st = P.quantize(w, st, 1, cfg.recipe, transpose=True, impl=cfg.impl)
-    return gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype)
+    return gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype, fast_accum=cfg.forward_fast_accum)
 
 
 def _dot_fwd(x, w, meta, cfg: _Cfg):
     st = _forward_states(meta, 1, cfg)
     rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=True, impl=cfg.impl)
     rw, st = P.quantize(w, st, 1, cfg.recipe, transpose=True, impl=cfg.impl)
-    y = gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype)
+    y = gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype, fast_accum=cfg.forward_fast_accum)
     dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
     return y, (rx.data_t, rw.data, rx.scale_inv, rw.scale_inv, st, dtypes)
 
@@ -146,8 +108,8 @@ def _dot_fwd(x, w, meta, cfg: _Cfg):
 def _dot_bwd(cfg: _Cfg, res, g):
     x_t, w_q, sx, sw, st, (xz, wz) = res
     rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, impl=cfg.impl)
-    dx = gemm(rg.data, w_q, rg.scale_inv, sw, xz.dtype, grad=True)
-    dw = gemm(x_t, rg.data_t, sx, rg.scale_inv, wz.dtype, grad=True)
+    dx = gemm(rg.data, w_q, rg.scale_inv, sw, xz.dtype)
+    dw = gemm(x_t, rg.data_t, sx, rg.scale_inv, wz.dtype)
     return dx, dw, state_to_meta(st)
 
 
@@ -164,7 +126,7 @@ def _check_operand(a, argname: str):
 
 
 def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=None, axis_name=None,
-            impl: str = "auto"):
+            impl: str = "auto", forward_fast_accum: bool = True):
     """``x @ w`` with FP8 GEMMs and delayed scaling (forward and both backward GEMMs).
 
     Parameters
@@ -178,6 +140,8 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=
         step's staged amaxes are MAX-reduced before the update (one ``lax.pmax``), so every
         device quantizes with the same scales; see :func:`fusedfp8.jax.primitives.sync_staged`
     impl : backend of the quantize primitives (:data:`fusedfp8.jax.IMPLS`)
+    forward_fast_accum : the forward GEMM with cuBLASLt's fast accumulation (the gradient GEMMs
+        always use the split accumulator)
 
     Returns
     -------
@@ -186,13 +150,12 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=
     x, w = _check_operand(x, "x"), _check_operand(w, "w")
     if x.shape[1] != w.shape[0]:
         raise ValueError(f"x (M, K) and w (K, N) must agree on K; got {x.shape} and {w.shape}")
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
+    check_recipe(recipe)
     meta = _check_meta(meta, 3, recipe)
     out_name = jnp.dtype(out_dtype or x.dtype).name
     if out_name not in ("float32", "float16", "bfloat16"):
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16; got {out_name}")
-    cfg = _Cfg(recipe, P._check_impl(impl), out_name, P._check_axis_name(axis_name))
+    cfg = _Cfg(recipe, P._check_impl(impl), out_name, P._check_axis_name(axis_name), bool(forward_fast_accum))
     x, w, *meta = P._as_varying_as((x, w, *meta), (x, w, *meta))
     return _dot(x, w, tuple(meta), cfg)
 
@@ -203,6 +166,7 @@ class _MlpCfg(NamedTuple):
     impl: str
     approximate: str
     axis_name: str | tuple | None = None
+    forward_fast_accum: bool = True
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -218,10 +182,11 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg, training: bool = Tru
     st2 = P.update_scales(st2, r, impl=impl)
     rh, st1 = P.quantize(h, st1, 0, r, transpose=training, impl=impl)
     rw1, st1 = P.quantize(w1, st1, 1, r, transpose=True, impl=impl)
-    z = gemm(rh.data, rw1.data_t, rh.scale_inv, rw1.scale_inv, h.dtype) + b1.astype(h.dtype)
+    fast = cfg.forward_fast_accum
+    z = gemm(rh.data, rw1.data_t, rh.scale_inv, rw1.scale_inv, h.dtype, fast_accum=fast) + b1.astype(h.dtype)
     ra, st2 = P.gelu_quantize(z, st2, 0, r, approximate=cfg.approximate, transpose=training, impl=impl)
     rw2, st2 = P.quantize(w2, st2, 1, r, transpose=True, impl=impl)
-    y = gemm(ra.data, rw2.data_t, ra.scale_inv, rw2.scale_inv, h.dtype) + b2.astype(h.dtype)
+    y = gemm(ra.data, rw2.data_t, ra.scale_inv, rw2.scale_inv, h.dtype, fast_accum=fast) + b2.astype(h.dtype)
     dtypes = tuple(jnp.zeros((0,), a.dtype) for a in (h, w1, b1, w2, b2))
     return y, (rh.data_t, rw1.data, z, ra.data_t, rw2.data, rh.scale_inv, rw1.scale_inv, ra.scale_inv,
                rw2.scale_inv, st1, st2, dtypes)
@@ -231,13 +196,13 @@ def _mlp_bwd(cfg: _MlpCfg, res, g):
     h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z) = res
     r, impl = cfg.recipe, cfg.impl
     rg, st2 = P.quantize(g, st2, 2, r, transpose=True, impl=impl)
-    da = gemm(rg.data, w2_q, rg.scale_inv, sw2, z.dtype, grad=True)
-    dw2 = gemm(a_t, rg.data_t, sa, rg.scale_inv, w2z.dtype, grad=True)
+    da = gemm(rg.data, w2_q, rg.scale_inv, sw2, z.dtype)
+    dw2 = gemm(a_t, rg.data_t, sa, rg.scale_inv, w2z.dtype)
     db2 = jnp.sum(g.reshape(-1, g.shape[-1]), axis=0, dtype=jnp.float32).astype(b2z.dtype)
     rdz, st1 = P.dgelu_quantize(da, z, st1, 2, r, approximate=cfg.approximate, transpose=True, dbias=True,
                                 impl=impl)
-    dh = gemm(rdz.data, w1_q, rdz.scale_inv, sw1, hz.dtype, grad=True)
-    dw1 = gemm(h_t, rdz.data_t, sh, rdz.scale_inv, w1z.dtype, grad=True)
+    dh = gemm(rdz.data, w1_q, rdz.scale_inv, sw1, hz.dtype)
+    dw1 = gemm(h_t, rdz.data_t, sh, rdz.scale_inv, w1z.dtype)
     return dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, state_to_meta(st1), state_to_meta(st2)
 
 
@@ -245,7 +210,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
-            approximate: str = "tanh", axis_name=None, impl: str = "auto"):
+            approximate: str = "tanh", axis_name=None, impl: str = "auto", forward_fast_accum: bool = True):
     """``gelu(h @ w1 + b1) @ w2 + b2`` with FP8 GEMMs, the activation quantized (with its
     transpose) straight from the first GEMM's output by the fused gelu kernel, and the gelu
     backward (+ the first bias gradient) by the fused dgelu kernel.
@@ -253,7 +218,8 @@ def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedSca
     h (M, H); w1 (H, F), b1 (F,); w2 (F, H2), b2 (H2,); meta1 / meta2: the metas of fc1 (h,
     w1, dz) and fc2 (gelu(z), w2, dy), whose VJPs are the new metas. Output (M, H2) in h's
     dtype; the pre-activation z is saved for the backward in h's dtype, everything else saved
-    is FP8. ``axis_name``: as :func:`fp8_dot` (one ``lax.pmax`` for both metas).
+    is FP8. ``axis_name``, ``impl``, ``forward_fast_accum``: as :func:`fp8_dot` (one ``lax.pmax``
+    for both metas).
     """
     h, w1, w2 = _check_operand(h, "h"), _check_operand(w1, "w1"), _check_operand(w2, "w2")
     if h.shape[1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
@@ -261,10 +227,10 @@ def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedSca
     b1, b2 = jnp.asarray(b1), jnp.asarray(b2)
     if b1.shape != (w1.shape[1],) or b2.shape != (w2.shape[1],):
         raise ValueError(f"b1 must have shape {(w1.shape[1],)} and b2 {(w2.shape[1],)}; got {b1.shape}, {b2.shape}")
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
+    check_recipe(recipe)
     meta1, meta2 = _check_meta(meta1, 3, recipe, "meta1"), _check_meta(meta2, 3, recipe, "meta2")
-    cfg = _MlpCfg(recipe, P._check_impl(impl), P._check_approximate(approximate), P._check_axis_name(axis_name))
+    cfg = _MlpCfg(recipe, P._check_impl(impl), check_approximate(approximate), P._check_axis_name(axis_name),
+                  bool(forward_fast_accum))
     # inside shard_map, every operand varies over the mesh axes that any does (the implicit
     # broadcast that plain ops insert; its transpose sums a replicated weight's gradient)
     h, w1, b1, w2, b2, *metas = P._as_varying_as((h, w1, b1, w2, b2, *meta1, *meta2),

@@ -4,7 +4,7 @@ Every function here works inside ``jax.jit``, ``jax.grad`` (through the ``custom
 of :mod:`fusedfp8.jax.functional`) and ``jax.vmap``, on any backend. The backend is chosen when
 XLA lowers the computation (``lax.platform_dependent``): on CUDA the CuPy kernels run on XLA's
 own buffers and stream through ``jax.experimental.buffer_callback``; everywhere else the same
-numerics run as ``jax.numpy`` (:mod:`fusedfp8.jax.numerics`), byte for byte the reference's.
+numerics run as ``jax.numpy`` (:mod:`fusedfp8.numerics.jnp`), byte for byte the reference's.
 
 ``impl`` picks the backend explicitly: ``'auto'`` (the default, as above), ``'jnp'`` (jax.numpy
 on every backend), ``'kernel'`` (the CUDA kernels, recorded into XLA's command buffers: CUDA
@@ -46,16 +46,16 @@ from jax import lax
 
 from .. import _cuda
 from ..formats import Format
+from ..numerics import jnp as jn
+from ..numerics.scaling import update_rule
 from ..recipe import DelayedScaling
-from ..reference import Quantized
-from ..state import ScalingState, update_rule
-from . import numerics as jn
+from ..state import ScalingState
+from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_recipe, kernel_op
+from . import callbacks
 
 __all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "update_scales", "sync_staged", "dequantize", "IMPLS"]
 
 IMPLS = ("auto", "jnp", "kernel", "kernel_no_cmdbuf")
-_FLOATS = ("float32", "float16", "bfloat16")
-_APPROX = {"tanh": "tanh", "none": "erf"}
 
 
 class _QCfg(NamedTuple):
@@ -81,14 +81,13 @@ def _check_impl(impl: str) -> str:
 def _check_state(state, recipe) -> None:
     if not isinstance(state, ScalingState):
         raise TypeError(f"state must be a fusedfp8.ScalingState (of jax arrays); got {type(state).__name__}")
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
+    check_recipe(recipe)
     state.validate(recipe)
 
 
 def _check_x(x, argname: str, need_2d: bool):
     x = jnp.asarray(x)
-    if x.dtype.name not in _FLOATS:
+    if x.dtype.name not in FLOAT_INPUTS:
         raise TypeError(f"{argname} must be float32, float16 or bfloat16; got {x.dtype}")
     if need_2d and x.ndim < 1:
         raise ValueError(f"{argname}: transpose / dbias need an input of at least 1 dimension; got a scalar")
@@ -146,20 +145,19 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
 def _quantize_kernel(cfg: _QCfg, command_buffer: bool, x, b, hist, scale, scale_inv, updates):
     from jax.experimental.buffer_callback import buffer_callback
 
-    from . import _gpu
-
     dtype = x.dtype.name
-    op = "identity" if cfg.op == "identity" else f"{cfg.op}_{_APPROX[cfg.approximate]}"
-    _gpu.prepare(_cuda.ModuleKey("quantize", dtype, cfg.fmt.name, op))
+    op = kernel_op(cfg.op, cfg.approximate)
+    callbacks.prepare(_cuda.ModuleKey("quantize", dtype, cfg.fmt.name, op))
     rows, cols = _rows_cols(x.shape)
     u8 = jnp.uint8
     shapes = [jax.ShapeDtypeStruct(x.shape, u8)]
     if cfg.transpose:
         shapes.append(jax.ShapeDtypeStruct((cols, rows), u8))
     if cfg.dbias:
+        part_shape, n_counters = _cuda.dbias_workspace(rows, cols)
         shapes += [jax.ShapeDtypeStruct((cols,), jnp.float32),
-                   jax.ShapeDtypeStruct((max(1, -(-rows // _cuda.TILE_R)) * cols,), jnp.float32),
-                   jax.ShapeDtypeStruct((max(1, -(-cols // _cuda.TILE_C)),), jnp.int32)]
+                   jax.ShapeDtypeStruct((part_shape[0] * part_shape[1],), jnp.float32),
+                   jax.ShapeDtypeStruct((n_counters,), jnp.int32)]
     shapes.append(jax.ShapeDtypeStruct((1,), jnp.float32))
     shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (hist, scale, scale_inv)]
     has_b = b is not None
@@ -167,7 +165,7 @@ def _quantize_kernel(cfg: _QCfg, command_buffer: bool, x, b, hist, scale, scale_
     first_state = 2 if has_b else 1
     n_out = len(shapes)
     aliases = {first_state + k: n_out - 3 + k for k in range(3)}
-    cb = _gpu.quantize_callback(dtype=dtype, fmt=cfg.fmt, op=op, index=cfg.index, rows=rows, cols=cols,
+    cb = callbacks.quantize_callback(dtype=dtype, fmt=cfg.fmt, op=op, index=cfg.index, rows=rows, cols=cols,
                                 transpose=cfg.transpose, dbias=cfg.dbias, has_b=has_b,
                                 current_first=cfg.current_first, margin_factor=cfg.margin_factor)
     outs = list(buffer_callback(cb, shapes, vmap_method="sequential", input_output_aliases=aliases,
@@ -224,15 +222,9 @@ def _run(cfg: _QCfg, x, b, state: ScalingState, impl: str) -> tuple[Quantized, S
 
 def _cfg(op, approximate, state, index, recipe, transpose, dbias) -> _QCfg:
     _check_state(state, recipe)
-    i = state._check_index(index)
+    i = state.check_index(index)
     return _QCfg(op, approximate, i, state.format_of(i, recipe), bool(transpose), bool(dbias),
                  float(recipe.margin_factor), recipe.first_step == "current")
-
-
-def _check_approximate(approximate: str) -> str:
-    if approximate not in ("tanh", "none"):
-        raise ValueError(f"approximate must be 'tanh' or 'none'; got {approximate!r}")
-    return approximate
 
 
 # ---- public functions ------------------------------------------------------------------------
@@ -265,7 +257,7 @@ def gelu_quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *,
     """``gelu(x)`` in float32 (``approximate`` 'tanh' or 'none', as ``jax.nn.gelu``), quantized as
     :func:`quantize` does; the amax is of gelu(x)."""
     _check_impl(impl)
-    cfg = _cfg("gelu", _check_approximate(approximate), state, index, recipe, transpose, False)
+    cfg = _cfg("gelu", check_approximate(approximate), state, index, recipe, transpose, False)
     return _run(cfg, _check_x(x, "x", transpose), None, state, impl)
 
 
@@ -274,7 +266,7 @@ def dgelu_quantize(dy, x, state: ScalingState, index: int, recipe: DelayedScalin
     """The gelu backward ``dx = dy * gelu'(x)`` (float32), quantized; amax of dx; with ``dbias``
     also the (N,) float32 column sums of the unquantized dx over its (M, N) view."""
     _check_impl(impl)
-    cfg = _cfg("dgelu", _check_approximate(approximate), state, index, recipe, transpose, dbias)
+    cfg = _cfg("dgelu", check_approximate(approximate), state, index, recipe, transpose, dbias)
     dy = _check_x(dy, "dy", transpose or dbias)
     x = _check_x(x, "x", transpose or dbias)
     if dy.shape != x.shape or dy.dtype != x.dtype:
@@ -293,45 +285,17 @@ def dequantize(q, scale_inv, dtype=jnp.float32):
 
 # ---- update_scales ---------------------------------------------------------------------------
 def _update_jnp(recipe: DelayedScaling, hist, scale, scale_inv, overflows, updates, fmt_max):
-    xp = _JnpNamespace()
-    new = update_rule(xp, hist, scale, overflows, updates, fmt_max, jnp.float32(recipe.margin_factor),
-                      recipe.amax_compute_algo)
-    return new
-
-
-class _JnpNamespace:
-    """state.update_rule's array namespace for traced jax arrays."""
-
-    float32, int32 = jnp.float32, jnp.int32
-
-    def asarray(self, value, dtype, like):
-        return jnp.asarray(value, dtype=dtype)
-
-    def __getattr__(self, name):
-        return getattr(jnp, name)
-
-    def amax(self, a, axis):
-        return jnp.max(a, axis=axis)
-
-    def astype(self, a, dtype):
-        return a.astype(dtype)
-
-    def bits(self, a):
-        return lax.bitcast_convert_type(a, jnp.int32)
-
-    def div_rn(self, a, b):
-        return jn.div_rn(a, b)
+    return update_rule(jn.JnpNamespace(), hist, scale, overflows, updates, fmt_max, jnp.float32(recipe.margin_factor),
+                       recipe.amax_compute_algo)
 
 
 def _update_kernel(recipe: DelayedScaling, command_buffer: bool, hist, scale, scale_inv, overflows, updates, fmt_max):
     from jax.experimental.buffer_callback import buffer_callback
 
-    from . import _gpu
-
-    _gpu.prepare(_cuda.ModuleKey("update_scales"))
+    callbacks.prepare(_cuda.ModuleKey("update_scales"))
     L, n = hist.shape
     arrays = (hist, scale, scale_inv, overflows, updates)
-    cb = _gpu.update_callback(n=n, L=L, margin_factor=float(recipe.margin_factor),
+    cb = callbacks.update_callback(n=n, L=L, margin_factor=float(recipe.margin_factor),
                               algo_max=recipe.amax_compute_algo == "max")
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     return tuple(buffer_callback(cb, shapes, vmap_method="sequential", input_output_aliases={k: k for k in range(5)},
@@ -374,7 +338,7 @@ def sync_staged(states, axis_name) -> list:
 def update_scales(state: ScalingState, recipe: DelayedScaling, *, axis_name=None,
                   impl: str = "auto") -> ScalingState:
     """Turn the staged amaxes into the next step's scales for every tensor of ``state`` (one
-    kernel launch on CUDA; the rule of :func:`fusedfp8.state.update_rule`). Returns the new
+    kernel launch on CUDA; the rule of :func:`fusedfp8.numerics.scaling.update_rule`). Returns the new
     state.
 
     ``axis_name`` (str or tuple of str, inside ``shard_map`` / ``pmap``): first MAX-reduce the

@@ -1,5 +1,6 @@
-"""PyTorch integration: custom ops, autograd functions, ``Fp8Linear``, ``Fp8MLP`` (and ``MLP``,
-its plain-torch reference).
+"""PyTorch integration: ``Fp8Linear`` (a drop-in for ``nn.Linear``), ``Fp8MLP`` (LayerNorm ->
+Linear -> gelu -> Linear with the activation fused into FP8), ``convert_to_fp8`` and the
+once-per-step ``update_model_scales``.
 
 ::
 
@@ -10,16 +11,18 @@ its plain-torch reference).
     for x, y in data:
         loss_fn(model(x), y).backward()
         opt.step(); opt.zero_grad()
-        fp8.update_scales(model)          # once per optimizer step; forgetting it raises
+        fp8.update_model_scales(model)    # once per optimizer step; forgetting it raises
 
-Modules: ``ops`` (the ``torch.ops.fusedfp8.*`` custom ops), ``functional`` (``quantize_ste``,
-``scaled_mm`` and the autograd functions), ``modules`` (``Fp8Linear``, ``Fp8MLP``, ``MLP``),
-``convert`` (``convert_to_fp8``, ``update_scales``).
+Modules: ``custom_ops`` (the ``torch.ops.fusedfp8.*`` custom ops), ``autograd`` (the autograd
+functions, ``quantize_ste`` and ``scaled_mm``), ``modules`` (``Fp8Linear``, ``Fp8MLP``),
+``scaling`` (model-level state linking, ``update_model_scales``, the amax all-reduce),
+``convert`` (``convert_to_fp8``).
 """
-from . import ops
-from .convert import PendingScaleUpdate, convert_to_fp8, fp8_modules, update_scales
-from .functional import QuantizeSTE, quantize_ste, scaled_mm
-from .modules import MLP, Fp8Linear, Fp8MLP, MissedScaleUpdateError, MissedScaleUpdateWarning
+from . import custom_ops  # noqa: F401  (registers torch.ops.fusedfp8.*)
+from .autograd import quantize_ste
+from .convert import convert_to_fp8
+from .modules import Fp8Linear, Fp8MLP, MissedScaleUpdateError, MissedScaleUpdateWarning
+from .scaling import PendingScaleUpdate, fp8_modules, update_model_scales
 
-__all__ = ["ops", "convert_to_fp8", "fp8_modules", "update_scales", "PendingScaleUpdate", "QuantizeSTE", "quantize_ste", "scaled_mm",
-           "Fp8Linear", "Fp8MLP", "MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
+__all__ = ["Fp8Linear", "Fp8MLP", "convert_to_fp8", "update_model_scales", "PendingScaleUpdate", "fp8_modules",
+           "MissedScaleUpdateError", "MissedScaleUpdateWarning", "quantize_ste"]

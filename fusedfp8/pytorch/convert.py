@@ -1,215 +1,15 @@
-"""Swapping ``nn.Linear`` for :class:`Fp8Linear`, and the once-per-step scale update.
-
-One launch for the whole model. Every Fp8Linear owns its state as buffers (so ``state_dict``,
-``load_state_dict`` and ``.to()`` work module by module), but :func:`update_scales` needs one
-state for all of them to update every tensor in a single kernel launch. It therefore links
-the modules of a model: it concatenates their buffers into one model-level
-:class:`~fusedfp8.ScalingState` (history (L, 3k), vectors (3k,)) and replaces each module's
-buffers by views (columns) of it. From then on the modules quantize into the shared arrays and
-``ops.update_scales`` updates all of them at once: one launch per distinct (recipe, device),
-which is one launch for a model with one recipe on one GPU.
-
-The links are checked on every call by identity (each module's buffer objects must still be
-the views handed out), which costs no device work. A ``.to()`` (new buffer objects), a
-``deepcopy`` or pickle (the copy drops the link), a new module, or linking a sub-model on its
-own breaks them, and the next call links again (one concatenation, outside any hot path; do
-the first update before capturing a CUDA graph). ``load_state_dict`` copies into the views, so
-it keeps them. ``state_dict()`` holds each module's views; ``torch.save`` stores their shared
-storage once.
-
-With a process group, the staged amaxes of all linked states are MAX-reduced across the ranks in
-one all_reduce before the update (``distributed.py``).
-"""
+"""``convert_to_fp8``: swapping a model's ``nn.Linear`` modules for :class:`Fp8Linear`."""
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
-import torch
 from torch import nn
 
-from .. import ops
-from . import distributed as _dist
 from ..recipe import DelayedScaling
-from ..state import STATE_FIELDS, ScalingState
-from .modules import GRAD, MISSED_UPDATE_MODES, Fp8Linear
+from ..types import check_recipe
+from .modules import MISSED_UPDATE_MODES, Fp8Linear
 
-__all__ = ["convert_to_fp8", "update_scales", "fp8_modules", "PendingScaleUpdate"]
-
-
-def fp8_modules(model: nn.Module) -> list[Fp8Linear]:
-    """Every :class:`Fp8Linear` in ``model`` (itself included), each once, in module order."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    seen, out = set(), []
-    for m in model.modules():
-        if isinstance(m, Fp8Linear) and id(m) not in seen:
-            seen.add(id(m))
-            out.append(m)
-    return out
-
-
-class _StateGroup:
-    """A model-level state over k modules sharing a recipe and a device, and their views."""
-
-    def __init__(self, modules: list[Fp8Linear], recipe: DelayedScaling):
-        self.recipe = recipe
-        n = len(GRAD)
-        with torch.no_grad():
-            arrays = {name: torch.cat([getattr(m, name) for m in modules], dim=-1) for name in STATE_FIELDS}
-        self.state = ScalingState(**arrays, grad=GRAD * len(modules))
-        self.members = []
-        self.arrays = tuple(arrays[name] for name in ("amax_history", "scale", "scale_inv", "updates"))
-        for j, m in enumerate(modules):
-            views = {name: a[..., j * n:(j + 1) * n] for name, a in arrays.items()}
-            m._buffers.update(views)
-            m._group = self
-            m._link = (views, self.arrays, j * n)
-            self.members.append((weakref.ref(m), views))
-
-    def intact(self) -> bool:
-        for ref, views in self.members:
-            m = ref()
-            if m is None or m._group is not self or any(m._buffers[k] is not v for k, v in views.items()):
-                return False
-        return True
-
-    def module_ids(self) -> set[int]:
-        return {id(ref()) for ref, _ in self.members}
-
-
-def _groups(modules: list[Fp8Linear]) -> list[_StateGroup]:
-    """The intact groups covering exactly ``modules``, or new ones (linking the modules)."""
-    groups = {id(m._group): m._group for m in modules if m._group is not None}
-    if (all(m._group is not None for m in modules) and all(g.intact() for g in groups.values())
-            and set().union(*(g.module_ids() for g in groups.values())) == {id(m) for m in modules}):
-        return list(groups.values())
-    by_key: dict = {}
-    for m in modules:
-        by_key.setdefault((m.recipe, m.amax_history.device), []).append(m)
-    return [_StateGroup(ms, recipe) for (recipe, _), ms in by_key.items()]
-
-
-class PendingScaleUpdate:
-    """The second half of ``update_scales(model, group, async_op=True)``: the all_reduce of
-    the staged amaxes is in flight; :meth:`wait` finishes it and runs the fused update.
-
-    Until ``wait()`` returns, the FP8 modules of the model must not run (a forward or backward
-    would stage into the row being reduced) and their states must not be replaced or moved.
-    """
-
-    def __init__(self, modules, groups, reductions):
-        self._modules, self._groups, self._reductions = modules, groups, reductions
-
-    @property
-    def done(self) -> bool:
-        """True once :meth:`wait` has run (the scales are updated)."""
-        return self._groups is None
-
-    @torch.compiler.disable
-    def wait(self) -> None:
-        """Wait for the reduction (on NCCL the current stream waits, the host does not), then
-        update the scales in one launch per linked state. Calling it again does nothing."""
-        if self._groups is None:
-            return
-        for r in self._reductions:
-            r.wait()
-        for group in self._groups:
-            ops.update_scales(group.state, group.recipe)
-        for m in self._modules:
-            m._ensure_hook()
-            m._after_update()
-        self._groups = self._modules = self._reductions = None
-
-
-_NO_GROUP = object()
-
-
-@torch.compiler.disable
-def update_scales(model: nn.Module, group=None, *, async_op: bool = False, process_group=_NO_GROUP):
-    """Turn this step's staged amaxes into next step's scales, for every FP8 module of ``model``.
-
-    Call once per optimizer step (after ``optimizer.step()``; with gradient accumulation, after
-    the last micro-batch). Every :class:`Fp8Linear` (also inside :class:`Fp8MLP`) is updated by
-    the rule of :func:`fusedfp8.state.update_rule` in one kernel launch per distinct (recipe,
-    device) of the modules (see the module docstring for how their states are linked). No host
-    synchronisation; capturable in a CUDA graph once a first call has linked the states.
-    Runs eagerly (``torch.compiler.disable``): call it outside compiled regions.
-
-    Parameters
-    ----------
-    model : nn.Module
-        The model, or its DDP / FSDP2 wrapper (the FP8 modules are found inside).
-    group : torch.distributed ProcessGroup, optional
-        Every rank that trains a replica or a shard of the model: ``torch.distributed.group.WORLD``
-        for plain data parallelism. The staged amaxes (row 0 of the linked histories) are
-        MAX-reduced over it in ONE ``all_reduce`` (per device holding FP8 state; one in the usual
-        one-GPU-per-rank setup) before the update, so every rank computes bitwise the same
-        scales and histories. A non-finite amax on any rank is an overflow on every rank (NaN
-        is sent as +inf; see ``fusedfp8.pytorch.distributed``). Every rank of the group must
-        call this with the same group and the same FP8 modules in the same order, including a
-        rank on which some module did not run this step (it contributes 0 for it). ``None``
-        (the default) updates from this process's amaxes only, with no communication.
-    async_op : bool
-        With a group: launch the all_reduce and return a :class:`PendingScaleUpdate` at once;
-        its ``wait()`` finishes the reduction and runs the update. This lets the reduction
-        overlap other work, e.g. ``pending = update_scales(model, group, async_op=True)`` right
-        after the backward, then ``optimizer.step()``, then ``pending.wait()``. The modules must
-        not run in between.
-    process_group : the older name of ``group`` (give one or the other).
-
-    Returns
-    -------
-    None, or a :class:`PendingScaleUpdate` when ``async_op`` is True (without a group it is
-    already done).
-
-    With DDP: each forward that DDP runs with ``forward_sync_buffers`` (formerly
-    ``broadcast_buffers``) on copies rank 0's buffers, the staged amaxes included, to every
-    rank. That is harmless with one forward per optimizer step and with gradient accumulation
-    under ``no_sync()`` (DDP does not broadcast before the later micro-batches), but several
-    synchronised forwards per step would lose the other ranks' amaxes staged so far: pass
-    ``forward_sync_buffers=False`` (``broadcast_buffers=False`` before torch 2.13) then.
-
-    With FSDP2 (``fully_shard``): the FP8 states are buffers, which FSDP2 leaves unsharded, and
-    the forward quantizes the all-gathered weight, so the reduction is the same as under DDP.
-    Tested on CPU (gloo, 2 ranks: identical scales on every rank); untested on several GPUs. The
-    missed-update check sees two weights (the unsharded one and FSDP2's sharded one), so it raises
-    wrongly: build the modules with ``missed_update='ignore'`` under FSDP2.
-
-    Raises
-    ------
-    TypeError
-        If ``model`` is not an nn.Module, or ``group`` is not a ProcessGroup, or both ``group``
-        and ``process_group`` are given.
-    ValueError
-        If ``model`` holds no FP8 module (an update that would silently do nothing).
-    RuntimeError
-        If a group is given but torch.distributed is not initialized.
-    """
-    if process_group is not _NO_GROUP:
-        if group is not None:
-            raise TypeError("update_scales: give the process group as group= or as process_group= (its older name), "
-                            "not both")
-        group = process_group
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op must be a bool; got {type(async_op).__name__}")
-    modules = fp8_modules(model)
-    if not modules:
-        raise ValueError(f"model: {type(model).__name__} holds no Fp8Linear / Fp8MLP module, so there are no scales to "
-                         "update; convert it first with fusedfp8.pytorch.convert_to_fp8(model)")
-    if group is not None:
-        _dist.check_group(group)
-    groups = _groups(modules)
-    reductions = []
-    if group is not None:
-        reductions = _dist.reduce_staged_amaxes([g.state.amax_history for g in groups], group, async_op)
-    pending = PendingScaleUpdate(modules, groups, reductions)
-    if async_op:
-        if group is None:
-            pending.wait()
-        return pending
-    pending.wait()
-    return None
+__all__ = ["convert_to_fp8"]
 
 
 def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
@@ -240,8 +40,7 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
+    check_recipe(recipe)
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be callable(fqn, module) -> bool or None; got {type(filter_fn).__name__}")
     if missed_update not in MISSED_UPDATE_MODES:

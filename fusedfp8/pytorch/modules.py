@@ -1,6 +1,5 @@
-"""``Fp8Linear`` (a drop-in for ``nn.Linear``), ``Fp8MLP`` (LayerNorm -> Linear -> gelu ->
-Linear with the fused activation kernels) and ``MLP`` (the same MLP in plain torch: the
-high-precision reference, with Fp8MLP's parameter names).
+"""``Fp8Linear`` (a drop-in for ``nn.Linear``) and ``Fp8MLP`` (LayerNorm -> Linear -> gelu ->
+Linear with the fused activation kernels).
 
 State. Each :class:`Fp8Linear` owns the delayed-scaling state of its three tensors
 ``[input, weight, output gradient]`` (``grad = (False, False, True)``) as registered buffers
@@ -9,11 +8,11 @@ State. Each :class:`Fp8Linear` owns the delayed-scaling state of its three tenso
 moves it (a dtype conversion such as ``.bfloat16()`` leaves it float32). ``module.fp8_state``
 wraps the buffers in a :class:`fusedfp8.ScalingState` view.
 
-One update per optimizer step. :func:`fusedfp8.pytorch.update_scales` turns the staged amaxes
-into new scales for every FP8 module of a model in one launch (see ``convert.py``). Forgetting
+One update per optimizer step. :func:`fusedfp8.pytorch.update_model_scales` turns the staged amaxes
+into new scales for every FP8 module of a model in one launch (see ``scaling.py``). Forgetting
 it is detected: each module watches, from a hook that runs when its weight's gradient has been
 accumulated, whether its weight was modified in place (an optimizer step: the weight's version
-counter moved) since its previous backward without ``update_scales`` in between; it then raises
+counter moved) since its previous backward without an update in between; it then raises
 :class:`MissedScaleUpdateError` (``missed_update='raise'``, the default), warns with
 :class:`MissedScaleUpdateWarning` (``'warn'``) or stays silent (``'ignore'``). Gradient
 accumulation (several backwards, one step) is not a missed update. The hook is Python run by
@@ -23,10 +22,11 @@ graph replay (nothing of Python runs there: the capture and the eager warm-up st
 checked) nor a module whose weight is frozen. A missed update is reported at the backward of
 the step after the one that missed it.
 
-First step. Until a module has been through a training step and an update, its kernels launch
-the first-step pre-pass (current scaling, decided on the device by ``updates``); afterwards the
-module stops launching it (one launch per quantized tensor saved). Loading a state resets this.
-Forward passes also stage amaxes in eval mode and under ``torch.no_grad()``.
+First step. With ``first_step='current'`` every tensor decides on the device, from its own
+``updates`` entry, whether it is on its first step (then it is quantized with the scale of its
+own current amax): a tensor whose first amax was 0 (a zero-initialised weight) or non-finite
+stays on its first step until an update sees a real amax. Forward passes also stage amaxes in
+eval mode and under ``torch.no_grad()``.
 """
 from __future__ import annotations
 
@@ -35,18 +35,17 @@ import warnings
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..recipe import DelayedScaling
+from ..types import check_approximate, check_recipe
 from ..state import STATE_FIELDS, ScalingState
-from . import functional as F8
+from . import autograd as F8
 
-__all__ = ["Fp8Linear", "Fp8MLP", "MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
+__all__ = ["Fp8Linear", "Fp8MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
 
 GRAD = (False, False, True)  # tensors of an Fp8Linear's state: input, weight, output gradient
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-GELU_APPROXIMATIONS = ("tanh", "none")  # the gelu of Fp8MLP / MLP (as torch.nn.functional.gelu)
 # torch passes strict=True to every _load_from_state_dict whatever the caller asked; the strict
 # of a load_state_dict called on an FP8 module itself is kept here (None: called on a parent,
 # where torch's own missing-keys report applies)
@@ -138,7 +137,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     device, dtype : as for ``nn.Linear`` (the parameters; the state is always float32/int32).
     missed_update : {'raise', 'warn', 'ignore'}
         What happens when the module goes through an optimizer step without
-        :func:`fusedfp8.pytorch.update_scales` (see the module docstring).
+        :func:`fusedfp8.pytorch.update_model_scales` (see the module docstring).
 
     Input: (..., in_features), float32 / float16 / bfloat16; output (..., out_features) in the
     input's dtype; weight and bias of any of those dtypes (e.g. float32 master weights).
@@ -161,8 +160,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  recipe: DelayedScaling = DelayedScaling(), device=None, dtype=None, *,
                  missed_update: str = "raise"):
-        if not isinstance(recipe, DelayedScaling):
-            raise TypeError(f"recipe must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
+        check_recipe(recipe)
         if missed_update not in MISSED_UPDATE_MODES:
             raise ValueError(f"missed_update must be one of {MISSED_UPDATE_MODES}; got {missed_update!r}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -196,7 +194,6 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         fresh = ScalingState.create(GRAD, self._recipe, like=torch.empty(0, device=device))
         for name in STATE_FIELDS:
             self.register_buffer(name, getattr(fresh, name))
-        self._prepass = self._recipe.first_step == "current"  # launch the first-step pre-pass
         self._pending = False  # a backward ran since the last update_scales
         self._pending_version = 0  # the weight's version counter at that backward
 
@@ -224,7 +221,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         return self.amax_history, self.scale, self.scale_inv, self.updates, 0
 
     def _kernel_cfg(self) -> tuple:
-        return (*self._cfg, self._prepass)
+        return (*self._cfg, self._recipe.first_step == "current")
 
     def _apply(self, fn, recurse=True):
         """``.to()`` / ``.cuda()`` move the state; a dtype conversion leaves it float32/int32."""
@@ -260,7 +257,6 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         self._check_loaded_state(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        self._prepass = self._recipe.first_step == "current"  # the loaded state decides on the device
         self._pending = False
 
     def __getstate__(self):
@@ -280,8 +276,8 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     def _after_backward(self, weight: torch.Tensor) -> None:
         if self._pending and weight._version != self._pending_version and self.missed_update != "ignore":
             msg = (f"{type(self).__name__}({self.in_features}, {self.out_features}): its weight was updated (an "
-                   "optimizer step) since its previous backward, but fusedfp8.pytorch.update_scales(model) was not "
-                   "called in between, so its FP8 scales did not advance. Call update_scales(model) once per "
+                   "optimizer step) since its previous backward, but fusedfp8.pytorch.update_model_scales(model) was not "
+                   "called in between, so its FP8 scales did not advance. Call update_model_scales(model) once per "
                    "optimizer step (after optimizer.step()); missed_update='warn' or 'ignore' changes this check.")
             if self.missed_update == "raise":
                 raise MissedScaleUpdateError(msg)
@@ -290,12 +286,8 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         self._pending_version = weight._version
 
     def _after_update(self) -> None:
-        """Called by update_scales: a module that ran a backward since the last update has had
-        all three tensors quantized, so (barring an all-zero or non-finite amax, which the
-        device flag still handles at the next update) the first-step pre-pass is no longer
-        needed."""
-        if self._pending:
-            self._prepass = False
+        """Called by every update of this module's state: the backward since the last update is
+        accounted for."""
         self._pending = False
 
     # -- forward -------------------------------------------------------------------------------
@@ -318,11 +310,6 @@ class Fp8Linear(_StrictLoad, nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self._recipe}"
-
-
-def _check_approximate(approximate: str) -> None:
-    if approximate not in GELU_APPROXIMATIONS:
-        raise ValueError(f"approximate must be 'tanh' or 'none'; got {approximate!r}")
 
 
 class Fp8MLP(_StrictLoad, nn.Module):
@@ -352,7 +339,7 @@ class Fp8MLP(_StrictLoad, nn.Module):
     def __init__(self, hidden: int, ffn: int, recipe: DelayedScaling = DelayedScaling(), *,
                  approximate: str = "tanh", bias: bool = True, device=None, dtype=None,
                  missed_update: str = "raise"):
-        _check_approximate(approximate)
+        check_approximate(approximate)
         super().__init__()
         self.approximate = approximate
         self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
@@ -386,49 +373,6 @@ class Fp8MLP(_StrictLoad, nn.Module):
         if not torch.compiler.is_compiling():
             fc1._ensure_hook()
             fc2._ensure_hook()
-        cfg = (*fc1._cfg, fc1._prepass, fc2._prepass)
+        cfg = fc1._kernel_cfg() + fc2._kernel_cfg()[-1:]
         return F8.mlp(h, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1._state(), fc2._state(), cfg,
                       self.approximate, training)
-
-
-class MLP(nn.Module):
-    """LayerNorm -> nn.Linear -> gelu -> nn.Linear in plain torch: :class:`Fp8MLP` without FP8.
-
-    The high-precision twin of :class:`Fp8MLP` (the reference it is compared and benchmarked
-    against): the same computation, ``fc2(gelu(fc1(norm(x))))``, in the parameters' dtype
-    (bf16 or float32), the same construction order (so the same initial weights for one seed)
-    and the same parameter names. Its ``state_dict()`` loads into an Fp8MLP with
-    ``strict=False`` (the FP8 state keeps its current values; a strict load refuses a state
-    without one), and an Fp8MLP's weights load into it once its FP8 state keys are dropped.
-    :func:`fusedfp8.pytorch.convert_to_fp8` turns ``fc1`` and ``fc2`` into :class:`Fp8Linear`
-    (the gelu then stays in torch, unfused).
-
-    Parameters
-    ----------
-    hidden, ffn : int
-        Input/output width and the inner width (fc1: hidden -> ffn, fc2: ffn -> hidden).
-    approximate : {'tanh', 'none'}
-        The gelu (as ``torch.nn.functional.gelu``); 'tanh' as Fp8MLP's default.
-    bias : bool
-    device, dtype : as for ``nn.Linear`` (all parameters, the LayerNorm's included).
-
-    Attributes: ``norm`` (nn.LayerNorm), ``fc1``, ``fc2`` (nn.Linear).
-    Input (..., hidden), of the parameters' dtype (as any nn.Linear); output (..., hidden).
-
-    Raises
-    ------
-    ValueError
-        At construction, on an ``approximate`` other than 'tanh' or 'none'.
-    """
-
-    def __init__(self, hidden: int, ffn: int, *, approximate: str = "tanh", bias: bool = True, device=None,
-                 dtype=None):
-        _check_approximate(approximate)
-        super().__init__()
-        self.approximate = approximate
-        self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
-        self.fc1 = nn.Linear(hidden, ffn, bias, device=device, dtype=dtype)
-        self.fc2 = nn.Linear(ffn, hidden, bias, device=device, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate=self.approximate))

@@ -1,5 +1,5 @@
-"""The reference numerics (:mod:`fusedfp8.reference`) in ``jax.numpy``: the CPU backend of the
-JAX primitives, and their twin on any backend.
+"""The reference numerics (:mod:`fusedfp8.numerics.reference`) in ``jax.numpy``: the CPU backend
+of the JAX primitives, and their twin on any backend.
 
 XLA does not keep NumPy's operation order by itself, so everything here is written against two
 of its habits, and tested byte for byte against the reference:
@@ -30,8 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .. import reference as ref
 from ..formats import Format, get_format
+from . import constants as C
+from . import scaling
+from .xp import NumpyNamespace
 
 f32 = jnp.float32
 _SIGN = np.int32(-0x80000000)
@@ -202,29 +204,52 @@ def div_rn(a, b) -> jax.Array:
     return from_bits(jnp.where(nan, nan_bits, ((ia ^ ib) & _SIGN) | mag))
 
 
+# ---- the array namespace of the scaling rule ---------------------------------------------------
+class JnpNamespace(NumpyNamespace):
+    """jax.numpy, traced or concrete. Its ``/`` is not IEEE (XLA:GPU's ``div.full.f32`` is up to
+    2 ulp off, XLA:CPU flushes denormal quotients): ``divide`` is the exact long division of
+    :func:`fusedfp8.numerics.jnp.div_rn`."""
+
+    def __init__(self):
+        super().__init__(jnp)
+
+    def asarray(self, value, dtype, like):
+        arr = self.m.asarray(value, dtype=dtype)
+        if like is not None and not isinstance(like, jax.core.Tracer) and hasattr(like, "devices"):
+            arr = jax.device_put(arr, next(iter(like.devices())))
+        return arr
+
+    def bits(self, a):
+        return lax.bitcast_convert_type(a, self.m.int32)
+
+    def divide(self, a, b):
+        return div_rn(a, b)
+
+
+
 # ---- exp / erfc / gelu / dgelu, the reference's op sequence ------------------------------------
 def exp_f32(a) -> jax.Array:
     a = jnp.asarray(a, f32)
-    k = jnp.rint(_mul(a, _c(ref.LOG2E)))
-    r = fma_f32(k, -_c(ref.LN2_HI), a, tiny_products=False)
-    r = fma_f32(k, -_c(ref.LN2_LO), r, tiny_products=False)
-    p = _c(ref.EXP_POLY[0])
-    for coef in ref.EXP_POLY[1:]:
+    k = jnp.rint(_mul(a, _c(C.LOG2E)))
+    r = fma_f32(k, -_c(C.LN2_HI), a, tiny_products=False)
+    r = fma_f32(k, -_c(C.LN2_LO), r, tiny_products=False)
+    p = _c(C.EXP_POLY[0])
+    for coef in C.EXP_POLY[1:]:
         p = fma_f32(p, r, _c(coef), tiny_products=False)
     ki = jnp.nan_to_num(jnp.clip(k, -126.0, 127.0)).astype(jnp.int32)
     pow2 = from_bits(lax.shift_left(ki + 127, jnp.int32(23)))
     y = _mul(p, pow2)
-    return jnp.where(a < _c(ref.EXP_MIN_ARG), _c(0.0), y)
+    return jnp.where(a < _c(C.EXP_MIN_ARG), _c(0.0), y)
 
 
 def erfc_f32(z) -> jax.Array:
     z = jnp.asarray(z, f32)
     a = jnp.abs(z)
     t = div_rn(_c(1.0), fma_f32(_c(0.5), a, _c(1.0), tiny_products=False))
-    p = _c(ref.ERFC_POLY[0])
-    for coef in ref.ERFC_POLY[1:]:
+    p = _c(C.ERFC_POLY[0])
+    for coef in C.ERFC_POLY[1:]:
         p = fma_f32(p, t, _c(coef), tiny_products=False)
-    e = _mul(t, exp_f32(fma_f32(-a, a, -_c(ref.ERFC_C0)) + _mul(p, t)))
+    e = _mul(t, exp_f32(fma_f32(-a, a, -_c(C.ERFC_C0)) + _mul(p, t)))
     return jnp.where(jnp.signbit(z), _c(2.0) - e, e)
 
 
@@ -235,33 +260,33 @@ def _clamp(x, lim):
 
 def _sigmoid_parts(x):
     x2 = _mul(x, x)
-    u = _mul(_c(ref.SQRT_2_OVER_PI), fma_f32(_c(ref.GELU_C1), _mul(x2, x), x))
+    u = _mul(_c(C.SQRT_2_OVER_PI), fma_f32(_c(C.GELU_C1), _mul(x2, x), x))
     e = exp_f32(_mul(_c(-2.0), jnp.abs(u)))
     d = _c(1.0) + e
     return x2, e, d, jnp.where(jnp.signbit(u), e, _c(1.0))
 
 
 def gelu_f32(x, approximate: str) -> jax.Array:
-    """gelu in float32 ('tanh' or 'none'), as :func:`fusedfp8.reference.gelu_f32`."""
+    """gelu in float32 ('tanh' or 'none'), as :func:`fusedfp8.numerics.reference.gelu_f32`."""
     x = jnp.asarray(x, f32)
     if approximate == "tanh":
         _, _, d, sel = _sigmoid_parts(x)
         return div_rn(_mul(x, sel), d)
-    return _mul(_mul(_c(0.5), x), erfc_f32(_mul(-x, _c(ref.INV_SQRT2))))
+    return _mul(_mul(_c(0.5), x), erfc_f32(_mul(-x, _c(C.INV_SQRT2))))
 
 
 def dgelu_f32(x, approximate: str) -> jax.Array:
-    """d gelu / dx in float32, as :func:`fusedfp8.reference.dgelu_f32`."""
+    """d gelu / dx in float32, as :func:`fusedfp8.numerics.reference.dgelu_f32`."""
     x = jnp.asarray(x, f32)
     if approximate == "tanh":
         xc = _clamp(x, 20.0)
         x2, e, d, sel = _sigmoid_parts(xc)
         rd = div_rn(_c(1.0), d)
-        dudx = _mul(_c(ref.SQRT_2_OVER_PI), fma_f32(_c(ref.GELU_C3), x2, _c(1.0)))
+        dudx = _mul(_c(C.SQRT_2_OVER_PI), fma_f32(_c(C.GELU_C3), x2, _c(1.0)))
         return fma_f32(_mul(_mul(_mul(_mul(_c(2.0), xc), e), rd), rd), dudx, _mul(sel, rd))
     xc = _clamp(x, 40.0)
-    pdf = _mul(exp_f32(_mul(_c(-0.5), _mul(xc, xc))), _c(ref.INV_SQRT_2PI))
-    return fma_f32(xc, pdf, _mul(_c(0.5), erfc_f32(_mul(-xc, _c(ref.INV_SQRT2)))))
+    pdf = _mul(exp_f32(_mul(_c(-0.5), _mul(xc, xc))), _c(C.INV_SQRT_2PI))
+    return fma_f32(xc, pdf, _mul(_c(0.5), erfc_f32(_mul(-xc, _c(C.INV_SQRT2)))))
 
 
 # ---- amax, scaling, the FP8 cast ------------------------------------------------------------------
@@ -302,8 +327,5 @@ def cast_to_fp8(v, fmt: str | Format) -> jax.Array:
 
 def current_scale(a, fmt: Format, margin_factor: float, fallback) -> jax.Array:
     """First-step scale from the amax ``a`` (scalar), or ``fallback`` where a is 0 or non-finite
-    (:func:`fusedfp8.reference.current_scale`)."""
-    from ..state import compute_scale, namespace
-
-    s = compute_scale(namespace(a), jnp.where(bits(a) == 0, _c(1.0), a), _c(fmt.max), _c(margin_factor))
-    return jnp.where(jnp.isfinite(a) & (bits(a) != 0), s, fallback)
+    (:func:`fusedfp8.numerics.scaling.current_scale`)."""
+    return scaling.current_scale(JnpNamespace(), a, _c(fmt.max), _c(margin_factor), fallback)

@@ -1,4 +1,5 @@
-"""The ``fusedfp8`` logger, and the host-side report of a scaling state.
+"""The host-side report of a scaling state (:meth:`fusedfp8.ScalingState.summary`) and the
+``fusedfp8`` logger that overflows are reported on.
 
 Nothing here runs in a hot path. The kernels and ``update_scales`` never read device memory;
 overflows (non-finite amaxes, counted per tensor in ``ScalingState.overflows``) become visible
@@ -16,6 +17,8 @@ import weakref
 
 import numpy as np
 
+from ._interop import host_copy
+
 logger = logging.getLogger("fusedfp8")
 
 # id(overflows array) -> (weak reference to it, counts already reported)
@@ -23,16 +26,6 @@ _reported: dict[int, tuple[weakref.ref, np.ndarray]] = {}
 
 COLUMNS = ("tensor", "role", "format", "scale", "scale_inv", "amax (last)", "amax (history max)", "staged amax",
            "overflows", "updates")
-
-
-def host_copy(a) -> np.ndarray:
-    """A numpy copy of a numpy / torch / cupy / jax array (reads the device: synchronises)."""
-    mod = type(a).__module__
-    if mod.startswith("torch"):
-        return a.detach().cpu().numpy().copy()
-    if mod.startswith("cupy"):
-        return a.get()
-    return np.array(a)
 
 
 def _previous(owner) -> np.ndarray | None:

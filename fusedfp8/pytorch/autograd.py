@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..recipe import DelayedScaling
 from ..state import ScalingState
-from . import ops as fops
+from . import custom_ops as fops
 
 __all__ = ["scaled_mm", "QuantizeSTE", "quantize_ste"]
 

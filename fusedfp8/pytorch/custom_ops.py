@@ -1,12 +1,14 @@
 """The fused kernels as ``torch.library`` custom ops, namespace ``fusedfp8``.
 
-Each op is a thin adapter over :mod:`fusedfp8.ops`: it rebuilds a :class:`fusedfp8.state.Slot`
-from the state arrays it is given and calls the framework-agnostic function, so CUDA tensors
-run the CuPy kernels on torch's current stream and CPU tensors run the bit-exact NumPy
-reference. Being custom ops with declared mutations and fake (meta) implementations, they trace
-under ``torch.compile(fullgraph=True)`` without graph breaks and can be captured in a CUDA graph.
+CUDA tensors launch the kernels straight through :mod:`fusedfp8._cuda`'s launch interface on
+torch's current stream, outputs allocated by torch; the full argument check of
+:mod:`fusedfp8.ops` runs once per call signature (shapes, dtypes, device, 16-byte alignment,
+state shapes, index, format) and is cached. CPU tensors run the bit-exact NumPy reference
+through :mod:`fusedfp8.ops`. Being custom ops with declared mutations and fake (meta)
+implementations, they trace under ``torch.compile(fullgraph=True)`` without graph breaks and can
+be captured in a CUDA graph.
 
-State arguments (the tensors of a :class:`fusedfp8.state.ScalingState`, or views of them):
+State arguments (the tensors of a :class:`fusedfp8.ScalingState`, or views of them):
 
 amax_history : (L, n) float32, mutated
     Row 0, column ``index`` max-accumulates the amax of the quantized tensor.
@@ -36,19 +38,21 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from .. import _cuda
 from .. import ops as _ops
 from ..formats import get_format
 from ..state import Slot
+from ..types import kernel_op
 
 __all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize", "call"]
 
 _MUTATED = ("amax_history", "scale", "scale_inv")
 _IMPLS: dict = {}  # custom op -> its Python implementation
 _PLAIN = (Tensor, torch.nn.Parameter)  # tensor types that nothing can be tracing
+_checked: set = set()  # call signatures whose full argument check has passed
 
 
 def _register(name: str, mutates_args):
@@ -79,11 +83,10 @@ def call(op, *args):
 
 def _slot(amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int, fmt: str,
           margin_factor: float, current_first: bool) -> Slot:
-    """The Slot of column ``index``. Inside a compiled graph or a CUDA graph a host-side mirror
-    cannot be trusted, so the host flags say 'maybe fresh': the device flag decides."""
+    """The Slot of column ``index``."""
     i = slice(index, index + 1)
     return Slot(scale[i], scale_inv[i], amax_history[0, i], updates[i], get_format(fmt), float(margin_factor),
-                bool(current_first), np.ones(1, bool), np.zeros(1, bool))
+                bool(current_first))
 
 
 def _fp8_dtype(fmt: str) -> torch.dtype:
@@ -98,14 +101,64 @@ def _scale_inv_like(x: Tensor) -> Tensor:
     return x.new_empty((1,), dtype=torch.float32)
 
 
+def _run(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int, fmt: str, margin_factor: float,
+         current_first: bool, approximate: str, transpose: bool, dbias: bool):
+    """(q, q_t or None, dbias or None, scale_inv) of one quantizing op."""
+    amax_history, scale, scale_inv, updates = state
+    if not x.is_cuda:
+        slot = _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first)
+        if op == "identity":
+            r = _ops.quantize(x, slot, transpose=transpose)
+        elif op == "gelu":
+            r = _ops.gelu_quantize(x, slot, approximate=approximate, transpose=transpose)
+        else:
+            r = _ops.dgelu_quantize(x, b, slot, approximate=approximate, transpose=transpose, dbias=dbias)
+        return r.data, r.data_t, r.dbias, r.scale_inv
+    key = (op, x.shape, x.dtype, x.device, x.data_ptr() % 16, b is not None and b.data_ptr() % 16,
+           amax_history.shape, amax_history.dtype, scale.dtype, scale_inv.dtype, updates.dtype,
+           amax_history.data_ptr() % 4, index, fmt, approximate, transpose, dbias, bool(current_first))
+    if key not in _checked:  # the full check of fusedfp8.ops, once per signature (it writes nothing)
+        slot = _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first)
+        _ops._Plan(x, b, slot, None, None, op, transpose, dbias, argname="x" if b is None else "dy")
+        if not (x.is_contiguous() and (b is None or b.is_contiguous())
+                and all(t.is_contiguous() for t in state) and updates.device == x.device):
+            raise ValueError("fusedfp8 custom ops need contiguous inputs and state tensors on the input's device")
+        _checked.add(key)
+    rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
+    dt = _fp8_dtype(fmt)
+    q = torch.empty(x.shape, dtype=dt, device=x.device)
+    q_t = torch.empty((cols, rows), dtype=dt, device=x.device) if transpose else None
+    si = torch.empty((1,), dtype=torch.float32, device=x.device)
+    db = partial = counters = None
+    if dbias:
+        part_shape, n_counters = _cuda.dbias_workspace(rows, cols)
+        db = (torch.empty if x.numel() else torch.zeros)((cols,), dtype=torch.float32, device=x.device)
+        partial = torch.empty(part_shape, dtype=torch.float32, device=x.device)
+        counters = torch.zeros((n_counters,), dtype=torch.int32, device=x.device)
+    f32 = 4
+    off = index * f32
+    h, s, sinv = amax_history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr()
+    device = x.get_device()
+    _cuda.launch_quantize(
+        device, torch._C._cuda_getCurrentRawStream(device), dtype=str(x.dtype)[6:], fmt=fmt,
+        op=kernel_op(op, approximate), x=x.data_ptr(), b=b.data_ptr() if b is not None else 0, q=q.data_ptr(),
+        scale=s + off, amax=h + off, rows=rows, cols=cols, q_t=q_t.data_ptr() if q_t is not None else 0,
+        dbias=db.data_ptr() if dbias and x.numel() else 0, partial=partial.data_ptr() if dbias else 0,
+        counters=counters.data_ptr() if dbias else 0, scale_inv_used=si.data_ptr(), first=bool(current_first),
+        updates=updates.data_ptr() + off, scale_out=s + off, scale_inv_out=sinv + off,
+        margin_factor=float(margin_factor))
+    return q, q_t, db, si
+
+
 # ---- quantize --------------------------------------------------------------------------------
 @_register("quantize", _MUTATED)
 def quantize(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
              fmt: str, margin_factor: float, current_first: bool) -> tuple[Tensor, Tensor]:
     """``fp8(x * scale[index])`` (same shape as x) and its scale_inv; amax of x into
     ``amax_history[0, index]``."""
-    r = _ops.quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first))
-    return r.data, r.scale_inv
+    q, _, _, si = _run("identity", x, None, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
+                       current_first, "tanh", False, False)
+    return q, si
 
 
 @quantize.register_fake
@@ -118,9 +171,9 @@ def quantize_t(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor
                fmt: str, margin_factor: float, current_first: bool) -> tuple[Tensor, Tensor, Tensor]:
     """As :func:`quantize`, plus the contiguous quantized transpose (shape[-1], prod(shape[:-1]))
     before the scale_inv."""
-    r = _ops.quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first),
-                      transpose=True)
-    return r.data, r.data_t, r.scale_inv
+    q, q_t, _, si = _run("identity", x, None, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
+                         current_first, "tanh", True, False)
+    return q, q_t, si
 
 
 @quantize_t.register_fake
@@ -135,9 +188,9 @@ def gelu_quantize(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Ten
                   fmt: str, margin_factor: float, current_first: bool, approximate: str) -> tuple[Tensor, Tensor]:
     """``fp8(gelu(x) * scale[index])`` and its scale_inv; the amax is of gelu(x).
     ``approximate``: 'tanh' or 'none'."""
-    r = _ops.gelu_quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
-                                    current_first), approximate=approximate)
-    return r.data, r.scale_inv
+    q, _, _, si = _run("gelu", x, None, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
+                       current_first, approximate, False, False)
+    return q, si
 
 
 @gelu_quantize.register_fake
@@ -150,9 +203,9 @@ def gelu_quantize_t(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: T
                     fmt: str, margin_factor: float, current_first: bool,
                     approximate: str) -> tuple[Tensor, Tensor, Tensor]:
     """As :func:`gelu_quantize`, plus the quantized transpose of gelu(x) before the scale_inv."""
-    r = _ops.gelu_quantize(x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
-                                    current_first), approximate=approximate, transpose=True)
-    return r.data, r.data_t, r.scale_inv
+    q, q_t, _, si = _run("gelu", x, None, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
+                         current_first, approximate, True, False)
+    return q, q_t, si
 
 
 @gelu_quantize_t.register_fake
@@ -169,9 +222,9 @@ def dgelu_quantize_t(dy: Tensor, x: Tensor, amax_history: Tensor, scale: Tensor,
     """``dx = dy * gelu'(x)`` quantized, its transpose, the (N,) float32 column sums of the
     unquantized dx when ``dbias`` (an empty (0,) float32 tensor otherwise) and the scale_inv.
     dy, x: same shape and dtype; the amax is of dx."""
-    r = _ops.dgelu_quantize(dy, x, _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
-                                         current_first), approximate=approximate, transpose=True, dbias=dbias)
-    return r.data, r.data_t, r.dbias if dbias else dy.new_empty((0,), dtype=torch.float32), r.scale_inv
+    q, q_t, db, si = _run("dgelu", dy, x, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
+                          current_first, approximate, True, dbias)
+    return q, q_t, db if dbias else dy.new_empty((0,), dtype=torch.float32), si
 
 
 @dgelu_quantize_t.register_fake

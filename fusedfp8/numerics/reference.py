@@ -8,37 +8,18 @@ erfc, built from + - * / only, because ``np.tanh`` and CUDA's ``tanhf`` do not r
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import numpy as np
 
-from .formats import Format, get_format
-from .recipe import DelayedScaling
-from .state import ScalingState, apply_update
+from ..formats import Format, get_format
+from ..types import Quantized, check_approximate
+
+from . import scaling
+from .constants import (EXP_MIN_ARG, EXP_POLY, ERFC_C0, ERFC_POLY, GELU_C1, GELU_C3, INV_SQRT2, INV_SQRT_2PI,
+                        LN2_HI, LN2_LO, LOG2E, SQRT_2_OVER_PI)
+from .xp import NumpyNamespace
 
 f32 = np.float32
-
-# ---- float32 constants, as the same hex literals as in cuda_src/common.cuh ------------------
-def _hex(h: str) -> np.float32:
-    return f32(float.fromhex(h))
-
-
-LOG2E = _hex("0x1.715476p+0")
-LN2_HI = _hex("0x1.62e4p-1")
-LN2_LO = _hex("0x1.7f7d1cp-20")
-# exp(r) on [-ln2/2, ln2/2]: Taylor to degree 6 (error 1.2e-7 relative), highest first
-EXP_POLY = tuple(_hex(h) for h in ("0x1.6c16c2p-10", "0x1.111112p-7", "0x1.555556p-5", "0x1.555556p-3",
-                                    "0x1p-1", "0x1p+0", "0x1p+0"))
-SQRT_2_OVER_PI = _hex("0x1.988454p-1")
-GELU_C1 = _hex("0x1.6e4e26p-5")
-GELU_C3 = _hex("0x1.12ba9ep-3")  # 3 * 0.044715
-INV_SQRT2 = _hex("0x1.6a09e6p-1")
-INV_SQRT_2PI = _hex("0x1.988454p-2")
-ERFC_POLY = tuple(_hex(h) for h in ("0x1.5df28ap-3", "-0x1.a4f124p-1", "0x1.7d0f6p+0", "-0x1.229cbap+0",
-                                     "0x1.1d8f98p-2", "-0x1.7d8498p-3", "0x1.8c6d92p-4", "0x1.7f11f6p-2",
-                                     "0x1.00018ep+0"))
-ERFC_C0 = _hex("0x1.43f89cp+0")
-EXP_MIN_ARG = f32(-87.0)  # below: exp flushes to 0 (< 1.7e-38), so 2**k stays a normal float
+_NP = NumpyNamespace()
 
 
 def fma_f32(a, b, c) -> np.ndarray:
@@ -67,7 +48,7 @@ def fma_f32(a, b, c) -> np.ndarray:
     return np.where(go_other, other, r).astype(np.float32)
 
 
-def _float32(x) -> np.ndarray:
+def to_float32(x) -> np.ndarray:
     """Input (float32, float16 or ml_dtypes.bfloat16) to float32: exact."""
     x = np.asarray(x)
     if x.dtype.name not in ("float32", "float16", "bfloat16"):
@@ -90,7 +71,7 @@ def cast_to_fp8(v: np.ndarray, fmt: str | Format) -> np.ndarray:
 
 def amax(x) -> np.float32:
     """max |x| in float32, NaN-propagating (canonical NaN), 0 for an empty array."""
-    v = _float32(x)
+    v = to_float32(x)
     if v.size == 0:
         return f32(0.0)
     m = np.max(np.abs(v))
@@ -110,25 +91,7 @@ def _as_2d(v: np.ndarray, argname: str = "x") -> np.ndarray:
     return v.reshape(math.prod(v.shape[:-1]), v.shape[-1])  # (-1 is ambiguous when the size is 0)
 
 
-class Quantized(NamedTuple):
-    """Result of a quantization.
-
-    data : the FP8 array, shape of the input.
-    amax : float32 max |input| (or of the activation / gradient), NaN-propagating.
-    data_t : the quantized transpose (N, M) of the input viewed as (M, N), or None.
-    dbias : (N,) float32 column sums of the unquantized gradient (dgelu only), or None.
-    scale_inv : (1,) float32, ``1 / scale`` of the scale the data was quantized with (its own
-        buffer: the operand scale to hand to an FP8 GEMM), or None (the reference functions).
-    """
-
-    data: np.ndarray
-    amax: np.float32
-    data_t: np.ndarray | None = None
-    dbias: np.ndarray | None = None
-    scale_inv: np.ndarray | None = None
-
-
-def _finish(v: np.ndarray, amax_v, scale, fmt, transpose: bool, dbias=None) -> Quantized:
+def finish(v: np.ndarray, amax_v, scale, fmt, transpose: bool, dbias=None) -> Quantized:
     with np.errstate(over="ignore", invalid="ignore"):
         q = cast_to_fp8(v * _scale_value(scale), fmt)
     q_t = np.ascontiguousarray(_as_2d(q).T) if transpose else None
@@ -137,8 +100,8 @@ def _finish(v: np.ndarray, amax_v, scale, fmt, transpose: bool, dbias=None) -> Q
 
 def quantize(x, scale, fmt: str | Format = "e4m3", transpose: bool = False) -> Quantized:
     """``q = fp8(float32(x) * scale)``, ``amax = max |x|``; optionally also ``q.T`` (2-D view)."""
-    v = _float32(x)
-    return _finish(v, amax(v), scale, fmt, transpose)
+    v = to_float32(x)
+    return finish(v, amax(v), scale, fmt, transpose)
 
 
 def dequantize(q, scale_inv, dtype=np.float32) -> np.ndarray:
@@ -234,44 +197,41 @@ def column_sums(v: np.ndarray, argname: str = "dy") -> np.ndarray:
     return _as_2d(v, argname).astype(np.float64).sum(axis=0).astype(np.float32)
 
 
-def _check_approximate(approximate: str) -> str:
-    if approximate not in ("tanh", "none"):
-        raise ValueError(f"approximate must be 'tanh' or 'none'; got {approximate!r}")
-    return approximate
+def activation(op: str, x, b=None, approximate: str = "tanh") -> np.ndarray:
+    """The float32 value a kernel quantizes: ``x`` ('identity'), ``gelu(x)`` ('gelu') or
+    ``x * gelu'(b)`` ('dgelu': x is the incoming gradient dy, b the forward input)."""
+    xf = to_float32(x)
+    if op == "identity":
+        return xf
+    with np.errstate(all="ignore"):
+        if op == "gelu":
+            return gelu_f32(xf, check_approximate(approximate))
+        return (xf * dgelu_f32(to_float32(b), check_approximate(approximate))).astype(np.float32)
 
 
 def gelu_quantize(x, scale, fmt: str | Format = "e4m3", approximate: str = "tanh",
                   transpose: bool = False) -> Quantized:
     """``y = gelu(x)`` in float32, quantized; ``amax = max |y|``."""
-    y = gelu_f32(_float32(x), _check_approximate(approximate))
-    return _finish(y, amax(y), scale, fmt, transpose)
+    y = gelu_f32(to_float32(x), check_approximate(approximate))
+    return finish(y, amax(y), scale, fmt, transpose)
 
 
 def dgelu_quantize(dy, x, scale, fmt: str | Format = "e5m2", approximate: str = "tanh",
                    transpose: bool = False, dbias: bool = False) -> Quantized:
     """``dx = dy * gelu'(x)`` in float32, quantized; ``amax = max |dx|``; ``dbias`` = column
     sums of the unquantized dx over the (M, N) view (float32)."""
-    dyf, xf = _float32(dy), _float32(x)
+    dyf, xf = to_float32(dy), to_float32(x)
     if dyf.shape != xf.shape:
         raise ValueError(f"dy and x must have the same shape; got {dyf.shape} and {xf.shape}")
     with np.errstate(all="ignore"):
-        dx = (dyf * dgelu_f32(xf, _check_approximate(approximate))).astype(np.float32)
+        dx = (dyf * dgelu_f32(xf, check_approximate(approximate))).astype(np.float32)
         db = column_sums(dx) if dbias else None
-    return _finish(dx, amax(dx), scale, fmt, transpose, db)
+    return finish(dx, amax(dx), scale, fmt, transpose, db)
 
 
-# ---- delayed scaling -------------------------------------------------------------------------
-def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
-    """The update rule of :mod:`fusedfp8.state` on numpy arrays (in place)."""
-    return apply_update(state, recipe)
-
-
+# ---- scaling ---------------------------------------------------------------------------------
 def current_scale(amax_v, fmt: str | Format, margin_factor: float, fallback) -> np.float32:
     """First-step scale from the tensor's own amax, with the update rule's formula; the
-    ``fallback`` scale where amax is 0 or non-finite."""
-    from .state import compute_scale, namespace
-
+    ``fallback`` scale where amax is 0 (either sign) or non-finite."""
     a = np.asarray(amax_v, np.float32)
-    if not np.isfinite(a) or a.view(np.int32) == 0:
-        return f32(fallback)
-    return f32(compute_scale(namespace(a), a, f32(get_format(fmt).max), f32(margin_factor)))
+    return f32(scaling.current_scale(_NP, a, f32(get_format(fmt).max), f32(margin_factor), f32(fallback)))

@@ -1,6 +1,6 @@
 """The GPU backend of the JAX primitives: ``jax.experimental.buffer_callback`` callbacks that hand
-XLA's device buffers to :func:`fusedfp8.ops.launch_quantize` / :func:`~fusedfp8.ops.launch_update_scales`
-on XLA's stream (``ctx.stream``).
+XLA's device buffers to :func:`fusedfp8._cuda.launch_quantize` /
+:func:`~fusedfp8._cuda.launch_update_scales` on XLA's stream (``ctx.stream``).
 
 Nothing here runs on the host per element: a callback reads raw pointers off the buffers, works
 out the column offsets of the state, and launches. With ``command_buffer_compatible=True`` XLA
@@ -17,7 +17,7 @@ import functools
 
 import numpy as np
 
-from .. import _cuda, ops
+from .. import _cuda
 from ..formats import Format
 
 _F32 = 4  # bytes of a float32 / int32 state entry
@@ -109,8 +109,8 @@ def quantize_callback(*, dtype: str, fmt: Format, op: str, index: int, rows: int
             _memset(_ptr(counters), _size(counters) * _F32, stream)
             if rows * cols == 0:
                 _memset(_ptr(db), _size(db) * _F32, stream)
-        ops.launch_quantize(
-            _current_device(), stream, dtype=dtype, fmt=fmt, op=op, x=_ptr(x), b=_ptr(b) if has_b else 0, q=_ptr(q),
+        _cuda.launch_quantize(
+            _current_device(), stream, dtype=dtype, fmt=fmt.name, op=op, x=_ptr(x), b=_ptr(b) if has_b else 0, q=_ptr(q),
             scale=s + off, amax=h + off, rows=rows, cols=cols, q_t=_ptr(q_t) if transpose else 0,
             dbias=_ptr(db) if dbias and rows * cols else 0, partial=_ptr(partial) if dbias else 0,
             counters=_ptr(counters) if dbias else 0, scale_inv_used=_ptr(si_used), first=current_first,
@@ -127,7 +127,7 @@ def update_callback(*, n: int, L: int, margin_factor: float, algo_max: bool):
     def callback(ctx, outs, hist, scale, scale_inv, overflows, updates, fmt_max):
         stream = int(ctx.stream)
         ptrs = [_same_or_copy(o, i, stream) for o, i in zip(outs, (hist, scale, scale_inv, overflows, updates))]
-        ops.launch_update_scales(_current_device(), stream, amax_history=ptrs[0], scale=ptrs[1], scale_inv=ptrs[2],
+        _cuda.launch_update_scales(_current_device(), stream, amax_history=ptrs[0], scale=ptrs[1], scale_inv=ptrs[2],
                                  overflows=ptrs[3], updates=ptrs[4], fmt_max=_ptr(fmt_max), n=n, L=L,
                                  margin_factor=margin_factor, algo_max=algo_max)
 

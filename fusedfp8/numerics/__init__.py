@@ -1,0 +1,13 @@
+"""The ground floor: pure float32 numerics, no state object, no framework glue, no device.
+
+- :mod:`.constants`: the float32 constants and polynomial coefficients (the same hex literals as
+  ``cuda_src/common.cuh``).
+- :mod:`.reference`: the NumPy / ml_dtypes twin of every kernel (cast, amax, exp, erfc, gelu,
+  dgelu, fma, column sums): the oracle of the CUDA kernels and the CPU backend.
+- :mod:`.jnp`: the same op sequences in ``jax.numpy`` (imports jax; load it only when needed).
+- :mod:`.scaling`: the delayed-scaling rule and the scale formula, written once over an array
+  namespace.
+- :mod:`.xp`: the array namespaces (numpy, cupy, torch, jax.numpy) that :mod:`.scaling` runs on.
+
+Nothing here imports the rest of the package but :mod:`fusedfp8.formats` and :mod:`fusedfp8.types`.
+"""

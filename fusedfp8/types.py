@@ -1,0 +1,56 @@
+"""The library's shared vocabulary: the result type, the dtype names, the activation flavours,
+and the one check of a recipe argument.
+
+Everything here is plain Python: no framework, no device.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+FLOAT_INPUTS = ("float32", "float16", "bfloat16")  # the dtypes the kernels read
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # the dtypes they write (bytes on CuPy)
+
+# gelu flavours, as torch.nn.functional.gelu / jax.nn.gelu name them -> the kernels' op suffix
+GELU_APPROXIMATIONS = {"tanh": "tanh", "none": "erf"}
+
+# the elementwise operation fused before the cast; 'identity' is plain quantization
+OPS = ("identity", "gelu", "dgelu")
+
+
+class Quantized(NamedTuple):
+    """Result of a quantization.
+
+    data : the FP8 array, shape of the input.
+    amax : float32 max |input| (or of the activation / gradient), NaN-propagating.
+    data_t : the quantized transpose (N, M) of the input viewed as (M, N), or None.
+    dbias : (N,) float32 column sums of the unquantized gradient (dgelu only), or None.
+    scale_inv : (1,) float32, ``1 / scale`` of the scale the data was quantized with (its own
+        buffer: the operand scale to hand to an FP8 GEMM), or None (the reference functions).
+    """
+
+    data: Any
+    amax: Any
+    data_t: Any = None
+    dbias: Any = None
+    scale_inv: Any = None
+
+
+def check_approximate(approximate, argname: str = "approximate") -> str:
+    """``approximate`` if it names a gelu flavour ('tanh' or 'none'); ValueError otherwise."""
+    if not isinstance(approximate, str) or approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"{argname} must be 'tanh' or 'none'; got {approximate!r}")
+    return approximate
+
+
+def kernel_op(op: str, approximate: str = "tanh") -> str:
+    """The kernels' name of an operation: 'identity', 'gelu_tanh', 'gelu_erf', 'dgelu_tanh', 'dgelu_erf'."""
+    return op if op == "identity" else f"{op}_{GELU_APPROXIMATIONS[check_approximate(approximate)]}"
+
+
+def check_recipe(recipe, argname: str = "recipe"):
+    """``recipe`` if it is a :class:`fusedfp8.DelayedScaling`; TypeError naming ``argname`` otherwise."""
+    from .recipe import DelayedScaling
+
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(f"{argname} must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
+    return recipe
