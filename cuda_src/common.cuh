@@ -98,7 +98,8 @@ __device__ __forceinline__ u32 abs_bits(float v) {
     return u > 0x7f800000u ? 0x7fc00000u : u;
 }
 
-// Max over the block, then ONE atomicMax into dst (a float32 slot viewed as uint32).
+// Max over the block, then ONE atomicMax into dst (a float32 slot viewed as uint32). A slot that
+// holds -0 (bits 0x80000000, above every amax) is first turned into +0: -0 behaves as 0.
 template <int THREADS> __device__ __forceinline__ void block_amax_atomic(u32 v, float* dst) {
     __shared__ u32 warp_max[THREADS / 32];
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -108,7 +109,11 @@ template <int THREADS> __device__ __forceinline__ void block_amax_atomic(u32 v, 
     if (warp == 0) {
         v = lane < THREADS / 32 ? warp_max[lane] : 0u;
         for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-        if (lane == 0 && v != 0u) atomicMax(reinterpret_cast<u32*>(dst), v);
+        if (lane == 0 && v != 0u) {
+            u32* slot = reinterpret_cast<u32*>(dst);
+            atomicCAS(slot, 0x80000000u, 0u);  // a slot holding -0 holds 0 (its bits would outrank every amax)
+            atomicMax(slot, v);
+        }
     }
 }
 

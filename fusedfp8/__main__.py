@@ -3,9 +3,13 @@
 - ``info [--compile]``: versions, the GPU and its compute capability, the capability probe's
   verdict and reason, where the kernel sources and the kernel cache live; ``--compile`` builds
   every kernel instantiation now (progress bar, time taken).
-- ``demo``: trains the MLP of DESIGN.md in bf16 and in FP8 (see :mod:`fusedfp8.demo`).
-- ``bench``: runs ``scripts/bench_kernels.py`` and ``scripts/bench_mlp.py`` of a source checkout
-  and collects their JSON, PNG and logs in one folder with a markdown summary.
+- ``demo``: trains the MLP of DESIGN.md in bf16 and in FP8 (see :mod:`fusedfp8.demo`); writes
+  ``./fusedfp8_demo/`` by default.
+- ``bench``: runs ``scripts/bench_kernels.py``, ``bench_mlp_torch.py`` and ``bench_mlp_jax.py`` of a
+  source checkout and collects their JSON, PNG and logs in one folder (``./fusedfp8_bench/`` by
+  default) with a markdown summary (see :mod:`fusedfp8.demo.bench`).
+
+``demo`` and ``bench`` say in their last line where they wrote.
 
 Each subcommand's ``--help`` explains its flags.
 """
@@ -15,7 +19,6 @@ import argparse
 import importlib
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -128,8 +131,8 @@ def _demo_parser(sub) -> None:
         "demo", help="train the MLP of DESIGN.md in bf16 and FP8, print a table, draw the curves",
         description="Trains LayerNorm -> Linear -> gelu -> Linear with FP8 delayed scaling next to bf16 from the "
                     "same weights and data, then prints a summary table (step time, speed-up, losses, overflows) "
-                    "and writes demo_summary.md, demo.json and demo.png (loss curves; amax and scale of every FP8 "
-                    "tensor) to --out. On a GPU with FP8 support it runs there; otherwise on the CPU reference "
+                    "and writes demo_summary.md, demo.json and demo.png (loss curves, the FP8/bf16 loss ratio per "
+                    "step, amax and scale of every FP8 tensor) to --out. On a GPU with FP8 support it runs there; otherwise on the CPU reference "
                     "path (bit-exact FP8 emulation; its step times are not a speed measurement).")
     p.add_argument("--framework", choices=["torch", "jax"], default="torch",
                    help="which integration trains the model (default torch)")
@@ -181,96 +184,32 @@ def demo(args) -> int:
     return 0
 
 
-# ---- bench -----------------------------------------------------------------------------------
-BENCH_SCRIPTS = ("bench_kernels.py", "bench_mlp.py")
+# ---- bench ---------------------------------------------------------------------------------
+def _bench_parser(sub) -> None:
+    from .demo.bench import BENCHMARKS
 
-
-def scripts_dir() -> Path | None:
-    """``scripts/`` of the source checkout this package runs from, or None (installed wheel)."""
-    d = Path(__file__).resolve().parent.parent / "scripts"
-    return d if all((d / s).is_file() for s in BENCH_SCRIPTS) else None
-
-
-def bench_commands(scripts: Path, out: Path, device: str, tiny: bool) -> list[tuple[str, list[str] | None, str]]:
-    """(name, argv or None, why) per benchmark; argv None = skipped, ``why`` says why."""
-    py = sys.executable
-    cmds = []
-    if device == "cuda":
-        args = ["--sizes", "1024x1024", "--jobs", "quantize,quantize_t"] if tiny else []
-        cmds.append(("bench_kernels", [py, str(scripts / "bench_kernels.py"), "--out", str(out), *args], ""))
-    else:
-        cmds.append(("bench_kernels", None, "needs a GPU that runs the fused kernels"))
-    if device == "cuda":
-        args = (["--shapes", "1024x4096x2048", "--modes", "bf16_eager,fp8_eager", "--steps", "10", "--reps", "2",
-                 "--no-profile"] if tiny else [])
-        cmds.append(("bench_mlp", [py, str(scripts / "bench_mlp.py"), "--framework", "torch", "--out", str(out), *args],
-                     ""))
-    elif tiny:
-        cmds.append(("bench_mlp", [py, str(scripts / "bench_mlp.py"), "--framework", "torch", "--out", str(out),
-                                   "--device", "cpu", "--shapes", "32x64x48", "--modes", "bf16_eager,fp8_eager",
-                                   "--steps", "3", "--block", "1", "--reps", "1", "--no-profile"],
-                     "CPU smoke test of the script (tiny shape; not a measurement)"))
-    else:
-        cmds.append(("bench_mlp", None, "needs a GPU with FP8 GEMMs (--tiny runs a CPU smoke test of the script)"))
-    return cmds
-
-
-def _table_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("|")]
+    p = sub.add_parser(
+        "bench", help="run scripts/bench_kernels.py, bench_mlp_torch.py and bench_mlp_jax.py, collect the results",
+        description="Runs the benchmark scripts of a source checkout (they are not installed with the package) and "
+                    "collects their JSON, PNG and logs in --out with a markdown summary (summary.md). Without a "
+                    "usable GPU the benchmarks are skipped with the reason (--tiny runs CPU smoke tests of the MLP "
+                    "benchmark scripts). Every command is printed, skipped ones too.")
+    p.add_argument("--out", default="fusedfp8_bench", help="output folder (default ./fusedfp8_bench)")
+    p.add_argument("--dry-run", action="store_true", help="print every command and write the summary, run nothing")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (a quick check that the scripts run, not a measurement)")
+    p.add_argument("--only", type=lambda v: v.split(","), default=None, metavar="NAME[,NAME]",
+                   help=f"run only these benchmarks, from {', '.join(BENCHMARKS)}")
 
 
 def bench(args) -> int:
-    from . import _cuda
+    from .demo.bench import BENCHMARKS, run_bench
 
-    scripts = scripts_dir()
-    if scripts is None:
-        print("python -m fusedfp8 bench: error: the benchmark scripts (scripts/bench_kernels.py, scripts/bench_mlp.py) "
-              "are not installed with the package; run this from a source checkout (git clone the fusedfp8 "
-              "repository, pip install -e '.[all]' there)", file=sys.stderr)
+    unknown = sorted(set(args.only or ()) - set(BENCHMARKS))
+    if unknown:
+        print(f"python -m fusedfp8 bench: error: --only: unknown {unknown}; choose from {', '.join(BENCHMARKS)}",
+              file=sys.stderr)
         return 2
-    ok, reason = _cuda.probe(need_fp8_gemm=True)
-    device = "cuda" if ok else "cpu"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cmds = bench_commands(scripts, out, device, args.tiny)
-    lines = ["# fusedfp8 benchmarks", "",
-             f"- date {time.strftime('%Y-%m-%d %H:%M')}, python {platform.python_version()}, "
-             f"device: {'GPU' if ok else 'no usable GPU'} ({reason})",
-             f"- mode: {'dry run (nothing executed)' if args.dry_run else 'tiny sizes' if args.tiny else 'full'}",
-             ""]
-    rc = 0
-    for name, argv, why in cmds:
-        lines.append(f"## {name}")
-        lines.append("")
-        if argv is None:
-            lines += [f"skipped: {why}", ""]
-            print(f"{name}: skipped ({why})")
-            continue
-        shown = " ".join(argv)
-        lines += [f"command: `{shown}`" + (f" ({why})" if why else ""), ""]
-        if args.dry_run:
-            print(f"{name}: would run {shown}")
-            lines += ["not executed (--dry-run)", ""]
-            continue
-        print(f"{name}: running {shown}", flush=True)
-        t0 = time.perf_counter()
-        proc = subprocess.run(argv, capture_output=True, text=True, cwd=scripts.parent)
-        wall = time.perf_counter() - t0
-        log = out / f"{name}.log"
-        log.write_text(proc.stdout + ("\n--- stderr ---\n" + proc.stderr if proc.stderr else ""))
-        status = "ok" if proc.returncode == 0 else f"FAILED (exit code {proc.returncode})"
-        print(f"{name}: {status} in {wall:.0f} s; log {log}")
-        rc = rc or proc.returncode
-        lines += [f"{status}, {wall:.0f} s; log: [{log.name}]({log.name})", ""]
-        lines += _table_lines(proc.stdout) + [""]
-        for ext in ("json", "png"):
-            f = out / f"{name}.{ext}"
-            if f.is_file():
-                lines += [f"![{name}]({f.name})" if ext == "png" else f"data: [{f.name}]({f.name})", ""]
-    summary = out / "summary.md"
-    summary.write_text("\n".join(lines))
-    print(f"wrote {summary}")
-    return 1 if rc else 0
+    return run_bench(args.out, dry_run=args.dry_run, tiny=args.tiny, only=args.only)
 
 
 # ---- entry -----------------------------------------------------------------------------------
@@ -284,16 +223,7 @@ def main(argv=None) -> int:
                         help="compile every kernel instantiation now, so the first training step does not pay for NVRTC")
     p_info.add_argument("--no-progress", action="store_true", help="no progress bar for --compile")
     _demo_parser(sub)
-    p_bench = sub.add_parser(
-        "bench", help="run scripts/bench_kernels.py and scripts/bench_mlp.py, collect results in one folder",
-        description="Runs the benchmark scripts of a source checkout (they are not installed with the package) and "
-                    "collects their JSON, PNG and logs in --out with a markdown summary (summary.md). Without a "
-                    "usable GPU the benchmarks are skipped with the reason (--tiny runs a CPU smoke test of "
-                    "bench_mlp.py).")
-    p_bench.add_argument("--out", default="fusedfp8_bench", help="output folder (default ./fusedfp8_bench)")
-    p_bench.add_argument("--dry-run", action="store_true", help="write the summary with the commands, run nothing")
-    p_bench.add_argument("--tiny", action="store_true",
-                         help="tiny sizes (a quick check that the scripts run, not a measurement)")
+    _bench_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd == "info":
         return info(args.compile, progress=not args.no_progress)

@@ -146,7 +146,7 @@ class _Numpy(_Adapter):
     def info(self, x, argname):
         if isinstance(x, np.generic):
             return ArrayInfo(np.asarray(x), "numpy", -1, x.dtype.name, (), True, writable=False,
-                             why_not_writable="a numpy scalar is a value, not memory: pass a 1-element array")
+                             why_not_writable="a numpy scalar (a value, not memory: pass a 1-element array)")
         why = "" if x.flags.writeable else "a read-only numpy array"
         return ArrayInfo(x, "numpy", -1, x.dtype.name, tuple(x.shape), bool(x.flags.c_contiguous), writable=not why,
                          why_not_writable=why)
@@ -331,6 +331,20 @@ def is_mutable(a) -> bool:
 
 def copy(a):
     return _adapter(framework_of(a)).copy(a)
+
+
+def as_jax(a, argname: str):
+    """A jax array (or tracer) as is, a numpy array converted; TypeError naming ``argname`` for
+    the arrays of other frameworks."""
+    fw = framework_of(a)
+    if fw == "jax":
+        return a
+    if fw == "numpy":
+        import jax.numpy as jnp
+
+        return jnp.asarray(a)
+    raise TypeError(f"{argname}: fusedfp8.jax needs jax (or numpy) arrays; got a {fw} array (fusedfp8.quantize / "
+                    "fusedfp8.update_scales take those)")
 
 
 def host_copy(a) -> np.ndarray:

@@ -340,8 +340,8 @@ def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
 
     The rule is :func:`fusedfp8.numerics.scaling.update_rule`. On a GPU it is one kernel launch
     (numpy, torch CPU and jax on the CPU run the rule through their own array namespace). numpy /
-    torch / cupy states are updated in place and returned; jax states are immutable and a new
-    state is returned. Always use the return value.
+    torch / cupy states are updated in place and returned (and their ``on_update`` is called);
+    jax states are immutable and a new state is returned. Always use the return value.
     """
     if not isinstance(state, ScalingState):
         raise TypeError(f"state must be a fusedfp8.ScalingState; got {type(state).__name__}")
@@ -350,7 +350,10 @@ def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
     infos = _check_state_arrays(state)
     hi = infos[0]
     if not hi.is_gpu:
-        return apply_update(state, recipe)
+        new = apply_update(state, recipe)
+        if new is state and state.on_update is not None:
+            state.on_update()
+        return new
     views = [io.device_view(i) for i in infos]
     immutable = not io.is_mutable(state.amax_history)
     if immutable:  # jax buffers: update copies, return a new state
@@ -361,4 +364,6 @@ def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
                                margin_factor=recipe.margin_factor, algo_max=recipe.amax_compute_algo == "max")
     if immutable:
         return state.replace(**{f: io.out_for_caller(v.array, hi) for f, v in zip(STATE_FIELDS, views)})
+    if state.on_update is not None:
+        state.on_update()
     return state

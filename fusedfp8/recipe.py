@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from .formats import RECIPE_FORMATS, Format
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+MAX_MARGIN = 64  # 2**margin stays exact and every scale normal for amaxes below 2**62
 FIRST_STEPS = ("current", "unit")
 
 
@@ -23,8 +24,9 @@ class DelayedScaling:
 
     Parameters
     ----------
-    margin : int or float, >= 0
-        ``scale = (fmt_max / amax) / 2**margin``.
+    margin : int or float, 0 <= margin <= 64
+        ``scale = (fmt_max / amax) / 2**margin``. Bounded so that ``2**margin`` is a finite float32
+        and the scale cannot underflow to 0 (from margin 128 on it would: scale 0, scale_inv inf).
     amax_history_len : int, >= 1
         Rows of the amax history (row 0 is the staging slot of the current step).
     amax_compute_algo : {'max', 'most_recent'}
@@ -52,6 +54,9 @@ class DelayedScaling:
             raise TypeError(f"DelayedScaling.margin must be a number >= 0; got {type(self.margin).__name__}")
         if not math.isfinite(self.margin) or self.margin < 0:
             raise ValueError(f"DelayedScaling.margin must be a finite number >= 0; got {self.margin!r}")
+        if self.margin > MAX_MARGIN:
+            raise ValueError(f"DelayedScaling.margin must be in [0, {MAX_MARGIN}] (scale = fmt_max / amax / "
+                             f"2**margin; a larger margin underflows the scale); got {self.margin!r}")
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
             raise TypeError(
                 f"DelayedScaling.amax_history_len must be an int >= 1; got {type(self.amax_history_len).__name__}")

@@ -57,10 +57,16 @@ class ScalingState:
         flag that the kernels read on the device).
     grad : tuple of bool, length n
         Which tensors are gradients (E5M2 under the 'hybrid' recipe). Static metadata.
+    on_update : callable or None
+        Called with no argument after :func:`fusedfp8.update_scales` has updated this state in
+        place (set by the owner of the arrays, e.g. ``Fp8Linear.fp8_state``, so that an update
+        made through the generic function counts as the module's update). Not part of the
+        arrays: :meth:`replace` keeps it, :meth:`copy` (new arrays, which the owner does not
+        hold) does not; a jax pytree carries it as None.
 
     All arrays belong to one framework and one device. A fresh state (:meth:`create`) has a
-    zero history, scale 1, scale_inv 1 and zero counters. These six fields are the whole
-    state: :meth:`copy` and :meth:`replace` keep all of them.
+    zero history, scale 1, scale_inv 1 and zero counters. These seven fields are the whole
+    state object.
     """
 
     amax_history: Any
@@ -69,6 +75,7 @@ class ScalingState:
     overflows: Any
     updates: Any
     grad: tuple
+    on_update: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         self.grad = _check_grad(self.grad)
@@ -179,7 +186,8 @@ class ScalingState:
         return dataclasses.replace(self, **arrays)
 
     def copy(self) -> "ScalingState":
-        return self.replace(**{f: io.copy(a) for f, a in self.arrays().items()})
+        """A state with copies of the arrays (and no ``on_update``: its owner does not hold them)."""
+        return self.replace(**{f: io.copy(a) for f, a in self.arrays().items()}, on_update=None)
 
     def summary(self, recipe: DelayedScaling | None = None, names: Sequence[str] | None = None) -> str:
         """A plain-text table of every tensor's scale, amaxes and overflow count.

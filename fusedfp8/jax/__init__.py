@@ -36,6 +36,7 @@ def _unflatten(grad, arrays):
     for name, value in zip(_FIELDS, arrays):
         object.__setattr__(obj, name, value)
     object.__setattr__(obj, "grad", grad)
+    object.__setattr__(obj, "on_update", None)
     return obj
 
 

@@ -3,6 +3,7 @@
 ::
 
     import flax.linen as nn
+from flax.training import train_state
     from fusedfp8.jax.flax import Fp8DotGeneral
 
     dense = nn.Dense(4096, dot_general_cls=Fp8DotGeneral)
@@ -25,26 +26,44 @@ module per step). Variables converted to flax's ``fp32_max_grad`` dtype (as pipe
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import flax.linen as nn
+from flax.training import train_state
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from ..recipe import DelayedScaling
 from ..types import check_recipe
-from ..state import STATE_FIELDS as STATE_VARIABLES
 from . import functional as F
+from .meta import META_FIELDS as STATE_VARIABLES
 from .meta import declare_state
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+_USES = "_fusedfp8_uses"  # attribute of a root flax scope: module path -> (stored value, last output meta)
 
-__all__ = ["Fp8DotGeneral", "Fp8MLP", "OVERWRITE_WITH_GRADIENT", "STATE_VARIABLES"]
+__all__ = ["Fp8DotGeneral", "Fp8MLP", "TrainState", "keep_unwritten", "OVERWRITE_WITH_GRADIENT", "STATE_VARIABLES"]
 
 
 def _declare_state(module: nn.Module, recipe: DelayedScaling):
     """The module's state variables (created on init), read as a float32 meta."""
     return declare_state(module, OVERWRITE_WITH_GRADIENT, recipe)
+
+
+def _this_use(module, stored: tuple):
+    """(meta, first) for this call of ``module``: its stored variables on the first call in this
+    apply, the output meta of its previous call on a later one (so that one step advances the
+    state once and max-accumulates every call's amaxes, instead of summing the calls' states)."""
+    uses = module.scope.root.__dict__.setdefault(_USES, {})
+    prev = uses.get(module.scope.path)
+    if prev is not None and prev[0] is stored[0]:
+        return prev[1], False
+    return stored, True
+
+
+def _remember(module, stored: tuple, out) -> None:
+    module.scope.root.__dict__[_USES][module.scope.path] = (stored[0], out)
 
 
 def _check_recipe(module) -> DelayedScaling:
@@ -83,15 +102,18 @@ class Fp8DotGeneral(nn.Module):
             raise ValueError(f"Fp8DotGeneral supports lhs contracting its trailing and rhs its leading dimensions, "
                              f"without batch dimensions; got dimension_numbers={dimension_numbers} for shapes "
                              f"{lhs.shape} and {rhs.shape}")
-        meta = _declare_state(self, recipe)
+        stored = _declare_state(self, recipe)
+        meta, first = _this_use(self, stored)
         lead, k = lhs.shape[:lhs.ndim - nc], math.prod(lhs.shape[lhs.ndim - nc:])
         rest = rhs.shape[nc:]
         if k != math.prod(rhs.shape[:nc]):
             raise ValueError(f"contracting dimensions disagree: {lhs.shape} and {rhs.shape}")
         x2 = jnp.asarray(lhs, rhs.dtype).reshape(math.prod(lead), k)
         w2 = rhs.reshape(k, math.prod(rest))
-        y = F.fp8_dot(x2, w2, meta, recipe, out_dtype=preferred_element_type or rhs.dtype,
-                      axis_name=self.axis_name, impl=self.impl, forward_fast_accum=self.forward_fast_accum)
+        y, out = F.fp8_dot_use(x2, w2, meta, recipe, out_dtype=preferred_element_type or rhs.dtype,
+                               axis_name=self.axis_name, impl=self.impl, forward_fast_accum=self.forward_fast_accum,
+                               first=first)
+        _remember(self, stored, out)
         return y.reshape(*lead, *rest)
 
 
@@ -151,10 +173,46 @@ class Fp8MLP(nn.Module):
         out = self.out_features or hidden
         dtype = self.dtype or x.dtype
         h = nn.LayerNorm(dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
-        w1, b1, meta1 = _DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")()
-        w2, b2, meta2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")()
+        w1, b1, stored1 = _DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")()
+        w2, b2, stored2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")()
+        (meta1, meta2), first = _this_use(self, (*stored1, *stored2))
+        if first:
+            meta1, meta2 = stored1, stored2
         h2 = jnp.asarray(h, dtype).reshape(-1, hidden)
-        y = F.fp8_mlp(h2, w1.astype(dtype), b1.astype(dtype), w2.astype(dtype), b2.astype(dtype), meta1, meta2, recipe,
-                      approximate=self.approximate, axis_name=self.axis_name, impl=self.impl,
-                      forward_fast_accum=self.forward_fast_accum)
+        y, out1, out2 = F.fp8_mlp_use(h2, w1.astype(dtype), b1.astype(dtype), w2.astype(dtype), b2.astype(dtype),
+                                      meta1, meta2, recipe, approximate=self.approximate, axis_name=self.axis_name,
+                                      impl=self.impl, forward_fast_accum=self.forward_fast_accum, first=first)
+        _remember(self, (*stored1, *stored2), (out1, out2))
         return y.reshape(*x.shape[:-1], out)
+
+
+def keep_unwritten(old, new):
+    """The ``'_overwrite_with_gradient'`` collection to store after a step: ``new`` (the step's
+    gradients of that collection: every FP8 module's new state), except for the modules whose
+    gradient is zero (their output got no cotangent this step: stop_gradient, an unused head, an
+    untaken branch), which keep their ``old`` state unchanged. Any nesting of mappings; a module's
+    state is recognised by its ``writes`` marker (:mod:`fusedfp8.jax.meta`)."""
+    if isinstance(new, Mapping):
+        if "writes" in new and "amax_history" in new:
+            keep = jnp.asarray(new["writes"]) == 0
+            return type(new)({k: jnp.where(keep, old[k], v) for k, v in new.items()}) if isinstance(new, dict) else \
+                new.copy({k: jnp.where(keep, old[k], v) for k, v in new.items()})
+        items = {k: keep_unwritten(old[k], v) for k, v in new.items()}
+        return type(new)(items) if isinstance(new, dict) else new.copy(items)
+    return new
+
+
+class TrainState(train_state.TrainState):
+    """flax's ``TrainState`` whose ``apply_gradients`` keeps the FP8 state of a module that got
+    no gradient in the step (:func:`keep_unwritten`) instead of overwriting it with zeros. The
+    one change from flax's class; use it wherever the FP8 modules' outputs may go unused or sit
+    under ``stop_gradient``. (With flax's own class such a module starts over from a fresh state
+    at its next step: never a zero or a doubled one.)"""
+
+    def apply_gradients(self, *, grads, **kwargs):
+        new = super().apply_gradients(grads=grads, **kwargs)
+        if OVERWRITE_WITH_GRADIENT not in grads:
+            return new
+        kept = keep_unwritten(self.params[OVERWRITE_WITH_GRADIENT], grads[OVERWRITE_WITH_GRADIENT])
+        params = {**new.params, OVERWRITE_WITH_GRADIENT: kept}
+        return new.replace(params=params if isinstance(new.params, dict) else type(new.params)(params))

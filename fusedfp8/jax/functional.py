@@ -37,10 +37,10 @@ from ..recipe import DelayedScaling
 from ..state import ScalingState
 from ..types import check_approximate, check_recipe
 from . import primitives as P
+from .meta import LINEAR_GRAD, combine, decode, meta_to_state, state_to_meta
 from .meta import check_meta as _check_meta
-from .meta import meta_to_state, state_to_meta
 
-__all__ = ["quantize_ste", "fp8_dot", "fp8_mlp", "gemm"]
+__all__ = ["quantize_ste", "fp8_dot", "fp8_dot_use", "fp8_mlp", "fp8_mlp_use", "gemm"]
 
 # ---- straight-through fake quantization ------------------------------------------------------
 @jax.custom_jvp
@@ -82,35 +82,57 @@ class _Cfg(NamedTuple):
     out_dtype: str
     axis_name: str | tuple | None = None
     forward_fast_accum: bool = True
+    first: bool = True  # the first use of the meta in this step: decode it and advance it once
 
 
-def _forward_states(meta, n_states, cfg: _Cfg):
-    return P.update_scales(meta_to_state(meta), cfg.recipe, axis_name=cfg.axis_name, impl=cfg.impl)
+@jax.custom_jvp
+def _first_order(x):
+    """``x``; differentiating it again raises: a backward of FP8 GEMMs on saved FP8 tensors has no
+    derivative that this library computes, and returning 0 would be silently wrong."""
+    return x
+
+
+@_first_order.defjvp
+def _first_order_jvp(primals, tangents):
+    raise TypeError("fusedfp8.jax: second derivatives through fp8_dot / fp8_mlp (and the flax modules built on "
+                    "them) are not supported: their backward runs FP8 GEMMs on saved FP8 tensors. Differentiate "
+                    "twice through a high-precision path (lax.dot_general) instead")
+
+
+def _advance(meta, cfg, grad=LINEAR_GRAD) -> ScalingState:
+    """The state a use quantizes with: the first use decodes the stored meta and advances it once
+    (the previous step's staged amaxes become scales); later uses of the same step continue from
+    the previous use's output meta."""
+    if not cfg.first:
+        return meta_to_state(meta, grad)
+    st = meta_to_state(decode(meta), grad)
+    return P.update_scales(st, cfg.recipe, axis_name=cfg.axis_name, impl=cfg.impl)
+
+
+def _dot_fwd(x, w, meta, cfg: _Cfg, training: bool = True):
+    st = _advance(meta, cfg)
+    rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=training, impl=cfg.impl)
+    rw, st = P.quantize(w, st, 1, cfg.recipe, transpose=True, impl=cfg.impl)
+    y = gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype, fast_accum=cfg.forward_fast_accum)
+    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    return (y, state_to_meta(st)), (rx.data_t, rw.data, rx.scale_inv, rw.scale_inv, st, dtypes)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dot(x, w, meta, cfg: _Cfg):
-    st = _forward_states(meta, 1, cfg)
-    rx, st = P.quantize(x, st, 0, cfg.recipe, impl=cfg.impl)
-    rw, st = P.quantize(w, st, 1, cfg.recipe, transpose=True, impl=cfg.impl)
-    return gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype, fast_accum=cfg.forward_fast_accum)
+    """(x @ w, the meta after this use). The VJP with respect to ``meta`` is the new meta of the
+    step: this use's (with the gradient's amax staged) merged with what later uses of the same
+    meta handed back through the output meta's cotangent (:func:`fusedfp8.jax.meta.combine`)."""
+    return _dot_fwd(x, w, meta, cfg, training=False)[0]
 
 
-def _dot_fwd(x, w, meta, cfg: _Cfg):
-    st = _forward_states(meta, 1, cfg)
-    rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=True, impl=cfg.impl)
-    rw, st = P.quantize(w, st, 1, cfg.recipe, transpose=True, impl=cfg.impl)
-    y = gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype, fast_accum=cfg.forward_fast_accum)
-    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-    return y, (rx.data_t, rw.data, rx.scale_inv, rw.scale_inv, st, dtypes)
-
-
-def _dot_bwd(cfg: _Cfg, res, g):
+def _dot_bwd(cfg: _Cfg, res, cts):
+    g, later = cts
     x_t, w_q, sx, sw, st, (xz, wz) = res
     rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, impl=cfg.impl)
     dx = gemm(rg.data, w_q, rg.scale_inv, sw, xz.dtype)
     dw = gemm(x_t, rg.data_t, sx, rg.scale_inv, wz.dtype)
-    return dx, dw, state_to_meta(st)
+    return _first_order(dx), _first_order(dw), combine(later, state_to_meta(st))
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
@@ -127,6 +149,12 @@ def _check_operand(a, argname: str):
 
 def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=None, axis_name=None,
             impl: str = "auto", forward_fast_accum: bool = True):
+    return fp8_dot_use(x, w, meta, recipe, out_dtype=out_dtype, axis_name=axis_name, impl=impl,
+                       forward_fast_accum=forward_fast_accum)[0]
+
+
+def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=None, axis_name=None,
+                impl: str = "auto", forward_fast_accum: bool = True, first: bool = True):
     """``x @ w`` with FP8 GEMMs and delayed scaling (forward and both backward GEMMs).
 
     Parameters
@@ -146,6 +174,12 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=
     Returns
     -------
     (M, N) array of ``out_dtype``; dx in x's dtype and dw in w's dtype under differentiation.
+
+    :func:`fp8_dot_use` is the same with two more things, for a meta used several times in one
+    step (the flax modules use it): ``first`` (False: ``meta`` is the output meta of the previous
+    use, already advanced this step) and a second result, the output meta of this use, which the
+    next use takes as its ``meta``; the VJP then max-accumulates the staged amaxes of all uses
+    into the one new meta of the first use.
     """
     x, w = _check_operand(x, "x"), _check_operand(w, "w")
     if x.shape[1] != w.shape[0]:
@@ -155,7 +189,8 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=
     out_name = jnp.dtype(out_dtype or x.dtype).name
     if out_name not in ("float32", "float16", "bfloat16"):
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16; got {out_name}")
-    cfg = _Cfg(recipe, P._check_impl(impl), out_name, P._check_axis_name(axis_name), bool(forward_fast_accum))
+    cfg = _Cfg(recipe, P._check_impl(impl), out_name, P._check_axis_name(axis_name), bool(forward_fast_accum),
+               bool(first))
     x, w, *meta = P._as_varying_as((x, w, *meta), (x, w, *meta))
     return _dot(x, w, tuple(meta), cfg)
 
@@ -167,19 +202,17 @@ class _MlpCfg(NamedTuple):
     approximate: str
     axis_name: str | tuple | None = None
     forward_fast_accum: bool = True
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _mlp(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg):
-    return _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg, training=False)[0]
+    first: bool = True
 
 
 def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg, training: bool = True):
     r, impl = cfg.recipe, cfg.impl
-    # both linears' staged amaxes in one all-reduce, then the two (local) updates
-    st1, st2 = P.sync_staged([meta_to_state(meta1), meta_to_state(meta2)], cfg.axis_name)
-    st1 = P.update_scales(st1, r, impl=impl)
-    st2 = P.update_scales(st2, r, impl=impl)
+    if cfg.first:  # both linears' staged amaxes in one all-reduce, then the two (local) updates
+        st1, st2 = P.sync_staged([meta_to_state(decode(meta1)), meta_to_state(decode(meta2))], cfg.axis_name)
+        st1 = P.update_scales(st1, r, impl=impl)
+        st2 = P.update_scales(st2, r, impl=impl)
+    else:
+        st1, st2 = meta_to_state(meta1), meta_to_state(meta2)
     rh, st1 = P.quantize(h, st1, 0, r, transpose=training, impl=impl)
     rw1, st1 = P.quantize(w1, st1, 1, r, transpose=True, impl=impl)
     fast = cfg.forward_fast_accum
@@ -188,11 +221,19 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg, training: bool = Tru
     rw2, st2 = P.quantize(w2, st2, 1, r, transpose=True, impl=impl)
     y = gemm(ra.data, rw2.data_t, ra.scale_inv, rw2.scale_inv, h.dtype, fast_accum=fast) + b2.astype(h.dtype)
     dtypes = tuple(jnp.zeros((0,), a.dtype) for a in (h, w1, b1, w2, b2))
-    return y, (rh.data_t, rw1.data, z, ra.data_t, rw2.data, rh.scale_inv, rw1.scale_inv, ra.scale_inv,
-               rw2.scale_inv, st1, st2, dtypes)
+    return (y, state_to_meta(st1), state_to_meta(st2)), (
+        rh.data_t, rw1.data, z, ra.data_t, rw2.data, rh.scale_inv, rw1.scale_inv, ra.scale_inv, rw2.scale_inv,
+        st1, st2, dtypes)
 
 
-def _mlp_bwd(cfg: _MlpCfg, res, g):
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _mlp(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg):
+    """(y, fc1's meta after this use, fc2's): as :func:`_dot`."""
+    return _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg, training=False)[0]
+
+
+def _mlp_bwd(cfg: _MlpCfg, res, cts):
+    g, later1, later2 = cts
     h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z) = res
     r, impl = cfg.recipe, cfg.impl
     rg, st2 = P.quantize(g, st2, 2, r, transpose=True, impl=impl)
@@ -203,7 +244,8 @@ def _mlp_bwd(cfg: _MlpCfg, res, g):
                                 impl=impl)
     dh = gemm(rdz.data, w1_q, rdz.scale_inv, sw1, hz.dtype)
     dw1 = gemm(h_t, rdz.data_t, sh, rdz.scale_inv, w1z.dtype)
-    return dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, state_to_meta(st1), state_to_meta(st2)
+    grads = (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2)
+    return (*map(_first_order, grads), combine(later1, state_to_meta(st1)), combine(later2, state_to_meta(st2)))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
@@ -211,6 +253,13 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
             approximate: str = "tanh", axis_name=None, impl: str = "auto", forward_fast_accum: bool = True):
+    return fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe, approximate=approximate, axis_name=axis_name,
+                       impl=impl, forward_fast_accum=forward_fast_accum)[0]
+
+
+def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
+                approximate: str = "tanh", axis_name=None, impl: str = "auto", forward_fast_accum: bool = True,
+                first: bool = True):
     """``gelu(h @ w1 + b1) @ w2 + b2`` with FP8 GEMMs, the activation quantized (with its
     transpose) straight from the first GEMM's output by the fused gelu kernel, and the gelu
     backward (+ the first bias gradient) by the fused dgelu kernel.
@@ -219,7 +268,8 @@ def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedSca
     w1, dz) and fc2 (gelu(z), w2, dy), whose VJPs are the new metas. Output (M, H2) in h's
     dtype; the pre-activation z is saved for the backward in h's dtype, everything else saved
     is FP8. ``axis_name``, ``impl``, ``forward_fast_accum``: as :func:`fp8_dot` (one ``lax.pmax``
-    for both metas).
+    for both metas). :func:`fp8_mlp_use`: as :func:`fp8_dot_use` (results: y, fc1's output meta,
+    fc2's).
     """
     h, w1, w2 = _check_operand(h, "h"), _check_operand(w1, "w1"), _check_operand(w2, "w2")
     if h.shape[1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
@@ -230,9 +280,10 @@ def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedSca
     check_recipe(recipe)
     meta1, meta2 = _check_meta(meta1, 3, recipe, "meta1"), _check_meta(meta2, 3, recipe, "meta2")
     cfg = _MlpCfg(recipe, P._check_impl(impl), check_approximate(approximate), P._check_axis_name(axis_name),
-                  bool(forward_fast_accum))
+                  bool(forward_fast_accum), bool(first))
     # inside shard_map, every operand varies over the mesh axes that any does (the implicit
     # broadcast that plain ops insert; its transpose sums a replicated weight's gradient)
     h, w1, b1, w2, b2, *metas = P._as_varying_as((h, w1, b1, w2, b2, *meta1, *meta2),
                                                  (h, w1, b1, w2, b2, *meta1, *meta2))
-    return _mlp(h, w1, b1, w2, b2, tuple(metas[:5]), tuple(metas[5:]), cfg)
+    k = len(meta1)
+    return _mlp(h, w1, b1, w2, b2, tuple(metas[:k]), tuple(metas[k:]), cfg)

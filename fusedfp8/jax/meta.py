@@ -1,12 +1,26 @@
 """The one form in which the flax modules and the differentiable functions carry a
-:class:`fusedfp8.ScalingState` across steps: the *meta*, a tuple of float32 arrays in the order
-of :data:`fusedfp8.state.STATE_FIELDS` ``(amax_history (L, n), scale (n,), scale_inv (n,),
-overflows (n,), updates (n,))``.
+:class:`fusedfp8.ScalingState` across steps: the *meta*, a tuple of float32 arrays named
+:data:`META_FIELDS`: the state's arrays in the order of :data:`fusedfp8.state.STATE_FIELDS`
+``(amax_history (L, n), scale (n,), scale_inv (n,), overflows (n,), updates (n,))`` and a
+validity marker ``writes (n,)``.
 
 Counters are float32 in a meta so that ``jax.grad`` over a flax variable tree works (flax's
 "overwrite with gradient" convention hands the new meta back as a gradient); they are exact up
-to 2**24. Everything here is built from the state's field list, so the state, the meta and the
-flax variables cannot drift apart.
+to 2**24.
+
+The marker. The new meta of a step reaches the stored variables as their "gradient", which
+``TrainState.apply_gradients`` writes over them. Every step's new meta carries ``writes = 1``.
+Two things can break that, and the marker shows both: a module whose output got no cotangent
+(stop_gradient, an unused head, an untaken branch) has a zero gradient, so its variables are
+overwritten with zeros (``writes = 0``); a meta used k times whose uses were not chained has the
+sum of k new metas (``writes = k``). :func:`decode` turns such columns back into fresh ones (scale 1,
+empty history, zero counters: the next quantization starts over with the recipe's first step)
+instead of quantizing with a zero or a k-fold state; ``fusedfp8.jax.flax.TrainState`` keeps the
+previous state of a module that got no gradient, so with it nothing is lost. The flax modules
+chain the uses of one module in one step (:func:`combine`), so they never produce a sum.
+
+Everything here is built from the state's field list, so the state, the meta and the flax
+variables cannot drift apart.
 """
 from __future__ import annotations
 
@@ -17,46 +31,80 @@ from jax import lax
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 
-__all__ = ["LINEAR_GRAD", "fresh_meta", "meta_to_state", "state_to_meta", "check_meta", "declare_state"]
+__all__ = ["META_FIELDS", "LINEAR_GRAD", "fresh_meta", "meta_to_state", "state_to_meta", "check_meta", "decode",
+           "combine", "declare_state"]
 
+META_FIELDS = (*STATE_FIELDS, "writes")
 LINEAR_GRAD = (False, False, True)  # tensors of a linear's meta: input, weight, output gradient
 _COUNTERS = ("overflows", "updates")
+_HISTORY = META_FIELDS.index("amax_history")
+_WRITES = META_FIELDS.index("writes")
 
 
 def _fresh(name: str, L: int, n: int) -> jax.Array:
-    """A fresh meta field: history zeros, scales one, counters zero (each its own buffer)."""
+    """A fresh meta field: history zeros, scales one, counters zero, marker one (each its own buffer)."""
     if name == "amax_history":
         return jnp.zeros((L, n), jnp.float32)
-    return (jnp.ones if name in ("scale", "scale_inv") else jnp.zeros)((n,), jnp.float32)
+    return (jnp.ones if name in ("scale", "scale_inv", "writes") else jnp.zeros)((n,), jnp.float32)
 
 
 def fresh_meta(recipe: DelayedScaling, n: int = 3) -> tuple:
     """A fresh float32 meta of ``n`` tensors; every field is a buffer of its own (a meta can be
     donated to a jitted step)."""
-    return tuple(_fresh(name, recipe.amax_history_len, n) for name in STATE_FIELDS)
+    return tuple(_fresh(name, recipe.amax_history_len, n) for name in META_FIELDS)
 
 
 def meta_to_state(meta, grad=LINEAR_GRAD) -> ScalingState:
-    """The :class:`ScalingState` (int32 counters) of a float32 meta."""
-    arrays = {name: jnp.asarray(m) for name, m in zip(STATE_FIELDS, meta)}
+    """The :class:`ScalingState` (int32 counters) of a float32 meta (the marker is dropped)."""
+    arrays = {name: jnp.asarray(m) for name, m in zip(META_FIELDS, meta) if name in STATE_FIELDS}
     for name in _COUNTERS:
         arrays[name] = arrays[name].astype(jnp.int32)
     return ScalingState(**arrays, grad=tuple(grad))
 
 
 def state_to_meta(state: ScalingState) -> tuple:
-    return tuple(getattr(state, name).astype(jnp.float32) if name in _COUNTERS else getattr(state, name)
-                 for name in STATE_FIELDS)
+    """The float32 meta of a state, marked valid (``writes = 1``)."""
+    fields = tuple(getattr(state, name).astype(jnp.float32) if name in _COUNTERS else getattr(state, name)
+                   for name in STATE_FIELDS)
+    return (*fields, jnp.ones(state.scale.shape, jnp.float32))
+
+
+def decode(meta) -> tuple:
+    """``meta`` with every column whose marker is not 1 (overwritten by a zero gradient, or the sum
+    of several unchained uses) replaced by a fresh column; the marker set to 1."""
+    meta = tuple(jnp.asarray(m) for m in meta)
+    ok = meta[_WRITES] == 1.0
+    L, n = meta[_HISTORY].shape
+    return tuple(jnp.where(ok, m, _fresh(name, L, n)) if name != "writes" else jnp.ones_like(m)
+                 for name, m in zip(META_FIELDS, meta))
+
+
+def combine(later, own) -> tuple:
+    """The new meta of a use that later uses of the same step continued from.
+
+    ``own``: this use's meta (everything it staged, the gradient's amax included). ``later``: the
+    cotangent of this use's output meta: the new meta that the next use handed back (it started
+    from this use's output, so it holds everything but this use's gradient amax), or zeros when no
+    later use ran a backward. The result is ``later`` with its staged row max-accumulated with
+    ``own``'s, or ``own``."""
+    from ..numerics import jnp as jn
+
+    later = tuple(jnp.asarray(m) for m in later)
+    used = later[_WRITES] > 0
+    merged = list(later)
+    merged[_HISTORY] = later[_HISTORY].at[0].set(jn.nan_max(later[_HISTORY][0], own[_HISTORY][0]))
+    merged[_WRITES] = jnp.ones_like(later[_WRITES])
+    return tuple(jnp.where(used, m, o) for m, o in zip(merged, own))
 
 
 def check_meta(meta, n: int, recipe: DelayedScaling, argname: str = "meta") -> tuple:
     """``meta`` as a tuple of jax arrays of the right shapes and dtype; TypeError / ValueError
     naming the field otherwise."""
-    if not isinstance(meta, (tuple, list)) or len(meta) != len(STATE_FIELDS):
-        raise TypeError(f"{argname} must be a tuple {STATE_FIELDS}; got {type(meta).__name__}"
+    if not isinstance(meta, (tuple, list)) or len(meta) != len(META_FIELDS):
+        raise TypeError(f"{argname} must be a tuple {META_FIELDS}; got {type(meta).__name__}"
                         + (f" of length {len(meta)}" if isinstance(meta, (tuple, list)) else ""))
     meta = tuple(jnp.asarray(m) for m in meta)
-    for name, m in zip(STATE_FIELDS, meta):
+    for name, m in zip(META_FIELDS, meta):
         shape = (recipe.amax_history_len, n) if name == "amax_history" else (n,)
         if m.shape != shape or m.dtype != jnp.float32:
             raise ValueError(f"{argname}.{name} must be float32 of shape {shape} (recipe.amax_history_len="
@@ -66,10 +114,10 @@ def check_meta(meta, n: int, recipe: DelayedScaling, argname: str = "meta") -> t
 
 def declare_state(module, collection: str, recipe: DelayedScaling, n: int = 3) -> tuple:
     """Declare (on init) and read a flax module's state variables in ``collection``, one per
-    state field, as a float32 meta."""
+    meta field, as a float32 meta."""
     L = recipe.amax_history_len
     meta = []
-    for name in STATE_FIELDS:
+    for name in META_FIELDS:
         v = module.variable(collection, name, _fresh, name, L, n).value
         shape = (L, n) if name == "amax_history" else (n,)
         if v.shape != shape:

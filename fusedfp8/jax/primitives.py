@@ -45,11 +45,12 @@ import numpy as np
 from jax import lax
 
 from .. import _cuda
+from .. import _interop as io
 from ..formats import Format
 from ..numerics import jnp as jn
 from ..numerics.scaling import update_rule
 from ..recipe import DelayedScaling
-from ..state import ScalingState
+from ..state import STATE_FIELDS, ScalingState
 from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_recipe, kernel_op
 from . import callbacks
 
@@ -75,14 +76,25 @@ class _QCfg(NamedTuple):
 def _check_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if impl in ("kernel", "kernel_no_cmdbuf"):
+        ok, reason = _cuda.probe()
+        if ok and not callbacks.gpu_devices():
+            ok, reason = False, "jax has no CUDA backend (install jax[cuda13])"
+        if not ok:
+            raise ValueError(f"impl={impl!r} runs the CUDA kernels, which cannot run here: {reason}. Use impl='auto' "
+                             "(the kernels on CUDA, jax.numpy elsewhere) or impl='jnp'")
     return impl
 
 
-def _check_state(state, recipe) -> None:
+def _check_state(state, recipe) -> ScalingState:
+    """``state`` with jax arrays (a numpy state, what ScalingState.create makes without ``like=``,
+    is converted); TypeError for anything else."""
     if not isinstance(state, ScalingState):
         raise TypeError(f"state must be a fusedfp8.ScalingState (of jax arrays); got {type(state).__name__}")
     check_recipe(recipe)
+    state = state.replace(**{f: io.as_jax(getattr(state, f), f"state.{f}") for f in STATE_FIELDS})
     state.validate(recipe)
+    return state
 
 
 def _check_x(x, argname: str, need_2d: bool):
@@ -129,7 +141,7 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
         scale_inv = scale_inv.at[i].set(jnp.where(fresh, jn.div_rn(1.0, s), scale_inv[i]))
     else:
         s = s_old
-    v = jn.scale_input(y, s) if cfg.op == "identity" else jn._mul(y, s)
+    v = jn.mul(y, s)
     q = jn.cast_to_fp8(v, cfg.fmt)
     rows, cols = _rows_cols(x.shape)
     outs = [q]
@@ -221,7 +233,6 @@ def _run(cfg: _QCfg, x, b, state: ScalingState, impl: str) -> tuple[Quantized, S
 
 
 def _cfg(op, approximate, state, index, recipe, transpose, dbias) -> _QCfg:
-    _check_state(state, recipe)
     i = state.check_index(index)
     return _QCfg(op, approximate, i, state.format_of(i, recipe), bool(transpose), bool(dbias),
                  float(recipe.margin_factor), recipe.first_step == "current")
@@ -248,6 +259,7 @@ def quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *, tran
         used: the GEMM operand scale), and the new state.
     """
     _check_impl(impl)
+    state = _check_state(state, recipe)
     cfg = _cfg("identity", "tanh", state, index, recipe, transpose, False)
     return _run(cfg, _check_x(x, "x", transpose), None, state, impl)
 
@@ -257,6 +269,7 @@ def gelu_quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *,
     """``gelu(x)`` in float32 (``approximate`` 'tanh' or 'none', as ``jax.nn.gelu``), quantized as
     :func:`quantize` does; the amax is of gelu(x)."""
     _check_impl(impl)
+    state = _check_state(state, recipe)
     cfg = _cfg("gelu", check_approximate(approximate), state, index, recipe, transpose, False)
     return _run(cfg, _check_x(x, "x", transpose), None, state, impl)
 
@@ -266,6 +279,7 @@ def dgelu_quantize(dy, x, state: ScalingState, index: int, recipe: DelayedScalin
     """The gelu backward ``dx = dy * gelu'(x)`` (float32), quantized; amax of dx; with ``dbias``
     also the (N,) float32 column sums of the unquantized dx over its (M, N) view."""
     _check_impl(impl)
+    state = _check_state(state, recipe)
     cfg = _cfg("dgelu", check_approximate(approximate), state, index, recipe, transpose, dbias)
     dy = _check_x(dy, "dy", transpose or dbias)
     x = _check_x(x, "x", transpose or dbias)
@@ -280,7 +294,7 @@ def dequantize(q, scale_inv, dtype=jnp.float32):
     q = jnp.asarray(q)
     if q.dtype.name not in ("float8_e4m3fn", "float8_e5m2"):
         raise TypeError(f"q must be a float8_e4m3fn / float8_e5m2 array; got {q.dtype}")
-    return jn._mul(q.astype(jnp.float32), jnp.reshape(scale_inv, ())).astype(dtype)
+    return jn.mul(q.astype(jnp.float32), jnp.reshape(scale_inv, ())).astype(dtype)
 
 
 # ---- update_scales ---------------------------------------------------------------------------
@@ -346,10 +360,10 @@ def update_scales(state: ScalingState, recipe: DelayedScaling, *, axis_name=None
     state, non-finite -> overflow on every device), so every device ends with identical scales
     and histories."""
     _check_impl(impl)
-    _check_state(state, recipe)
+    state = _check_state(state, recipe)
     (state,) = sync_staged([state], axis_name)
     fmt_max = jnp.asarray(state.fmt_max(recipe))
     arrays = (state.amax_history, state.scale, state.scale_inv, state.overflows, state.updates)
     new = _dispatch(impl, lambda *a: _update_jnp(recipe, *a), lambda cb, *a: _update_kernel(recipe, cb, *a),
                     *arrays, fmt_max)
-    return state.replace(**dict(zip(("amax_history", "scale", "scale_inv", "overflows", "updates"), new)))
+    return state.replace(**dict(zip(STATE_FIELDS, new)))

@@ -148,6 +148,10 @@ def fma_f32(a, b, c, tiny_products: bool = True) -> jax.Array:
 
 # ---- division ----------------------------------------------------------------------------------
 _QUOTIENT_BITS = 26  # 24 significant bits, a guard bit and one for a quotient below 1 (ma < mb)
+# Divisions of at most this many elements (a state's scales) run as a loop, which XLA does not
+# fuse: unrolled, XLA:CPU copies the ~130 integer ops of every scale division into each fusion that
+# reads the scale, and two chained FP8 dots then took minutes to compile.
+_LOOP_BELOW = 4096
 
 
 def _unpack(ib):
@@ -177,11 +181,17 @@ def div_rn(a, b) -> jax.Array:
     below = ma < mb  # the quotient of the significands lies in (1/2, 1): one more bit from ma
     r = jnp.where(below, ma << 1, ma)
     q = jnp.zeros_like(r)
-    for _ in range(_QUOTIENT_BITS):  # r < 2 * mb < 2**25 throughout: int32 is enough
+
+    def step(_, rq):  # r < 2 * mb < 2**25 throughout: int32 is enough
+        r, q = rq
         take = r >= mb
-        r = jnp.where(take, r - mb, r)
-        q = (q << 1) | take.astype(jnp.int32)
-        r = r << 1
+        return (jnp.where(take, r - mb, r) << 1, (q << 1) | take.astype(jnp.int32))
+
+    if r.size <= _LOOP_BELOW:  # a state's scalars: one small loop that every consumer reads (see above)
+        r, q = lax.fori_loop(0, _QUOTIENT_BITS, step, (r, q))
+    else:  # a tensor: unrolled, for XLA to fuse into one pass
+        for i in range(_QUOTIENT_BITS):
+            r, q = step(i, (r, q))
     # |a / b| = (q + rest) * 2**(E - 25), q in [2**25, 2**26), rest in [0, 1) is nonzero iff r is.
     biased = ea - eb - below.astype(jnp.int32) + 127  # of the truncated quotient
     over = biased > 254
@@ -304,16 +314,29 @@ def nan_max(a, b) -> jax.Array:
     return jnp.where(jnp.isnan(a) | jnp.isnan(b), _c(np.nan), m)
 
 
-def scale_input(x, s) -> jax.Array:
-    """``float32(x) * s`` rounded once, also for a denormal x (which XLA:CPU would read as 0):
-    a denormal ``m * 2**-149`` is multiplied as ``(m * 2**-75) * (s * 2**-74)``, both exact."""
-    x = jnp.asarray(x, f32)
-    xb = bits(x)
-    mag = xb & _MAG
+def _normalized(v):
+    """(v1, k) with ``v == v1 * 2**-k`` exactly and v1 a normal float (k = 64 for a denormal v,
+    0 otherwise), built from the bits: XLA:CPU reads a denormal operand as 0."""
+    vb = bits(v)
+    mag = vb & _MAG
     denormal = (mag != 0) & (mag < np.int32(0x00800000))
-    m = lax.convert_element_type(mag, f32) * _c(2.0 ** -75)
-    m = jnp.where(xb < 0, -m, m)
-    return jnp.where(denormal, _mul(m, _mul(s, _c(2.0 ** -74))), _mul(x, s))
+    m = _mul(lax.convert_element_type(mag, f32), _c(2.0 ** -85))  # |v| * 2**64: exact and normal
+    return jnp.where(denormal, jnp.where(vb < 0, -m, m), v), jnp.where(denormal, 64, 0).astype(jnp.int32)
+
+
+def mul(a, b) -> jax.Array:
+    """``a * b`` rounded once, also when an operand is denormal (a denormal scale, ``1 / FLT_MAX``
+    as a scale_inv, a denormal input): each denormal operand is multiplied as ``v * 2**64`` and the
+    product scaled back exactly. A product that is itself denormal may still be flushed on XLA:CPU
+    (it quantizes to an FP8 zero of the same sign either way)."""
+    a1, ka = _normalized(jnp.asarray(a, f32))
+    b1, kb = _normalized(jnp.asarray(b, f32))
+    return _scale_pow2(_mul(a1, b1), -(ka + kb))
+
+
+def scale_input(x, s) -> jax.Array:
+    """``float32(x) * s`` rounded once, also for a denormal x or s (:func:`mul`)."""
+    return mul(x, s)
 
 
 def cast_to_fp8(v, fmt: str | Format) -> jax.Array:

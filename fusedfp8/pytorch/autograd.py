@@ -11,7 +11,9 @@ its transpose (``x_t`` (K, M), ``w_t`` (K, N), ``g_t`` (N, M)):
     wgrad    dw = g.T @ x   = _scaled_mm(g_t_q, x_t_q.t())    (N, M) x (M, K)
 
 so the forward saves only ``x_t_q``, ``w_t_q`` and their ``scale_inv``, never the bf16 input or
-weight. Every ``scale_inv`` handed to a GEMM is the one the quantize kernel wrote into a (1,)
+weight. Their backwards are FP8 GEMMs of saved FP8 tensors, not differentiable again: they are
+``once_differentiable`` (a second derivative, e.g. a gradient penalty, raises instead of being
+silently wrong). Every ``scale_inv`` handed to a GEMM is the one the quantize kernel wrote into a (1,)
 buffer of its own: 16-byte aligned as cuBLASLt requires (column views of the state are not),
 and frozen for the backward (the state moves on at the next update). The forward GEMM uses
 ``_scaled_mm``'s fast accumulation, the backward GEMMs (long reductions over tokens) the
@@ -20,8 +22,11 @@ precise one, as Transformer Engine and torchao do. On the CPU the same calls run
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ..recipe import DelayedScaling
 from ..state import ScalingState
@@ -56,6 +61,9 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
     of 16: checked by the callers); the CPU computes the float32 product of the exact FP8 values,
     scales it by ``scale_a * scale_b`` and adds the bias in float32.
     """
+    if a.shape[0] == 0 or a.shape[1] == 0 or b.shape[1] == 0:  # nothing to multiply: as torch's matmul
+        y = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+        return (y if bias is None else y + bias.float()).to(out_dtype)
     if a.is_cuda:
         fused = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
         if bias is None or fused:
@@ -64,10 +72,16 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
         y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32,
                              use_fast_accum=fast_accum)
         return (y + bias.float()).to(out_dtype)
-    y = torch.mm(a.float(), b.float()) * (scale_a * scale_b)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype)
+    with torch.autocast("cpu", enabled=False):  # the emulation is float32, whatever autocast says
+        y = torch.mm(a.float(), b.float()) * (scale_a * scale_b)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype)
+
+
+def _as_2d(t: Tensor) -> Tensor:
+    """``t`` as (prod(shape[:-1]), shape[-1]) (also when a dimension is 0, where -1 is ambiguous)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _bias_grad(g2: Tensor, bias_dtype: torch.dtype) -> Tensor:
@@ -145,7 +159,7 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, amax_history, scale, scale_inv, updates, col, fwd_fmt, grad_fmt, margin_factor,
                 current_first, need_dgrad, need_wgrad):
         state = (amax_history, scale, scale_inv, updates)
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        x2 = _as_2d(x).contiguous()
         w = weight.contiguous()
         x_q, x_t, x_si = _quantize(x2, state, col, fwd_fmt, margin_factor, current_first, need_wgrad)
         w_q, w_t, w_si = _quantize(w, state, col + 1, fwd_fmt, margin_factor, current_first, need_dgrad)
@@ -158,9 +172,10 @@ class _LinearFn(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         x_t, w_t, x_si, w_si = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1]).contiguous()
+        g2 = _as_2d(grad).contiguous()
         dx = dw = db = None
         if x_t is not None or w_t is not None:
             grad_fmt, margin_factor, current_first = ctx.cfg
@@ -200,7 +215,7 @@ class _MLPFn(torch.autograd.Function):
         st1 = (hist1, scale1, scale_inv1, updates1)
         st2 = st1 if hist2 is None else (hist2, scale2, scale_inv2, updates2)
         mf = margin_factor
-        h2 = h.reshape(-1, h.shape[-1]).contiguous()
+        h2 = _as_2d(h).contiguous()
         h_q, h_t, h_si = _quantize(h2, st1, c1, fwd_fmt, mf, current_first1, training)
         w1_q, w1_t, w1_si = _quantize(w1.contiguous(), st1, c1 + 1, fwd_fmt, mf, current_first1, training)
         z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, b1, h.dtype, fast_accum=True)
@@ -219,12 +234,13 @@ class _MLPFn(torch.autograd.Function):
         return y.reshape(*h.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si = ctx.saved_tensors
         st1, st2 = ctx.states
         grad_fmt, mf, cf1, cf2, approximate = ctx.cfg
         h_shape, h_dtype, w1_dtype, w2_dtype, b1_dtype, b2_dtype = ctx.meta
-        gy = grad.reshape(-1, grad.shape[-1]).contiguous()
+        gy = _as_2d(grad).contiguous()
         c1, c2 = ctx.cols
         gy_q, gy_t, gy_si = fops.call(fops.quantize_t, gy, *st2, c2 + 2, grad_fmt, mf, cf2)
         da = scaled_mm(gy_q, w2_t.t(), gy_si, w2_si, None, z.dtype)

@@ -90,6 +90,18 @@ class _WeightGradHook:
             module._after_backward(weight)
 
 
+class _UpdateHook:
+    """``ScalingState.on_update`` of an Fp8Linear's ``fp8_state`` (holds the module weakly)."""
+
+    def __init__(self, module: "Fp8Linear"):
+        self.module = weakref.ref(module)
+
+    def __call__(self) -> None:
+        module = self.module()
+        if module is not None:
+            module._after_update()
+
+
 def check_gemm_dims(layer: str, **dims: int) -> None:
     """Raise ValueError naming every dimension that ``torch._scaled_mm`` cannot take (each must
     be a multiple of 16)."""
@@ -203,8 +215,10 @@ class Fp8Linear(_StrictLoad, nn.Linear):
 
     @property
     def fp8_state(self) -> ScalingState:
-        """The buffers as a :class:`fusedfp8.ScalingState` (views: writes go to the module)."""
-        return ScalingState(*(getattr(self, name) for name in STATE_FIELDS), grad=GRAD)
+        """The buffers as a :class:`fusedfp8.ScalingState` (views: writes go to the module; an
+        update through ``fusedfp8.update_scales`` counts as this module's update)."""
+        return ScalingState(*(getattr(self, name) for name in STATE_FIELDS), grad=GRAD,
+                            on_update=_UpdateHook(self))
 
     def _state(self) -> tuple:
         """(amax_history, scale, scale_inv, updates, column of tensor 0) for the kernels.
