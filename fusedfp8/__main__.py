@@ -132,8 +132,9 @@ def _demo_parser(sub) -> None:
         description="Trains LayerNorm -> Linear -> gelu -> Linear with FP8 delayed scaling next to bf16 from the "
                     "same weights and data, then prints a summary table (step time, speed-up, losses, overflows) "
                     "and writes demo_summary.md, demo.json and demo.png (loss curves, the FP8/bf16 loss ratio per "
-                    "step, amax and scale of every FP8 tensor) to --out. On a GPU with FP8 support it runs there; otherwise on the CPU reference "
-                    "path (bit-exact FP8 emulation; its step times are not a speed measurement).")
+                    "step, amax and scale of every FP8 tensor) to --out. On a GPU with FP8 support it runs there; "
+                    "otherwise on the CPU reference path (bit-exact FP8 emulation; its step times are not a speed "
+                    "measurement).")
     p.add_argument("--framework", choices=["torch", "jax"], default="torch",
                    help="which integration trains the model (default torch)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
@@ -196,7 +197,8 @@ def _bench_parser(sub) -> None:
                     "benchmark scripts). Every command is printed, skipped ones too.")
     p.add_argument("--out", default="fusedfp8_bench", help="output folder (default ./fusedfp8_bench)")
     p.add_argument("--dry-run", action="store_true", help="print every command and write the summary, run nothing")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes (a quick check that the scripts run, not a measurement)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny sizes (a quick check that the scripts run, not a measurement)")
     p.add_argument("--only", type=lambda v: v.split(","), default=None, metavar="NAME[,NAME]",
                    help=f"run only these benchmarks, from {', '.join(BENCHMARKS)}")
 

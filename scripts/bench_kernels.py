@@ -9,29 +9,26 @@ Bandwidth = (every input read once + every output written once) / time, reported
 of a large device-to-device copy measured in the same run. Also: the host cost of one
 fusedfp8.quantize call from torch at 1024x1024 (pipelined calls, no sync).
 
-Usage: python scripts/bench_kernels.py [--out DIR] [--sizes 1024x1024,4096x4096] [--quick]
+Usage: python scripts/bench_kernels.py [--out DIR] [--sizes 1024x1024,4096x4096] [--jobs quantize,gelu_t,...]
+       [--peers eager,compile,xla]
 Writes DIR/bench_kernels.json and DIR/bench_kernels.png.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax shares the GPU with torch here
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from fusedfp8 import ops  # noqa: E402
-from fusedfp8 import reference as ref  # noqa: E402
+import _bench  # noqa: E402
+import fusedfp8  # noqa: E402
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 SIZES = [(1024, 1024), (4096, 4096), (8192, 4096), (8192, 16384)]
@@ -54,11 +51,11 @@ def job_bytes(job: str, m: int, n: int) -> int:
 def fused(job, x, b, scale, amax):
     t = job.endswith("_t")
     if job.startswith("quantize"):
-        r = ops.quantize(x, scale, "e4m3", amax=amax, transpose=t)
+        r = fusedfp8.quantize(x, scale, "e4m3", amax=amax, transpose=t)
     elif job.startswith("gelu"):
-        r = ops.gelu_quantize(x, scale, "e4m3", approximate="tanh", amax=amax, transpose=t)
+        r = fusedfp8.gelu_quantize(x, scale, "e4m3", approximate="tanh", amax=amax, transpose=t)
     else:
-        r = ops.dgelu_quantize(x, b, scale, "e5m2", approximate="tanh", amax=amax, transpose=t, dbias=True)
+        r = fusedfp8.dgelu_quantize(x, b, scale, "e5m2", approximate="tanh", amax=amax, transpose=t, dbias=True)
     return r.data, r.data_t, r.dbias
 
 
@@ -115,117 +112,33 @@ def make_xla_job(job):
 
 
 # ---- timing ----------------------------------------------------------------------------------
-def time_graph(fn, inputs, reps=7, calls_per_graph=None):
-    """Capture len(inputs) calls in one CUDA graph; median per-call time (us) over replays."""
-    for args in inputs:  # warm-up (compiles, allocator)
-        fn(*args)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for args in inputs:
-            fn(*args)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=s):
-            for args in inputs:
-                fn(*args)
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(inputs))
-    del g
-    return statistics.median(times)
-
-
-def time_loop(fn, inputs, reps=7):
-    """Fallback when a graph cannot be captured: CUDA events around a loop over the inputs."""
-    for args in inputs:
-        fn(*args)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for args in inputs:
-            fn(*args)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(inputs))
-    return statistics.median(times)
-
-
 def time_device(fn, inputs):
     """(us per call, how): graph replay when the calls can be captured, else an event-timed loop."""
     try:
-        return time_graph(fn, inputs), "graph"
+        return _bench.graph_us(fn, inputs), "graph"
     except Exception as e:  # noqa: BLE001 - e.g. inductor code that cannot be captured
         print(f"  (graph capture failed: {type(e).__name__}; timing a loop instead)", flush=True)
         torch.cuda.synchronize()
-        return time_loop(fn, inputs), "loop"
+        return _bench.loop_us(fn, inputs), "loop"
 
 
 def time_xla(fn, args, reps=7, iters=10):
+    """Median us per job of the jitted ``fn`` (len(args[0]) jobs per call), host-timed around
+    blocks of ``iters`` calls with one block_until_ready."""
     import jax
 
     jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) * 1e6 / iters / len(args[0]))
-    return statistics.median(times)
+    return statistics.median(_bench.host_block_ms(lambda: fn(*args), iters, reps, jax.block_until_ready)) \
+        * 1e3 / len(args[0])
 
 
-def copy_ceiling():
-    """Best of: torch copy_ of 2 GiB float32 (events around each copy, median of 10) and the same
-    captured in a graph. TB/s counting bytes read + bytes written."""
-    n = 1 << 29  # float32 elements: 2 GiB each way
-    src = torch.randn(n, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    eager_us = statistics.median(times)
-    graph_us = time_graph(lambda: dst.copy_(src), [()] * 3)
-    us = min(eager_us, graph_us)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * 4 * n / (us * 1e-6) / 1e12
-
-
-def host_cost_us(n_calls=3000):
+def host_cost_us():
+    """Host microseconds of one fusedfp8.quantize call from torch at 1024x1024 bf16 (pipelined calls)."""
     x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
     s = torch.ones(1, device="cuda")
     amax = torch.zeros(1, device="cuda")
-    for _ in range(50):
-        ops.quantize(x, s, "e4m3", amax=amax)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n_calls):
-            ops.quantize(x, s, "e4m3", amax=amax)
-        samples.append((time.perf_counter() - t0) * 1e6 / n_calls)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    return _bench.host_us_per_call(lambda: fusedfp8.quantize(x, s, "e4m3", amax=amax), sync=torch.cuda.synchronize,
+                                   warmup=50)
 
 
 # ---- correctness -----------------------------------------------------------------------------
@@ -236,22 +149,24 @@ def to_np_bf16(t):
 
 
 def check_fused(job, x, b, m, n):
-    """fusedfp8 against the reference, byte for byte, on a row block of the input."""
+    """fusedfp8 against the reference, byte for byte, on a row block of the input (the same
+    functions on NumPy arrays run the reference)."""
     rows = min(m, 256)
     xs, bs = x[:rows].contiguous(), b[:rows].contiguous()
     s = torch.full((1,), 2.0, device="cuda")
     amax = torch.zeros(1, device="cuda")
     q, qt, db = fused(job, xs, bs, s, amax)
     xn, bn = to_np_bf16(xs), to_np_bf16(bs)
+    sn = np.array([2.0], np.float32)
     t = job.endswith("_t")
     if job.startswith("quantize"):
-        want = ref.quantize(xn, np.float32(2), "e4m3", t)
+        want = fusedfp8.quantize(xn, sn, "e4m3", transpose=t)
     elif job.startswith("gelu"):
-        want = ref.gelu_quantize(xn, np.float32(2), "e4m3", "tanh", t)
+        want = fusedfp8.gelu_quantize(xn, sn, "e4m3", approximate="tanh", transpose=t)
     else:
-        want = ref.dgelu_quantize(xn, bn, np.float32(2), "e5m2", "tanh", t, True)
+        want = fusedfp8.dgelu_quantize(xn, bn, sn, "e5m2", approximate="tanh", transpose=t, dbias=True)
     ok = np.array_equal(q.cpu().view(torch.uint8).numpy(), want.data.view(np.uint8))
-    ok &= np.float32(amax.item()) == want.amax
+    ok &= np.float32(amax.item()) == np.float32(np.asarray(want.amax).reshape(-1)[0])
     if t:
         ok &= np.array_equal(qt.cpu().view(torch.uint8).numpy(), want.data_t.view(np.uint8))
     if db is not None:
@@ -266,25 +181,32 @@ def mismatch_fraction(a, b):
 
 
 # ---- main ------------------------------------------------------------------------------------
-def main():
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder")
     ap.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES), help="MxN list")
     ap.add_argument("--jobs", default=",".join(JOBS), help="jobs to run")
     ap.add_argument("--peers", default="eager,compile,xla", help="peers to run")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    args = ap.parse_args(argv)
+    sizes = _bench.parse_sizes(args.sizes, 2, "--sizes", ap.error)
     jobs = args.jobs.split(",")
     peers = args.peers.split(",")
+    if set(jobs) - set(JOBS):
+        ap.error(f"--jobs: unknown {sorted(set(jobs) - set(JOBS))}; choose from {JOBS}")
+    if set(peers) - {"eager", "compile", "xla"}:
+        ap.error(f"--peers: unknown {sorted(set(peers) - {'eager', 'compile', 'xla'})}; choose from eager, compile, "
+                 "xla")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU that runs the fused kernels (this machine has none)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
 
     # one compiled function per (job, size): lift dynamo's per-code-object cache limit, or later
     # sizes silently fall back to eager
     torch._dynamo.config.cache_size_limit = 256
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 256
-    ceiling = copy_ceiling()
+    ceiling = _bench.copy_ceiling_tbps()
     print(f"copy ceiling: {ceiling:.3f} TB/s (read + write)", flush=True)
     results = []
     compiled = {}
@@ -310,12 +232,12 @@ def main():
             row = {"job": job, "size": size, "bytes": job_bytes(job, m, n)}
             row["fusedfp8_correct"] = check_fused(job, xs[0], bs[0], m, n)
             inputs = [(x, b, scale, amax) for x, b in zip(xs, bs)]
-            row["fusedfp8_us"] = time_graph(lambda *a: fused(job, *a), inputs)
+            row["fusedfp8_us"] = _bench.graph_us(lambda *a: fused(job, *a), inputs)
             q_f = fused(job, xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
             if "eager" in peers:
                 q_e = torch_job(job, xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
                 row["eager_mismatch"] = mismatch_fraction(q_e, q_f)
-                row["eager_us"] = time_graph(lambda *a: torch_job(job, *a), inputs)
+                row["eager_us"] = _bench.graph_us(lambda *a: torch_job(job, *a), inputs)
             if "compile" in peers:
                 fn = compiled.setdefault(job, torch.compile(lambda *a, _j=job: torch_job(_j, *a), dynamic=False))
                 q_c = fn(xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
@@ -349,40 +271,36 @@ def main():
         torch.cuda.empty_cache()
     host = host_cost_us()
     print(f"host cost per fusedfp8.quantize call from torch, 1024x1024: {host:.1f} us")
-    meta = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "copy_ceiling_TBps": ceiling, "host_cost_us_1024x1024": host,
-            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    meta = _bench.run_meta(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_ceiling_TBps=ceiling,
+                           host_cost_us_1024x1024=host)
     try:
         import jax
 
         meta["jax"] = jax.__version__
     except ImportError:
         pass
-    (out / "bench_kernels.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    _bench.write_json(out / "bench_kernels.json", meta, results)
     plot(results, out / "bench_kernels.png", meta)
     print_table(results)
+    return 0 if all(r["fusedfp8_correct"] for r in results) else 1
 
 
 def print_table(results):
-    print("\n| job | size | fusedfp8 us (frac) | eager | torch.compile | XLA | target | correct |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    def cell(r, p):
+        return f"{r[p + '_us']:.1f} ({r[p + '_frac']:.2f})" if f"{p}_us" in r else "-"
+
+    rows = []
     for r in results:
-        def cell(p):
-            return f"{r[p + '_us']:.1f} ({r[p + '_frac']:.2f})" if f"{p}_us" in r else "-"
         tgt = f"{r['target_frac']:.2f} {'met' if r['meets_target'] else 'MISSED'}" if "target_frac" in r else ""
-        print(f"| {r['job']} | {r['size']} | {cell('fusedfp8')} | {cell('eager')} | {cell('compile')} | "
-              f"{cell('xla')} | {tgt} | {r['fusedfp8_correct']} |")
+        rows.append([r["job"], r["size"], *(cell(r, p) for p in ("fusedfp8", "eager", "compile", "xla")), tgt,
+                     str(r["fusedfp8_correct"])])
+    header = ["job", "size", "fusedfp8 us (frac)", "eager", "torch.compile", "XLA", "target", "correct"]
+    _bench.print_table(header, rows)
 
 
 def plot(results, path, meta):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = _bench.pyplot()
+    if plt is None:
         return
     jobs = list(dict.fromkeys(r["job"] for r in results))
     fig, axes = plt.subplots(1, len(jobs), figsize=(4 * len(jobs), 3.6), sharey=True, squeeze=False)
@@ -400,9 +318,8 @@ def plot(results, path, meta):
     axes[0][0].set_ylabel("fraction of copy ceiling")
     axes[0][0].legend()
     fig.suptitle(f"{meta['device']}, {meta['date']}: copy ceiling {meta['copy_ceiling_TBps']:.2f} TB/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _bench.save_figure(fig, path)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

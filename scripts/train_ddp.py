@@ -1,15 +1,16 @@
 """Data-parallel training of the MLP of DESIGN.md (LayerNorm -> Linear -> gelu -> Linear) with
 fusedfp8 FP8 and DDP, one process per GPU, launched with torchrun.
 
-Every rank trains on its own random regression batches; DDP averages the gradients, and
-``fusedfp8.pytorch.update_scales(model, group)`` MAX-reduces the staged amaxes of every FP8 tensor
+Every rank trains on its own batches of the regression task of fusedfp8.demo.task (the demo's and
+the benchmarks' task: one teacher, rank r takes batches 4r .. 4r+3, cycled); DDP averages the gradients, and
+``fusedfp8.pytorch.update_model_scales(model, group)`` MAX-reduces the staged amaxes of every FP8 tensor
 in ONE all_reduce per step, so all ranks quantize with the same scales. At the end the script
 gathers every rank's scales and histories and checks they are bitwise identical (and reports
 whether the weights are).
 
 Models (``--model``): ``fp8mlp`` (fusedfp8.pytorch.Fp8MLP: gelu fused into the quantization),
-``convert`` (fusedfp8.pytorch.MLP converted with convert_to_fp8: two Fp8Linear, gelu in torch),
-``bf16`` (fusedfp8.pytorch.MLP, no FP8: the baseline; no scale update).
+``convert`` (fusedfp8.demo.task.TorchMLP converted with convert_to_fp8: two Fp8Linear, gelu in
+torch), ``bf16`` (TorchMLP, no FP8: the baseline; no scale update).
 
 Per step it reports (rank 0, wall clock, the device synchronised around each timed region):
 ``step_ms`` the whole step (forward, backward with DDP's gradient all-reduce, Adam, the scale
@@ -38,15 +39,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-import fusedfp8  # noqa: E402
-import fusedfp8.pytorch as fp8  # noqa: E402
+import fusedfp8
+import fusedfp8.pytorch as fp8
+from fusedfp8.demo.task import Task, TorchMLP
 
 MODELS = ("fp8mlp", "convert", "bf16")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -83,7 +83,7 @@ def build(args, device, dtype):
     if args.model == "fp8mlp":
         model = fp8.Fp8MLP(args.hidden, args.ffn, recipe)
     else:
-        model = fp8.MLP(args.hidden, args.ffn)  # the plain-torch MLP: --model bf16, or converted
+        model = TorchMLP(args.hidden, args.ffn)  # the plain-torch twin: --model bf16, or converted
         if args.model == "convert":
             fp8.convert_to_fp8(model, recipe)
     return model.to(device=device, dtype=dtype)
@@ -91,7 +91,7 @@ def build(args, device, dtype):
 
 def wrap_ddp(model, device):
     """DDP without per-forward buffer broadcasts: the FP8 state buffers are kept in step by
-    update_scales' all_reduce, not by copying rank 0's (see fusedfp8.pytorch.update_scales)."""
+    update_scales' all_reduce, not by copying rank 0's (see fusedfp8.pytorch.update_model_scales)."""
     kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
     if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters:
         kwargs["forward_sync_buffers"] = False  # torch >= 2.13
@@ -137,14 +137,9 @@ def main(argv=None) -> int:
     ddp = wrap_ddp(model, device)
     opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
 
-    # a fixed teacher; each rank draws its own batches (4 per rank, cycled)
-    gen = torch.Generator(device="cpu").manual_seed(1234)
-    teacher = (torch.randn(args.hidden, args.hidden, generator=gen) / args.hidden ** 0.5).to(device, dtype)
-    gen.manual_seed(1000 + rank)
-    batches = []
-    for _ in range(4):
-        x = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype)
-        batches.append((x, torch.tanh(x @ teacher)))
+    # one teacher; each rank its own batches (4 per rank, cycled)
+    task = Task(args.hidden, args.tokens)
+    batches = [tuple(t.to(dtype) for t in task.torch_batch(4 * rank + i, device)) for i in range(4)]
     staged = torch.zeros(3 * len(fp8_mods) or 1, device=device)  # the size update_scales reduces
 
     steps = []
@@ -156,7 +151,7 @@ def main(argv=None) -> int:
         loss.backward()
         update_ms = None
         if fp8_mods and args.overlap:  # not timed on its own: it overlaps the optimizer
-            pending = fp8.update_scales(model, group, async_op=True)
+            pending = fp8.update_model_scales(model, group, async_op=True)
             opt.step()
             opt.zero_grad(set_to_none=True)
             pending.wait()
@@ -166,7 +161,7 @@ def main(argv=None) -> int:
         if fp8_mods and not args.overlap:
             sync(device)
             t1 = time.perf_counter()
-            fp8.update_scales(model, group)
+            fp8.update_model_scales(model, group)
             sync(device)
             update_ms = (time.perf_counter() - t1) * 1e3
         sync(device)
@@ -181,7 +176,7 @@ def main(argv=None) -> int:
         steps.append({"step": step, "loss": lossv.item() / world, "step_ms": step_ms,
                       "update_scales_ms": update_ms, "amax_allreduce_ms": allreduce_ms})
         if rank == 0:
-            upd = "overlapped" if update_ms is None else f"{update_ms:7.3f} ms"
+            upd = "-" if not fp8_mods else "overlapped" if update_ms is None else f"{update_ms:7.3f} ms"
             print(f"step {step:4d}  loss {steps[-1]['loss']:.5f}  step {step_ms:8.3f} ms  update_scales {upd}  "
                   f"amax all_reduce {allreduce_ms:7.3f} ms", flush=True)
 

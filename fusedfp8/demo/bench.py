@@ -121,8 +121,9 @@ def run_bench(out, dry_run: bool = False, tiny: bool = False, only=None, echo: C
 
     scripts = scripts_dir()
     if scripts is None:
-        print("python -m fusedfp8 bench: error: the benchmark scripts (" + ", ".join(f"scripts/{n}.py" for n in BENCHMARKS)
-              + ") are not installed with the package; run this from a source checkout (git clone the fusedfp8 "
+        names = ", ".join(f"scripts/{n}.py" for n in BENCHMARKS)
+        print(f"python -m fusedfp8 bench: error: the benchmark scripts ({names})"
+              " are not installed with the package; run this from a source checkout (git clone the fusedfp8 "
               "repository, pip install -e '.[all]' there)", file=sys.stderr)
         return 2
     ok, reason = _cuda.probe(need_fp8_gemm=True)

@@ -69,8 +69,7 @@ def _train_one(model, variables: dict, config: DemoConfig, device: str, x, y, ba
         if not fp8_mods:
             return state, loss, None, None
         amax = jnp.concatenate([state.params[OVERWRITE_WITH_GRADIENT][m]["amax_history"][0] for m in fp8_mods])
-        states = joined_state(updated(state.params), lambda arrays: jnp.concatenate(arrays, -1))
-        return state, loss, amax, states
+        return state, loss, amax, joined_state(updated(state.params), lambda arrays: jnp.concatenate(arrays, -1))
 
     bar.set_postfix_str("compiling")
     step = jax.jit(step, donate_argnums=0).lower(state, x, y).compile()  # outside the timed steps

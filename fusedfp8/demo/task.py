@@ -92,7 +92,8 @@ class Task:
         jax's default device)."""
         import jax
 
-        seeds = (np.uint32(_seed(_TEACHER, self.seed, self.hidden)), np.uint32(_seed(_BATCH, self.seed, self.hidden, step)))
+        seeds = (np.uint32(_seed(_TEACHER, self.seed, self.hidden)),
+                 np.uint32(_seed(_BATCH, self.seed, self.hidden, step)))
         fn = _jax_batch_fn(self.hidden, self.tokens, float(self.noise))
         if device is None:
             return fn(*seeds)
@@ -204,8 +205,8 @@ def torch_model(kind: str, hidden: int, ffn: int, weights: dict, recipe: Delayed
     missing, unexpected = model.load_state_dict(weights, strict=False)
     buffers = {name for name, _ in model.named_buffers()}
     if unexpected or set(missing) - buffers:
-        raise RuntimeError(f"the initial weights do not fit the {kind} model: missing {sorted(set(missing) - buffers)}, "
-                           f"unexpected {unexpected}")
+        raise RuntimeError(f"the initial weights do not fit the {kind} model: missing "
+                           f"{sorted(set(missing) - buffers)}, unexpected {unexpected}")
     return model
 
 

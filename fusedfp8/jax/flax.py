@@ -175,9 +175,8 @@ class Fp8MLP(nn.Module):
         h = nn.LayerNorm(dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
         w1, b1, stored1 = _DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")()
         w2, b2, stored2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")()
-        (meta1, meta2), first = _this_use(self, (*stored1, *stored2))
-        if first:
-            meta1, meta2 = stored1, stored2
+        prev, first = _this_use(self, (*stored1, *stored2))
+        meta1, meta2 = (stored1, stored2) if first else prev
         h2 = jnp.asarray(h, dtype).reshape(-1, hidden)
         y, out1, out2 = F.fp8_mlp_use(h2, w1.astype(dtype), b1.astype(dtype), w2.astype(dtype), b2.astype(dtype),
                                       meta1, meta2, recipe, approximate=self.approximate, axis_name=self.axis_name,

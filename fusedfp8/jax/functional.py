@@ -87,8 +87,10 @@ class _Cfg(NamedTuple):
 
 @jax.custom_jvp
 def _first_order(x):
-    """``x``; differentiating it again raises: a backward of FP8 GEMMs on saved FP8 tensors has no
-    derivative that this library computes, and returning 0 would be silently wrong."""
+    """``x``; a tangent reaching it raises. It wraps the operands of the forward and the cotangent
+    of the backward: only a second derivative (the outer differentiation of a gradient) gives
+    them a tangent, and the FP8 backward (GEMMs of saved FP8 tensors, behind stop_gradient) has
+    no derivative of its own, so without this it would silently be 0."""
     return x
 
 
@@ -110,6 +112,7 @@ def _advance(meta, cfg, grad=LINEAR_GRAD) -> ScalingState:
 
 
 def _dot_fwd(x, w, meta, cfg: _Cfg, training: bool = True):
+    x, w = _first_order(x), _first_order(w)
     st = _advance(meta, cfg)
     rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=training, impl=cfg.impl)
     rw, st = P.quantize(w, st, 1, cfg.recipe, transpose=True, impl=cfg.impl)
@@ -128,11 +131,12 @@ def _dot(x, w, meta, cfg: _Cfg):
 
 def _dot_bwd(cfg: _Cfg, res, cts):
     g, later = cts
+    g = _first_order(g)
     x_t, w_q, sx, sw, st, (xz, wz) = res
     rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, impl=cfg.impl)
     dx = gemm(rg.data, w_q, rg.scale_inv, sw, xz.dtype)
     dw = gemm(x_t, rg.data_t, sx, rg.scale_inv, wz.dtype)
-    return _first_order(dx), _first_order(dw), combine(later, state_to_meta(st))
+    return dx, dw, combine(later, state_to_meta(st))
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
@@ -206,6 +210,7 @@ class _MlpCfg(NamedTuple):
 
 
 def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg, training: bool = True):
+    h, w1, b1, w2, b2 = map(_first_order, (h, w1, b1, w2, b2))
     r, impl = cfg.recipe, cfg.impl
     if cfg.first:  # both linears' staged amaxes in one all-reduce, then the two (local) updates
         st1, st2 = P.sync_staged([meta_to_state(decode(meta1)), meta_to_state(decode(meta2))], cfg.axis_name)
@@ -234,6 +239,7 @@ def _mlp(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg):
 
 def _mlp_bwd(cfg: _MlpCfg, res, cts):
     g, later1, later2 = cts
+    g = _first_order(g)
     h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z) = res
     r, impl = cfg.recipe, cfg.impl
     rg, st2 = P.quantize(g, st2, 2, r, transpose=True, impl=impl)
@@ -244,8 +250,8 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
                                 impl=impl)
     dh = gemm(rdz.data, w1_q, rdz.scale_inv, sw1, hz.dtype)
     dw1 = gemm(h_t, rdz.data_t, sh, rdz.scale_inv, w1z.dtype)
-    grads = (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2)
-    return (*map(_first_order, grads), combine(later1, state_to_meta(st1)), combine(later2, state_to_meta(st2)))
+    return (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, combine(later1, state_to_meta(st1)),
+            combine(later2, state_to_meta(st2)))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)

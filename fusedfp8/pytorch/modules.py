@@ -128,6 +128,22 @@ def _check_input(layer: str, x: torch.Tensor, features: int, weight: torch.Tenso
         raise ValueError(f"{layer}: input is on {x.device} but the weight is on {weight.device}")
 
 
+def _check_state_writable(layer: str, *modules: "Fp8Linear") -> None:
+    """Refuse, before the first kernel of a forward, state buffers that the forward could not
+    write (so that no state is left half written): ValueError naming the buffer."""
+    if torch.compiler.is_compiling():  # (dynamo cannot trace the inference-mode query; a compiled graph
+        return                         # checked its buffers when it was traced eagerly or fails in the op)
+    inference = torch.is_inference_mode_enabled()
+    for m in modules:
+        for name in ("amax_history", "scale", "scale_inv"):
+            t = m._buffers[name]
+            why = ("requires grad (autograd forbids writing it in place)" if t.requires_grad else
+                   "is an inference tensor (made under torch.inference_mode), written outside inference mode"
+                   if t.is_inference() and not inference else "")
+            if why:
+                raise ValueError(f"{layer}: the FP8 state buffer '{name}' {why}; nothing was written")
+
+
 class Fp8Linear(_StrictLoad, nn.Linear):
     """``nn.Linear`` with FP8 GEMMs and delayed scaling (a drop-in replacement).
 
@@ -312,6 +328,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layer = type(self).__name__
         _check_input(layer, x, self.in_features, self.weight)
+        _check_state_writable(layer, self)
         need_dgrad, need_wgrad = self._need_grads(x)
         if x.is_cuda:
             dims = {"in_features": self.in_features, "out_features": self.out_features}
@@ -374,6 +391,7 @@ class Fp8MLP(_StrictLoad, nn.Module):
             raise ValueError(f"Fp8MLP: fc1 and fc2 must share one recipe; got {fc1.recipe} and {fc2.recipe}")
         layer = type(self).__name__
         _check_input(layer, x, fc1.in_features, fc1.weight)
+        _check_state_writable(layer, fc1, fc2)
         if fc2.weight.dtype not in _FLOATS:
             raise TypeError(f"{layer}: fc2.weight must be float32, float16 or bfloat16; got {fc2.weight.dtype}")
         h = self.norm(x)

@@ -1,0 +1,229 @@
+"""Train-step benchmark of the MLP of DESIGN.md in torch: LayerNorm -> Linear -> gelu(tanh) ->
+Linear, MSE loss on the regression task of fusedfp8.demo.task, Adam; bf16 against fusedfp8 FP8
+in the same run.
+
+Modes (``--modes``): ``bf16_eager`` (fusedfp8.demo.task.TorchMLP), ``bf16_compiled``
+(torch.compile of forward + loss), ``bf16_graphed`` (the whole step in one CUDA graph),
+``fp8_eager`` (fusedfp8.pytorch.Fp8MLP), ``fp8_compiled``, ``fp8_graphed``. A step is:
+zero_grad, forward, loss, backward, ``Adam(fused=True, capturable=True).step()`` and, for FP8,
+``fusedfp8.pytorch.update_model_scales``; graphed modes capture exactly that after three eager
+warm-up steps (the capture runs nothing; the warm-up steps count in the loss curve). Parameters
+are bf16 in every mode, from the same initial weights; the FP8 recipe is ``DelayedScaling()``
+(hybrid E4M3/E5M2, history 1024, 'max').
+
+Per shape (``hidden x ffn x tokens``), in this order:
+1. correctness: one forward/backward of the bf16 and the FP8 model from the same weights on the
+   same batch; SQNR of the output and of every parameter gradient must be >= 20 dB;
+2. per mode: ``--steps`` training steps on a fresh batch each (the loss curve; graphed and
+   compiled curves are also compared with their eager twin), then timing: CUDA events around
+   blocks of ``--block`` steps on one batch, ``--reps`` blocks, median per step;
+3. a profile of three eager steps of bf16 and FP8 (``--no-profile`` skips it): device time per
+   kernel category (GEMM, fusedfp8 kernels, LayerNorm, Adam, other) against the step time,
+   which shows where the step goes and how much is host overhead.
+
+Targets (DESIGN.md): fusedfp8 >= 1.40x bf16 at 4096/16384/8192 and >= 1.0x at 1024/4096/2048
+(graphs allowed); mean loss of steps 91-100 within 2% of bf16's. Reported both as the best FP8
+mode against the best bf16 mode (``best``, bf16_graphed included) and against the best of bf16
+eager / compiled (``issue_baseline``, the baselines the issue names). Writes
+DIR/bench_mlp_torch.json and DIR/bench_mlp_torch.png; exits 1 when a correctness check fails.
+
+Usage:
+  python scripts/bench_mlp_torch.py [--out DIR] [--shapes 4096x16384x8192,1024x4096x2048]
+         [--modes bf16_eager,fp8_graphed,...] [--steps 100] [--block 10] [--reps 7] [--no-profile]
+  quick: --shapes 1024x4096x2048 --modes bf16_eager,fp8_eager,fp8_graphed --steps 20 --reps 3
+  CPU smoke test of the script itself (tiny shapes, no events / graphs): --device cpu --shapes 32x64x48
+"""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import _bench
+import fusedfp8
+import fusedfp8.pytorch as fp8
+from fusedfp8.demo.task import BENCH_NOISE, Task, torch_initial_weights, torch_model
+
+MODES = ["bf16_eager", "bf16_compiled", "bf16_graphed", "fp8_eager", "fp8_compiled", "fp8_graphed"]
+TARGET_SPEEDUP = {(4096, 16384, 8192): 1.40, (1024, 4096, 2048): 1.0}
+GRAPH_WARMUP = 3
+RECIPE = fusedfp8.DelayedScaling()
+
+
+def mse(out, target):
+    return (out.float() - target.float()).pow(2).mean()
+
+
+class Runner:
+    """One mode on one shape: a model, its optimizer, and a ``step()`` returning the loss tensor."""
+
+    def __init__(self, mode: str, hidden: int, ffn: int, weights: dict, x, y, device):
+        self.mode, self.device = mode, device
+        self.kind, self.how = mode.split("_")
+        self.model = torch_model(self.kind, hidden, ffn, weights, RECIPE, device)
+        fused = device.type == "cuda"
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=_bench.LR, fused=fused, capturable=fused)
+        self.x, self.y = x, y
+        self.forward = lambda a, b: mse(self.model(a), b)
+        self.graph = self.static_loss = None
+        self.steps_done = 0
+
+    def eager_step(self):
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.forward(self.x, self.y)
+        loss.backward()
+        self.opt.step()
+        if self.kind == "fp8":
+            fp8.update_model_scales(self.model)
+        return loss
+
+    def step(self):
+        """One real training step (the first calls warm up / compile / capture as the mode needs)."""
+        self.steps_done += 1
+        if self.how == "eager":
+            return self.eager_step()
+        if self.how == "compiled":
+            if self.steps_done == 1 + (2 if self.kind == "fp8" else 0):
+                # FP8: two eager steps first link the states and settle the first-step flag, so
+                # the compiled graph is built once
+                self.forward = torch.compile(lambda a, b: mse(self.model(a), b), fullgraph=True, dynamic=False)
+            return self.eager_step()
+        if self.steps_done <= GRAPH_WARMUP:
+            if self.steps_done == 1:
+                self.side = torch.cuda.Stream()
+            self.side.wait_stream(torch.cuda.current_stream())  # the batch was copied in on it
+            with torch.cuda.stream(self.side):
+                loss = self.eager_step()
+            # the caller reads the loss on the current stream: it must wait for the side stream
+            # (reading it unordered gave a 0.0 first loss at 4096/16384/8192)
+            torch.cuda.current_stream().wait_stream(self.side)
+            return loss
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.static_loss = self.eager_step()
+        self.graph.replay()
+        return self.static_loss
+
+    def close(self):
+        self.graph = self.static_loss = None
+        del self.model, self.opt
+
+
+def check_correctness(hidden, ffn, weights, x, y, device) -> dict:
+    """Same weights, same batch: FP8 output and gradients against bf16, SQNR in dB."""
+    grads = {}
+    for kind in ("bf16", "fp8"):
+        model = torch_model(kind, hidden, ffn, weights, RECIPE, device)
+        out = model(x)
+        mse(out, y).backward()
+        grads[kind] = {"output": out.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+        del model
+    res = {name: _bench.sqnr_db(want, grads["fp8"][name]) for name, want in grads["bf16"].items()}
+    return {"sqnr_db": res, "ok": all(v >= _bench.SQNR_MIN_DB for v in res.values())}
+
+
+def profile_step(runner: Runner, clock: _bench.Clock) -> dict:
+    """Device time per kernel category over 3 eager steps, per step, in ms (or the error: a
+    profiler problem must not lose the timings)."""
+    try:
+        return _profile_step(runner, clock)
+    except Exception as e:  # noqa: BLE001 - report any profiler failure as text
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _profile_step(runner: Runner, clock: _bench.Clock) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        runner.step()
+    clock.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            runner.step()
+        clock.sync()
+    cats = _bench.empty_categories()
+    kernels = {}
+    for evt in prof.key_averages():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = evt.self_device_time_total / 1e3 / 3
+        if ms <= 0:
+            continue
+        cats[_bench.kernel_category(evt.key)] += ms
+        kernels[evt.key[:120]] = kernels.get(evt.key[:120], 0.0) + ms
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
+    return {"device_ms_per_step": cats, "device_ms_total": sum(cats.values()), "top_kernels_ms": top}
+
+
+def run_shape(shape, modes, args, device, clock) -> dict:
+    hidden, ffn, tokens = shape
+    task = Task(hidden, tokens, noise=BENCH_NOISE)
+    weights = torch_initial_weights(hidden, ffn, 0, device)
+    x, y = task.torch_batch(0, device)
+    res = {"shape": {"hidden": hidden, "ffn": ffn, "tokens": tokens}, "modes": {}}
+    res["correctness"] = check_correctness(hidden, ffn, weights, x, y, device)
+    print(f"[{hidden}x{ffn}x{tokens}] correctness ok={res['correctness']['ok']} "
+          + " ".join(f"{k}={v:.1f}dB" for k, v in res["correctness"]["sqnr_db"].items()), flush=True)
+    for mode in modes:
+        t0 = time.perf_counter()
+        torch._dynamo.reset()
+        runner = Runner(mode, hidden, ffn, weights, x, y, device)
+        losses = torch.empty(args.steps, device=device)
+        for i in range(args.steps):
+            xi, yi = task.torch_batch(i, device)  # a fresh batch into the step's inputs
+            x.copy_(xi)
+            y.copy_(yi)
+            losses[i] = runner.step().detach()
+        clock.sync()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = clock.per_call_ms(runner.step, args.block, args.reps)
+        row = {"loss": losses.tolist(), "step_ms": statistics.median(times), "step_ms_all": times,
+               "wall_s": time.perf_counter() - t0}
+        if device.type == "cuda":
+            row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if not args.no_profile and runner.how == "eager" and device.type == "cuda":
+            row["profile"] = profile_step(runner, clock)
+        runner.close()
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        res["modes"][mode] = row
+        print(f"[{hidden}x{ffn}x{tokens}] {mode:<14} {row['step_ms']:8.3f} ms/step  loss {row['loss'][0]:.4f} -> "
+              f"{row['loss'][-1]:.4f}  ({row['wall_s']:.0f} s)", flush=True)
+    _bench.summarize(shape, res, args.steps, TARGET_SPEEDUP)
+    return res
+
+
+def main(argv=None) -> int:
+    args, shapes, modes, ap = _bench.mlp_arguments(__doc__, "torch", MODES, argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device: run on the GPU machine, or --device cpu for a smoke test of the script")
+    if device.type != "cuda" and any(m.endswith("graphed") for m in modes):
+        ap.error("graphed modes need a CUDA device")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    clock = _bench.Clock(device)
+    t0 = time.perf_counter()
+    results = [run_shape(s, modes, args, device, clock) for s in shapes]
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
+    meta = _bench.run_meta(
+        framework="torch", device=name, torch=torch.__version__, fusedfp8=fusedfp8.__version__, recipe=str(RECIPE),
+        lr=_bench.LR, task={"noise": BENCH_NOISE, "fresh_batch_per_step": True}, wall_s=time.perf_counter() - t0)
+    _bench.write_json(out / "bench_mlp_torch.json", meta, results)
+    _bench.plot_mlp(results, out / "bench_mlp_torch.png", meta)
+    _bench.print_mlp_table(results, MODES)
+    for res in results:
+        print(json.dumps({"shape": res["shape"], "summary": res["summary"]}))
+    return 0 if all(r["correctness"]["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
