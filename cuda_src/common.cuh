@@ -91,15 +91,13 @@ template <> struct FormatMax<0> { static constexpr float value = 448.0f; };
 template <> struct FormatMax<1> { static constexpr float value = 57344.0f; };
 
 // ---- amax as ordered bits ------------------------------------------------------------------
-// |x| as uint32 orders like the float for non-negative values, and every NaN sorts above inf.
-// NaNs are canonicalised (0x7fc00000) so that the stored amax is one fixed pattern.
-__device__ __forceinline__ u32 abs_bits(float v) {
-    u32 u = __float_as_uint(v) & 0x7fffffffu;
-    return u > 0x7f800000u ? 0x7fc00000u : u;
-}
+// |x| as uint32 orders like the float for non-negative values, and every NaN sorts above inf, so
+// the running max of the magnitudes is the amax (NaN-propagating) with one instruction an element.
+__device__ __forceinline__ u32 abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
-// Max over the block, then ONE atomicMax into dst (a float32 slot viewed as uint32). A slot that
-// holds -0 (bits 0x80000000, above every amax) is first turned into +0: -0 behaves as 0.
+// Max over the block, then ONE atomicMax into dst (a float32 slot viewed as uint32). A NaN is
+// canonicalised (0x7fc00000) once here, so the stored amax is one fixed pattern. A slot that holds
+// -0 (bits 0x80000000, above every amax) is first turned into +0: -0 behaves as 0.
 template <int THREADS> __device__ __forceinline__ void block_amax_atomic(u32 v, float* dst) {
     __shared__ u32 warp_max[THREADS / 32];
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -109,6 +107,7 @@ template <int THREADS> __device__ __forceinline__ void block_amax_atomic(u32 v, 
     if (warp == 0) {
         v = lane < THREADS / 32 ? warp_max[lane] : 0u;
         for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (v > 0x7f800000u) v = 0x7fc00000u;
         if (lane == 0 && v != 0u) {
             u32* slot = reinterpret_cast<u32*>(dst);
             atomicCAS(slot, 0x80000000u, 0u);  // a slot holding -0 holds 0 (its bits would outrank every amax)
@@ -163,12 +162,20 @@ __device__ __forceinline__ void publish_scale(bool fresh, float s, float* scale_
 #define FF8_INV_SQRT2 0x1.6a09e6p-1f
 #define FF8_INV_SQRT_2PI 0x1.988454p-2f
 #define FF8_ERFC_C0 0x1.43f89cp+0f
+#define FF8_EXP_SHIFTER 0x1.8p+23f
+#define FF8_TWO_M64 0x1p-64f
+#define FF8_GELU_K -0x1.988454p+0f
+#define FF8_RCP_C0 0x1.69696ap+0f
+#define FF8_RCP_C1 0x1.e1e1e2p-2f
+#define FF8_RCP_MAGIC 0x7EF311C7u
 
-// e**a for a <= 0 (a few ulp above 0 also fine): Cody-Waite reduction with FMA, degree-6
-// polynomial, exact 2**k built from bits; 0 below -87 (so 2**k is a normal float).
+// e**a for a <= 0 (a few ulp above 0 also fine), branch-free: k = round(a log2 e) from one FMA with
+// the shifter 1.5 * 2**23 (t holds k in its low bits, and t << 23 is k << 23), Cody-Waite reduction
+// with FMA, degree-6 polynomial p, then p * 2**(k + 64) built from the bits (exact: a normal float
+// for every k >= -126) times 2**-64 (one rounding, so a denormal result is right); 0 below -87.
 __device__ __forceinline__ float exp_f32(float a) {
-    if (a < -87.0f) return 0.0f;
-    float k = frint(fmul(a, FF8_LOG2E));
+    const float t = ffma(a, FF8_LOG2E, FF8_EXP_SHIFTER);
+    const float k = fsub(t, FF8_EXP_SHIFTER);
     float r = ffma(k, -FF8_LN2_HI, a);
     r = ffma(k, -FF8_LN2_LO, r);
     float p = 0x1.6c16c2p-10f;
@@ -178,14 +185,37 @@ __device__ __forceinline__ float exp_f32(float a) {
     p = ffma(p, r, 0x1p-1f);
     p = ffma(p, r, 0x1p+0f);
     p = ffma(p, r, 0x1p+0f);
-    int ki = (k != k) ? 0 : (int)fmaxf(-126.0f, fminf(127.0f, k));
-    return fmul(p, __uint_as_float((u32)(ki + 127) << 23));
+    const float y = fmul(__uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23) + (64u << 23)), FF8_TWO_M64);
+    if (a < -87.0f) return 0.0f;  // (a select, after the arithmetic: no branch)
+    return y;
 }
 
-// erfc(z), Numerical Recipes' Chebyshev fit; z < 0 (sign bit) through 2 - erfc(|z|).
+// 1 / d for d in [1, 2]: the linear seed 24/17 - 8/17 d (within 1/17) and three Newton steps,
+// FMA only (no division, no branch); within an ulp of the correctly rounded quotient.
+__device__ __forceinline__ float rcp_1_2(float d) {
+    float r = ffma(d, -FF8_RCP_C1, FF8_RCP_C0);
+    float e = ffma(-d, r, 1.0f);
+    r = ffma(r, e, r);
+    e = ffma(-d, r, 1.0f);
+    r = ffma(r, e, r);
+    e = ffma(-d, r, 1.0f);
+    return ffma(r, e, r);
+}
+
+// 1 / d for d in [1, 16): the integer seed 0x7EF311C7 - bits(d) (within 13%) and four Newton steps.
+__device__ __forceinline__ float rcp_1_16(float d) {
+    float r = __uint_as_float(FF8_RCP_MAGIC - __float_as_uint(d));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r = ffma(r, ffma(-d, r, 1.0f), r);
+    return r;
+}
+
+// erfc(z), Numerical Recipes' Chebyshev fit; z < 0 (sign bit) through 2 - erfc(|z|). |z| is capped
+// at 20 (erfc is 0 in float32 from about 10 on), so t = 1 / (1 + |z| / 2) needs no division.
 __device__ __forceinline__ float erfc_f32(float z) {
     float a = fabs_bits(z);
-    float t = fdiv(1.0f, ffma(0.5f, a, 1.0f));
+    a = a > 20.0f ? 20.0f : a;
+    float t = rcp_1_16(ffma(0.5f, a, 1.0f));
     float p = 0x1.5df28ap-3f;
     p = ffma(p, t, -0x1.a4f124p-1f);
     p = ffma(p, t, 0x1.7d0f6p+0f);
@@ -203,21 +233,22 @@ __device__ __forceinline__ float clamp_keep_nan(float x, float lim) {
     return x > lim ? lim : (x < -lim ? -lim : x);
 }
 
-// u = sqrt(2/pi) (x + 0.044715 x^3), e = exp(-2|u|), d = 1 + e:
-// 0.5 (1 + tanh u) = sel / d with sel = (u >= 0 ? 1 : e); 0.5 (1 - tanh^2 u) = 2 e / d^2.
-struct SigmoidParts { float x2, e, d, sel; };
+// u = sqrt(2/pi) w with w = x + 0.044715 x^3, e = exp(-2|u|) (-2|u| = K|w|, K = -2 sqrt(2/pi):
+// the same float as -2 * (sqrt(2/pi) w) rounded, one multiply less), d = 1 + e in [1, 2], r = 1 / d:
+// 0.5 (1 + tanh u) = sel r with sel = (u >= 0 ? 1 : e); 0.5 (1 - tanh^2 u) = 2 e r^2.
+struct SigmoidParts { float x2, e, r, sel; };
 __device__ __forceinline__ SigmoidParts sigmoid_parts(float x) {
-    SigmoidParts r;
-    r.x2 = fmul(x, x);
-    float u = fmul(FF8_SQRT_2_OVER_PI, ffma(FF8_GELU_C1, fmul(r.x2, x), x));
-    r.e = exp_f32(fmul(-2.0f, fabs_bits(u)));
-    r.d = fadd(1.0f, r.e);
-    r.sel = sign_bit(u) ? r.e : 1.0f;
-    return r;
+    SigmoidParts p;
+    p.x2 = fmul(x, x);
+    const float w = ffma(FF8_GELU_C1, fmul(p.x2, x), x);
+    p.e = exp_f32(fmul(FF8_GELU_K, fabs_bits(w)));
+    p.r = rcp_1_2(fadd(1.0f, p.e));
+    p.sel = sign_bit(w) ? p.e : 1.0f;
+    return p;
 }
 __device__ __forceinline__ float gelu_tanh(float x) {
     SigmoidParts p = sigmoid_parts(x);
-    return fdiv(fmul(x, p.sel), p.d);
+    return fmul(fmul(x, p.sel), p.r);
 }
 __device__ __forceinline__ float gelu_erf(float x) {
     return fmul(fmul(0.5f, x), erfc_f32(fmul(-x, FF8_INV_SQRT2)));
@@ -225,7 +256,7 @@ __device__ __forceinline__ float gelu_erf(float x) {
 __device__ __forceinline__ float dgelu_tanh(float x) {
     float xc = clamp_keep_nan(x, 20.0f);
     SigmoidParts p = sigmoid_parts(xc);
-    float rd = fdiv(1.0f, p.d);
+    float rd = p.r;
     float dudx = fmul(FF8_SQRT_2_OVER_PI, ffma(FF8_GELU_C3, p.x2, 1.0f));
     return ffma(fmul(fmul(fmul(fmul(2.0f, xc), p.e), rd), rd), dudx, fmul(p.sel, rd));
 }

@@ -239,23 +239,44 @@ class JnpNamespace(NumpyNamespace):
 
 # ---- exp / erfc / gelu / dgelu, the reference's op sequence ------------------------------------
 def exp_f32(a) -> jax.Array:
+    """e**a, as :func:`fusedfp8.numerics.reference.exp_f32` (branch-free, shifter rounding, the
+    scaling by 2**k from the bits)."""
     a = jnp.asarray(a, f32)
-    k = jnp.rint(_mul(a, _c(C.LOG2E)))
+    t = fma_f32(a, _c(C.LOG2E), _c(C.EXP_SHIFTER), tiny_products=False)
+    k = _hide(t - _c(C.EXP_SHIFTER))
     r = fma_f32(k, -_c(C.LN2_HI), a, tiny_products=False)
     r = fma_f32(k, -_c(C.LN2_LO), r, tiny_products=False)
     p = _c(C.EXP_POLY[0])
     for coef in C.EXP_POLY[1:]:
         p = fma_f32(p, r, _c(coef), tiny_products=False)
-    ki = jnp.nan_to_num(jnp.clip(k, -126.0, 127.0)).astype(jnp.int32)
-    pow2 = from_bits(lax.shift_left(ki + 127, jnp.int32(23)))
-    y = _mul(p, pow2)
+    scaled = from_bits(bits(p) + lax.shift_left(bits(t), jnp.int32(23)) + np.int32(64 << 23))
+    y = _mul(scaled, _c(C.TWO_M64))
     return jnp.where(a < _c(C.EXP_MIN_ARG), _c(0.0), y)
+
+
+def _newton(d, r, steps: int):
+    for _ in range(steps):
+        r = fma_f32(r, fma_f32(-d, r, _c(1.0), tiny_products=False), r, tiny_products=False)
+    return r
+
+
+def rcp_1_2(d) -> jax.Array:
+    """1 / d for d in [1, 2], as :func:`fusedfp8.numerics.reference.rcp_1_2`."""
+    d = jnp.asarray(d, f32)
+    return _newton(d, fma_f32(d, -_c(C.RCP_C1), _c(C.RCP_C0), tiny_products=False), 3)
+
+
+def rcp_1_16(d) -> jax.Array:
+    """1 / d for d in [1, 16), as :func:`fusedfp8.numerics.reference.rcp_1_16`."""
+    d = jnp.asarray(d, f32)
+    return _newton(d, from_bits(np.int32(C.RCP_MAGIC) - bits(d)), 4)
 
 
 def erfc_f32(z) -> jax.Array:
     z = jnp.asarray(z, f32)
     a = jnp.abs(z)
-    t = div_rn(_c(1.0), fma_f32(_c(0.5), a, _c(1.0), tiny_products=False))
+    a = jnp.where(a > _c(C.ERFC_MAX_ARG), _c(C.ERFC_MAX_ARG), a)
+    t = rcp_1_16(fma_f32(_c(0.5), a, _c(1.0), tiny_products=False))
     p = _c(C.ERFC_POLY[0])
     for coef in C.ERFC_POLY[1:]:
         p = fma_f32(p, t, _c(coef), tiny_products=False)
@@ -270,18 +291,18 @@ def _clamp(x, lim):
 
 def _sigmoid_parts(x):
     x2 = _mul(x, x)
-    u = _mul(_c(C.SQRT_2_OVER_PI), fma_f32(_c(C.GELU_C1), _mul(x2, x), x))
-    e = exp_f32(_mul(_c(-2.0), jnp.abs(u)))
-    d = _c(1.0) + e
-    return x2, e, d, jnp.where(jnp.signbit(u), e, _c(1.0))
+    w = fma_f32(_c(C.GELU_C1), _mul(x2, x), x)
+    e = exp_f32(_mul(_c(C.GELU_K), jnp.abs(w)))
+    r = rcp_1_2(_c(1.0) + e)
+    return x2, e, r, jnp.where(jnp.signbit(w), e, _c(1.0))
 
 
 def gelu_f32(x, approximate: str) -> jax.Array:
     """gelu in float32 ('tanh' or 'none'), as :func:`fusedfp8.numerics.reference.gelu_f32`."""
     x = jnp.asarray(x, f32)
     if approximate == "tanh":
-        _, _, d, sel = _sigmoid_parts(x)
-        return div_rn(_mul(x, sel), d)
+        _, _, r, sel = _sigmoid_parts(x)
+        return _mul(_mul(x, sel), r)
     return _mul(_mul(_c(0.5), x), erfc_f32(_mul(-x, _c(C.INV_SQRT2))))
 
 
@@ -290,8 +311,7 @@ def dgelu_f32(x, approximate: str) -> jax.Array:
     x = jnp.asarray(x, f32)
     if approximate == "tanh":
         xc = _clamp(x, 20.0)
-        x2, e, d, sel = _sigmoid_parts(xc)
-        rd = div_rn(_c(1.0), d)
+        x2, e, rd, sel = _sigmoid_parts(xc)
         dudx = _mul(_c(C.SQRT_2_OVER_PI), fma_f32(_c(C.GELU_C3), x2, _c(1.0)))
         return fma_f32(_mul(_mul(_mul(_mul(_c(2.0), xc), e), rd), rd), dudx, _mul(sel, rd))
     xc = _clamp(x, 40.0)

@@ -14,8 +14,9 @@ from ..formats import Format, get_format
 from ..types import Quantized, check_approximate
 
 from . import scaling
-from .constants import (EXP_MIN_ARG, EXP_POLY, ERFC_C0, ERFC_POLY, GELU_C1, GELU_C3, INV_SQRT2, INV_SQRT_2PI,
-                        LN2_HI, LN2_LO, LOG2E, SQRT_2_OVER_PI)
+from .constants import (ERFC_C0, ERFC_MAX_ARG, ERFC_POLY, EXP_MIN_ARG, EXP_POLY, EXP_SHIFTER, GELU_C1, GELU_C3,
+                        GELU_K, INV_SQRT2, INV_SQRT_2PI, LN2_HI, LN2_LO, LOG2E, RCP_C0, RCP_C1, RCP_MAGIC,
+                        SQRT_2_OVER_PI, TWO_M64)
 from .xp import NumpyNamespace
 
 f32 = np.float32
@@ -119,29 +120,53 @@ def _where(c, a, b):
 
 
 def exp_f32(a: np.ndarray) -> np.ndarray:
-    """e**a for a <= 0 (the only arguments the activations use; a few ulp above 0 also fine):
-    Cody-Waite reduction with FMA, degree-6 polynomial, exact 2**k; 0 below -87."""
+    """e**a for a <= 0 (the only arguments the activations use; a few ulp above 0 also fine),
+    branch-free as the kernels: k = round(a log2 e) from one FMA with the shifter 1.5 * 2**23,
+    Cody-Waite reduction with FMA, degree-6 polynomial p, p * 2**(k + 64) from the bits (exact),
+    times 2**-64 (one rounding); 0 below -87."""
     a = np.asarray(a, np.float32)
     with np.errstate(all="ignore"):
-        k = np.rint(a * LOG2E).astype(np.float32)
+        t = fma_f32(a, LOG2E, EXP_SHIFTER)
+        k = (t - EXP_SHIFTER).astype(np.float32)
         r = fma_f32(k, -LN2_HI, a)
         r = fma_f32(k, -LN2_LO, r)
         p = EXP_POLY[0]
         for c in EXP_POLY[1:]:
             p = fma_f32(p, r, c)
-        ki = np.nan_to_num(np.clip(k, -126, 127)).astype(np.int32)
-        pow2 = ((ki + 127).astype(np.uint32) << np.uint32(23)).view(np.float32)
-        y = (p * pow2).astype(np.float32)
+        bits = (np.asarray(p, np.float32).view(np.uint32) + (np.asarray(t, np.float32).view(np.uint32) << np.uint32(23))
+                + np.uint32(64 << 23))
+        y = (bits.view(np.float32) * TWO_M64).astype(np.float32)
     return _where(a < EXP_MIN_ARG, f32(0.0), y)
+
+
+def rcp_1_2(d: np.ndarray) -> np.ndarray:
+    """1 / d for d in [1, 2]: linear seed 24/17 - 8/17 d, three Newton steps, FMA only."""
+    d = np.asarray(d, np.float32)
+    with np.errstate(all="ignore"):
+        r = fma_f32(d, -RCP_C1, RCP_C0)
+        for _ in range(3):
+            r = fma_f32(r, fma_f32(-d, r, f32(1.0)), r)
+    return r
+
+
+def rcp_1_16(d: np.ndarray) -> np.ndarray:
+    """1 / d for d in [1, 16): integer seed 0x7EF311C7 - bits(d), four Newton steps."""
+    d = np.asarray(d, np.float32)
+    with np.errstate(all="ignore"):
+        r = (np.uint32(RCP_MAGIC) - d.view(np.uint32)).astype(np.uint32).view(np.float32)
+        for _ in range(4):
+            r = fma_f32(r, fma_f32(-d, r, f32(1.0)), r)
+    return r
 
 
 def erfc_f32(z: np.ndarray) -> np.ndarray:
     """erfc(z), Numerical Recipes' Chebyshev fit (fractional error < 1.2e-7); z < 0 (sign bit)
-    through 2 - erfc(|z|)."""
+    through 2 - erfc(|z|); |z| capped at 20 (erfc is 0 in float32 from about 10 on)."""
     z = np.asarray(z, np.float32)
     a = np.abs(z)
+    a = _where(a > ERFC_MAX_ARG, ERFC_MAX_ARG, a)
     with np.errstate(all="ignore"):
-        t = f32(1.0) / fma_f32(f32(0.5), a, f32(1.0))
+        t = rcp_1_16(fma_f32(f32(0.5), a, f32(1.0)))
         p = ERFC_POLY[0]
         for c in ERFC_POLY[1:]:
             p = fma_f32(p, t, c)
@@ -155,13 +180,13 @@ def _clamp(x, lim):
 
 
 def _sigmoid_parts(x: np.ndarray):
-    """u = sqrt(2/pi) (x + 0.044715 x^3), e = exp(-2|u|), d = 1 + e; 0.5 (1 + tanh u) = sel / d
-    with sel = 1 for u >= 0 (sign bit clear) and e otherwise."""
+    """w = x + 0.044715 x^3 (u = sqrt(2/pi) w), e = exp(K |w|) = exp(-2|u|) with K = -2 sqrt(2/pi),
+    r = 1 / (1 + e); 0.5 (1 + tanh u) = sel r with sel = 1 for u >= 0 (sign bit clear), e otherwise."""
     x2 = x * x
-    u = SQRT_2_OVER_PI * fma_f32(GELU_C1, x2 * x, x)
-    e = exp_f32(f32(-2.0) * np.abs(u))
-    d = f32(1.0) + e
-    return x2, e, d, _where(np.signbit(u), e, f32(1.0))
+    w = fma_f32(GELU_C1, x2 * x, x)
+    e = exp_f32(GELU_K * np.abs(w))
+    r = rcp_1_2(f32(1.0) + e)
+    return x2, e, r, _where(np.signbit(w), e, f32(1.0))
 
 
 def gelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
@@ -169,8 +194,8 @@ def gelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
     x = np.asarray(x, np.float32)
     with np.errstate(all="ignore"):
         if approximate == "tanh":
-            _, _, d, sel = _sigmoid_parts(x)
-            return ((x * sel) / d).astype(np.float32)
+            _, _, r, sel = _sigmoid_parts(x)
+            return ((x * sel) * r).astype(np.float32)
         return ((f32(0.5) * x) * erfc_f32(-x * INV_SQRT2)).astype(np.float32)
 
 
@@ -179,10 +204,9 @@ def dgelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
     x = np.asarray(x, np.float32)
     with np.errstate(all="ignore"):
         if approximate == "tanh":
-            # d/dx = sel/d + x * (2 e / d^2) * du/dx, since 0.5 (1 - tanh^2 u) = 2 e / d^2
+            # d/dx = sel r + x * (2 e r^2) * du/dx, since 0.5 (1 - tanh^2 u) = 2 e r^2
             xc = _clamp(x, 20.0)
-            x2, e, d, sel = _sigmoid_parts(xc)
-            rd = f32(1.0) / d
+            x2, e, rd, sel = _sigmoid_parts(xc)
             dudx = SQRT_2_OVER_PI * fma_f32(GELU_C3, x2, f32(1.0))
             g = fma_f32((((f32(2.0) * xc) * e) * rd) * rd, dudx, sel * rd)
         else:
