@@ -5,9 +5,21 @@ shipped inside the installed package as ``fusedfp8/cuda_src/*.cu|*.cuh`` (a pack
 mapping below), so that a non-editable install can compile its kernels. At run time
 ``fusedfp8._cuda`` looks first at ``<repo>/cuda_src`` next to the package (editable install
 or a source checkout), then at ``fusedfp8/cuda_src`` inside the package.
-"""
 
-from setuptools import find_packages, setup
+The compiled host shim (``fusedfp8/csrc``: the launch-plan interpreter as an XLA FFI handler
+and as the torch C++ ops) is built here when a C++ compiler and the framework it is for (jax,
+torch) are importable where setup.py runs; otherwise the install goes on, says why, and the
+shim is compiled on first use into a cache folder (see fusedfp8/csrc/__init__.py). pip builds
+in an isolated environment without jax or torch: ``pip install --no-build-isolation -e .`` in
+an environment that has them builds the shim now.
+"""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 _TORCH = ["torch>=2.11"]
 _JAX = ["jax>=0.10", "flax>=0.12", "optax"]
@@ -36,6 +48,50 @@ _TEST = _union([
     "cuda-bindings",
 ], _TORCH, _JAX, _PLOTS)
 
+_HERE = Path(__file__).resolve().parent
+
+
+def _shim():
+    """fusedfp8/csrc/__init__.py, loaded by path (the package's dependencies may not exist yet)."""
+    spec = importlib.util.spec_from_file_location("_fusedfp8_shim_build", _HERE / "fusedfp8" / "csrc" / "__init__.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class BuildShim(build_ext):
+    """Builds each shim library it can; one that cannot be built is skipped with the reason (the
+    install never fails on it: the library is then compiled on first use)."""
+
+    def build_extension(self, ext):
+        shim = _shim()
+        target = ext.name.rsplit("._ff8_", 1)[1]
+        out = Path(self.get_ext_fullpath(ext.name))
+        ok, why = shim.build(target, out)
+        what = {"xla": "JAX (XLA FFI)", "torch": "torch"}[target]
+        if ok:
+            print(f"fusedfp8: built the {what} launch shim: {out}", file=sys.stderr)
+        else:
+            first = why.strip().splitlines()[0] if why.strip() else "unknown reason"
+            if "not importable" in first:  # pip's isolated build environment has neither jax nor torch
+                first += " where setup.py runs; pip install --no-build-isolation builds it here"
+            print(f"fusedfp8: not building the {what} launch shim now ({first}); it is compiled on first use "
+                  f"where a C++ compiler is found, and the Python launch path runs without it", file=sys.stderr)
+            if "\n" in why.strip():
+                print(why, file=sys.stderr)
+
+    def copy_extensions_to_source(self):
+        """Editable installs: copy what was built, with its stamp, beside the sources."""
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            inplace, regular = self._get_inplace_equivalent(build_py, ext)
+            for suffix in ("", ".stamp"):
+                if os.path.exists(regular + suffix):
+                    self.copy_file(regular + suffix, inplace + suffix, level=self.verbose)
+
+    def get_outputs(self):
+        return [p for p in super().get_outputs() if os.path.exists(p)]
+
 
 setup(
     name="fusedfp8",
@@ -47,8 +103,11 @@ setup(
     python_requires=">=3.11",
     packages=[*find_packages(include=["fusedfp8*"]), "fusedfp8.cuda_src"],
     package_dir={"fusedfp8.cuda_src": "cuda_src"},
-    package_data={"fusedfp8.cuda_src": ["*.cu", "*.cuh"]},
+    package_data={"fusedfp8.cuda_src": ["*.cu", "*.cuh"], "fusedfp8.csrc": ["*.h", "*.cc"]},
     include_package_data=False,
+    ext_modules=[Extension(f"fusedfp8.csrc._ff8_{t}", sources=[f"fusedfp8/csrc/{src}"], optional=True)
+                 for t, src in (("xla", "xla_ffi.cc"), ("torch", "torch_ops.cc"))],
+    cmdclass={"build_ext": BuildShim},
     zip_safe=False,
     install_requires=[
         "numpy>=1.26",

@@ -89,6 +89,14 @@ def info(compile_all: bool, progress: bool = True) -> int:
     print(f"{'kernel cache':<18}{kernel_cache_dir()} (CuPy's disk cache; CUPY_CACHE_DIR moves it)")
     includes = _cuda.cuda_include_dirs()
     print(f"{'cuda_fp8.h':<18}{', '.join(includes) if includes else 'not found (pip install nvidia-cuda-runtime)'}")
+    # which code launches the kernels on CUDA (fusedfp8/csrc: the compiled shim, or Python), and why
+    for label, module in (("JAX launch", "fusedfp8.jax.primitives"), ("torch launch", "fusedfp8.pytorch.custom_ops")):
+        try:
+            path, why = importlib.import_module(module).launch_path()
+        except ImportError as e:
+            print(f"{label:<18}not available ({type(e).__name__}: {e})")
+            continue
+        print(f"{label:<18}{path}: {why}" + ("" if ok else " [no usable GPU here: CPU arrays take the CPU path]"))
     if compile_all:
         return compile_kernels(ok, reason, progress)
     return 0

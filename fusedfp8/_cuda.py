@@ -1,14 +1,19 @@
 """CUDA kernels: source assembly from ``cuda_src/``, compile cache, and the whole launch
-interface (parameter layouts, grids, workspaces, ``launch_*``).
+interface (parameter layouts, launch plans, grids, workspaces, ``launch_*``).
 
 Every kernel family is a ``cuda_src/<family>.cu`` file of C++ templates. A module is built once
 per (family, template arguments) with ``cupy.RawModule(code=..., name_expressions=...)`` and kept
 in an lru_cache; CuPy's disk cache keys on the source text, so the shared ``common.cuh`` is
 folded into that text here (an edited header can never leave a stale kernel behind).
 
-The ``launch_*`` functions at the end take raw device pointers and a stream and are the one
-layer under every GPU entry point: :mod:`fusedfp8.ops`, the torch custom ops and the JAX
-callbacks. They check nothing: their callers own shapes, dtypes and lifetimes.
+Launches go through *plans* (:func:`quantize_plan`, :func:`dequantize_plan`, :func:`update_plan`):
+for one signature, the memsets and kernel launches of a call as pure data (CUfunction handles,
+grids, blocks, and each parameter as an immediate or "pointer of buffer slot i plus an offset"),
+built once and cached. The Python executor (:func:`fusedfp8.csrc.plan.execute`) and the compiled
+shim (fusedfp8/csrc: the XLA FFI handler, the torch C++ ops) run the same plans. The ``launch_*``
+functions at the end are thin wrappers that take raw device pointers and a stream, as
+:mod:`fusedfp8.ops` and the JAX callbacks call them. They check nothing: their callers own
+shapes, dtypes and lifetimes.
 
 Nothing here imports CuPy at module import time: the CPU path works without it.
 """
@@ -18,13 +23,13 @@ import ctypes
 import functools
 import os
 import re
-import struct
 import threading
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
-
+# the plan format and the Python executor (re-exported: the launch interface is this module)
+from .csrc.plan import (DEQUANTIZE_SLOTS, NULLPTR, QUANTIZE_SLOTS, UPDATE_SLOTS, Launch, Memset,  # noqa: F401
+                        Plan, Variant, _mask, _plan, driver, dry_run, execute, flag, imm32, imm64, immf32, ptr)
 
 THREADS = 256  # -DFF8_THREADS for the element-wise kernels
 TILE_R, TILE_C = 128, 64  # the tiled kernel's tile (rows, columns), fixed in quantize.cu
@@ -129,8 +134,9 @@ compile_count = 0  # modules compiled (or loaded from CuPy's disk cache) in this
 
 # Parameter layouts (struct format, native alignment) of every kernel, by role prefix. The packed
 # size must equal the kernel's parameter size exactly (no trailing padding), or the driver
-# refuses the launch (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); tests/test_compile.py checks each
-# against the parameter bank size NVRTC records in the cubin.
+# refuses the launch (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); tests/kernels/test_compile.py checks each
+# against the parameter bank size NVRTC records in the cubin, and every plan below is checked
+# against these when it is built.
 SIGNATURES = {
     "flat": "@9Pqf",         # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                              #                updates, n, margin
@@ -140,69 +146,29 @@ SIGNATURES = {
 }
 
 
-class Kernel:
-    """A compiled kernel and its launcher: ``kernel(grid, block, stream_ptr, *args)``.
+def signature(role: str) -> str:
+    """The parameter layout of a kernel role, one struct character per parameter ('@PPPqf')."""
+    fmt = SIGNATURES[next(k for k in SIGNATURES if role.startswith(k))]
+    return "@" + "".join(c * int(n or 1) for n, c in re.findall(r"(\d*)([a-zA-Z])", fmt))
 
-    Launches go straight to the driver (cuLaunchKernel with one packed parameter buffer), which
-    costs a few microseconds instead of CuPy's per-argument conversion; CuPy compiles and loads
-    the module and keeps it alive (``raw``).
-    """
+
+class Kernel:
+    """A compiled kernel: its CUfunction handle (``func``), its name and its occupancy. CuPy
+    compiles and loads the module and keeps it alive (``raw``); launches go through plans."""
 
     def __init__(self, raw, role: str, name: str):
-        if _driver() is None:
+        if driver() is None:
             raise RuntimeError("fusedfp8: libcuda.so.1 cannot be loaded, so no kernel can be launched")
-        self.raw, self.name = raw, name
-        self.fmt = SIGNATURES[next(k for k in SIGNATURES if role.startswith(k))]
-        self.size = struct.calcsize(self.fmt)
+        self.raw, self.role, self.name = raw, role, name
         self.func = raw.kernel.ptr
 
     @functools.lru_cache(maxsize=None)
     def blocks_per_sm(self, block: int) -> int:
         """Resident blocks of ``block`` threads per multiprocessor (the occupancy calculator)."""
         n = ctypes.c_int(0)
-        err = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(self.func),
+        err = driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(self.func),
                                                                      block, ctypes.c_size_t(0))
         return n.value if err == 0 and n.value > 0 else 1
-
-    def _buffers(self):
-        """This thread's parameter buffer and the cuLaunchKernel 'extra' array pointing at it
-        (the driver copies the parameters at launch, so a buffer is reused call after call)."""
-        bufs = getattr(_tls, "bufs", None)
-        if bufs is None:
-            bufs = _tls.bufs = {}
-        found = bufs.get(self.size)
-        if found is None:
-            buf = ctypes.create_string_buffer(self.size)
-            size = ctypes.c_size_t(self.size)
-            extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
-            found = bufs[self.size] = (buf, size, extra)
-        return found
-
-    def __call__(self, grid: int, block: int, stream_ptr: int, *args):
-        buf, _, extra = self._buffers()
-        struct.pack_into(self.fmt, buf, 0, *args)
-        err = _driver().cuLaunchKernel(self.func, grid, 1, 1, block, 1, 1, 0, stream_ptr, None, extra)
-        if err:
-            msg = ctypes.c_char_p()
-            _driver().cuGetErrorString(err, ctypes.byref(msg))
-            raise RuntimeError(f"fusedfp8: launching {self.name} failed: CUDA error {err} "
-                               f"({(msg.value or b'?').decode()})")
-
-
-_tls = threading.local()
-
-
-@functools.lru_cache(maxsize=None)
-def _driver():
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-                                   ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.c_void_p]
-    lib.cuLaunchKernel.restype = ctypes.c_int
-    return lib
 
 
 def _build(key: ModuleKey, device_id: int) -> dict:
@@ -248,16 +214,6 @@ def sm_count(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
-def flat_grid(kernel: "Kernel", n: int, device_id: int, per_thread: int = 16) -> int:
-    """One resident wave: min(work items, resident blocks per SM x SMs); grid-stride beyond."""
-    return max(1, min(-(-n // (per_thread * THREADS)), kernel.blocks_per_sm(THREADS) * sm_count(device_id)))
-
-
-def tiled_grid(kernel: "Kernel", rows: int, cols: int, device_id: int) -> int:
-    tiles = -(-rows // TILE_R) * -(-cols // TILE_C)
-    return max(1, min(tiles, kernel.blocks_per_sm(256) * sm_count(device_id)))
-
-
 @functools.lru_cache(maxsize=None)
 def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
     """(ok, reason): can the kernels run here? One probe feeds every GPU skip marker.
@@ -283,7 +239,41 @@ def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
     return True, f"GPU {device_id}: compute capability {major}.{minor}"
 
 
-# ---- the launch interface ------------------------------------------------------------------
+# ---- plan builders ---------------------------------------------------------------------------
+class KernelRef(NamedTuple):
+    """What a plan needs of a compiled kernel."""
+
+    func: int  # CUfunction
+    name: str  # name expression (for errors)
+    role: str  # its role (SIGNATURES key prefix)
+    per_sm: int  # resident blocks per multiprocessor at the block size it is launched with
+
+
+def kernel_refs(key: ModuleKey, device_id: int) -> dict:
+    """Role -> :class:`KernelRef` of module ``key`` on ``device_id`` (compiles it on first use)."""
+    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(256 if role == "tiled" else THREADS))
+            for role, k in kernels(key, device_id).items()}
+
+
+def _flat_grid(ref: KernelRef, sms: int, n: int) -> int:
+    """One resident wave: min(work items of 16 elements per thread, resident blocks); grid-stride beyond."""
+    return max(1, min(-(-n // (16 * THREADS)), ref.per_sm * sms))
+
+
+def _tiled_grid(ref: KernelRef, sms: int, rows: int, cols: int) -> int:
+    return max(1, min(-(-rows // TILE_R) * -(-cols // TILE_C), ref.per_sm * sms))
+
+
+def _launch(variants, select: int, block: int, params: tuple) -> Launch:
+    """A Launch whose parameter layout is checked against SIGNATURES for every variant's kernel."""
+    step = Launch(tuple(Variant(r.func, grid, r.name) for r, grid in variants), select, block, tuple(params))
+    for r, _ in variants:
+        if step.layout != signature(r.role):
+            raise RuntimeError(f"fusedfp8: the plan lays out {r.name}'s parameters as {step.layout}, but its "
+                               f"signature is {signature(r.role)}")
+    return step
+
+
 def aligned(*ptrs: int) -> bool:
     """All pointers 16-byte aligned (the vector paths' requirement)."""
     return all(q % 16 == 0 for q in ptrs)
@@ -291,15 +281,97 @@ def aligned(*ptrs: int) -> bool:
 
 def dbias_workspace(rows: int, cols: int) -> tuple[tuple[int, int], int]:
     """Shapes of the dbias workspaces of the tiled kernel: ``partial`` (float32, (row tiles,
-    cols)) and the int32 ``counters`` (one per column strip, zero before the launch)."""
+    cols)) and the int32 ``counters`` (one per column strip; the plan zeroes them first)."""
     return (max(1, -(-rows // TILE_R)), cols), max(1, -(-cols // TILE_C))
 
 
+def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, dbias: bool = False,
+                        first: bool = False, margin_factor: float = 1.0, offset: int = 0) -> Plan:
+    """The plan of one quantize call over :data:`QUANTIZE_SLOTS` (``refs``: role -> KernelRef of the
+    module, ``sms``: the device's multiprocessors). ``offset``: the byte offset of the tensor's
+    entry in the scale / amax / scale_out / scale_inv_out / updates slots (4 * index for a state).
+    ``first``: launch the first-step pre-pass, and let the main kernel write the scale it used."""
+    X, B, Q, QT, DB, PART, CNT, S, A, SO, SIO, SIU, U = range(len(QUANTIZE_SLOTS))
+    n = rows * cols
+    mf = immf32(margin_factor)
+
+    def st(slot):
+        return ptr(slot, offset)
+
+    steps = []
+    if dbias and n == 0 and cols:
+        steps.append(Memset(DB, 4 * cols))  # no kernel runs: the column sums of nothing are 0
+    if n == 0:  # nothing to quantize: still hand out 1 / scale (amax max-accumulates 0)
+        r = refs["flat_vec0_store1"]
+        steps.append(_launch([(r, 1)], 0, THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
+                                                    ptr(SIU), NULLPTR, imm64(0), mf)))
+        return _plan(QUANTIZE_SLOTS, steps)
+    if dbias:
+        steps.append(Memset(CNT, 4 * dbias_workspace(rows, cols)[1]))
+    vec = (X, B, Q)
+
+    def flat(store):
+        return [(refs[f"flat_vec{v}_store{store}"], _flat_grid(refs[f"flat_vec{v}_store{store}"], sms, n))
+                for v in (1, 0)]
+
+    if first:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
+        steps.append(_launch(flat(0), _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
+                                                            NULLPTR, st(U), imm64(n), mf)))
+    so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
+    if transpose or dbias:
+        r = refs["tiled"]
+        opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((QT, transpose), (DB, dbias), (PART, dbias),
+                                                                    (CNT, dbias))}
+        steps.append(_launch([(r, _tiled_grid(r, sms, rows, cols))], 0, 256, (
+            ptr(X), ptr(B), ptr(Q), opt[QT], opt[DB], opt[PART], opt[CNT], st(S), st(A), so, sio, ptr(SIU), u,
+            imm64(rows), imm64(cols), flag(vec, 16, cols % 8 == 0), flag((QT,), 8, transpose and rows % 8 == 0), mf)))
+    else:
+        steps.append(_launch(flat(1), _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), so, sio, ptr(SIU),
+                                                            u, imm64(n), mf)))
+    return _plan(QUANTIZE_SLOTS, steps)
+
+
+def build_dequantize_plan(refs: dict, sms: int, n: int) -> Plan:
+    """``out[i] = dtype(float32(q[i]) * scale_inv[0])`` over :data:`DEQUANTIZE_SLOTS` (nothing for n == 0)."""
+    if n == 0:
+        return _plan(DEQUANTIZE_SLOTS, ())
+    r = refs["dequant"]
+    return _plan(DEQUANTIZE_SLOTS, [_launch([(r, _flat_grid(r, sms, n))], 0, THREADS,
+                                            (ptr(0), ptr(1), ptr(2), imm64(n), flag((0, 1), 16)))])
+
+
+def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max: bool) -> Plan:
+    """The fused update over :data:`UPDATE_SLOTS`: one block per tensor."""
+    r = refs["update"]
+    return _plan(UPDATE_SLOTS, [_launch([(r, max(n, 1))], 0, THREADS, (*map(ptr, range(6)), imm32(n), imm32(L),
+                                                                        immf32(margin_factor), imm32(int(algo_max))))])
+
+
+# Cached per signature. Pass the arguments positionally: the cache keys on them as given.
+@functools.lru_cache(maxsize=4096)
+def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: int, transpose: bool = False,
+                  dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0) -> Plan:
+    """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device``."""
+    return build_quantize_plan(kernel_refs(ModuleKey("quantize", dtype, fmt, op), device), sm_count(device), rows,
+                               cols, transpose, dbias, first, margin_factor, offset)
+
+
+@functools.lru_cache(maxsize=1024)
+def dequantize_plan(device: int, dtype: str, fmt: str, n: int) -> Plan:
+    return build_dequantize_plan(kernel_refs(ModuleKey("dequantize", dtype, fmt), device), sm_count(device), n)
+
+
+@functools.lru_cache(maxsize=256)
+def update_plan(device: int, n: int, L: int, margin_factor: float, algo_max: bool) -> Plan:
+    return build_update_plan(kernel_refs(ModuleKey("update_scales"), device), n, L, margin_factor, algo_max)
+
+
+# ---- the launch interface on raw pointers (thin wrappers over the plans) ---------------------
 def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, x: int, b: int, q: int,
                     scale: int, amax: int, rows: int, cols: int, q_t: int = 0, dbias: int = 0, partial: int = 0,
                     counters: int = 0, scale_inv_used: int = 0, first: bool = False, updates: int = 0,
                     scale_out: int = 0, scale_inv_out: int = 0, margin_factor: float = 1.0) -> None:
-    """Launch the quantize kernels on raw device pointers.
+    """Launch the quantize kernels on raw device pointers (:func:`quantize_plan`, then :func:`execute`).
 
     Parameters
     ----------
@@ -310,44 +382,27 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
     x, b, q : input(s) (rows x cols, row-major) and the FP8 output (same shape, bytes).
     scale : (1,) float32, read.  amax : (1,) float32, max-accumulated (NaN-propagating).
     q_t : (cols, rows) FP8 transpose, or 0.  dbias : (cols,) float32 column sums, or 0; needs
-        ``partial`` and ``counters`` (:func:`dbias_workspace`; the counters zero before the launch,
-        the kernel leaves them zero).
+        ``partial`` and ``counters`` (:func:`dbias_workspace`; the plan zeroes the counters first,
+        and zeroes dbias itself when rows * cols is 0).
     scale_inv_used : (1,) float32 receiving ``1 / scale`` as used (written even when rows*cols
         is 0), or 0.
     first : launch the first-step pre-pass; then ``updates`` (int32 flag, 0 = first step),
         ``scale_out`` and ``scale_inv_out`` (the state's entries, written on a first step) are set.
     margin_factor : 2**margin, for the first-step scale.
     """
-    kern = kernels(ModuleKey("quantize", dtype, fmt, op), device)
-    n = rows * cols
-    if not first:
-        updates = scale_out = scale_inv_out = 0
-    if n == 0:
-        if scale_inv_used:  # nothing to quantize, still hand out 1 / scale (amax max-accumulates 0)
-            kern["flat_vec0_store1"](1, THREADS, stream, x, b, q, scale, amax, 0, 0, scale_inv_used, 0, 0,
-                                     margin_factor)
+    if rows * cols == 0 and not scale_inv_used:
         return
-    vec = aligned(x, b, q)
-    if first:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
-        pre = kern[f"flat_vec{int(vec)}_store0"]
-        pre(flat_grid(pre, n, device), THREADS, stream, x, b, q, scale, amax, 0, 0, 0, updates, n, margin_factor)
-    if q_t or dbias:
-        tiled = kern["tiled"]
-        tiled(tiled_grid(tiled, rows, cols, device), 256, stream, x, b, q, q_t, dbias, partial, counters,
-              scale, amax, scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
-              int(vec and cols % 8 == 0), int(bool(q_t) and q_t % 8 == 0 and rows % 8 == 0), margin_factor)
-    else:
-        flat = kern[f"flat_vec{int(vec)}_store1"]
-        flat(flat_grid(flat, n, device), THREADS, stream, x, b, q, scale, amax, scale_out, scale_inv_out,
-             scale_inv_used, updates, n, margin_factor)
+    plan = quantize_plan(device, dtype, fmt, op, rows, cols, bool(q_t), bool(dbias or partial or counters),
+                         bool(first), float(margin_factor), 0)
+    execute(plan, (x, b, q, q_t, dbias, partial, counters, scale, amax, scale_out, scale_inv_out, scale_inv_used,
+                   updates), stream)
 
 
 def launch_dequantize(device: int, stream: int, *, dtype: str, fmt: str, q: int, out: int, scale_inv: int,
                       n: int) -> None:
     """``out[i] = dtype(float32(q[i]) * scale_inv[0])`` for n elements (nothing for n == 0)."""
     if n:
-        kern = kernels(ModuleKey("dequantize", dtype, fmt), device)["dequant"]
-        kern(flat_grid(kern, n, device), THREADS, stream, q, out, scale_inv, n, int(aligned(q, out)))
+        execute(dequantize_plan(device, dtype, fmt, n), (q, out, scale_inv), stream)
 
 
 def launch_update_scales(device: int, stream: int, *, amax_history: int, scale: int, scale_inv: int,
@@ -356,6 +411,5 @@ def launch_update_scales(device: int, stream: int, *, amax_history: int, scale: 
     """Launch the fused update (:func:`fusedfp8.numerics.scaling.update_rule`) on raw pointers, in
     place: ``amax_history`` (L, n) float32, ``scale``/``scale_inv`` (n,) float32,
     ``overflows``/``updates`` (n,) int32, ``fmt_max`` (n,) float32 (each tensor's format max)."""
-    kern = kernels(ModuleKey("update_scales"), device)["update"]
-    kern(max(n, 1), THREADS, stream, amax_history, scale, scale_inv, overflows, updates, fmt_max, n, L,
-         margin_factor, int(algo_max))  # one block per tensor
+    execute(update_plan(device, n, L, float(margin_factor), bool(algo_max)),
+            (amax_history, scale, scale_inv, overflows, updates, fmt_max), stream)

@@ -193,16 +193,16 @@ def _device_run(p: _Plan, approximate: str) -> Quantized:
     dbias = partial = counters = None
     if p.dbias:
         part_shape, n_counters = _cuda.dbias_workspace(p.rows, p.cols)
-        dbias = io.empty(p.xi, (p.cols,), "float32") if p.xi.size else io.zeros(p.xi, (p.cols,), "float32")
+        dbias = io.empty(p.xi, (p.cols,), "float32")  # the plan zeroes it when there is nothing to sum
         partial = io.empty(p.xi, part_shape, "float32")
-        counters = io.zeros(p.xi, (n_counters,), "int32")
+        counters = io.empty(p.xi, (n_counters,), "int32")  # and zeroes the counters before the kernel
     first = p.slot is not None and p.slot.current_first
     ptr = io.data_ptr
     _cuda.launch_quantize(
         xi.device, io.stream_ptr(p.xi), dtype=xi.dtype, fmt=p.fmt.name, op=kernel_op(p.op, approximate), x=xi.ptr,
         b=bi.ptr if bi is not None else 0, q=ptr(q), scale=io.device_view(p.scale).ptr, amax=ptr(amax_arr),
         rows=p.rows, cols=p.cols, q_t=ptr(q_t) if q_t is not None else 0,
-        dbias=ptr(dbias) if p.dbias and p.xi.size else 0, partial=ptr(partial) if p.dbias else 0,
+        dbias=ptr(dbias) if p.dbias else 0, partial=ptr(partial) if p.dbias else 0,
         counters=ptr(counters) if p.dbias else 0, scale_inv_used=ptr(scale_inv), first=first,
         updates=p.updates.ptr if first else 0, scale_out=p.scale.ptr if first else 0,
         scale_inv_out=p.scale_inv.ptr if first else 0,
@@ -275,6 +275,24 @@ def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = 
     dtype : 'float32', 'float16' or 'bfloat16'.
     fmt : 'e4m3' or 'e5m2'; required for uint8 data, checked against q's dtype otherwise.
     """
+    qi, si, f = check_dequantize(q, scale_inv, dtype, fmt)
+    if not qi.is_gpu:
+        import ml_dtypes
+
+        qn = io.to_numpy(qi)
+        if qn.dtype == np.uint8:
+            qn = qn.view(f.numpy_dtype)
+        out_dtype = getattr(ml_dtypes, "bfloat16") if dtype == "bfloat16" else np.dtype(dtype)
+        return io.from_numpy(ref.dequantize(qn, io.to_numpy(si), out_dtype), qi)
+    qd, sd = io.device_view(qi), io.device_view(si)
+    out = io.empty(qi, qi.shape, dtype)
+    _cuda.launch_dequantize(qi.device, io.stream_ptr(qi), dtype=dtype, fmt=f.name, q=qd.ptr, out=io.data_ptr(out),
+                            scale_inv=sd.ptr, n=qi.size)
+    return io.out_for_caller(out, qi)
+
+
+def check_dequantize(q, scale_inv, dtype: str, fmt) -> tuple[io.ArrayInfo, io.ArrayInfo, Format]:
+    """The argument check of :func:`dequantize`: (q, scale_inv, q's format)."""
     qi = io.describe(q, "q")
     if qi.dtype in FP8_DTYPES:
         f = get_format(qi.dtype)
@@ -290,20 +308,7 @@ def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = 
         raise ValueError(f"dtype must be one of {FLOAT_INPUTS}; got {dtype!r}")
     if not qi.contiguous:
         raise ValueError(f"q must be contiguous; got a non-contiguous view of shape {qi.shape}")
-    si = _check_scalar(scale_inv, "scale_inv", "float32", qi, writable=False)
-    if not qi.is_gpu:
-        import ml_dtypes
-
-        qn = io.to_numpy(qi)
-        if qn.dtype == np.uint8:
-            qn = qn.view(f.numpy_dtype)
-        out_dtype = getattr(ml_dtypes, "bfloat16") if dtype == "bfloat16" else np.dtype(dtype)
-        return io.from_numpy(ref.dequantize(qn, io.to_numpy(si), out_dtype), qi)
-    qd, sd = io.device_view(qi), io.device_view(si)
-    out = io.empty(qi, qi.shape, dtype)
-    _cuda.launch_dequantize(qi.device, io.stream_ptr(qi), dtype=dtype, fmt=f.name, q=qd.ptr, out=io.data_ptr(out),
-                            scale_inv=sd.ptr, n=qi.size)
-    return io.out_for_caller(out, qi)
+    return qi, _check_scalar(scale_inv, "scale_inv", "float32", qi, writable=False), f
 
 
 def _check_state_arrays(state: ScalingState) -> list[io.ArrayInfo]:

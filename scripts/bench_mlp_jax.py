@@ -3,8 +3,10 @@ MSE loss on the regression task of fusedfp8.demo.task, optax Adam; bf16 against 
 
 Modes (``--modes``): ``bf16_jit`` (fusedfp8.demo.task.FlaxMLP, bf16), ``flax_fp8`` (the same with
 flax's own ``nn.Fp8DotGeneralOp`` as ``dot_general_cls``) and ``fp8_fused``
-(fusedfp8.jax.flax.Fp8MLP; its kernels recorded into XLA's command buffers) /
-``fp8_fused_nocmdbuf`` (the same, a Python callback per launch). Every mode starts from the same
+(fusedfp8.jax.flax.Fp8MLP, ``impl='auto'``: its kernels launched by the compiled XLA FFI handler
+where it is built, recorded into XLA's command buffers) / ``fp8_fused_callback`` (the same through
+the Python buffer_callback launcher) / ``fp8_fused_nocmdbuf`` (that, outside command buffers: a
+Python callback per launch at every step). Every mode starts from the same
 bf16 parameters (``--jax-init``). The whole train step (forward, loss, backward, optax Adam, the
 FP8 state through TrainState.apply_gradients) is one jitted function with donated state.
 
@@ -57,7 +59,7 @@ from fusedfp8.jax import functional as FJ
 from fusedfp8.jax import primitives as P
 from fusedfp8.jax.flax import Fp8MLP
 
-MODES = ["bf16_jit", "flax_fp8", "fp8_fused", "fp8_fused_nocmdbuf"]
+MODES = ["bf16_jit", "flax_fp8", "fp8_fused", "fp8_fused_callback", "fp8_fused_nocmdbuf"]
 TARGET_SPEEDUP = {(4096, 16384, 8192): 1.30, (1024, 4096, 2048): 1.0}
 RECIPE = fusedfp8.DelayedScaling()
 LINEAR_GRAD = (False, False, True)  # an FP8 linear's tensors: input, weight, output gradient
@@ -89,7 +91,8 @@ def make_models(ffn: int, forward_fast_accum: bool) -> dict:
     fused = {"recipe": RECIPE, "param_dtype": jnp.bfloat16, "forward_fast_accum": forward_fast_accum}
     return {"bf16_jit": FlaxMLP(ffn, **bf16), "flax_fp8": FlaxMLP(ffn, dot_general_cls=nn.Fp8DotGeneralOp, **bf16),
             "fp8_fused": Fp8MLP(ffn, impl="auto", **fused),
-            "fp8_fused_nocmdbuf": Fp8MLP(ffn, impl="kernel_no_cmdbuf", **fused)}
+            "fp8_fused_callback": Fp8MLP(ffn, impl="callback", **fused),
+            "fp8_fused_nocmdbuf": Fp8MLP(ffn, impl="callback_no_cmdbuf", **fused)}
 
 
 def loss_fn(model, x, y):
@@ -295,9 +298,10 @@ def main(argv=None) -> int:
         print(f"no jax {plat} device: run on the GPU machine, or --device cpu for a smoke test", file=sys.stderr)
         return 2
     if plat != "gpu":
-        if "fp8_fused_nocmdbuf" in modes and args.modes:
-            ap.error("fp8_fused_nocmdbuf launches the CUDA kernels: it needs --device cuda")
-        modes = [m for m in modes if m != "fp8_fused_nocmdbuf"]
+        gpu_only = ("fp8_fused_callback", "fp8_fused_nocmdbuf")
+        if any(m in modes for m in gpu_only) and args.modes:
+            ap.error(f"{gpu_only} launch the CUDA kernels: they need --device cuda")
+        modes = [m for m in modes if m not in gpu_only]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -7,7 +7,9 @@ that changes between the modes is ``dot_general_cls``:
 
 - ``bf16``: none (flax's own dot_general);
 - ``flax_fp8``: ``flax.linen.Fp8DotGeneralOp``;
-- ``fusedfp8``: ``fusedfp8.jax.flax.Fp8DotGeneral``;
+- ``fusedfp8``: ``fusedfp8.jax.flax.Fp8DotGeneral`` (its kernels through the compiled XLA FFI
+  launcher where it is built, the default);
+- ``fusedfp8_callback``: the same with ``impl='callback'`` (the Python buffer_callback launcher);
 and ``fusedfp8_mlp`` replaces the whole block by ``fusedfp8.jax.flax.Fp8MLP`` (same layers, the
 activation fused into FP8).
 
@@ -27,6 +29,7 @@ host-bound the step is. JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -47,7 +50,7 @@ import fusedfp8
 from bench_mlp_jax import kernel_profile
 from fusedfp8.jax.flax import Fp8DotGeneral, Fp8MLP
 
-MODES = ["bf16", "flax_fp8", "fusedfp8", "fusedfp8_mlp"]
+MODES = ["bf16", "flax_fp8", "fusedfp8", "fusedfp8_callback", "fusedfp8_mlp"]
 SHAPES = [(1024, 4096, 2048), (4096, 16384, 8192)]  # hidden, ffn, tokens (= batch x 512)
 SEQ = 512
 
@@ -70,7 +73,8 @@ class MLP(nn.Module):
 def make_model(mode: str, hidden: int, ffn: int):
     if mode == "fusedfp8_mlp":
         return Fp8MLP(ffn, recipe=fusedfp8.DelayedScaling(), dtype=jnp.bfloat16)
-    cls = {"bf16": None, "flax_fp8": nn.Fp8DotGeneralOp, "fusedfp8": Fp8DotGeneral}[mode]
+    cls = {"bf16": None, "flax_fp8": nn.Fp8DotGeneralOp, "fusedfp8": Fp8DotGeneral,
+           "fusedfp8_callback": functools.partial(Fp8DotGeneral, impl="callback")}[mode]
     return MLP(hidden, ffn, cls)
 
 

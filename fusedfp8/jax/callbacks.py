@@ -1,14 +1,20 @@
-"""The GPU backend of the JAX primitives: ``jax.experimental.buffer_callback`` callbacks that hand
-XLA's device buffers to :func:`fusedfp8._cuda.launch_quantize` /
-:func:`~fusedfp8._cuda.launch_update_scales` on XLA's stream (``ctx.stream``).
+"""The CUDA backends of the JAX primitives. Both run the launch plans of :mod:`fusedfp8._cuda` on
+XLA's own buffers and stream:
 
-Nothing here runs on the host per element: a callback reads raw pointers off the buffers, works
-out the column offsets of the state, and launches. With ``command_buffer_compatible=True`` XLA
-records the launches into its command buffer (a CUDA graph) once and replays them without
-calling Python again, so a callback must not depend on anything but the buffers it is given
-(it does not: the first-step decision is made on the device from ``updates``). Kernels are
-compiled and their launch configuration cached at trace time (:func:`prepare`), never inside a
-stream capture.
+- ``'ffi'``: a custom call to ``fusedfp8_launch``, the XLA FFI handler of the compiled shim
+  (fusedfp8/csrc/xla_ffi.cc), with the plans of every local GPU as attributes. Nothing of Python
+  runs when the program executes, and the handler is declared command-buffer compatible, so XLA
+  records its launches into CUDA graphs.
+- ``'callback'`` / ``'callback_no_cmdbuf'``: ``jax.experimental.buffer_callback`` callbacks that
+  run the same plans with the Python executor (:func:`fusedfp8.csrc.plan.execute`) on
+  ``ctx.stream``; with ``command_buffer_compatible=True`` XLA records their launches into its
+  command buffer, but runs the callback again whenever the buffers it records move.
+
+A primitive hands :func:`run` its plans, the result shapes, its operands, where each plan slot's
+buffer comes from (``("in", k)``, ``("out", k)`` or None for a null pointer) and the operand ->
+result aliases of the state. Plans are made (and kernels compiled) at trace time for every local
+GPU, never inside a stream capture; a callback depends on nothing but its buffers (the
+first-step decision is made on the device from ``updates``).
 """
 from __future__ import annotations
 
@@ -18,8 +24,9 @@ import functools
 import numpy as np
 
 from .. import _cuda
-from ..formats import Format
+from .. import csrc as _shim
 
+TARGET = "fusedfp8_launch"  # the XLA FFI custom call target (platform CUDA)
 _F32 = 4  # bytes of a float32 / int32 state entry
 
 
@@ -34,7 +41,7 @@ def _size(buf) -> int:
 def _current_device() -> int:
     """The CUDA ordinal of the calling thread's current context (XLA's device for this call)."""
     dev = ctypes.c_int(0)
-    err = _cuda._driver().cuCtxGetDevice(ctypes.byref(dev))
+    err = _cuda.driver().cuCtxGetDevice(ctypes.byref(dev))
     if err:
         raise RuntimeError(f"fusedfp8.jax: cuCtxGetDevice failed with CUDA error {err} inside an XLA callback")
     return dev.value
@@ -51,84 +58,99 @@ def gpu_devices() -> list[int]:
     return [int(getattr(d, "local_hardware_id", d.id)) for d in devs]
 
 
+# ---- plans -----------------------------------------------------------------------------------
+def quantize_plans(dtype: str, fmt: str, op: str, rows: int, cols: int, transpose: bool, dbias: bool, first: bool,
+                   margin_factor: float, offset: int) -> dict:
+    """CUDA ordinal -> :func:`fusedfp8._cuda.quantize_plan` for every local GPU (compiles the module)."""
+    return {dev: _cuda.quantize_plan(dev, dtype, fmt, op, rows, cols, transpose, dbias, first, margin_factor, offset)
+            for dev in gpu_devices()}
+
+
+def update_plans(n: int, L: int, margin_factor: float, algo_max: bool) -> dict:
+    return {dev: _cuda.update_plan(dev, n, L, margin_factor, algo_max) for dev in gpu_devices()}
+
+
+# ---- the XLA FFI backend ---------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def prepare(key: _cuda.ModuleKey) -> None:
-    """Compile module ``key`` on every local GPU and cache its launch configuration, so that the
-    first launch inside an XLA command-buffer capture only records kernels."""
-    for dev in gpu_devices():
-        for kern in _cuda.kernels(key, dev).values():
-            kern.blocks_per_sm(_cuda.THREADS)
-            kern.blocks_per_sm(256)
-        _cuda.sm_count(dev)
+def ffi_target() -> tuple[bool, str]:
+    """(ok, why): the compiled shim is loaded (built on first use) and its handler registered with
+    jax as the CUDA custom call target :data:`TARGET`."""
+    lib, why = _shim.library("xla")
+    if lib is None:
+        return False, why
+    import jax
+
+    try:
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ff8_xla_launch), platform="CUDA")
+    except Exception as e:  # noqa: BLE001 - say why and keep the callback path
+        return False, f"registering the XLA FFI target failed ({type(e).__name__}: {e})"
+    return True, why
 
 
-def _memset(ptr: int, nbytes: int, stream: int) -> None:
-    if nbytes:
-        import cupy
+def encode_plans(plans: dict) -> tuple[np.ndarray, np.ndarray, str]:
+    """(plans, offsets, names) attributes: the encoded plans one after the other, where each CUDA
+    ordinal's starts (-1: none), and the kernel names (the same for every device)."""
+    if not plans:
+        return np.zeros(1, np.int64), np.full(1, -1, np.int64), ""
+    offsets = np.full(max(plans) + 1, -1, np.int64)
+    parts, names, at = [], None, 0
+    for dev in sorted(plans):
+        data, names = plans[dev].encode()
+        offsets[dev] = at
+        parts.append(data)
+        at += len(data)
+    return np.concatenate(parts), offsets, names
 
-        cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream)
+
+def _slot_codes(sources) -> np.ndarray:
+    return np.array([-1 if s is None else s[1] if s[0] == "in" else -(s[1] + 2) for s in sources], np.int64)
 
 
-def _same_or_copy(dst, src, stream: int) -> int:
-    """The aliased output's pointer; XLA gives the input's buffer, but copy if it did not."""
+def _run_ffi(plans: dict, shapes, args, sources, aliases: dict):
+    import jax
+
+    table, offsets, names = encode_plans(plans)
+    pairs = np.array([k for pair in sorted(aliases.items()) for k in pair], np.int64)
+    call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="sequential", input_output_aliases=aliases)
+    return call(*args, plans=table, offsets=offsets, slots=_slot_codes(sources), aliases=pairs, names=names)
+
+
+# ---- the buffer_callback backend -------------------------------------------------------------
+def _same_or_copy(dst, src, stream: int) -> None:
+    """XLA hands the aliased output the input's buffer; copy the input over if it did not."""
     d, s = _ptr(dst), _ptr(src)
     if d != s and d:
         import cupy
 
         cupy.cuda.runtime.memcpyAsync(d, s, _size(src) * _F32, cupy.cuda.runtime.memcpyDeviceToDevice, stream)
-    return d
 
 
-def quantize_callback(*, dtype: str, fmt: Format, op: str, index: int, rows: int, cols: int, transpose: bool,
-                      dbias: bool, has_b: bool, current_first: bool, margin_factor: float):
-    """The buffer_callback body of one quantize primitive (static configuration bound here).
-
-    Inputs: x, [b], amax_history (L, n), scale (n,), scale_inv (n,), updates (n,) int32.
-    Outputs (in this order): q (uint8, x's shape), [q_t (cols, rows) uint8], [dbias (cols,)
-    float32, partial, counters], scale_inv_used (1,), amax_history, scale, scale_inv (the last
-    three aliased to their inputs).
-    """
-    off = index * _F32
+def plan_callback(plans: dict, sources, aliases: dict):
+    """The buffer_callback body that runs ``plans`` (CUDA ordinal -> Plan) on the buffers."""
 
     def callback(ctx, outs, *ins):
         stream = int(ctx.stream)
-        x, rest = ins[0], ins[1:]
-        b = rest[0] if has_b else None
-        hist, scale, scale_inv, updates = rest[1:] if has_b else rest
-        outs = list(outs)
-        q = outs.pop(0)
-        q_t = outs.pop(0) if transpose else None
-        db = partial = counters = None
-        if dbias:
-            db, partial, counters = outs.pop(0), outs.pop(0), outs.pop(0)
-        si_used, hist_o, scale_o, scale_inv_o = outs
-        h = _same_or_copy(hist_o, hist, stream)
-        s = _same_or_copy(scale_o, scale, stream)
-        si = _same_or_copy(scale_inv_o, scale_inv, stream)
-        if dbias:
-            _memset(_ptr(counters), _size(counters) * _F32, stream)
-            if rows * cols == 0:
-                _memset(_ptr(db), _size(db) * _F32, stream)
-        _cuda.launch_quantize(
-            _current_device(), stream, dtype=dtype, fmt=fmt.name, op=op, x=_ptr(x), b=_ptr(b) if has_b else 0, q=_ptr(q),
-            scale=s + off, amax=h + off, rows=rows, cols=cols, q_t=_ptr(q_t) if transpose else 0,
-            dbias=_ptr(db) if dbias and rows * cols else 0, partial=_ptr(partial) if dbias else 0,
-            counters=_ptr(counters) if dbias else 0, scale_inv_used=_ptr(si_used), first=current_first,
-            updates=_ptr(updates) + off if current_first else 0, scale_out=s + off if current_first else 0,
-            scale_inv_out=si + off if current_first else 0, margin_factor=margin_factor)
+        for i, o in aliases.items():
+            _same_or_copy(outs[o], ins[i], stream)
+        dev = _current_device()
+        plan = plans.get(dev)
+        if plan is None:
+            raise RuntimeError(f"fusedfp8.jax: no launch plan for CUDA device {dev} (plans are made at trace time "
+                               f"for jax's local GPUs {sorted(plans)})")
+        ptrs = [0 if s is None else _ptr(ins[s[1]] if s[0] == "in" else outs[s[1]]) for s in sources]
+        _cuda.execute(plan, ptrs, stream)
 
     return callback
 
 
-def update_callback(*, n: int, L: int, margin_factor: float, algo_max: bool):
-    """The buffer_callback body of update_scales. Inputs: amax_history, scale, scale_inv,
-    overflows, updates, fmt_max (n,) float32; outputs: the first five, aliased."""
+def run(backend: str, plans: dict, shapes, args, sources, aliases: dict):
+    """The results of running ``plans`` on ``args`` through ``backend`` ('ffi', 'callback' or
+    'callback_no_cmdbuf'). ``sources``: one per plan slot, ``("in", k)``, ``("out", k)`` or None;
+    ``aliases``: operand -> result index of the state buffers (updated in place)."""
+    if backend == "ffi":
+        return list(_run_ffi(plans, shapes, args, sources, aliases))
+    from jax.experimental.buffer_callback import buffer_callback
 
-    def callback(ctx, outs, hist, scale, scale_inv, overflows, updates, fmt_max):
-        stream = int(ctx.stream)
-        ptrs = [_same_or_copy(o, i, stream) for o, i in zip(outs, (hist, scale, scale_inv, overflows, updates))]
-        _cuda.launch_update_scales(_current_device(), stream, amax_history=ptrs[0], scale=ptrs[1], scale_inv=ptrs[2],
-                                 overflows=ptrs[3], updates=ptrs[4], fmt_max=_ptr(fmt_max), n=n, L=L,
-                                 margin_factor=margin_factor, algo_max=algo_max)
-
-    return callback
+    cb = plan_callback(plans, sources, aliases)
+    return list(buffer_callback(cb, shapes, vmap_method="sequential", input_output_aliases=aliases,
+                                command_buffer_compatible=backend == "callback")(*args))

@@ -2,14 +2,18 @@
 
 Every function here works inside ``jax.jit``, ``jax.grad`` (through the ``custom_vjp`` wrappers
 of :mod:`fusedfp8.jax.functional`) and ``jax.vmap``, on any backend. The backend is chosen when
-XLA lowers the computation (``lax.platform_dependent``): on CUDA the CuPy kernels run on XLA's
-own buffers and stream through ``jax.experimental.buffer_callback``; everywhere else the same
-numerics run as ``jax.numpy`` (:mod:`fusedfp8.numerics.jnp`), byte for byte the reference's.
+XLA lowers the computation (``lax.platform_dependent``): on CUDA the fused kernels run on XLA's
+own buffers and stream (:mod:`fusedfp8.jax.callbacks`); everywhere else the same numerics run
+as ``jax.numpy`` (:mod:`fusedfp8.numerics.jnp`), byte for byte the reference's.
 
-``impl`` picks the backend explicitly: ``'auto'`` (the default, as above), ``'jnp'`` (jax.numpy
-on every backend), ``'kernel'`` (the CUDA kernels, recorded into XLA's command buffers: CUDA
-graphs that replay without calling Python) or ``'kernel_no_cmdbuf'`` (the kernels, launched by a
-Python callback at every execution).
+``impl`` picks the backend explicitly: ``'auto'`` (the default, as above; on CUDA the ``'ffi'``
+path where the compiled shim is available, else ``'callback'``: :func:`launch_path` says which
+and why), ``'jnp'`` (jax.numpy on every backend), ``'ffi'`` (the kernels through the XLA FFI
+handler of the compiled launch shim: no Python when the program runs, recorded into XLA's
+command buffers), ``'callback'`` (the kernels launched by a Python ``buffer_callback``, recorded
+into XLA's command buffers, which re-run the callback when XLA's buffers move) or
+``'callback_no_cmdbuf'`` (the callback at every execution). All CUDA backends run the same launch
+plans and give the same bytes.
 
 State. A :class:`fusedfp8.ScalingState` of jax arrays is a pytree here (registered by
 ``fusedfp8.jax``); functions take one and return the updated one. Quantizing tensor ``index``
@@ -46,6 +50,7 @@ from jax import lax
 
 from .. import _cuda
 from .. import _interop as io
+from .. import csrc as _shim
 from ..formats import Format
 from ..numerics import jnp as jn
 from ..numerics.scaling import update_rule
@@ -54,9 +59,11 @@ from ..state import STATE_FIELDS, ScalingState
 from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_recipe, kernel_op
 from . import callbacks
 
-__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "update_scales", "sync_staged", "dequantize", "IMPLS"]
+__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "update_scales", "sync_staged", "dequantize", "IMPLS",
+           "launch_path"]
 
-IMPLS = ("auto", "jnp", "kernel", "kernel_no_cmdbuf")
+IMPLS = ("auto", "jnp", "ffi", "callback", "callback_no_cmdbuf")
+_CUDA_IMPLS = ("ffi", "callback", "callback_no_cmdbuf")
 
 
 class _QCfg(NamedTuple):
@@ -76,14 +83,37 @@ class _QCfg(NamedTuple):
 def _check_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    if impl in ("kernel", "kernel_no_cmdbuf"):
+    if impl in _CUDA_IMPLS:
         ok, reason = _cuda.probe()
         if ok and not callbacks.gpu_devices():
             ok, reason = False, "jax has no CUDA backend (install jax[cuda13])"
         if not ok:
             raise ValueError(f"impl={impl!r} runs the CUDA kernels, which cannot run here: {reason}. Use impl='auto' "
                              "(the kernels on CUDA, jax.numpy elsewhere) or impl='jnp'")
+        if impl == "ffi":
+            ok, reason = callbacks.ffi_target()
+            if not ok:
+                raise ValueError(f"impl='ffi' needs the compiled launch shim, which is not available: {reason}. Use "
+                                 "impl='callback' (the same kernels through a Python callback) or impl='auto'")
     return impl
+
+
+def _auto_backend() -> str:
+    """The CUDA backend of impl='auto': 'ffi' where the shim is available (compiled on first use),
+    else 'callback'. Without a GPU the CUDA branch never runs, and nothing is built for it."""
+    return "ffi" if callbacks.gpu_devices() and callbacks.ffi_target()[0] else "callback"
+
+
+def launch_path() -> tuple[str, str]:
+    """(backend, why) of impl='auto' on CUDA, without building anything: 'ffi' (the XLA FFI
+    handler of the compiled shim) or 'callback' (Python buffer_callbacks)."""
+    if callbacks.ffi_target.cache_info().currsize:  # decided in this process already
+        ok, why = callbacks.ffi_target()
+        return ("ffi", why) if ok else ("callback", why)
+    ready, why = _shim.status("xla")
+    if ready is None:
+        return "ffi", f"from the first CUDA trace on ({why})"
+    return ("ffi", why) if ready else ("callback", why)
 
 
 def _check_state(state, recipe) -> ScalingState:
@@ -153,14 +183,11 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
     return (*outs, si_used, hist.at[0, i].set(acc), scale, scale_inv)
 
 
-# ---- the kernel backend ----------------------------------------------------------------------
-def _quantize_kernel(cfg: _QCfg, command_buffer: bool, x, b, hist, scale, scale_inv, updates):
-    from jax.experimental.buffer_callback import buffer_callback
-
-    dtype = x.dtype.name
-    op = kernel_op(cfg.op, cfg.approximate)
-    callbacks.prepare(_cuda.ModuleKey("quantize", dtype, cfg.fmt.name, op))
+# ---- the CUDA backends ------------------------------------------------------------------------
+def _quantize_kernel(cfg: _QCfg, backend: str, x, b, hist, scale, scale_inv, updates):
     rows, cols = _rows_cols(x.shape)
+    plans = callbacks.quantize_plans(x.dtype.name, cfg.fmt.name, kernel_op(cfg.op, cfg.approximate), rows, cols,
+                                     cfg.transpose, cfg.dbias, cfg.current_first, cfg.margin_factor, 4 * cfg.index)
     u8 = jnp.uint8
     shapes = [jax.ShapeDtypeStruct(x.shape, u8)]
     if cfg.transpose:
@@ -176,15 +203,22 @@ def _quantize_kernel(cfg: _QCfg, command_buffer: bool, x, b, hist, scale, scale_
     ins = (x, b, hist, scale, scale_inv, updates) if has_b else (x, hist, scale, scale_inv, updates)
     first_state = 2 if has_b else 1
     n_out = len(shapes)
-    aliases = {first_state + k: n_out - 3 + k for k in range(3)}
-    cb = callbacks.quantize_callback(dtype=dtype, fmt=cfg.fmt, op=op, index=cfg.index, rows=rows, cols=cols,
-                                transpose=cfg.transpose, dbias=cfg.dbias, has_b=has_b,
-                                current_first=cfg.current_first, margin_factor=cfg.margin_factor)
-    outs = list(buffer_callback(cb, shapes, vmap_method="sequential", input_output_aliases=aliases,
-                                command_buffer_compatible=command_buffer)(*ins))
+    aliases = {first_state + k: n_out - 3 + k for k in range(3)}  # hist, scale, scale_inv: updated in place
+    at_t, at_db = 1, 1 + cfg.transpose
+
+    def out(k):
+        return ("out", k)
+
+    si_used, hist_o, scale_o, scale_inv_o = (out(k) for k in range(n_out - 4, n_out))
+    # the buffer of each slot of _cuda.QUANTIZE_SLOTS: x, b, q, q_t, dbias, partial, counters, scale, amax
+    # (row 0 of the history), scale_out, scale_inv_out, scale_inv_used, updates
+    sources = (("in", 0), ("in", 1) if has_b else None, out(0),
+               out(at_t) if cfg.transpose else None,
+               *((out(at_db + k) for k in range(3)) if cfg.dbias else (None,) * 3),
+               scale_o, hist_o, scale_o, scale_inv_o, si_used, ("in", first_state + 3))
+    outs = callbacks.run(backend, plans, shapes, ins, sources, aliases)
     if cfg.dbias:
-        at = 2 if cfg.transpose else 1  # dbias; the workspaces (partial, counters) follow it
-        del outs[at + 1:at + 3]
+        del outs[at_db + 1:at_db + 3]  # the workspaces (partial, counters) follow dbias
     return tuple(outs)
 
 
@@ -207,9 +241,10 @@ def _as_varying_as(outs, args):
 def _dispatch(impl: str, jnp_fn, kernel_fn, *args):
     if impl == "jnp":
         return jnp_fn(*args)
-    if impl in ("kernel", "kernel_no_cmdbuf"):
-        return _as_varying_as(kernel_fn(impl == "kernel", *args), args)
-    return lax.platform_dependent(*args, cuda=lambda *a: _as_varying_as(kernel_fn(True, *a), a), default=jnp_fn)
+    if impl in _CUDA_IMPLS:
+        return _as_varying_as(kernel_fn(impl, *args), args)
+    return lax.platform_dependent(*args, cuda=lambda *a: _as_varying_as(kernel_fn(_auto_backend(), *a), a),
+                                  default=jnp_fn)
 
 
 def _run(cfg: _QCfg, x, b, state: ScalingState, impl: str) -> tuple[Quantized, ScalingState]:
@@ -218,9 +253,9 @@ def _run(cfg: _QCfg, x, b, state: ScalingState, impl: str) -> tuple[Quantized, S
     args = (x, b, state.amax_history, state.scale, state.scale_inv, state.updates)
     if b is None:  # platform_dependent passes arrays only
         outs = _dispatch(impl, lambda *a: _quantize_jnp(cfg, a[0], None, *a[1:]),
-                         lambda cb, *a: _quantize_kernel(cfg, cb, a[0], None, *a[1:]), x, *args[2:])
+                         lambda be, *a: _quantize_kernel(cfg, be, a[0], None, *a[1:]), x, *args[2:])
     else:
-        outs = _dispatch(impl, lambda *a: _quantize_jnp(cfg, *a), lambda cb, *a: _quantize_kernel(cfg, cb, *a),
+        outs = _dispatch(impl, lambda *a: _quantize_jnp(cfg, *a), lambda be, *a: _quantize_kernel(cfg, be, *a),
                          *args)
     outs = list(outs)
     fp8 = jnp.dtype(cfg.fmt.dtype_name)
@@ -303,17 +338,13 @@ def _update_jnp(recipe: DelayedScaling, hist, scale, scale_inv, overflows, updat
                        recipe.amax_compute_algo)
 
 
-def _update_kernel(recipe: DelayedScaling, command_buffer: bool, hist, scale, scale_inv, overflows, updates, fmt_max):
-    from jax.experimental.buffer_callback import buffer_callback
-
-    callbacks.prepare(_cuda.ModuleKey("update_scales"))
+def _update_kernel(recipe: DelayedScaling, backend: str, hist, scale, scale_inv, overflows, updates, fmt_max):
     L, n = hist.shape
+    plans = callbacks.update_plans(n, L, float(recipe.margin_factor), recipe.amax_compute_algo == "max")
     arrays = (hist, scale, scale_inv, overflows, updates)
-    cb = callbacks.update_callback(n=n, L=L, margin_factor=float(recipe.margin_factor),
-                              algo_max=recipe.amax_compute_algo == "max")
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
-    return tuple(buffer_callback(cb, shapes, vmap_method="sequential", input_output_aliases={k: k for k in range(5)},
-                                 command_buffer_compatible=command_buffer)(*arrays, fmt_max))
+    sources = (*(("out", k) for k in range(5)), ("in", 5))  # _cuda.UPDATE_SLOTS order
+    return tuple(callbacks.run(backend, plans, shapes, (*arrays, fmt_max), sources, {k: k for k in range(5)}))
 
 
 def _check_axis_name(axis_name):
@@ -364,6 +395,6 @@ def update_scales(state: ScalingState, recipe: DelayedScaling, *, axis_name=None
     (state,) = sync_staged([state], axis_name)
     fmt_max = jnp.asarray(state.fmt_max(recipe))
     arrays = (state.amax_history, state.scale, state.scale_inv, state.overflows, state.updates)
-    new = _dispatch(impl, lambda *a: _update_jnp(recipe, *a), lambda cb, *a: _update_kernel(recipe, cb, *a),
+    new = _dispatch(impl, lambda *a: _update_jnp(recipe, *a), lambda be, *a: _update_kernel(recipe, be, *a),
                     *arrays, fmt_max)
     return state.replace(**dict(zip(STATE_FIELDS, new)))

@@ -1,12 +1,16 @@
 """The fused kernels as ``torch.library`` custom ops, namespace ``fusedfp8``.
 
-CUDA tensors launch the kernels straight through :mod:`fusedfp8._cuda`'s launch interface on
-torch's current stream, outputs allocated by torch; the full argument check of
-:mod:`fusedfp8.ops` runs once per call signature (shapes, dtypes, device, 16-byte alignment,
-state shapes, index, format) and is cached. CPU tensors run the bit-exact NumPy reference
-through :mod:`fusedfp8.ops`. Being custom ops with declared mutations and fake (meta)
+CUDA tensors run the kernels on torch's current stream, outputs allocated by torch, from the
+launch plans of :mod:`fusedfp8._cuda`; the full argument check of :mod:`fusedfp8.ops` runs once
+per call signature (shapes, dtypes, device, 16-byte alignment, state shapes, index, format) and
+is cached with the plan. Where the compiled shim is available (:mod:`fusedfp8.csrc`; compiled on
+the first CUDA call when it was not built at install time) the CUDA (and AutogradCUDA) kernels
+of these ops are C++: eager calls, torch.compile graphs and CUDA graphs then run no Python per
+call, and only a new signature calls back into Python (:func:`_cpp_plan`). Without it the
+Python implementations below launch the same plans. CPU tensors run the bit-exact NumPy
+reference through :mod:`fusedfp8.ops`. Being custom ops with declared mutations and fake (meta)
 implementations, they trace under ``torch.compile(fullgraph=True)`` without graph breaks and can
-be captured in a CUDA graph.
+be captured in a CUDA graph. :func:`launch_path` says which path runs; :func:`use_cpp` switches.
 
 State arguments (the tensors of a :class:`fusedfp8.ScalingState`, or views of them):
 
@@ -37,22 +41,30 @@ not 16-byte aligned, such as column views of the state) and a value frozen for t
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch import Tensor
 
 from .. import _cuda
+from .. import csrc as _shim
 from .. import ops as _ops
 from ..formats import get_format
 from ..state import Slot
 from ..types import kernel_op
 
-__all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize", "call"]
+__all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize", "call",
+           "launch_path", "use_cpp"]
 
 _MUTATED = ("amax_history", "scale", "scale_inv")
 _IMPLS: dict = {}  # custom op -> its Python implementation
 _PLAIN = (Tensor, torch.nn.Parameter)  # tensor types that nothing can be tracing
-_checked: set = set()  # call signatures whose full argument check has passed
+_checked: dict = {}  # call signature -> its launch plan (the full argument check has passed)
+# the ops in the order of torch_ops.cc's Op enum; (kernel op, transpose) of each quantizing one
+_CPP_OPS = ("quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize")
+_OP_OF = {"quantize": ("identity", False), "quantize_t": ("identity", True), "gelu_quantize": ("gelu", False),
+          "gelu_quantize_t": ("gelu", True), "dgelu_quantize_t": ("dgelu", True)}
+_CPP_INDEX: dict = {}  # custom op -> its index in _CPP_OPS
 
 
 def _register(name: str, mutates_args):
@@ -60,6 +72,7 @@ def _register(name: str, mutates_args):
     def wrap(fn):
         op = torch.library.custom_op(f"fusedfp8::{name}", mutates_args=mutates_args)(fn)
         _IMPLS[op] = fn
+        _CPP_INDEX[op] = _CPP_OPS.index(name)
         return op
 
     return wrap
@@ -68,9 +81,10 @@ def _register(name: str, mutates_args):
 def call(op, *args):
     """Run the custom op ``op`` on ``args``.
 
-    In plain eager mode the implementation is called directly: a round trip through the
-    dispatcher costs 20-70 us of host time per call (more for ops with mutated arguments),
-    several times the kernel launch itself. Whenever anything may be tracing (torch.compile,
+    In plain eager mode the implementation is called directly (for CUDA tensors the C++ one once
+    the shim is loaded: no Python beyond this function): a round trip through the dispatcher
+    costs 20-70 us of host time per call with the Python kernels (more for ops with mutated
+    arguments), several times the kernel launch itself. Whenever anything may be tracing (torch.compile,
     a TorchDispatchMode such as make_fx or FakeTensorMode, functorch transforms, tensor
     subclasses) the call goes through the dispatcher, so the op is seen as the custom op it is.
     """
@@ -78,7 +92,102 @@ def call(op, *args):
             or torch._C._are_functorch_transforms_active()
             or any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args)):
         return op(*args)
+    if _cpp is not None and args[0].is_cuda:  # the C++ implementation, without the dispatcher
+        return _cpp.call(_CPP_INDEX[op], *args)
     return _IMPLS[op](*args)
+
+
+# ---- the C++ implementation (fusedfp8/csrc/torch_ops.cc) --------------------------------------
+_cpp = None  # the registered extension module, else None
+_cpp_state: list = []  # [(on, why)] once decided: loading happens on the first CUDA call
+_cpp_lock = threading.Lock()
+
+
+def _cpp_ops():
+    """The C++ ops module, loaded (compiled on first use) and registered for the CUDA keys; None
+    where the shim cannot be had or was switched off."""
+    if not _cpp_state:
+        with _cpp_lock:
+            if not _cpp_state:
+                lib, why = _shim.library("torch")
+                if lib is not None:
+                    use_cpp(True, _lib=lib)
+                _cpp_state.append((lib is not None, why))
+    return _cpp
+
+
+def use_cpp(on: bool, _lib=None) -> None:
+    """Switch the CUDA implementation of the ops between C++ (``on``; the default where the shim
+    is available) and the Python executor (``on=False``, e.g. to compare the two). Raises
+    RuntimeError when the shim is wanted but cannot be had."""
+    global _cpp
+    if on:
+        lib = _lib
+        if lib is None:
+            lib, why = _shim.library("torch")
+            if lib is None:
+                raise RuntimeError(f"fusedfp8: the torch launch shim is not available: {why}")
+        lib.register(_cpp_plan, _cpp_grad_path)
+        _cpp = lib
+    else:
+        if _cpp is not None:
+            _cpp.unregister()
+        _cpp = None
+        _cpp_state[:] = [(False, "switched off with use_cpp(False)")]
+
+
+def launch_path() -> tuple[str, str]:
+    """('C++' | 'Python', why) of the ops' CUDA implementation (without building the shim: before
+    the first CUDA call this reports what that call will do)."""
+    if _cpp is not None:
+        return "C++", _shim.library("torch")[1]
+    if _cpp_state:
+        return "Python", _cpp_state[0][1]
+    ready, why = _shim.status("torch")
+    return ("C++" if ready is not False else "Python"), (why if ready is not None else
+                                                         f"from the first CUDA call on ({why})")
+
+
+def _cpp_plan(name: str, args: tuple):
+    """The C++ ops' call back on a new signature (under the GIL): the full argument check, then
+    (encoded plan, kernel names, dbias workspace rows, dbias counters, whether the FP8 outputs
+    are E5M2)."""
+    if name == "dequantize":
+        q, scale_inv, dtype = args
+        dtype = str(dtype).replace("torch.", "")
+        qi, _, f = _ops.check_dequantize(q, scale_inv, dtype, None)
+        data, names = _cuda.dequantize_plan(qi.device, dtype, f.name, qi.size).encode()
+        return data.tobytes(), names, 0, 0, False
+    op, transpose = _OP_OF[name]
+    x, b, rest = (args[0], args[1], args[2:]) if op == "dgelu" else (args[0], None, args[1:])
+    amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first = rest[:8]
+    approximate = rest[8] if op != "identity" else "tanh"
+    dbias = bool(rest[9]) if op == "dgelu" else False
+    plan = _checked_plan(op, x, b, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
+                         current_first, approximate, transpose, dbias)
+    rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
+    (part_rows, _), n_counters = _cuda.dbias_workspace(rows, cols)
+    data, names = plan.encode()
+    return data.tobytes(), names, part_rows, n_counters, get_format(fmt).name == "e5m2"
+
+
+class _NoDerivative(torch.autograd.Function):
+    """What the custom op's own autograd kernel does when a gradient is wanted: the op runs (grad
+    mode is off inside, so the C++ kernel runs), and a backward through its outputs raises."""
+
+    @staticmethod
+    def forward(ctx, name, *args):
+        ctx.name = name
+        return getattr(torch.ops.fusedfp8, name).default(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"Trying to backward through fusedfp8::{ctx.name} but no autograd formula was "
+                           "registered (use fusedfp8.pytorch's autograd functions)")
+
+
+def _cpp_grad_path(name: str, args: tuple):
+    return _NoDerivative.apply(name, *args)
 
 
 def _slot(amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int, fmt: str,
@@ -101,6 +210,29 @@ def _scale_inv_like(x: Tensor) -> Tensor:
     return x.new_empty((1,), dtype=torch.float32)
 
 
+def _checked_plan(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int, fmt: str, margin_factor: float,
+                  current_first: bool, approximate: str, transpose: bool, dbias: bool) -> _cuda.Plan:
+    """The launch plan of a CUDA call, after the full check of fusedfp8.ops once per signature
+    (the check writes nothing)."""
+    amax_history, scale, scale_inv, updates = state
+    key = (op, x.shape, x.dtype, x.device, x.data_ptr() % 16, b is not None and b.data_ptr() % 16,
+           amax_history.shape, amax_history.dtype, scale.dtype, scale_inv.dtype, updates.dtype,
+           amax_history.data_ptr() % 4, index, fmt, approximate, transpose, dbias, bool(current_first),
+           float(margin_factor))
+    plan = _checked.get(key)
+    if plan is None:
+        slot = _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first)
+        _ops._Plan(x, b, slot, None, None, op, transpose, dbias, argname="x" if b is None else "dy")
+        if not (x.is_contiguous() and (b is None or b.is_contiguous())
+                and all(t.is_contiguous() and t.device == x.device for t in state)):
+            raise ValueError("fusedfp8 custom ops need contiguous inputs and state tensors on the input's device")
+        rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
+        plan = _checked[key] = _cuda.quantize_plan(x.get_device(), str(x.dtype)[6:], fmt, kernel_op(op, approximate),
+                                                   rows, cols, transpose, dbias, bool(current_first),
+                                                   float(margin_factor), index * 4)
+    return plan
+
+
 def _run(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int, fmt: str, margin_factor: float,
          current_first: bool, approximate: str, transpose: bool, dbias: bool):
     """(q, q_t or None, dbias or None, scale_inv) of one quantizing op."""
@@ -114,39 +246,35 @@ def _run(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int, fmt: st
         else:
             r = _ops.dgelu_quantize(x, b, slot, approximate=approximate, transpose=transpose, dbias=dbias)
         return r.data, r.data_t, r.dbias, r.scale_inv
-    key = (op, x.shape, x.dtype, x.device, x.data_ptr() % 16, b is not None and b.data_ptr() % 16,
-           amax_history.shape, amax_history.dtype, scale.dtype, scale_inv.dtype, updates.dtype,
-           amax_history.data_ptr() % 4, index, fmt, approximate, transpose, dbias, bool(current_first))
-    if key not in _checked:  # the full check of fusedfp8.ops, once per signature (it writes nothing)
-        slot = _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first)
-        _ops._Plan(x, b, slot, None, None, op, transpose, dbias, argname="x" if b is None else "dy")
-        if not (x.is_contiguous() and (b is None or b.is_contiguous())
-                and all(t.is_contiguous() for t in state) and updates.device == x.device):
-            raise ValueError("fusedfp8 custom ops need contiguous inputs and state tensors on the input's device")
-        _checked.add(key)
+    cpp = _cpp_ops()
+    if cpp is not None:  # the first CUDA call of a process comes here (later ones go straight to C++)
+        name = {"identity": "quantize", "gelu": "gelu_quantize", "dgelu": "dgelu_quantize"}[op] + (
+            "_t" if transpose else "")
+        extra = () if op == "identity" else (approximate,) if op == "gelu" else (approximate, dbias)
+        outs = cpp.call(_CPP_OPS.index(name), x, *(() if b is None else (b,)), *state, index, fmt, margin_factor,
+                        current_first, *extra)
+        q, si = outs[0], outs[-1]
+        return q, outs[1] if transpose else None, outs[2] if dbias else None, si
+    plan = _checked_plan(op, x, b, state, index, fmt, margin_factor, current_first, approximate, transpose, dbias)
     rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
     dt = _fp8_dtype(fmt)
     q = torch.empty(x.shape, dtype=dt, device=x.device)
     q_t = torch.empty((cols, rows), dtype=dt, device=x.device) if transpose else None
     si = torch.empty((1,), dtype=torch.float32, device=x.device)
     db = partial = counters = None
-    if dbias:
+    if dbias:  # the plan zeroes the counters (and dbias when there is nothing to sum)
         part_shape, n_counters = _cuda.dbias_workspace(rows, cols)
-        db = (torch.empty if x.numel() else torch.zeros)((cols,), dtype=torch.float32, device=x.device)
+        db = torch.empty((cols,), dtype=torch.float32, device=x.device)
         partial = torch.empty(part_shape, dtype=torch.float32, device=x.device)
-        counters = torch.zeros((n_counters,), dtype=torch.int32, device=x.device)
-    f32 = 4
-    off = index * f32
+        counters = torch.empty((n_counters,), dtype=torch.int32, device=x.device)
     h, s, sinv = amax_history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr()
+
+    def p(t):
+        return t.data_ptr() if t is not None else 0
+
     device = x.get_device()
-    _cuda.launch_quantize(
-        device, torch._C._cuda_getCurrentRawStream(device), dtype=str(x.dtype)[6:], fmt=fmt,
-        op=kernel_op(op, approximate), x=x.data_ptr(), b=b.data_ptr() if b is not None else 0, q=q.data_ptr(),
-        scale=s + off, amax=h + off, rows=rows, cols=cols, q_t=q_t.data_ptr() if q_t is not None else 0,
-        dbias=db.data_ptr() if dbias and x.numel() else 0, partial=partial.data_ptr() if dbias else 0,
-        counters=counters.data_ptr() if dbias else 0, scale_inv_used=si.data_ptr(), first=bool(current_first),
-        updates=updates.data_ptr() + off, scale_out=s + off, scale_inv_out=sinv + off,
-        margin_factor=float(margin_factor))
+    _cuda.execute(plan, (x.data_ptr(), p(b), q.data_ptr(), p(q_t), p(db), p(partial), p(counters), s, h, s, sinv,
+                         si.data_ptr(), updates.data_ptr()), torch._C._cuda_getCurrentRawStream(device))
     return q, q_t, db, si
 
 
@@ -238,6 +366,10 @@ def _(dy, x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
 @_register("dequantize", ())
 def dequantize(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
     """``dtype(float32(q) * scale_inv)``; q a float8 tensor, scale_inv a 1-element float32 tensor."""
+    if q.is_cuda:
+        cpp = _cpp_ops()
+        if cpp is not None:
+            return cpp.call(_CPP_OPS.index("dequantize"), q, scale_inv, dtype)
     return _ops.dequantize(q, scale_inv, str(dtype).replace("torch.", ""))
 
 

@@ -1,0 +1,258 @@
+"""The compiled host shim: build, cache, load, and why not.
+
+Two libraries, each the launch-plan interpreter (``plan.h``) with one front end:
+
+- ``xla`` (``xla_ffi.cc``): a plain shared library (ctypes) holding the XLA FFI handler
+  ``ff8_xla_launch``; compiled with the headers of ``jax.ffi.include_dir()``, links nothing of jax.
+- ``torch`` (``torch_ops.cc``): a Python extension module, the C++ CUDA kernels of the
+  ``fusedfp8::*`` custom ops, compiled against the installed torch (the CPU wheel suffices).
+
+Where a library comes from, first match wins:
+
+1. built by ``setup.py`` (``pip install -e .`` or a wheel) beside this file, if its stamp equals
+   the fingerprint of this process (sources, flags, Python, framework version);
+2. the cache folder (``$FUSEDFP8_CACHE_DIR``, default ``~/.cache/fusedfp8/shim``), keyed by that
+   fingerprint;
+3. compiled into the cache on first use, with one line on stderr; a file lock lets concurrent
+   processes (DDP ranks) compile it once. A failed compile is remembered
+   (``<name>-<fingerprint>.failed``, with the compiler's log) so that later processes do not
+   retry it; delete that file to retry.
+
+Without a C++ compiler, without the headers, or with ``FUSEDFP8_NO_SHIM=1`` the frameworks keep
+the Python launch path, and :func:`library` / :func:`status` say why. This module imports only
+the standard library at import time (setup.py loads it by path, before any dependency exists).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TARGETS = ("xla", "torch")
+_SOURCES = {"xla": ("plan.h", "xla_ffi.cc"), "torch": ("plan.h", "torch_ops.cc")}
+_WHAT = {"xla": "JAX (XLA FFI)", "torch": "torch"}
+TIMEOUT = 900  # seconds a compile may take
+
+
+def filename(target: str) -> str:
+    """The library's file name (setuptools names an extension so: setup.py builds it under it)."""
+    return f"_ff8_{target}" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FUSEDFP8_CACHE_DIR") or Path.home() / ".cache" / "fusedfp8" / "shim")
+
+
+def compiler() -> str | None:
+    """The C++ compiler: $CXX, else g++, else c++ (None when there is none)."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx.split()[0]) and cxx
+    return shutil.which("g++") or shutil.which("c++")
+
+
+class Unavailable(Exception):
+    """The shim of a target cannot be built here; the message says why."""
+
+
+def _flags(target: str) -> tuple[list[str], list[str], str]:
+    """(compile flags, link flags, framework version) of ``target``; Unavailable if its framework
+    or headers are missing. Imports the framework (cheap when it is already imported)."""
+    if target == "xla":
+        try:
+            import jax
+            import jax.ffi
+        except ImportError as e:
+            raise Unavailable(f"jax is not importable ({e})") from None
+        inc = jax.ffi.include_dir()
+        if not os.path.isfile(os.path.join(inc, "xla", "ffi", "api", "ffi.h")):
+            raise Unavailable(f"the XLA FFI headers are missing from {inc}")
+        return ["-std=c++17", "-isystem", inc], ["-ldl"], f"jax {jax.__version__}"
+    try:
+        import torch
+    except ImportError as e:
+        raise Unavailable(f"torch is not importable ({e})") from None
+    root = Path(torch.__file__).resolve().parent
+    py_inc = sysconfig.get_paths()["include"]
+    if not os.path.isfile(os.path.join(py_inc, "Python.h")):
+        raise Unavailable(f"Python.h is missing from {py_inc} (install the Python development headers)")
+    if not (root / "include" / "torch" / "library.h").is_file():
+        raise Unavailable(f"torch's C++ headers are missing from {root / 'include'}")
+    lib = str(root / "lib")
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    cflags = ["-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-isystem", str(root / "include"), "-isystem",
+              str(root / "include" / "torch" / "csrc" / "api" / "include"), "-isystem", py_inc]
+    lflags = [f"-L{lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-ldl", f"-Wl,-rpath,{lib}"]
+    return cflags, lflags, f"torch {torch.__version__}"
+
+
+def fingerprint(target: str) -> str:
+    """What a built library must match to be loaded here (Unavailable if it cannot be built)."""
+    cflags, lflags, version = _flags(target)
+    h = hashlib.sha256()
+    for part in (target, sys.version.split()[0], sysconfig.get_config_var("EXT_SUFFIX") or "", version,
+                 " ".join(cflags), " ".join(lflags)):
+        h.update(part.encode() + b"\0")
+    for name in _SOURCES[target]:
+        h.update((HERE / name).read_bytes())
+    return h.hexdigest()[:20]
+
+
+def command(target: str, out: Path, cxx: str) -> list[str]:
+    cflags, lflags, _ = _flags(target)
+    return [*cxx.split(), "-O2", "-fPIC", "-shared", "-Wall", *cflags, str(HERE / _SOURCES[target][-1]), "-o",
+            str(out), *lflags]
+
+
+def build(target: str, out: Path) -> tuple[bool, str]:
+    """Compile ``target`` into ``out`` (atomically: a temporary file, then a rename) and write its
+    stamp ``out.stamp``. (ok, why-or-log)."""
+    cxx = compiler()
+    if cxx is None:
+        return False, "no C++ compiler (set CXX, or install g++)"
+    try:
+        key = fingerprint(target)
+        cmd = command(target, out.with_name(f"{out.name}.tmp{os.getpid()}"), cxx)
+    except Unavailable as e:
+        return False, str(e)
+    tmp = Path(cmd[cmd.index("-o") + 1])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"{' '.join(cmd)}\n{type(e).__name__}: {e}"
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        return False, f"{' '.join(cmd)}\nexit status {proc.returncode}\n{proc.stdout}{proc.stderr}"
+    os.replace(tmp, out)
+    Path(str(out) + ".stamp").write_text(key + "\n")
+    return True, ""
+
+
+def _stamped(path: Path, key: str) -> bool:
+    stamp = Path(str(path) + ".stamp")
+    return path.is_file() and stamp.is_file() and stamp.read_text().strip() == key
+
+
+def _open(target: str, path: Path):
+    """Load a built library: the ctypes library (xla) or the extension module (torch)."""
+    from .plan import PLAN_VERSION
+
+    if target == "xla":
+        import ctypes
+
+        lib = ctypes.CDLL(str(path))
+        lib.ff8_plan_version.restype = ctypes.c_int64
+        lib.ff8_dry_run.restype = ctypes.c_int64
+        lib.ff8_dry_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64]
+        version = lib.ff8_plan_version()
+    else:
+        import torch  # noqa: F401  (its libraries first)
+
+        name = "_ff8_torch"
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_loader(name, loader, origin=str(path))
+        lib = importlib.util.module_from_spec(spec)
+        loader.exec_module(lib)
+        version = lib.plan_version()
+    if version != PLAN_VERSION:
+        raise ImportError(f"{path} reads launch plans of version {version}, this package writes {PLAN_VERSION}")
+    return lib
+
+
+_lock = threading.Lock()
+_found: dict = {}  # target -> (library or None, where it came from or why not)
+
+
+def library(target: str):
+    """(library, origin) of ``target``, loading, and on first use compiling, it once per process;
+    (None, why) where it cannot be had."""
+    found = _found.get(target)
+    if found is None:
+        with _lock:
+            found = _found.get(target)
+            if found is None:
+                found = _found[target] = _find(target)
+    return found
+
+
+def _find(target: str):
+    if os.environ.get("FUSEDFP8_NO_SHIM", "") not in ("", "0"):
+        return None, "FUSEDFP8_NO_SHIM is set"
+    try:
+        key = fingerprint(target)
+    except Unavailable as e:
+        return None, str(e)
+    name = filename(target)
+    packaged = HERE / name
+    if _stamped(packaged, key):
+        try:
+            return _open(target, packaged), f"built at install time: {packaged}"
+        except (OSError, ImportError) as e:
+            stale = f"{packaged} does not load ({e}); "
+    else:
+        stale = ""
+    stem, dot, ext = name.partition(".")
+    cached = cache_dir() / f"{stem}-{key}{dot}{ext}"
+    failed = cached.with_name(f"{stem}-{key}.failed")
+    if not _stamped(cached, key):
+        if failed.is_file():
+            return None, f"{stale}compiling it failed before (log: {failed}; delete that file to retry)"
+        cxx = compiler()
+        if cxx is None:
+            return None, f"{stale}no C++ compiler to build it (set CXX, or install g++)"
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        import fcntl
+
+        with open(cached.with_name(f"{stem}-{key}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling it right now
+            if not _stamped(cached, key) and not failed.is_file():
+                print(f"fusedfp8: compiling the {_WHAT[target]} launch shim with {cxx.split()[0]} (first use, "
+                      f"~{20 if target == 'torch' else 2} s; cached in {cached.parent})", file=sys.stderr, flush=True)
+                ok, log = build(target, cached)
+                if not ok:
+                    failed.write_text(log + "\n")
+                    return None, f"{stale}compiling it failed (log: {failed}; delete that file to retry)"
+        if failed.is_file() and not _stamped(cached, key):
+            return None, f"{stale}compiling it failed (log: {failed}; delete that file to retry)"
+    try:
+        return _open(target, cached), f"compiled on first use: {cached}"
+    except (OSError, ImportError) as e:
+        return None, f"{stale}{cached} does not load: {e}"
+
+
+def status(target: str) -> tuple[bool | None, str]:
+    """Without building anything: (True, where) when the library is loaded or ready to load,
+    (None, how it would be built) when the first use would compile it, (False, why) when it
+    cannot be had."""
+    found = _found.get(target)
+    if found is not None:
+        return found[0] is not None, found[1]
+    if os.environ.get("FUSEDFP8_NO_SHIM", "") not in ("", "0"):
+        return False, "FUSEDFP8_NO_SHIM is set"
+    try:
+        key = fingerprint(target)
+    except Unavailable as e:
+        return False, str(e)
+    name = filename(target)
+    if _stamped(HERE / name, key):
+        return True, f"built at install time: {HERE / name}"
+    stem, dot, ext = name.partition(".")
+    cached = cache_dir() / f"{stem}-{key}{dot}{ext}"
+    if _stamped(cached, key):
+        return True, f"compiled into the cache: {cached}"
+    if cached.with_name(f"{stem}-{key}.failed").is_file():
+        return False, f"compiling it failed (log: {cached.with_name(f'{stem}-{key}.failed')})"
+    cxx = compiler()
+    if cxx is None:
+        return False, "no C++ compiler to build it (set CXX, or install g++)"
+    return None, f"not built yet: the first use compiles it with {cxx.split()[0]} into {cache_dir()}"

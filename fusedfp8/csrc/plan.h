@@ -1,0 +1,248 @@
+// fusedfp8 host shim: the launch-plan interpreter shared by the XLA FFI handler (xla_ffi.cc) and
+// the torch C++ ops (torch_ops.cc). C++17, no CUDA headers: the few driver entry points it needs
+// are declared here and found with dlopen("libcuda.so.1") / dlsym at first use.
+//
+// A plan is the int64 encoding of fusedfp8.csrc.plan.Plan (Plan.encode there is the writer):
+//   [PLAN_VERSION, n_slots, n_steps, step...]
+//   memset step: [MEMSET, slot, nbytes]                     zero nbytes (cuMemsetD32Async); none
+//                                                           for a null slot
+//   launch step: [LAUNCH, n_variants, select, block, shared, n_params,
+//                 (func, grid) * n_variants, (kind, a, b, c) * n_params]
+//     variant 0 runs when every slot in the bit mask `select` is 16-byte aligned, else variant 1.
+//     parameter kinds: I64 / I32 immediate a; F32 bits a; PTR slot a + b bytes (null if the slot
+//     is null); NULL; FLAG int32 (c != 0 and every slot in mask a aligned to b bytes).
+//     Parameters are packed at their natural alignment, without trailing padding (the layout
+//     the kernels declare, and what Python's struct '@' gives).
+// Names: the variants' kernel names in plan order, joined by ';' (for error messages).
+//
+// The interpreter walks the encoded plan in place (no allocation on the hot path) and checks
+// every index against the plan's length and the slot count before using it.
+#pragma once
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+namespace ff8 {
+
+constexpr int64_t kPlanVersion = 1;
+enum : int64_t { kMemset = 0, kLaunch = 1 };
+enum : int64_t { kI64 = 1, kI32 = 2, kF32 = 3, kPtr = 4, kNull = 5, kFlag = 6 };
+constexpr size_t kMaxParamBytes = 4096;  // the driver's limit for kernel parameters
+
+// ---- the driver ------------------------------------------------------------------------------
+using CUresult = int;
+using CUfunction = void*;
+using CUstream = void*;
+using CUdeviceptr = unsigned long long;
+
+struct Driver {
+  CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                     void**, void**) = nullptr;
+  CUresult (*memset_d32_async)(CUdeviceptr, unsigned, size_t, CUstream) = nullptr;
+  CUresult (*memcpy_dtod_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*ctx_get_device)(int*) = nullptr;
+  CUresult (*error_name)(CUresult, const char**) = nullptr;
+  CUresult (*error_string)(CUresult, const char**) = nullptr;
+  std::string why;  // empty when every entry point was found
+};
+
+inline const Driver& driver() {
+  static const Driver d = [] {
+    Driver r;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* e = dlerror();
+      r.why = std::string("libcuda.so.1 cannot be loaded (") + (e ? e : "?") + ")";
+      return r;
+    }
+    auto sym = [&](const char* name, auto& fn) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      if (fn == nullptr && r.why.empty()) r.why = std::string("libcuda.so.1 has no ") + name;
+    };
+    sym("cuLaunchKernel", r.launch);
+    sym("cuMemsetD32Async", r.memset_d32_async);
+    sym("cuMemcpyDtoDAsync_v2", r.memcpy_dtod_async);
+    sym("cuCtxGetDevice", r.ctx_get_device);
+    sym("cuGetErrorName", r.error_name);
+    sym("cuGetErrorString", r.error_string);
+    return r;
+  }();
+  return d;
+}
+
+// "CUDA error 700 (CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered)"
+inline std::string cuda_error(CUresult err) {
+  const Driver& d = driver();
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (d.error_name) d.error_name(err, &name);
+  if (d.error_string) d.error_string(err, &text);
+  return "CUDA error " + std::to_string(err) + " (" + (name ? name : "?") + ": " + (text ? text : "?") + ")";
+}
+
+// ---- the plan walk ---------------------------------------------------------------------------
+inline std::string_view nth_name(std::string_view names, int64_t i) {
+  size_t start = 0;
+  for (int64_t k = 0; k < i; ++k) {
+    size_t at = names.find(';', start);
+    if (at == std::string_view::npos) return "a fusedfp8 kernel";  // fewer names than variants
+    start = at + 1;
+  }
+  size_t end = names.find(';', start);
+  return names.substr(start, end == std::string_view::npos ? std::string_view::npos : end - start);
+}
+
+// Walks the plan `p` (n int64s) over the device pointers `bufs` (nbuf, one per slot), calling
+//   sink.memset(ptr, nbytes) -> std::string (empty = ok)
+//   sink.launch(func, grid, block, shared, params, size, name_index) -> std::string
+// Returns "" or the first error (a malformed plan, or the sink's).
+template <class Sink>
+std::string walk(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, Sink& sink) {
+  size_t at = 0;
+  auto need = [&](size_t k) { return at + k <= n; };
+  if (!need(3) || p[0] != kPlanVersion) return "fusedfp8: not a launch plan of version " + std::to_string(kPlanVersion);
+  if (p[1] < 0 || static_cast<uint64_t>(p[1]) != nbuf || nbuf > 63)
+    return "fusedfp8: the plan takes " + std::to_string(p[1]) + " buffers, " + std::to_string(nbuf) + " were given";
+  const int64_t steps = p[2];
+  at = 3;
+  int64_t name_base = 0;
+  alignas(16) unsigned char params[kMaxParamBytes];
+  for (int64_t s = 0; s < steps; ++s) {
+    if (!need(1)) return "fusedfp8: truncated launch plan";
+    const int64_t kind = p[at];
+    if (kind == kMemset) {
+      if (!need(3) || p[at + 1] < 0 || static_cast<uint64_t>(p[at + 1]) >= nbuf || p[at + 2] < 0 || p[at + 2] % 4)
+        return "fusedfp8: malformed memset step in a launch plan";
+      const uint64_t ptr = bufs[p[at + 1]];
+      const int64_t nbytes = p[at + 2];
+      at += 3;
+      if (ptr != 0 && nbytes != 0) {
+        std::string err = sink.memset(ptr, nbytes);
+        if (!err.empty()) return err;
+      }
+      continue;
+    }
+    if (kind != kLaunch || !need(6)) return "fusedfp8: malformed step in a launch plan";
+    const int64_t nvar = p[at + 1], select = p[at + 2], block = p[at + 3], shared = p[at + 4], ntok = p[at + 5];
+    if (nvar < 1 || nvar > 2 || ntok < 0 || block < 1 || shared < 0 || select < 0 || (select >> nbuf) != 0 ||
+        !need(6 + 2 * nvar + 4 * ntok))
+      return "fusedfp8: malformed launch step in a launch plan";
+    at += 6;
+    int64_t choice = 0;
+    for (size_t i = 0; i < nbuf; ++i)
+      if ((select >> i & 1) && bufs[i] % 16 != 0) choice = 1;
+    if (choice >= nvar) return "fusedfp8: a launch plan selects a variant it does not have";
+    const void* func = reinterpret_cast<const void*>(static_cast<uintptr_t>(p[at + 2 * choice]));
+    const int64_t grid = p[at + 2 * choice + 1];
+    if (grid < 1) return "fusedfp8: a launch plan has an empty grid";
+    at += 2 * nvar;
+    size_t size = 0;
+    for (int64_t t = 0; t < ntok; ++t, at += 4) {
+      const int64_t tk = p[at], a = p[at + 1], b = p[at + 2], c = p[at + 3];
+      const size_t width = (tk == kI64 || tk == kPtr || tk == kNull) ? 8 : 4;
+      size = (size + width - 1) / width * width;
+      if (size + width > kMaxParamBytes) return "fusedfp8: a launch plan's parameters exceed 4 KiB";
+      unsigned char* dst = params + size;
+      size += width;
+      switch (tk) {
+        case kI64:
+          std::memcpy(dst, &a, 8);
+          break;
+        case kI32:
+        case kF32: {
+          const uint32_t v = static_cast<uint32_t>(a);
+          std::memcpy(dst, &v, 4);
+          break;
+        }
+        case kPtr: {
+          if (a < 0 || static_cast<uint64_t>(a) >= nbuf) return "fusedfp8: a launch plan points past its buffers";
+          const uint64_t v = bufs[a] ? bufs[a] + static_cast<uint64_t>(b) : 0;
+          std::memcpy(dst, &v, 8);
+          break;
+        }
+        case kNull:
+          std::memset(dst, 0, 8);
+          break;
+        case kFlag: {
+          if (a < 0 || (a >> nbuf) != 0 || b < 1) return "fusedfp8: malformed flag in a launch plan";
+          int32_t v = c != 0;
+          for (size_t i = 0; i < nbuf; ++i)
+            if ((a >> i & 1) && bufs[i] % static_cast<uint64_t>(b) != 0) v = 0;
+          std::memcpy(dst, &v, 4);
+          break;
+        }
+        default:
+          return "fusedfp8: unknown parameter kind " + std::to_string(tk) + " in a launch plan";
+      }
+    }
+    std::string err = sink.launch(func, grid, block, shared, params, size, name_base + choice);
+    if (!err.empty()) return err;
+    name_base += nvar;
+  }
+  return "";
+}
+
+// The sink that runs the plan: cuLaunchKernel with the CU_LAUNCH_PARAM_BUFFER_POINTER form.
+struct DriverSink {
+  CUstream stream;
+  std::string_view names;
+
+  std::string memset(uint64_t ptr, int64_t nbytes) {
+    CUresult err = driver().memset_d32_async(ptr, 0, static_cast<size_t>(nbytes) / 4, stream);
+    if (err == 0) return "";
+    return "fusedfp8: zeroing " + std::to_string(nbytes) + " bytes of a workspace failed: " + cuda_error(err);
+  }
+
+  std::string launch(const void* func, int64_t grid, int64_t block, int64_t shared, unsigned char* params,
+                     size_t size, int64_t name_index) {
+    void* extra[] = {reinterpret_cast<void*>(1), params, reinterpret_cast<void*>(2), &size, nullptr};
+    CUresult err = driver().launch(const_cast<void*>(func), static_cast<unsigned>(grid), 1, 1,
+                                   static_cast<unsigned>(block), 1, 1, static_cast<unsigned>(shared), stream, nullptr,
+                                   extra);
+    if (err == 0) return "";
+    return "fusedfp8: launching " + std::string(nth_name(names, name_index)) + " failed: " + cuda_error(err);
+  }
+};
+
+// Runs the plan on the stream. "" or the error.
+inline std::string run(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, CUstream stream,
+                       std::string_view names) {
+  const Driver& d = driver();
+  if (!d.why.empty()) return "fusedfp8: " + d.why;
+  DriverSink sink{stream, names};
+  return walk(p, n, bufs, nbuf, sink);
+}
+
+// The sink of ff8_dry_run: records what the driver would get, in the byte format of
+// fusedfp8.csrc.plan.dry_run (int64 fields, little-endian; parameters zero-padded to 8 bytes).
+struct RecordSink {
+  unsigned char* out;
+  size_t cap;
+  size_t used = 0;
+
+  bool put(const void* src, size_t k) {
+    if (used + k > cap) return false;
+    std::memcpy(out + used, src, k);
+    used += k;
+    return true;
+  }
+  std::string memset(uint64_t ptr, int64_t nbytes) {
+    const int64_t head[3] = {kMemset, static_cast<int64_t>(ptr), nbytes};
+    return put(head, sizeof head) ? "" : "fusedfp8: dry-run buffer too small";
+  }
+  std::string launch(const void* func, int64_t grid, int64_t block, int64_t shared, unsigned char* params,
+                     size_t size, int64_t) {
+    const int64_t head[6] = {kLaunch, static_cast<int64_t>(reinterpret_cast<uintptr_t>(func)), grid, block, shared,
+                             static_cast<int64_t>(size)};
+    const unsigned char zeros[8] = {0};
+    if (!put(head, sizeof head) || !put(params, size) || !put(zeros, (8 - size % 8) % 8))
+      return "fusedfp8: dry-run buffer too small";
+    return "";
+  }
+};
+
+}  // namespace ff8

@@ -1,0 +1,268 @@
+"""The launch-plan format and its Python executor.
+
+A plan is the pure-data description of one call's launches (see :mod:`fusedfp8._cuda`, which
+builds them once per signature and caches them). Two executors read it: :func:`execute` here
+(struct + ctypes, one cuLaunchKernel per step) and the compiled host shim beside this file
+(``plan.h``: the XLA FFI handler and the torch C++ ops), which gets it as int64s
+(:meth:`Plan.encode`). Both hand the driver the same bytes (:func:`dry_run` and the shim's
+``ff8_dry_run`` are compared in tests/kernels/test_launch_shim.py).
+
+A plan names buffers by slot: a parameter is "the pointer of slot i plus a byte offset", and
+the caller hands one device pointer per slot, 0 for an absent buffer (whose pointer parameters
+are then null, whatever their offset).
+
+Nothing here imports a framework or CuPy.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import struct
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+PLAN_VERSION = 1
+MEMSET, LAUNCH = 0, 1  # step kinds
+I64, I32, F32, PTR, NULL, FLAG = 1, 2, 3, 4, 5, 6  # parameter (token) kinds
+_LAYOUT_CHAR = {I64: "q", I32: "i", F32: "f", PTR: "P", NULL: "P", FLAG: "i"}
+_PACK_CHAR = {I64: "q", I32: "i", F32: "I", PTR: "Q", NULL: "Q", FLAG: "i"}  # F32 goes in as its bits
+
+QUANTIZE_SLOTS = ("x", "b", "q", "q_t", "dbias", "partial", "counters", "scale", "amax", "scale_out",
+                  "scale_inv_out", "scale_inv_used", "updates")
+DEQUANTIZE_SLOTS = ("q", "out", "scale_inv")
+UPDATE_SLOTS = ("amax_history", "scale", "scale_inv", "overflows", "updates", "fmt_max")
+
+
+class Token(NamedTuple):
+    """One kernel parameter. I64 / I32: the immediate ``a``; F32: ``a`` = the float's bits; PTR: the
+    pointer of slot ``a`` plus ``b`` bytes (null when the slot's pointer is 0); NULL: a null
+    pointer; FLAG: int32 1 iff ``c`` (a static condition) is 1 and the pointer of every slot in
+    the bit mask ``a`` is a multiple of ``b``, else 0."""
+
+    kind: int
+    a: int = 0
+    b: int = 0
+    c: int = 0
+
+
+def _mask(slots) -> int:
+    return sum(1 << s for s in set(slots))
+
+
+def imm64(v: int) -> Token:
+    return Token(I64, int(v))
+
+
+def imm32(v: int) -> Token:
+    return Token(I32, int(v))
+
+
+def immf32(v: float) -> Token:
+    return Token(F32, struct.unpack("<I", struct.pack("<f", v))[0])
+
+
+def ptr(slot: int, offset: int = 0) -> Token:
+    return Token(PTR, slot, offset)
+
+
+NULLPTR = Token(NULL)
+
+
+def flag(slots, align: int, cond: bool = True) -> Token:
+    return Token(FLAG, _mask(slots), align, int(bool(cond)))
+
+
+class Variant(NamedTuple):
+    """One kernel a launch step may run: its CUfunction handle, grid (blocks) and name."""
+
+    func: int
+    grid: int
+    name: str
+
+
+class Launch(NamedTuple):
+    """A kernel launch: ``variants[0]`` when the pointers of every slot in the bit mask ``select``
+    are 16-byte aligned (always, for a mask of 0), else ``variants[1]``; ``block`` threads; the
+    parameters laid out as the kernel declares them (natural alignment, no trailing padding)."""
+
+    variants: tuple
+    select: int
+    block: int
+    params: tuple
+
+    @property
+    def layout(self) -> str:
+        return "@" + "".join(_LAYOUT_CHAR[t.kind] for t in self.params)
+
+
+class Memset(NamedTuple):
+    """Zero ``nbytes`` (a multiple of 4) of slot ``slot``'s buffer on the stream (none for a null slot)."""
+
+    slot: int
+    nbytes: int
+
+
+class Plan(NamedTuple):
+    slots: tuple  # slot names, in the order the caller's pointers come in
+    steps: tuple  # Memset | Launch, in launch order
+    program: tuple  # the steps, pre-digested for the Python executor
+
+    def encode(self) -> tuple[np.ndarray, str]:
+        """(int64 array, names) for the compiled shim: ``[PLAN_VERSION, n_slots, n_steps]``, then per
+        step ``[MEMSET, slot, nbytes]`` or ``[LAUNCH, n_variants, select, block, shared_bytes,
+        n_params, (func, grid) * n_variants, (kind, a, b, c) * n_params]``; names: the variants'
+        kernel names in the same order, joined by ';'."""
+        out = [PLAN_VERSION, len(self.slots), len(self.steps)]
+        names = []
+        for st in self.steps:
+            if isinstance(st, Memset):
+                out += [MEMSET, st.slot, st.nbytes]
+                continue
+            out += [LAUNCH, len(st.variants), st.select, st.block, 0, len(st.params)]
+            for v in st.variants:
+                out += [v.func, v.grid]
+                names.append(v.name)
+            for t in st.params:
+                out += list(t)
+        return np.array(out, dtype=np.int64), ";".join(names)
+
+
+def _packer(st: Launch, n_slots: int):
+    """``pack(ptrs) -> (variant index, parameter values)`` of one launch, generated once per plan
+    (as namedtuple does) so that a call costs one Python function call, not a walk over tokens."""
+
+    def aligned(mask: int, align: int) -> str:
+        tests = [f"p[{i}] % {align} == 0" for i in range(n_slots) if mask >> i & 1]
+        return " and ".join(tests) or "True"
+
+    values = []
+    for t in st.params:
+        if t.kind == PTR:
+            if not 0 <= t.a < n_slots:
+                raise ValueError(f"fusedfp8: a plan parameter points at slot {t.a} of {n_slots}")
+            values.append(f"p[{t.a}]" if t.b == 0 else f"(p[{t.a}] + {t.b} if p[{t.a}] else 0)")
+        elif t.kind == FLAG:
+            values.append(f"int({aligned(t.a, t.b)})" if t.c else "0")
+        elif t.kind == NULL:
+            values.append("0")
+        else:
+            values.append(str(int(t.a)))
+    choice = f"0 if {aligned(st.select, 16)} else 1" if st.select else "0"
+    scope: dict = {}
+    exec(f"def pack(p):\n    return ({choice}), ({', '.join(values)},)\n", scope)  # noqa: S102 - generated from ints
+    return scope["pack"]
+
+
+def _plan(slots: tuple, steps) -> Plan:
+    program = []
+    for st in steps:
+        if isinstance(st, Memset):
+            if st.nbytes % 4 or st.nbytes < 0 or not 0 <= st.slot < len(slots):
+                raise ValueError(f"fusedfp8: a memset of {st.nbytes} bytes of slot {st.slot} cannot be planned")
+            program.append((MEMSET, st.slot, st.nbytes))
+            continue
+        if not 1 <= len(st.variants) <= 2 or (st.select and len(st.variants) != 2):
+            raise ValueError("fusedfp8: a launch has one variant, or two chosen by a select mask")
+        fmt = "@" + "".join(_PACK_CHAR[t.kind] for t in st.params)
+        program.append((LAUNCH, st.variants, st.block, fmt, struct.calcsize(fmt), _packer(st, len(slots))))
+    return Plan(tuple(slots), tuple(steps), tuple(program))
+
+
+def _walk(plan: Plan, ptrs, on_memset, on_launch) -> None:
+    if len(ptrs) != len(plan.slots):
+        raise ValueError(f"fusedfp8: this plan takes {len(plan.slots)} pointers ({', '.join(plan.slots)}); "
+                         f"got {len(ptrs)}")
+    for step in plan.program:
+        if step[0] == MEMSET:
+            p = ptrs[step[1]]
+            if p and step[2]:
+                on_memset(p, step[2])
+            continue
+        _, variants, block, fmt, size, pack = step
+        choice, values = pack(ptrs)
+        on_launch(variants[choice], block, fmt, size, values)
+
+
+_tls = threading.local()
+
+
+def _param_buffer(size: int):
+    """This thread's parameter buffer of ``size`` bytes and the cuLaunchKernel 'extra' array pointing
+    at it (the driver copies the parameters at launch, so a buffer is reused call after call)."""
+    bufs = getattr(_tls, "bufs", None)
+    if bufs is None:
+        bufs = _tls.bufs = {}
+    found = bufs.get(size)
+    if found is None:
+        buf = ctypes.create_string_buffer(max(size, 1))
+        nbytes = ctypes.c_size_t(size)
+        extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(nbytes), 0)
+        found = bufs[size] = (buf, nbytes, extra)
+    return found
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        msg = ctypes.c_char_p()
+        driver().cuGetErrorString(err, ctypes.byref(msg))
+        raise RuntimeError(f"fusedfp8: {what} failed: CUDA error {err} ({(msg.value or b'?').decode()})")
+
+
+def execute(plan: Plan, ptrs, stream: int) -> None:
+    """Run ``plan`` on the device pointers ``ptrs`` (one per slot, 0 = absent) on ``stream``: the
+    Python executor (the compiled shim runs the same plans, see fusedfp8/csrc/plan.h). The walk of
+    :func:`_walk`, written out: this is the hot path of the Python launch path."""
+    if len(ptrs) != len(plan.slots):
+        _walk(plan, ptrs, None, None)  # raises the message
+    drv = driver()
+    for step in plan.program:
+        if step[0] == MEMSET:
+            p = ptrs[step[1]]
+            if p and step[2]:
+                err = drv.cuMemsetD32Async(p, 0, step[2] // 4, stream)
+                if err:
+                    _check(err, f"zeroing {step[2]} bytes at {p:#x}")
+            continue
+        _, variants, block, fmt, size, pack = step
+        choice, values = pack(ptrs)
+        v = variants[choice]
+        buf, _, extra = _param_buffer(size)
+        struct.pack_into(fmt, buf, 0, *values)
+        err = drv.cuLaunchKernel(v.func, v.grid, 1, 1, block, 1, 1, 0, stream, None, extra)
+        if err:
+            _check(err, f"launching {v.name}")
+
+
+def dry_run(plan: Plan, ptrs) -> bytes:
+    """What :func:`execute` would hand the driver, as bytes (the compiled shim's ``ff8_dry_run``
+    writes the same): per memset ``<q 0><Q ptr><q nbytes>``; per launch ``<q 1><Q func><q grid>
+    <q block><q shared><q size>`` then the packed parameters, zero-padded to 8 bytes."""
+    out = bytearray()
+
+    def memset(p, nbytes):
+        out.extend(struct.pack("<qQq", MEMSET, p, nbytes))
+
+    def launch(v, block, fmt, size, values):
+        out.extend(struct.pack("<qQqqqq", LAUNCH, v.func, v.grid, block, 0, size))
+        out.extend(struct.pack(fmt, *values))
+        out.extend(bytes(-size % 8))
+
+    _walk(plan, ptrs, memset, launch)
+    return bytes(out)
+
+
+@functools.lru_cache(maxsize=None)
+def driver():
+    """libcuda through ctypes (None where it cannot be loaded)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    vp, u, sz = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
+    lib.cuLaunchKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, vp, vp]
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, u, sz, vp]
+    lib.cuMemsetD32Async.restype = ctypes.c_int
+    return lib
