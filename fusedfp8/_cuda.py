@@ -311,8 +311,11 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     vec = (X, B, Q)
 
     def flat(store):
-        return [(refs[f"flat_vec{v}_store{store}"], _flat_grid(refs[f"flat_vec{v}_store{store}"], sms, n))
-                for v in (1, 0)]
+        # the pre-pass (store 0) runs at most one block per multiprocessor: on a first step it
+        # reads the tensor grid-stride (once in a training run), on every other step each block
+        # reads the flag and exits, so a small grid keeps that launch cheap
+        return [(refs[f"flat_vec{v}_store{store}"], min(_flat_grid(refs[f"flat_vec{v}_store{store}"], sms, n),
+                                                        sms if store == 0 else n)) for v in (1, 0)]
 
     if first:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
         steps.append(_launch(flat(0), _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
