@@ -1,8 +1,152 @@
-"""Shared fixtures. GPU skip markers live in tests/_markers.py (import them from there)."""
+"""The test suite's one capability probe and the fixtures every folder shares.
+
+Markers (registered in pytest.ini):
+
+- ``gpu``: needs a CUDA GPU that runs the FP8 kernels (``fusedfp8._cuda.probe()``);
+- ``fp8_gemm``: also needs FP8 GEMMs (``probe(need_fp8_gemm=True)``); it only matters for a
+  test that runs on the GPU (a ``gpu`` test, or the ``cuda`` parameter of ``device``);
+- ``jax_gpu``: a ``gpu`` test that also needs jax's GPU backend;
+- ``slow``: genuinely long (tens of seconds on a 2-core CPU machine). Slow tests run by default;
+  ``-m "not slow"`` leaves them out.
+
+Every GPU skip in the suite goes through :func:`pytest_collection_modifyitems` below, so each
+skip carries the probe's own reason ("no CUDA GPU (...)" and "GPU without FP8 GEMMs" differ).
+A test that runs the same check on the host and on the GPU takes the ``device`` fixture, whose
+``cuda`` parameter carries the ``gpu`` marker.
+
+Order: the folders run bottom-up as the package is built (numerics, kernels, api, pytorch, jax;
+anything else after), and the tests that read a background job's result (tests/run/ entry points
+marked ``background``, see tests/support/background.py) run last: the jobs start when collection
+ends and run beside the in-process tests, one at a time.
+
+Compiled XLA programs are shared by this session and the processes it starts (tests/run/)
+through jax's persistent compilation cache in a temporary folder made for the session: the flax
+train step that the first leg of the checkpoint test compiles is loaded, not compiled again, by
+its second leg in a fresh process, and a program that eager code compiles again and again (the
+same HLO: a lax.fori_loop called outside jit is traced and compiled anew on every call) is
+compiled once.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from _markers import gpu_ok, gpu_reason, requires_gpu  # noqa: F401  (re-exported for convenience)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:  # `import support` from every folder and from tests/run/ scripts
+    sys.path.insert(0, TESTS)
+
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="fusedfp8-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+    # every program, also the small ones that eager jax code compiles again and again
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import fusedfp8._cuda as _cuda  # noqa: E402  (imports neither CuPy nor jax)
+
+GPU = _cuda.probe()
+FP8_GEMM = _cuda.probe(need_fp8_gemm=True)
+
+
+def _jax_gpu() -> tuple[bool, str]:
+    if not GPU[0]:
+        return GPU
+    try:
+        import jax
+
+        return (True, "jax GPU backend") if jax.devices("gpu") else (False, "jax has no GPU device")
+    except RuntimeError as e:
+        return False, f"jax has no GPU backend ({e})"
+
+
+FOLDERS = ("numerics", "kernels", "api", "pytorch", "jax")  # the package's floors, ground floor first
+
+
+def _rank(item) -> tuple:
+    parts = os.path.relpath(str(item.path), TESTS).split(os.sep)
+    folder = FOLDERS.index(parts[0]) if len(parts) > 1 and parts[0] in FOLDERS else len(FOLDERS)
+    job = item.get_closest_marker("background")
+    return (1, _job_order(job.args[0])) if job else (0, folder)
+
+
+def _job_order(name: str) -> int:
+    from support.background import JOBS
+
+    return list(JOBS).index(name)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=_rank)  # (stable: the order inside a folder and a job is kept)
+    jax_gpu = None
+    for item in items:
+        on_gpu = item.get_closest_marker("gpu") is not None
+        if not on_gpu:
+            continue
+        if not GPU[0]:
+            item.add_marker(pytest.mark.skip(reason=GPU[1]))
+        elif item.get_closest_marker("fp8_gemm") is not None and not FP8_GEMM[0]:
+            item.add_marker(pytest.mark.skip(reason=FP8_GEMM[1]))
+        elif item.get_closest_marker("jax_gpu") is not None:
+            jax_gpu = jax_gpu or _jax_gpu()
+            if not jax_gpu[0]:
+                item.add_marker(pytest.mark.skip(reason=jax_gpu[1]))
+
+
+_RUNNER = None
+
+
+def _runner():
+    global _RUNNER
+    if _RUNNER is None:
+        from support.background import Runner
+
+        _RUNNER = Runner(Path(tempfile.mkdtemp(prefix="fusedfp8-tests-run-")))
+    return _RUNNER
+
+
+def pytest_collection_finish(session):
+    """Start the background jobs the collected tests need (in the order of support.background.JOBS)."""
+    if session.config.option.collectonly:
+        return
+    names = {m.args[0] for item in session.items for m in item.iter_markers("background")}
+    if names:
+        _runner().start(sorted(names, key=_job_order))
+
+
+@pytest.fixture(scope="session")
+def background():
+    """The runner of the tests/run/ jobs: ``background.result(name)`` waits for a job's result."""
+    return _runner()
+
+
+def pytest_unconfigure(config):
+    if _RUNNER is not None:
+        _RUNNER.close()
+        shutil.rmtree(_RUNNER.root, ignore_errors=True)
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """'cpu' (the host path: the bit-exact NumPy reference) and 'cuda' (the kernels), one test
+    body for both; the 'cuda' run skips with the probe's reason where there is no usable GPU."""
+    return request.param
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.jax_gpu])])
+def jax_device(request):
+    """A jax device: the CPU, or the GPU (skipped without jax's GPU backend)."""
+    import jax
+
+    return jax.devices(request.param if request.param == "cpu" else "gpu")[0]
 
 
 @pytest.fixture

@@ -1,0 +1,248 @@
+"""fusedfp8.jax on the CPU (the jax.numpy backend): the traceable primitives byte-exact against
+the reference (a fresh state's current first step, a set scale, special values, the activations),
+the state machine inside jit over several steps, vmap, and the custom_vjp gradients of
+quantize_ste, fp8_dot and fp8_mlp. The GPU kernel path against this one is test_jax_kernels.py."""
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fusedfp8
+from fusedfp8.formats import E4M3, E5M2
+from fusedfp8.jax import functional as F
+from fusedfp8.jax import meta as JM
+from fusedfp8.jax import primitives as P
+from fusedfp8.numerics import reference as ref
+from fusedfp8.state import ScalingState, apply_update
+from support import shapes as S
+
+f32 = np.float32
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"f32": np.dtype(np.float32), "bf16": BF16, "f16": np.dtype(np.float16)}
+RECIPE = fusedfp8.DelayedScaling(amax_history_len=5)
+
+
+def u8(a) -> np.ndarray:
+    return np.asarray(a).view(np.uint8)
+
+
+def test_the_face_of_fusedfp8_jax():
+    import fusedfp8.jax as fj
+
+    assert sorted(fj.__all__) == sorted(["update_scales", "sync_staged", "fp8_dot", "fp8_mlp", "quantize_ste", "IMPLS"])
+    assert fj.fp8_dot is F.fp8_dot and fj.update_scales is P.update_scales and fj.IMPLS == P.IMPLS
+    for name in ("quantize", "gelu_quantize", "dgelu_quantize", "dequantize"):  # in fusedfp8.jax.primitives
+        assert not hasattr(fj, name) and callable(getattr(P, name))
+
+
+# ---- primitives: byte-exact against the reference (fresh state, current first step) ------------
+def fresh(like=jnp.zeros(1), grad=(False, False, True)):
+    return ScalingState.create(grad, RECIPE, like=like)
+
+
+def ref_current(y, fmt):
+    a = ref.amax(y)
+    return ref.current_scale(a, fmt, RECIPE.margin_factor, f32(1.0))
+
+
+@pytest.mark.parametrize("shape", S.params(*S.SMALL_SET))
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_quantize_first_step_matches_reference(shape, dtype, rng):
+    x = (rng.standard_normal(shape) * 3).astype(f32).astype(dtype)
+    st = fresh()
+    r, new = jax.jit(lambda x, s: P.quantize(x, s, 0, RECIPE, transpose=True))(jnp.asarray(x), st)
+    s = ref_current(x, E4M3)
+    want = ref.quantize(x, s, E4M3, transpose=True)
+    np.testing.assert_array_equal(u8(r.data), u8(want.data))
+    np.testing.assert_array_equal(u8(r.data_t), u8(want.data_t))
+    assert r.data.dtype == jnp.float8_e4m3fn and r.data_t.shape == (shape[-1], math.prod(shape[:-1]))
+    assert np.asarray(new.amax_history)[0, 0] == ref.amax(x) and np.asarray(new.scale)[0] == s
+    assert np.asarray(r.scale_inv)[0] == f32(1.0) / s and np.asarray(new.scale_inv)[0] == f32(1.0) / s
+    assert (np.asarray(new.amax_history)[:, 1:] == 0).all() and (np.asarray(new.scale)[1:] == 1).all()
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_special_values_with_a_set_scale(fmt, rng):
+    """Delayed scaling (updates > 0: the state's scale is used), values over every binade,
+    denormal inputs (a scale of FLT_MAX makes them normal FP8 values) and non-finite inputs."""
+    for scale in (f32(3.0), f32(np.finfo(f32).max), f32(2.0 ** -3)):
+        x = S.special_values(rng)
+        st = fresh(grad=(fmt is E5M2,)).replace(scale=jnp.asarray([scale]), updates=jnp.ones(1, jnp.int32))
+        r, new = P.quantize(jnp.asarray(x), st, 0, RECIPE)
+        np.testing.assert_array_equal(u8(r.data), u8(ref.quantize(x, scale, fmt).data))
+        assert np.isnan(np.asarray(new.amax_history)[0, 0]) == np.isnan(ref.amax(x))
+    tiny = np.array([1e-40, -2e-39, 3e-45], f32)  # all denormal: current scaling gives FLT_MAX
+    r, new = P.quantize(jnp.asarray(tiny), fresh(grad=(fmt is E5M2,)), 0, RECIPE)
+    s = ref_current(tiny, fmt)
+    assert s == np.finfo(f32).max and np.asarray(new.scale)[0] == s
+    np.testing.assert_array_equal(u8(r.data), u8(ref.quantize(tiny, s, fmt).data))
+    assert u8(r.data).any()
+
+
+@pytest.mark.parametrize("approximate, dtype", [("tanh", BF16), ("none", np.dtype(np.float32))],
+                         ids=["tanh-bf16", "none-f32"])
+def test_gelu_and_dgelu_quantize_match_reference(approximate, dtype, rng):
+    shape = (67, 48)
+    x = (rng.standard_normal(shape) * 4).astype(f32).astype(dtype)
+    dy = (rng.standard_normal(shape) * 1e-3).astype(f32).astype(dtype)
+    st = fresh(grad=(False, True))
+    fn = jax.jit(lambda x, dy, s: (P.gelu_quantize(x, s, 0, RECIPE, approximate=approximate, transpose=True)[0],
+                                   P.dgelu_quantize(dy, x, s, 1, RECIPE, approximate=approximate, transpose=True,
+                                                    dbias=True)[0]))
+    rg, rd = fn(jnp.asarray(x), jnp.asarray(dy), st)
+    y = ref.gelu_f32(x.astype(f32), approximate)
+    want = ref.gelu_quantize(x, ref_current(y, E4M3), E4M3, approximate, transpose=True)
+    np.testing.assert_array_equal(u8(rg.data), u8(want.data))
+    np.testing.assert_array_equal(u8(rg.data_t), u8(want.data_t))
+    dx = dy.astype(f32) * ref.dgelu_f32(x.astype(f32), approximate)
+    want = ref.dgelu_quantize(dy, x, ref_current(dx, E5M2), E5M2, approximate, transpose=True, dbias=True)
+    assert rd.data.dtype == jnp.float8_e5m2
+    np.testing.assert_array_equal(u8(rd.data), u8(want.data))
+    np.testing.assert_array_equal(u8(rd.data_t), u8(want.data_t))
+    np.testing.assert_allclose(np.asarray(rd.dbias), want.dbias, rtol=1e-5, atol=1e-9)
+
+
+def test_bad_arguments_are_refused_by_name():
+    st = fresh()
+    with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16; got int32"):
+        P.quantize(jnp.ones(3, jnp.int32), st, 0, RECIPE)
+    with pytest.raises(IndexError, match=r"index must be in \[0, 3\); got 3"):
+        P.quantize(jnp.ones(3), st, 3, RECIPE)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        P.quantize(jnp.ones(3), st, 0, RECIPE, impl="cuda")
+    with pytest.raises(ValueError, match="amax_history_len is 7"):
+        P.quantize(jnp.ones(3), st, 0, fusedfp8.DelayedScaling(amax_history_len=7))
+    with pytest.raises(ValueError, match="approximate must be 'tanh' or 'none'; got 'erf'"):
+        P.gelu_quantize(jnp.ones(3), st, 0, RECIPE, approximate="erf")
+
+
+def test_vmap_quantizes_each_example_on_its_own(rng):
+    x = rng.standard_normal((4, 8, 16)).astype(f32) * np.array([1, 10, 100, 1000], f32)[:, None, None]
+    st = fresh()
+    r, new = jax.jit(jax.vmap(lambda x: P.quantize(x, st, 0, RECIPE, transpose=True)))(jnp.asarray(x))
+    for i in range(4):
+        s = ref_current(x[i], E4M3)
+        np.testing.assert_array_equal(u8(r.data[i]), u8(ref.quantize(x[i], s, E4M3).data))
+        assert np.asarray(new.amax_history)[i, 0, 0] == ref.amax(x[i])
+
+
+# ---- the state machine inside jit over several steps ----------------------------------------------
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_state_machine_in_jit_replays_the_reference(algo, rng):
+    recipe = fusedfp8.DelayedScaling(amax_history_len=3, amax_compute_algo=algo, margin=1)
+    grad = (False, True)
+    st = ScalingState.create(grad, recipe, like=jnp.zeros(1))
+    want = ScalingState.create(grad, recipe)
+
+    @jax.jit
+    def step(st, x, g, run_g):
+        r0, st = P.quantize(x, st, 0, recipe)
+        r1, st2 = P.quantize(g, st, 1, recipe)
+        st = jax.tree.map(lambda a, b: jnp.where(run_g, a, b), st2, st)
+        return P.update_scales(st, recipe), r0.data, r1.data
+
+    scales = []
+    for i in range(7):
+        x = (rng.standard_normal(64) * 2.0 ** (i - 3)).astype(f32)
+        g = (rng.standard_normal(64) * 1e-4).astype(f32)
+        if i == 4:
+            x[3] = np.nan  # an overflow: counted, scale kept, no roll
+        run_g = i not in (1, 2)  # steps where the gradient tensor did not run
+        st, q0, q1 = step(st, jnp.asarray(x), jnp.asarray(g), run_g)
+        for idx, v, ran, q in ((0, x, True, q0), (1, g, run_g, q1)):
+            if not ran:
+                continue
+            fmt = recipe.format_for(grad[idx])
+            a = ref.amax(v)
+            s = want.scale[idx]
+            if want.updates[idx] == 0:  # its first step: current scaling, decided per tensor
+                s = ref.current_scale(a, fmt, recipe.margin_factor, s)
+                want.scale[idx], want.scale_inv[idx] = s, f32(1.0) / s
+            want.amax_history[0, idx] = a
+            np.testing.assert_array_equal(u8(q), u8(ref.quantize(v, s, fmt).data))
+        apply_update(want, recipe)
+        for name in ("amax_history", "scale", "scale_inv", "overflows", "updates"):
+            np.testing.assert_array_equal(np.asarray(getattr(st, name)), getattr(want, name),
+                                          err_msg=f"{name} step {i}")
+        scales.append(np.asarray(st.scale).copy())
+    assert np.asarray(st.overflows)[0] == 1 and np.asarray(st.updates)[1] == 5
+    assert len({s[0] for s in scales}) > 3  # the scale really moved from step to step
+
+
+# ---- custom_vjp gradients ---------------------------------------------------------------------------
+def test_quantize_ste_gradient_is_the_identity(rng):
+    x = jnp.asarray(rng.standard_normal((8, 16)).astype(f32))
+    st = fresh()
+    y, new = F.quantize_ste(x, st, 0, RECIPE)
+    s = ref_current(np.asarray(x), E4M3)
+    q = ref.quantize(np.asarray(x), s, E4M3).data
+    np.testing.assert_array_equal(np.asarray(y), ref.dequantize(q, np.array([f32(1.0) / s])))
+    w = jnp.asarray(rng.standard_normal((8, 16)).astype(f32))
+    grad = jax.grad(lambda x: jnp.sum(F.quantize_ste(x, st, 0, RECIPE)[0] * w))(x)
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(w))
+
+
+def fp8_values(a, fmt):
+    """The float32 values an FP8 quantization with current scaling gives, and the scale_inv."""
+    s = ref_current(a, fmt)
+    return ref.quantize(a, s, fmt).data.astype(f32), f32(1.0) / s
+
+
+def test_fp8_dot_forward_and_gradients(rng):
+    M, K, N = 32, 48, 24
+    x = rng.standard_normal((M, K)).astype(f32)
+    w = (rng.standard_normal((K, N)) / 7).astype(f32)
+    g = (rng.standard_normal((M, N)) * 1e-3).astype(f32)
+    meta = JM.fresh_meta(RECIPE)
+
+    @jax.jit  # (one compile; op by op, the emulated numerics dispatch thousands of small programs)
+    def forward_and_vjp(x, w, meta, g):
+        y, vjp = jax.vjp(lambda x, w, m: F.fp8_dot(x, w, m, RECIPE), x, w, meta)
+        return y, vjp(g)
+
+    y, (dx, dw, new_meta) = forward_and_vjp(jnp.asarray(x), jnp.asarray(w), meta, jnp.asarray(g))
+    xq, sx = fp8_values(x, E4M3)
+    wq, sw = fp8_values(w, E4M3)
+    gq, sg = fp8_values(g, E5M2)
+    np.testing.assert_allclose(np.asarray(y), (xq @ wq) * (sx * sw), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dx), (gq @ wq.T) * (sg * sw), rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(dw), (xq.T @ gq) * (sx * sg), rtol=1e-5, atol=1e-9)
+    # the VJP w.r.t. the meta is the new meta: the three amaxes staged, first-step scales set
+    new = dict(zip(JM.META_FIELDS, (np.asarray(m) for m in new_meta)))
+    np.testing.assert_array_equal(new["amax_history"][0], [ref.amax(x), ref.amax(w), ref.amax(g)])
+    np.testing.assert_array_equal(new["scale_inv"], [sx, sw, sg])
+    assert (new["amax_history"][1:] == 0).all() and (new["updates"] == 0).all()
+    assert len(new_meta) == len(JM.META_FIELDS) and (new.get("writes", np.ones(3)) == 1).all()
+    # and the bf16 product is close to the exact one
+    exact = x @ w
+    assert np.linalg.norm(np.asarray(y) - exact) / np.linalg.norm(exact) < 0.08
+
+
+@pytest.mark.slow
+def test_fp8_mlp_matches_the_unfused_composition(rng):
+    M, H, Fw = 16, 32, 48
+    h = jnp.asarray(rng.standard_normal((M, H)).astype(f32))
+    w1 = jnp.asarray((rng.standard_normal((H, Fw)) / 6).astype(f32))
+    w2 = jnp.asarray((rng.standard_normal((Fw, H)) / 7).astype(f32))
+    b1, b2 = jnp.asarray(rng.standard_normal(Fw).astype(f32) / 10), jnp.asarray(rng.standard_normal(H).astype(f32))
+    m1, m2 = JM.fresh_meta(RECIPE), JM.fresh_meta(RECIPE)
+
+    def loss(h, w1, b1, w2, b2, m1, m2):
+        return jnp.sum(F.fp8_mlp(h, w1, b1, w2, b2, m1, m2, RECIPE) ** 2)
+
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(7))))(h, w1, b1, w2, b2, m1, m2)
+
+    def exact(h, w1, b1, w2, b2):
+        return jnp.sum((jax.nn.gelu(h @ w1 + b1, approximate=True) @ w2 + b2) ** 2)
+
+    want = jax.grad(exact, argnums=tuple(range(5)))(h, w1, b1, w2, b2)
+    for name, got, w in zip(("dh", "dw1", "db1", "dw2", "db2"), grads[:5], want):
+        err = np.linalg.norm(np.asarray(got) - np.asarray(w)) / np.linalg.norm(np.asarray(w))
+        assert err < 0.15, (name, err)
+    hist1, hist2 = np.asarray(grads[5][0]), np.asarray(grads[6][0])
+    assert (hist1[0] > 0).all() and (hist2[0] > 0).all()  # all six tensors staged an amax
+    z = np.asarray(h @ w1 + b1)  # fc2's input amax is of gelu(z) (up to the FP8 GEMM's error)
+    assert abs(hist2[0, 0] / np.abs(np.asarray(jax.nn.gelu(z, approximate=True))).max() - 1) < 0.1

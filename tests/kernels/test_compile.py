@@ -1,0 +1,107 @@
+"""Every kernel family compiles with NVRTC for sm_90, for every template instantiation the
+library can ask for; no GPU needed (cuda-bindings' NVRTC and the CUDA headers only). The
+compiles run in one process of their own (tests/run/nvrtc_compile.py): after an NVRTC compile
+through cuda-bindings, torch 2.13 (CPU) cannot torch.load some tensors in the same process, and
+the pytest process runs torch.save / torch.load round trips (tests/pytorch/). That process runs
+beside the other tests (the 'nvrtc' background job)."""
+import json
+import shutil
+import struct
+
+import pytest
+
+from fusedfp8 import _cuda
+from support import nvrtc as N  # (the lists only: it compiles nothing here)
+
+GROUPS = N.groups()
+
+
+def uses_the_compiles(test):
+    """The test reads the verdicts of the NVRTC compiles (the 'nvrtc' background job, ~30 s)."""
+    return pytest.mark.slow(pytest.mark.background("nvrtc")(test))
+
+
+@pytest.fixture(scope="module")
+def nvrtc(background):
+    """The verdicts of tests/run/nvrtc_compile.py (run once, beside the other tests)."""
+    verdicts = json.loads((background.result("nvrtc").check().out / "verdicts.json").read_text())
+    if not verdicts["ready"]:
+        pytest.skip(verdicts["reason"])
+    return verdicts
+
+
+@uses_the_compiles
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_family_compiles_for_sm90(nvrtc, group):
+    assert len(GROUPS[group]) == len(set(GROUPS[group])), f"{group}: a name expression is listed twice"
+    v = nvrtc["group"][group]
+    assert v["ok"], f"{group} failed to compile for sm_90:\n{v['log']}"
+
+
+@uses_the_compiles
+def test_the_check_compiled_every_group(nvrtc):
+    assert set(nvrtc["group"]) == set(GROUPS) and len(GROUPS) == 7
+    assert sum(len(names) for names in GROUPS.values()) == sum(
+        len(_cuda.name_expressions(k)) for k in _cuda.all_module_keys())
+
+
+def test_every_family_and_instantiation_is_listed():
+    keys = _cuda.all_module_keys()
+    assert {k.family for k in keys} == set(_cuda.families()) == {"quantize", "dequantize", "update_scales"}
+    q = {(k.dtype, k.fmt, k.op) for k in keys if k.family == "quantize"}
+    assert q == {(d, f, o) for d in _cuda.CPP_TYPES for f in _cuda.FMT_IDS for o in _cuda.OPS}
+    dq = {(k.dtype, k.fmt) for k in keys if k.family == "dequantize"}
+    assert dq == {(d, f) for d in _cuda.CPP_TYPES for f in _cuda.FMT_IDS}
+    # every launch role the launch interface uses is among the name expressions
+    roles = _cuda.name_expressions(_cuda.ModuleKey("quantize", "bfloat16", "e4m3", "identity"))
+    assert set(roles) == {"flat_vec1_store1", "flat_vec1_store0", "flat_vec0_store1", "flat_vec0_store0", "tiled"}
+
+
+def test_name_expressions_reject_unknown_family():
+    with pytest.raises(ValueError, match="unknown kernel family 'softmax'"):
+        _cuda.name_expressions(_cuda.ModuleKey("softmax"))
+
+
+@uses_the_compiles
+@pytest.mark.parametrize("broken", list(N.BROKEN))
+def test_broken_source_fails_with_a_log(nvrtc, broken):
+    v = nvrtc["broken"][broken]
+    assert not v["ok"]
+    assert v["log"].strip() and "error" in v["log"].lower()
+
+
+@pytest.mark.parametrize("family", _cuda.families())
+def test_family_source_inlines_the_header(family):
+    src = _cuda.family_source(family)
+    assert '#include "common.cuh"' not in src
+    assert '#include "' not in src  # no local include left for CuPy's cache key to miss
+    header = (_cuda.source_dir() / "common.cuh").read_text()
+    body = [ln for ln in header.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert all(ln in src for ln in body[-20:])  # the header's text is in the source
+    assert src.count("namespace ff8 {") == header.count("namespace ff8 {")  # inlined once
+
+
+def test_family_source_follows_header_edits(tmp_path, monkeypatch):
+    """CuPy keys its disk cache on the source text: an edited header must change that text."""
+    copy = tmp_path / "cuda_src"
+    shutil.copytree(_cuda.source_dir(), copy)
+    before = {f: _cuda.family_source(f) for f in _cuda.families()}
+    with open(copy / "common.cuh", "a") as fh:
+        fh.write("\n// edited: 5c1f0e\n")
+    monkeypatch.setattr(_cuda, "source_dir", lambda: copy)
+    for family, text in before.items():
+        after = _cuda.family_source(family)
+        assert after != text and "// edited: 5c1f0e" in after
+
+
+@uses_the_compiles
+@pytest.mark.parametrize("family", list(N.SIGNATURE_KEYS))
+def test_launch_signatures_match_kernel_parameters(nvrtc, family):
+    """The packed parameter buffer of every launch is exactly the kernel's parameter size (a
+    mismatch makes the driver refuse every launch with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)."""
+    sizes = nvrtc["sizes"][family]
+    names = _cuda.name_expressions(N.SIGNATURE_KEYS[family])
+    assert set(sizes) == set(names.values())
+    for role, expr in names.items():
+        sig = _cuda.SIGNATURES[next(k for k in _cuda.SIGNATURES if role.startswith(k))]
+        assert sizes[expr] == struct.calcsize(sig), (role, expr, sizes[expr], sig)

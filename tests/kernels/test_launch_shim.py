@@ -1,0 +1,724 @@
+"""The launch plans (fusedfp8._cuda, fusedfp8.csrc.plan) and the compiled host shim (fusedfp8/csrc):
+the shim compiles; its packer hands the driver the same bytes as the Python executor; every
+plan's parameter layout has exactly the parameter size the cubin declares; the plans launch what
+the launch interface launched before plans existed; the XLA FFI target registers and a jitted
+function lowers to the custom call on CUDA; the torch C++ kernels are registered for the ops.
+On the GPU (marked, skipped here): the shim path against the Python path byte for byte (torch
+eager / dispatcher / compiled / CUDA-graphed, JAX jit with and without donation)."""
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from fusedfp8 import _cuda
+from fusedfp8 import csrc as shim
+from fusedfp8.csrc import plan as P
+from support import nvrtc as N
+from support import shapes as S
+
+SMS = 132
+THREADS = _cuda.THREADS
+
+
+# ---- plans with fake kernels -------------------------------------------------------------------
+def fake_refs(key: _cuda.ModuleKey, base: int | None = None) -> dict:
+    """Role -> KernelRef with made-up handles (distinct per role and family) and occupancies."""
+    if base is None:
+        base = {"quantize": 0x7F00_0000_1000, "dequantize": 0x7F10_0000_1000}.get(key.family, 0x7F20_0000_1000)
+    names = _cuda.name_expressions(key)
+    return {role: _cuda.KernelRef(base + 0x100 * i, expr, role, 2 + i % 3)
+            for i, (role, expr) in enumerate(names.items())}
+
+
+QKEY = _cuda.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh")
+DQKEY = _cuda.ModuleKey("dequantize", "float16", "e5m2")
+UKEY = _cuda.ModuleKey("update_scales")
+
+# (rows, cols, transpose, dbias, first, margin_factor, offset): every launch configuration
+QUANTIZE_CASES = [(r, c, t, d, f, m, o) for (r, c) in [(256, 1024), (303, 300), (1, 1), (0, 16), (16, 0), (24, 8)]
+                  for t in (False, True) for d in (False, True) for f in (False, True)
+                  for m, o in [(1.0, 0), (0.25, 12)]]
+
+
+def quantize_plans():
+    refs = fake_refs(QKEY)
+    return [(case, _cuda.build_quantize_plan(refs, SMS, *case)) for case in QUANTIZE_CASES]
+
+
+def other_plans():
+    return ([(("dequantize", n), _cuda.build_dequantize_plan(fake_refs(DQKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
+            + [(("update", n, L), _cuda.build_update_plan(fake_refs(UKEY), n, L, 0.5, algo)) for n, L, algo in
+               [(1, 1, True), (3, 1024, False), (1024, 31, True)]])
+
+
+def pointer_sets(n_slots: int):
+    """Aligned, 8-byte aligned, unaligned and null pointers for the slots."""
+    return [tuple(0x7000_0000_0000 + 0x10_0000 * (i + 1) for i in range(n_slots)),
+            tuple(0x7000_0000_0000 + 0x10_0000 * (i + 1) + (8 if i % 2 == 0 else 0) for i in range(n_slots)),
+            tuple(0x7000_0000_0000 + 0x10_0000 * (i + 1) + 2 * i for i in range(n_slots)),
+            tuple(0 if i in (1, 3, 4, 5, 6) else 0x7100_0000_0000 + 0x100 * i for i in range(n_slots))]
+
+
+def records(dry: bytes) -> list:
+    """Parse the dry-run byte format: ('memset', ptr, nbytes) | ('launch', func, grid, block, shared, params)."""
+    out, at = [], 0
+    while at < len(dry):
+        (kind,) = struct.unpack_from("<q", dry, at)
+        if kind == P.MEMSET:
+            _, ptr, nbytes = struct.unpack_from("<qQq", dry, at)
+            out.append(("memset", ptr, nbytes))
+            at += 24
+        else:
+            _, func, grid, block, shared, size = struct.unpack_from("<qQqqqq", dry, at)
+            out.append(("launch", func, grid, block, shared, dry[at + 48:at + 48 + size]))
+            at += 48 + size + (-size % 8)
+    return out
+
+
+# ---- the plans themselves ----------------------------------------------------------------------
+def legacy_quantize(refs, *, x, b, q, scale, amax, rows, cols, q_t=0, dbias=0, partial=0, counters=0,
+                    scale_inv_used=0, first=False, updates=0, scale_out=0, scale_inv_out=0, margin_factor=1.0):
+    """The launches of fusedfp8._cuda.launch_quantize as it was before plans (2026-12-03), as
+    (func, grid, block, parameter bytes): the plans must launch exactly these."""
+    out = []
+
+    def launch(role, grid, block, *args):
+        fmt = _cuda.SIGNATURES[next(k for k in _cuda.SIGNATURES if role.startswith(k))]
+        out.append((refs[role].func, grid, block, struct.pack(fmt, *args)))
+
+    def flat_grid(role, n):
+        return max(1, min(-(-n // (16 * THREADS)), refs[role].per_sm * SMS))
+
+    n = rows * cols
+    if not first:
+        updates = scale_out = scale_inv_out = 0
+    if n == 0:
+        if scale_inv_used:
+            launch("flat_vec0_store1", 1, THREADS, x, b, q, scale, amax, 0, 0, scale_inv_used, 0, 0, margin_factor)
+        return out
+    vec = _cuda.aligned(x, b, q)
+    if first:
+        launch(f"flat_vec{int(vec)}_store0", flat_grid(f"flat_vec{int(vec)}_store0", n), THREADS, x, b, q, scale,
+               amax, 0, 0, 0, updates, n, margin_factor)
+    if q_t or dbias:
+        tiles = -(-rows // _cuda.TILE_R) * -(-cols // _cuda.TILE_C)
+        launch("tiled", max(1, min(tiles, refs["tiled"].per_sm * SMS)), 256, x, b, q, q_t, dbias, partial, counters,
+               scale, amax, scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
+               int(vec and cols % 8 == 0), int(bool(q_t) and q_t % 8 == 0 and rows % 8 == 0), margin_factor)
+    else:
+        role = f"flat_vec{int(vec)}_store1"
+        launch(role, flat_grid(role, n), THREADS, x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
+               updates, n, margin_factor)
+    return out
+
+
+@pytest.mark.parametrize("case", QUANTIZE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_quantize_plans_launch_what_the_launch_interface_launched(case):
+    rows, cols, transpose, dbias, first, margin_factor, offset = case
+    refs = fake_refs(QKEY)
+    plan = _cuda.build_quantize_plan(refs, SMS, *case)
+    for ptrs in pointer_sets(len(P.QUANTIZE_SLOTS)):
+        s = dict(zip(P.QUANTIZE_SLOTS, ptrs))
+        if transpose and not s["q_t"] or dbias and not (s["dbias"] and s["partial"] and s["counters"]):
+            continue  # a caller always passes the buffers its flags ask for
+
+        def st(name):
+            return s[name] + offset if s[name] else 0
+
+        want = legacy_quantize(
+            refs, x=s["x"], b=s["b"], q=s["q"], scale=st("scale"), amax=st("amax"), rows=rows, cols=cols,
+            q_t=s["q_t"] if transpose else 0, dbias=s["dbias"] if dbias else 0, partial=s["partial"] if dbias else 0,
+            counters=s["counters"] if dbias else 0, scale_inv_used=s["scale_inv_used"], first=first,
+            updates=st("updates"), scale_out=st("scale_out"), scale_inv_out=st("scale_inv_out"),
+            margin_factor=margin_factor)
+        got = records(P.dry_run(plan, ptrs))
+        assert [(r[1], r[2], r[3], r[5]) for r in got if r[0] == "launch"] == want
+        memsets = [r[1:] for r in got if r[0] == "memset"]
+        if dbias and rows * cols:  # the strip counters start at zero
+            assert memsets == [(s["counters"], 4 * _cuda.dbias_workspace(rows, cols)[1])]
+        elif dbias and cols:  # nothing to sum: dbias is zeros
+            assert memsets == [(s["dbias"], 4 * cols)]
+        else:
+            assert memsets == []
+
+
+def test_dequantize_and_update_plans_launch_what_the_launch_interface_launched():
+    refs = fake_refs(DQKEY)
+    r = refs["dequant"]
+    for n in (1, 4096, 10 ** 7):
+        for q, out in [(0x1000, 0x2000), (0x1001, 0x2000), (0x1000, 0x2008)]:
+            got = records(P.dry_run(_cuda.build_dequantize_plan(refs, SMS, n), (q, out, 0x3000)))
+            grid = max(1, min(-(-n // (16 * THREADS)), r.per_sm * SMS))
+            vec = int(_cuda.aligned(q, out))
+            assert got == [("launch", r.func, grid, THREADS, 0, struct.pack("@3Pqi", q, out, 0x3000, n, vec))]
+    assert _cuda.build_dequantize_plan(refs, SMS, 0).steps == ()
+    u = fake_refs(UKEY)["update"]
+    ptrs = tuple(range(0x100, 0x700, 0x100))
+    got = records(P.dry_run(_cuda.build_update_plan(fake_refs(UKEY), 7, 1024, 0.5, False), ptrs))
+    assert got == [("launch", u.func, 7, THREADS, 0, struct.pack("@6Piifi", *ptrs, 7, 1024, 0.5, 0))]
+
+
+def test_a_plan_refuses_a_layout_that_is_not_the_kernels_signature():
+    refs = fake_refs(DQKEY)
+    with pytest.raises(RuntimeError, match=r"lays out dequantize_flat<__half, 1>'s parameters as @PPPq"):
+        _cuda._launch([(refs["dequant"], 1)], 0, THREADS, (P.ptr(0), P.ptr(1), P.ptr(2), P.imm64(5)))
+
+
+def test_python_executor_packs_into_the_driver_call(monkeypatch):
+    """execute() (the wrappers' path) hands cuLaunchKernel the bytes dry_run() describes."""
+    seen = []
+
+    class FakeDriver:
+        def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            size = ctypes.c_size_t.from_address(extra[3]).value
+            assert (gy, gz, by, bz, params, extra[0], extra[2], extra[4]) == (1, 1, 1, 1, None, 1, 2, None)
+            seen.append(("launch", func, gx, bx, shared, ctypes.string_at(extra[1], size)))
+            return 0
+
+        def cuMemsetD32Async(self, ptr, value, words, stream):
+            seen.append(("memset", ptr, 4 * words))
+            return 0
+
+    monkeypatch.setattr(P, "driver", lambda: FakeDriver())
+    monkeypatch.setattr(_cuda, "kernel_refs", lambda key, dev: fake_refs(key))
+    monkeypatch.setattr(_cuda, "sm_count", lambda dev: SMS)
+    for cached in (_cuda.quantize_plan, _cuda.dequantize_plan, _cuda.update_plan):
+        cached.cache_clear()
+    try:
+        ptrs = dict(x=0x10000, b=0, q=0x20000, scale=0x30004, amax=0x40004, q_t=0x50000, dbias=0x60000,
+                    partial=0x70000, counters=0x80000, scale_inv_used=0x90000, updates=0xA0004, scale_out=0x30004,
+                    scale_inv_out=0xB0004)
+        _cuda.launch_quantize(0, 0x5, dtype="bfloat16", fmt="e4m3", op="dgelu_tanh", rows=300, cols=64, first=True,
+                              margin_factor=0.5, **ptrs)
+        plan = _cuda.quantize_plan(0, "bfloat16", "e4m3", "dgelu_tanh", 300, 64, True, True, True, 0.5, 0)
+        slots = tuple(ptrs.get(n, 0) for n in P.QUANTIZE_SLOTS)
+        assert seen == records(P.dry_run(plan, slots)) and len(seen) == 3  # counters memset, pre-pass, tiled
+        seen.clear()
+        _cuda.launch_dequantize(0, 0x5, dtype="float16", fmt="e5m2", q=0x1000, out=0x2000, scale_inv=0x3000, n=0)
+        assert seen == []  # nothing to do for 0 elements
+        _cuda.launch_update_scales(0, 0x5, amax_history=1, scale=2, scale_inv=3, overflows=4, updates=5, fmt_max=6,
+                                   n=3, L=8, margin_factor=1.0, algo_max=True)
+        assert len(seen) == 1 and seen[0][2] == 3
+    finally:
+        for cached in (_cuda.quantize_plan, _cuda.dequantize_plan, _cuda.update_plan):
+            cached.cache_clear()
+
+
+def test_encode_layout():
+    refs = fake_refs(QKEY)
+    plan = _cuda.build_quantize_plan(refs, SMS, 64, 64, False, True, False, 1.0, 8)
+    data, names = plan.encode()
+    assert data.dtype == np.int64 and list(data[:3]) == [P.PLAN_VERSION, len(P.QUANTIZE_SLOTS), 2]
+    assert list(data[3:6]) == [P.MEMSET, P.QUANTIZE_SLOTS.index("counters"), 4]
+    assert names == refs["tiled"].name  # one launch of one variant
+    assert plan.steps[1].layout == _cuda.signature("tiled")
+
+
+# ---- the compiled shim ---------------------------------------------------------------------------
+def _library(target):
+    lib, why = shim.library(target)
+    if lib is None:
+        if shim.compiler() is None:
+            pytest.skip(f"no C++ compiler: {why}")
+        pytest.fail(f"the {target} shim is not available: {why}")
+    return lib
+
+
+@pytest.fixture(scope="module")
+def xla_lib():
+    pytest.importorskip("jax")
+    return _library("xla")
+
+
+@pytest.fixture(scope="module")
+def torch_lib():
+    pytest.importorskip("torch")
+    return _library("torch")
+
+
+def test_the_shim_builds_with_its_stamp(tmp_path):
+    """build() (what setup.py runs) compiles the JAX shim and stamps it with this process's fingerprint."""
+    pytest.importorskip("jax")
+    if shim.compiler() is None:
+        pytest.skip("no C++ compiler")
+    out = tmp_path / shim.filename("xla")
+    ok, log = shim.build("xla", out)
+    assert ok, log
+    assert (tmp_path / (out.name + ".stamp")).read_text().strip() == shim.fingerprint("xla")
+    lib = ctypes.CDLL(str(out))
+    lib.ff8_plan_version.restype = ctypes.c_int64
+    assert lib.ff8_plan_version() == P.PLAN_VERSION
+
+
+def test_status_and_library_agree(xla_lib):
+    ready, why = shim.status("xla")
+    assert ready is True and why == shim.library("xla")[1]
+
+
+def cxx_dry_run(lib, plan_data: np.ndarray, ptrs) -> bytes:
+    out = ctypes.create_string_buffer(1 << 16)
+    err = ctypes.create_string_buffer(512)
+    bufs = (ctypes.c_uint64 * max(len(ptrs), 1))(*ptrs)
+    data = np.ascontiguousarray(plan_data, np.int64)
+    n = lib.ff8_dry_run(data.ctypes.data, len(data), bufs, len(ptrs), out, len(out), err, len(err))
+    if n < 0:
+        raise ValueError(err.value.decode())
+    return out.raw[:n]
+
+
+def test_cxx_packer_matches_the_python_executor(xla_lib, torch_lib):
+    checked = 0
+    for _, plan in quantize_plans() + other_plans():
+        data, _ = plan.encode()
+        for ptrs in pointer_sets(len(plan.slots)):
+            want = P.dry_run(plan, ptrs)
+            assert cxx_dry_run(xla_lib, data, ptrs) == want
+            assert torch_lib.dry_run(data.tobytes(), ptrs) == want
+            checked += 1
+    assert checked > 400
+
+
+def test_the_jax_plan_table_holds_each_devices_plan(xla_lib):
+    """encode_plans: the attributes of the FFI call; the handler starts at offsets[device]."""
+    from fusedfp8.jax import callbacks as C
+
+    plans = {0: _cuda.build_quantize_plan(fake_refs(QKEY, 0x1000_0000), SMS, 300, 64, True, False, True, 1.0, 4),
+             2: _cuda.build_quantize_plan(fake_refs(QKEY, 0x2000_0000), 78, 300, 64, True, False, True, 1.0, 4)}
+    table, offsets, names = C.encode_plans(plans)
+    assert list(offsets) == [0, -1, len(plans[0].encode()[0])] and names == plans[0].encode()[1]
+    ptrs = pointer_sets(len(P.QUANTIZE_SLOTS))[1]
+    for dev, plan in plans.items():
+        assert cxx_dry_run(xla_lib, table[offsets[dev]:], ptrs) == P.dry_run(plan, ptrs)
+    table, offsets, names = C.encode_plans({})
+    assert list(offsets) == [-1] and names == ""
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda d: d[:2], "not a launch plan"),
+    (lambda d: np.concatenate([[99], d[1:]]), "not a launch plan of version"),
+    (lambda d: d[:-3], "malformed launch step"),
+    (lambda d: np.concatenate([d[:3], [1, 3, 0, 256, 0, 0]]), "malformed launch step"),
+    (lambda d: np.concatenate([d[:3], [0, 40, 16]]), "malformed memset"),
+    (lambda d: np.concatenate([d[:3], [0, 1, 6]]), "malformed memset"),
+    (lambda d: np.concatenate([d[:3], [7]]), "malformed step"),
+], ids=["truncated", "version", "short", "variants", "memset-slot", "memset-bytes", "kind"])
+def test_cxx_interpreter_refuses_a_malformed_plan(xla_lib, bad, message):
+    data, _ = _cuda.build_quantize_plan(fake_refs(QKEY), SMS, 64, 64, True, True, True, 1.0, 0).encode()
+    with pytest.raises(ValueError, match=message):
+        cxx_dry_run(xla_lib, bad(data), pointer_sets(len(P.QUANTIZE_SLOTS))[0])
+    with pytest.raises(ValueError, match="takes 13 buffers, 3 were given"):
+        cxx_dry_run(xla_lib, data, (1, 2, 3))
+
+
+# ---- parameter sizes against the cubins (NVRTC, in the background job of test_compile.py) --------
+@pytest.fixture(scope="module")
+def cubin_sizes(background):
+    verdicts = json.loads((background.result("nvrtc").check().out / "verdicts.json").read_text())
+    if not verdicts["ready"]:
+        pytest.skip(verdicts["reason"])
+    return verdicts["sizes"]
+
+
+@pytest.mark.background("nvrtc")
+def test_every_plan_packs_exactly_the_parameter_size_the_cubin_declares(cubin_sizes, xla_lib):
+    """Each launch of each plan, packed by the Python executor and by the C++ packer, is as long as
+    the kernel's parameter bank in the sm_90 cubin (the driver refuses any other size)."""
+    keys = {"quantize": N.SIGNATURE_KEYS["quantize"], "dequantize": N.SIGNATURE_KEYS["dequantize"],
+            "update_scales": N.SIGNATURE_KEYS["update_scales"]}
+    assert keys == {"quantize": QKEY, "dequantize": DQKEY, "update_scales": UKEY}  # the modules built above
+    by_func = {}
+    for family, key in keys.items():
+        for ref in fake_refs(key).values():
+            by_func[ref.func] = cubin_sizes[family][ref.name]
+    seen = set()
+    for _, plan in quantize_plans() + other_plans():
+        for ptrs in pointer_sets(len(plan.slots)):
+            for rec in records(cxx_dry_run(xla_lib, plan.encode()[0], ptrs)):
+                if rec[0] == "launch":
+                    assert len(rec[5]) == by_func[rec[1]], rec
+                    seen.add(rec[1])
+            for step in plan.steps:
+                if isinstance(step, P.Launch):
+                    assert all(struct.calcsize(step.layout) == by_func[v.func] for v in step.variants)
+    assert seen == set(by_func)  # every kernel of the three modules was launched by some plan
+
+
+# ---- JAX: the FFI target ---------------------------------------------------------------------------
+@pytest.fixture
+def ffi_on_cuda(monkeypatch, xla_lib):
+    """impl='auto' lowers its CUDA branch to the FFI path (on this machine: with no GPU, no plans)."""
+    from fusedfp8.jax import callbacks as C
+    from fusedfp8.jax import primitives as JP
+
+    ok, why = C.ffi_target()
+    assert ok, why
+    monkeypatch.setattr(JP, "_auto_backend", lambda: "ffi")
+    return JP
+
+
+def test_jax_impls():
+    from fusedfp8.jax import primitives as JP
+
+    assert JP.IMPLS == ("auto", "jnp", "ffi", "callback", "callback_no_cmdbuf")
+    backend, why = JP.launch_path()
+    assert backend in ("ffi", "callback") and why
+
+
+def test_jax_ffi_impl_needs_a_gpu_here():
+    from fusedfp8.jax import primitives as JP
+
+    if _cuda.probe()[0]:
+        pytest.skip("a GPU is here")
+    with pytest.raises(ValueError, match=r"^impl='ffi' runs the CUDA kernels, which cannot run here: "):
+        JP._check_impl("ffi")
+
+
+def _lowered(fn, *args, platform):
+    import jax
+
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_jax_quantize_lowers_to_the_ffi_custom_call_on_cuda(ffi_on_cuda):
+    import jax.numpy as jnp
+
+    import fusedfp8
+    from fusedfp8.state import ScalingState
+
+    JP = ffi_on_cuda
+    recipe = fusedfp8.DelayedScaling(amax_history_len=4)
+    state = ScalingState.create((False, False, True), recipe, like=jnp.zeros(1))
+
+    def step(x, dy, s):
+        r, s = JP.quantize(x, s, 1, recipe, transpose=True)
+        g, s = JP.dgelu_quantize(dy, x, s, 2, recipe, transpose=True, dbias=True)
+        return r.data, g.dbias, JP.update_scales(s, recipe)
+
+    x = jnp.ones((48, 32), jnp.bfloat16)
+    text = _lowered(step, x, x, state, platform="cuda")
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
+    assert len(calls) == 3 and all("@fusedfp8_launch" in c for c in calls)
+    q, dg, up = calls
+    # quantize: x -> arg 0; q, q_t, scale_inv_used, history, scale, scale_inv -> results 0..5
+    assert "slots = dense<[0, -1, -2, -3, -1, -1, -1, -6, -5, -6, -7, -4, 4]>" in q
+    assert "aliases = dense<[1, 3, 2, 4, 3, 5]>" in q and q.count("output_operand_alias<") == 3
+    # dgelu with dbias: dy, x -> args 0, 1; q, q_t, dbias, partial, counters, scale_inv_used, state -> 0..8
+    assert "slots = dense<[0, 1, -2, -3, -4, -5, -6, -9, -8, -9, -10, -7, 5]>" in dg
+    assert "slots = dense<[-2, -3, -4, -5, -6, 5]>" in up and up.count("output_operand_alias<") == 5
+    assert "fusedfp8_launch" not in _lowered(step, x, x, state, platform="cpu")  # jax.numpy there
+
+
+# ---- torch: the C++ kernels of the custom ops ------------------------------------------------------
+TORCH_OPS = ("quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize")
+
+
+@pytest.fixture
+def cpp_ops(torch_lib):
+    """The C++ kernels registered for the ops (and, afterwards, the registration as it was)."""
+    from fusedfp8.pytorch import custom_ops as fops
+
+    was = fops._cpp
+    fops.use_cpp(True)
+    yield fops
+    if was is None:
+        fops.use_cpp(False)
+        fops._cpp_state.clear()  # undecided again: a CUDA call would load it
+
+
+def test_torch_cpp_kernels_are_registered_for_the_cuda_keys(cpp_ops):
+    import torch
+
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    for name in TORCH_OPS:
+        assert has(f"fusedfp8::{name}", "CUDA") and has(f"fusedfp8::{name}", "AutogradCUDA"), name
+        assert not has(f"fusedfp8::{name}", "CPU")  # CPU tensors keep the Python implementation
+    assert cpp_ops.launch_path()[0] == "C++"
+    cpp_ops.use_cpp(False)
+    assert not any(has(f"fusedfp8::{n}", "CUDA") or has(f"fusedfp8::{n}", "AutogradCUDA") for n in TORCH_OPS)
+    assert cpp_ops.launch_path() == ("Python", "switched off with use_cpp(False)")
+    cpp_ops.use_cpp(True)
+    assert all(has(f"fusedfp8::{n}", "CUDA") for n in TORCH_OPS)
+
+
+def test_torch_cpu_ops_unchanged_with_the_cpp_kernels(cpp_ops):
+    import torch
+
+    from fusedfp8.numerics import reference as ref
+    from fusedfp8.recipe import DelayedScaling
+    from fusedfp8.state import ScalingState
+    from support.frameworks import same_bytes, to_np
+    from support.torch_helpers import inputs
+
+    recipe = DelayedScaling(amax_history_len=4)
+    s = ScalingState.create([False, True], recipe, like=torch.empty(0))
+    x = inputs(40, 24, torch.bfloat16)
+    q, q_t, si = torch.ops.fusedfp8.quantize_t(x, s.amax_history, s.scale, s.scale_inv, s.updates, 1, "e5m2", 1.0,
+                                               True)
+    scale = ref.current_scale(ref.amax(to_np(x)), "e5m2", 1.0, np.float32(1))
+    want = ref.quantize(to_np(x), scale, "e5m2", transpose=True)
+    assert same_bytes(q, want.data) and same_bytes(q_t, want.data_t)
+
+
+def test_torch_direct_call_refuses_cpu_tensors(cpp_ops):
+    import torch
+
+    x = torch.ones(4, 4)
+    st = [torch.zeros(2, 1), torch.ones(1), torch.ones(1), torch.zeros(1, dtype=torch.int32)]
+    with pytest.raises(RuntimeError, match="the C\\+\\+ ops run CUDA tensors"):
+        cpp_ops._cpp.call(0, x, *st, 0, "e4m3", 1.0, True)
+    with pytest.raises(TypeError, match="quantize takes 9 arguments; got 2"):
+        cpp_ops._cpp.call(0, x, x)
+    with pytest.raises(TypeError, match="amax_history must be a tensor; got int"):
+        cpp_ops._cpp.call(0, x, 1, *st[1:], 0, "e4m3", 1.0, True)
+
+
+def test_info_reports_the_launch_paths(capsys):
+    from fusedfp8.__main__ import info
+
+    assert info(False, progress=False) == 0
+    out = capsys.readouterr().out
+    assert "JAX launch" in out and "torch launch" in out
+
+
+# ---- on the GPU: the shim path against the Python path, byte for byte ------------------------------
+def _torch_state(first: bool, n: int = 3, L: int = 5, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    hist = torch.rand(L, n, generator=g) * (0 if first else 4)
+    scale = torch.full((n,), 1.0 if first else 0.75)
+    updates = torch.full((n,), 0 if first else 2, dtype=torch.int32)
+    return [hist.cuda(), scale.cuda(), (1 / scale).cuda(), updates.cuda()]
+
+
+def _torch_args(name, x, b, state, approximate="tanh", dbias=True, index=1, fmt="e4m3"):
+    head = (x, b) if name == "dgelu_quantize_t" else (x,)
+    tail = (approximate,) if name.startswith("gelu") else (approximate, dbias) if name.startswith("dgelu") else ()
+    return (*head, *state, index, fmt, 0.5, True, *tail)
+
+
+def _torch_x(shape, dtype, seed, unaligned):
+    import torch
+
+    from support.torch_helpers import inputs
+
+    n = int(np.prod(shape))
+    flat = inputs(1, n + 1, getattr(torch, dtype), seed=seed).reshape(-1).cuda()
+    return (flat[1:] if unaligned else flat[:n]).reshape(shape)  # offset by one element: not 16-byte aligned
+
+
+def _same_all(got, want):
+    from support.frameworks import bytes_of
+
+    got, want = list(got), list(want)
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and g.shape == w.shape and bytes_of(g) == bytes_of(w), k
+
+
+TORCH_SHAPES = S.params("aligned-64x128", "ragged-303x300", "ragged-1x1", "ragged-0x16", "ragged-3d-3x5x7")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("unaligned", [False, True], ids=["aligned", "offset"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later"])
+@pytest.mark.parametrize("shape", TORCH_SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("name", TORCH_OPS[:-1])
+def test_torch_cpp_ops_match_the_python_path(cpp_ops, name, dtype, shape, first, unaligned):
+    """Python executor, C++ through the dispatcher (AutogradCUDA -> CUDA) and C++ direct (call):
+    the same outputs and the same state, byte for byte."""
+    import torch
+
+    x = _torch_x(shape, dtype, 1, unaligned)
+    b = _torch_x(shape, dtype, 2, unaligned)
+    op = getattr(torch.ops.fusedfp8, name)
+    for approximate, dbias in ([("tanh", True), ("none", False)] if name.startswith("dgelu") else
+                               [("none", True)] if name.startswith("gelu") else [("tanh", True)]):
+        states = [_torch_state(first) for _ in range(3)]
+        cpp_ops.use_cpp(False)
+        want = op(*_torch_args(name, x, b, states[0], approximate, dbias))
+        cpp_ops.use_cpp(True)
+        got = op.default(*_torch_args(name, x, b, states[1], approximate, dbias))
+        direct = cpp_ops.call(getattr(cpp_ops, name), *_torch_args(name, x, b, states[2], approximate, dbias))
+        torch.cuda.synchronize()
+        _same_all(got, want)
+        _same_all(direct, want)
+        _same_all(states[1], states[0])
+        _same_all(states[2], states[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_torch_cpp_dequantize_matches_the_python_path(cpp_ops, dtype, fmt):
+    import torch
+
+    dt = getattr(torch, dtype)
+    q = (torch.randn(303, 300) * 8).to(getattr(torch, "float8_e4m3fn" if fmt == "e4m3" else "float8_e5m2")).cuda()
+    si = torch.tensor([0.37], device="cuda")
+    cpp_ops.use_cpp(False)
+    want = torch.ops.fusedfp8.dequantize(q, si, dt)
+    cpp_ops.use_cpp(True)
+    _same_all([torch.ops.fusedfp8.dequantize(q, si, dt)], [want])
+    _same_all([cpp_ops.call(cpp_ops.dequantize, q, si, dt)], [want])
+    _same_all([cpp_ops.call(cpp_ops.dequantize, q[1:].reshape(-1)[:1000], si, dt)],
+              [torch.ops.fusedfp8.dequantize(q[1:].reshape(-1)[:1000].contiguous(), si, dt)])
+
+
+@pytest.mark.gpu
+def test_torch_cpp_ops_raise_the_checks_errors(cpp_ops):
+    import torch
+
+    x = torch.ones(8, 16, device="cuda", dtype=torch.bfloat16)
+    st = _torch_state(True)
+    with pytest.raises(ValueError, match="must hold exactly one element"):
+        cpp_ops.call(cpp_ops.quantize, x, *st, 7, "e4m3", 1.0, True)  # index out of range
+    with pytest.raises(ValueError):
+        torch.ops.fusedfp8.quantize(x, *st, 0, "e3m4", 1.0, True)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpp_ops.call(cpp_ops.quantize, x.t(), *st, 0, "e4m3", 1.0, True)
+    cache = cpp_ops._cpp.cache_size()
+    cpp_ops.call(cpp_ops.quantize, x, *st, 0, "e4m3", 1.0, True)
+    cpp_ops.call(cpp_ops.quantize, x, *st, 0, "e4m3", 1.0, True)
+    assert cpp_ops._cpp.cache_size() <= cache + 1  # one new signature, checked once
+
+
+@pytest.mark.gpu
+def test_torch_cpp_ops_compiled_and_cuda_graphed(cpp_ops):
+    """torch.compile(fullgraph) and a CUDA graph of the ops give the eager Python path's bytes."""
+    import torch
+
+    def step(x, dy, h, s, si, u):
+        q, q_t, si1 = torch.ops.fusedfp8.gelu_quantize_t(x, h, s, si, u, 0, "e4m3", 1.0, True, "tanh")
+        g, g_t, db, si2 = torch.ops.fusedfp8.dgelu_quantize_t(dy, x, h, s, si, u, 2, "e5m2", 1.0, True, "tanh", True)
+        return q, q_t, si1, g, g_t, db, si2, torch.ops.fusedfp8.dequantize(q, si1, torch.bfloat16)
+
+    x = _torch_x((256, 192), "bfloat16", 3, False)
+    dy = _torch_x((256, 192), "bfloat16", 4, False)
+    states = [_torch_state(True) for _ in range(3)]
+    cpp_ops.use_cpp(False)
+    want = step(x, dy, *states[0])
+    cpp_ops.use_cpp(True)
+    compiled = torch.compile(step, fullgraph=True)
+    _same_all(compiled(x, dy, *states[1]), want)
+    _same_all(states[1], states[0])
+    st = states[2]
+    s0 = [t.clone() for t in st]
+    step(x, dy, *st)  # warm up (plans cached, kernels loaded) outside the capture
+    for t, v in zip(st, s0):
+        t.copy_(v)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(x, dy, *st)
+    for t, v in zip(st, s0):
+        t.copy_(v)
+    graph.replay()
+    torch.cuda.synchronize()
+    _same_all(out, want)
+    _same_all(st, states[0])
+
+
+def _jax_case(shape, dtype, first, seed=0):
+    import jax
+    import jax.numpy as jnp
+
+    import fusedfp8
+    from fusedfp8.state import ScalingState
+
+    recipe = fusedfp8.DelayedScaling(amax_history_len=7, first_step="current" if first else "unit")
+    gpu = jax.devices("gpu")[0]
+    rng = np.random.default_rng(seed)
+    x = jax.device_put(jnp.asarray((rng.standard_normal(shape) * 3).astype(np.float32)).astype(dtype), gpu)
+    dy = jax.device_put(jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype), gpu)
+
+    def state():
+        s = ScalingState.create((False, False, True), recipe, like=jax.device_put(jnp.zeros(1), gpu))
+        return s if first else s.replace(updates=s.updates + 1, scale=s.scale * 0.5, scale_inv=s.scale_inv * 2)
+
+    return recipe, x, dy, state
+
+
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+@pytest.mark.parametrize("donate", [False, True], ids=["", "donated"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later"])
+@pytest.mark.parametrize("shape", S.params("aligned-64x128", "ragged-303x300", "ragged-1x1", "ragged-0x16",
+                                           "ragged-3d-3x5x7"))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_ffi_matches_the_callback_path(dtype, shape, first, donate):
+    import jax
+
+    from fusedfp8.jax import primitives as JP
+    from fusedfp8.state import STATE_FIELDS
+
+    recipe, x, dy, state = _jax_case(shape, dtype, first)
+
+    def step(x, dy, s, impl):
+        r1, s = JP.quantize(x, s, 0, recipe, transpose=True, impl=impl)
+        r2, s = JP.gelu_quantize(x, s, 1, recipe, approximate="none", impl=impl)
+        r3, s = JP.dgelu_quantize(dy, x, s, 2, recipe, transpose=True, dbias=True, impl=impl)
+        r4, s = JP.quantize(x, s, 1, recipe, impl=impl)  # a tensor used twice in a step
+        s = JP.update_scales(s, recipe, impl=impl)
+        return [r1.data, r1.data_t, r1.scale_inv, r2.data, r3.data, r3.data_t, r3.dbias, r3.scale_inv, r4.data], s
+
+    results = {}
+    for impl in ("callback_no_cmdbuf", "callback", "ffi", "auto"):
+        fn = jax.jit(step, static_argnames="impl", donate_argnames=("s",) if donate else ())
+        outs, s = fn(x, dy, state(), impl=impl)
+        outs2, s2 = fn(x, dy, s, impl=impl)  # a second step from the first one's state
+        arrays = (*outs, *outs2, *(getattr(s2, f) for f in STATE_FIELDS))
+        results[impl] = [(a.dtype, a.shape, np.asarray(jax.device_get(a)).tobytes()) for a in arrays]
+    want = results["callback_no_cmdbuf"]
+    for impl, got in results.items():
+        assert got == want, impl
+
+
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+def test_jax_auto_lowers_to_the_ffi_handler_on_the_gpu():
+    import jax
+    import jax.numpy as jnp
+
+    from fusedfp8.jax import primitives as JP
+
+    assert JP.launch_path()[0] == "ffi", JP.launch_path()
+    recipe, x, dy, state = _jax_case((64, 128), jnp.bfloat16, True)
+    text = jax.jit(lambda x, s: JP.quantize(x, s, 0, recipe, transpose=True)).lower(x, state()).as_text()
+    assert "fusedfp8_launch" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+@pytest.mark.parametrize("donate", [False, True], ids=["", "donated"])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_jax_ffi_update_scales_matches_the_callback_path(algo, donate):
+    """Staged amaxes NaN, inf, 0, -0, a denormal and ordinary ones, over three updates."""
+    import jax
+    import jax.numpy as jnp
+
+    import fusedfp8
+    from fusedfp8.jax import primitives as JP
+    from fusedfp8.state import STATE_FIELDS, ScalingState
+
+    recipe = fusedfp8.DelayedScaling(amax_history_len=31, amax_compute_algo=algo, margin=1)
+    gpu = jax.devices("gpu")[0]
+    staged = np.array([np.nan, np.inf, 0.0, -0.0, 1e-40, 3.0, 1e4, 0.5], np.float32)
+    grads = (False, True) * 4
+    results = {}
+    for impl in ("callback_no_cmdbuf", "callback", "ffi"):
+        fn = jax.jit(lambda s, impl=impl: JP.update_scales(s, recipe, impl=impl),
+                     donate_argnums=(0,) if donate else ())
+        s = ScalingState.create(grads, recipe, like=jax.device_put(jnp.zeros(1), gpu))
+        out = []
+        for step in range(3):
+            s = s.replace(amax_history=s.amax_history.at[0].set(jnp.asarray(staged * (step + 1))))
+            s = fn(s)
+            out += [np.asarray(jax.device_get(getattr(s, f))).tobytes() for f in STATE_FIELDS]
+        results[impl] = out
+    assert results["ffi"] == results["callback"] == results["callback_no_cmdbuf"]

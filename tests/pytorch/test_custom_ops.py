@@ -1,0 +1,123 @@
+"""fusedfp8.pytorch.custom_ops (the torch.library ops, their fake implementations and the direct
+call path) and fusedfp8.pytorch.autograd's straight-through quantizer, on the CPU (reference
+numerics); the ops' kernels on the GPU are tests/kernels/, their use in modules tests/pytorch/."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fusedfp8.pytorch as fp8
+from fusedfp8.numerics import reference as ref
+from fusedfp8.recipe import DelayedScaling
+from fusedfp8.state import ScalingState
+from support.frameworks import same_bytes
+from support.frameworks import to_np as np_of
+from support.torch_helpers import inputs
+
+OPS = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize"]
+
+
+# ---- custom ops ------------------------------------------------------------------------------
+def _state_args(recipe=DelayedScaling(amax_history_len=4)):
+    s = ScalingState.create([False, True], recipe, like=torch.empty(0))
+    return s, [s.amax_history, s.scale, s.scale_inv, s.updates]
+
+
+def _op_args(name):
+    x = inputs(32, 48, torch.bfloat16)
+    _, st = _state_args()
+    if name == "dequantize":
+        return (torch.randn(4, 16).to(torch.float8_e4m3fn), torch.tensor([0.5]), torch.bfloat16)
+    if name == "dgelu_quantize_t":
+        return (x, inputs(32, 48, torch.bfloat16, seed=1), *st, 1, "e5m2", 1.0, True, "tanh", True)
+    if name.startswith("gelu"):
+        return (x, *st, 0, "e4m3", 2.0, True, "none")
+    return (x, *st, 0, "e4m3", 1.0, True)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_custom_op_fake_and_aot(name):
+    """Fake implementations agree with the real ones, and AOTAutograd traces every op (the
+    schema test of opcheck cannot compare float8 outputs on the CPU; mutation is tested below)."""
+    op = getattr(torch.ops.fusedfp8, name).default
+    result = torch.library.opcheck(op, _op_args(name),
+                                   test_utils=("test_autograd_registration", "test_faketensor",
+                                               "test_aot_dispatch_dynamic"))
+    assert set(result.values()) == {"SUCCESS"}
+
+
+@pytest.mark.parametrize("name", OPS[:-1])
+def test_custom_op_schema_declares_the_state_mutation(name):
+    schema = getattr(torch.ops.fusedfp8, name).default._schema
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == {"amax_history", "scale", "scale_inv"}
+
+
+def test_custom_op_quantize_t_matches_reference_and_writes_only_the_slot():
+    recipe = DelayedScaling(amax_history_len=4)
+    s, st = _state_args(recipe)
+    x = inputs(40, 24, torch.bfloat16)
+    q, q_t, si = torch.ops.fusedfp8.quantize_t(x, *st, 1, "e5m2", recipe.margin_factor, True)
+    amax = ref.amax(np_of(x))
+    scale = ref.current_scale(amax, "e5m2", 1.0, np.float32(1))  # first step: current scaling
+    want = ref.quantize(np_of(x), scale, "e5m2", transpose=True)
+    assert same_bytes(q, want.data) and same_bytes(q_t, want.data_t)
+    assert same_bytes(si, s.scale_inv[1:]) and si.data_ptr() != s.scale_inv.data_ptr() + 4  # its own buffer
+    assert s.amax_history[0, 1].item() == amax and s.amax_history[0, 0].item() == 0
+    assert same_bytes(s.scale[1:], np.array([scale], np.float32)) and s.scale[0].item() == 1.0
+    assert s.updates.tolist() == [0, 0]
+    # with current_first=False the stored scale is used as is
+    q2, si2 = torch.ops.fusedfp8.quantize(x, *st, 0, "e4m3", 1.0, False)
+    assert same_bytes(q2, ref.quantize(np_of(x), np.float32(1), "e4m3").data) and si2.tolist() == [1.0]
+
+
+def test_custom_op_dgelu_dbias_and_its_empty_placeholder():
+    _, st = _state_args()
+    dy, x = inputs(16, 32, seed=2), inputs(16, 32, seed=3)
+    q, q_t, db, si = torch.ops.fusedfp8.dgelu_quantize_t(dy, x, *st, 1, "e5m2", 1.0, True, "tanh", True)
+    want = ref.dgelu_quantize(np_of(dy), np_of(x), st[1][1:].numpy(), "e5m2", "tanh", transpose=True, dbias=True)
+    assert same_bytes(q, want.data) and same_bytes(q_t, want.data_t) and same_bytes(si, st[2][1:])
+    np.testing.assert_allclose(db.numpy(), want.dbias, rtol=1e-6)
+    _, st = _state_args()
+    assert torch.ops.fusedfp8.dgelu_quantize_t(dy, x, *st, 1, "e5m2", 1.0, True, "tanh", False)[2].shape == (0,)
+
+
+def test_call_skips_the_dispatcher_only_when_nothing_traces(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from fusedfp8.pytorch import custom_ops as fops
+
+    _, st = _state_args()
+    x = inputs(16, 32)
+    monkeypatch.setitem(fops._IMPLS, fops.quantize_t, lambda *args: "direct")
+    assert fops.call(fops.quantize_t, x, *st, 0, "e4m3", 1.0, True) == "direct"
+    with FakeTensorMode() as mode:  # a dispatch mode is tracing: the custom op (its fake) runs
+        fake = [mode.from_tensor(t) for t in (x, *st)]
+        q, q_t, si = fops.call(fops.quantize_t, *fake, 0, "e4m3", 1.0, True)
+    assert isinstance(q, FakeTensor) and q.dtype == torch.float8_e4m3fn and q_t.shape == (32, 16)
+    assert si.shape == (1,) and si.dtype == torch.float32
+
+
+# ---- straight-through quantizer --------------------------------------------------------------
+def test_quantize_ste_forward_is_fake_quant_and_gradient_is_identity():
+    recipe = DelayedScaling(amax_history_len=4)
+    state = ScalingState.create(1, recipe, like=torch.empty(0))
+    x = inputs(8, 16).requires_grad_()
+    y = fp8.quantize_ste(x, state, 0, recipe)
+    scale = ref.current_scale(ref.amax(np_of(x)), "e4m3", 1.0, np.float32(1))
+    want = ref.dequantize(ref.quantize(np_of(x), scale, "e4m3").data, np.float32(1) / scale)
+    assert same_bytes(y, want)
+    assert not torch.equal(y, x)  # it did quantize
+    g = torch.randn(8, 16)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
+    assert state.amax_history[0, 0].item() == ref.amax(np_of(x))
+
+
+def test_quantize_ste_rejects_a_bad_index():
+    recipe = DelayedScaling(amax_history_len=4)
+    state = ScalingState.create(1, recipe, like=torch.empty(0))
+    with pytest.raises(IndexError, match=r"index must be in \[0, 1\)"):
+        fp8.quantize_ste(torch.ones(4), state, 3, recipe)
+

@@ -1,0 +1,158 @@
+"""The long subprocess entry points of tests/run/, run beside the in-process tests.
+
+A test that reads the result of one marks itself ``@pytest.mark.background("<job>")`` and asks
+``background.result("<job>")`` (the session fixture of tests/conftest.py). When collection ends,
+tests/conftest.py starts the jobs that the collected tests need, one at a time on a thread, in
+the order of :data:`JOBS`, and moves those tests to the end of the session (in that order): a job's
+compile time (NVRTC, XLA) then overlaps the in-process tests instead of adding to them. A job
+that was not started (a test without the marker) starts when it is asked for.
+
+Each job is a list of steps (commands) run in order in fresh processes; a step that fails stops
+the job. Its files go to a folder of its own (``JobResult.out``).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+RUN = TESTS / "run"
+TIMEOUT = 900  # seconds a job may take, all steps together
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), *filter(None, [env.get("PYTHONPATH")])])
+    env.update(extra)
+    return env
+
+
+def _script(name: str, *args) -> list:
+    return [sys.executable, str(RUN / name), *map(str, args)]
+
+
+def _flax_checkpoint(out: Path) -> list:
+    """Both legs of the flax checkpoint test in fresh processes: the uninterrupted run (it saves the
+    TrainState before step 50) and the restored one (from_bytes, steps 50..99). Both with
+    ``--xla_gpu_deterministic_ops=true``: XLA:GPU picks its GEMM algorithms by timing them at
+    compile time, so two processes can compile the same step with different algorithms (a
+    different summation order); on the H200 without the flag the restored run differed from its
+    first step on. The flag turns the autotuning off; harmless on the CPU."""
+    ckpt = out / "step50.msgpack"
+    env = _env(XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip())
+    return [(_script("flax_checkpoint.py", 0, 100, out / "whole.npz", "--save-at", 50, ckpt), env),
+            (_script("flax_checkpoint.py", 50, 100, out / "resumed.npz", "--load", ckpt), env)]
+
+
+def _jax_multidevice(out: Path) -> list:
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    return [(_script("jax_multidevice.py", out / "verdicts.json"), _env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu"))]
+
+
+# name -> steps (argv, environment) given the job's output folder; the order is the order the
+# jobs run in (and the order of their tests at the end of the session).
+JOBS = {
+    "flax_checkpoint": _flax_checkpoint,
+    "nvrtc": lambda out: [(_script("nvrtc_compile.py", out / "verdicts.json"), _env())],
+    "readme": lambda out: [(_script("readme_blocks.py", out / "verdicts.json"), _env())],
+    "torch_distributed": lambda out: [(_script("torch_distributed.py", out), _env())],
+    "jax_multidevice": _jax_multidevice,
+}
+
+
+@dataclass
+class JobResult:
+    name: str
+    out: Path
+    returncode: int | None = None
+    log: str = ""  # the failing step's command and output tail (or the timeout)
+    seconds: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def check(self) -> "JobResult":
+        """Raises AssertionError with the log when a step failed."""
+        assert self.returncode == 0, f"background job {self.name!r} failed (rc {self.returncode}):\n{self.log}"
+        return self
+
+
+class Runner:
+    """Runs queued jobs one at a time on a daemon thread."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.jobs: dict[str, JobResult] = {}
+        self._queue: list[str] = []
+        self._cv = threading.Condition()
+        self._proc = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="fusedfp8-tests-background", daemon=True)
+        self._thread.start()
+
+    def start(self, names) -> None:
+        with self._cv:
+            for name in names:
+                if name not in self.jobs:
+                    if name not in JOBS:
+                        raise KeyError(f"unknown background job {name!r}; known: {sorted(JOBS)}")
+                    out = self.root / name
+                    out.mkdir(parents=True, exist_ok=True)
+                    self.jobs[name] = JobResult(name, out)
+                    self._queue.append(name)
+            self._cv.notify()
+
+    def result(self, name: str) -> JobResult:
+        """The job's result, waiting for it (and starting it if nothing did)."""
+        self.start([name])
+        job = self.jobs[name]
+        assert job.done.wait(TIMEOUT + 60), f"background job {name!r} did not finish"
+        return job
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify()
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                job = self.jobs[self._queue.pop(0)]
+            self._run(job)
+            job.done.set()
+
+    def _run(self, job: JobResult) -> None:
+        t0 = time.monotonic()
+        job.returncode = 0
+        for k, (argv, env) in enumerate(JOBS[job.name](job.out)):
+            left = TIMEOUT - (time.monotonic() - t0)
+            log = job.out / f"step{k}.log"
+            with open(log, "w+") as fh:
+                with self._cv:
+                    if self._closed:
+                        job.returncode, job.log = -1, "the session ended first"
+                        return
+                    self._proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                                  cwd=str(job.out))
+                try:
+                    rc = self._proc.wait(timeout=max(left, 1))
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+                    rc = f"timeout after {TIMEOUT} s"
+                fh.seek(0)
+                tail = fh.read()[-6000:]
+            if rc != 0:
+                job.returncode, job.log = (rc if isinstance(rc, int) else -9), f"$ {' '.join(argv)}\n{rc}\n{tail}"
+                break
+        job.seconds = time.monotonic() - t0
