@@ -49,7 +49,8 @@ def _check_input(x, argname: str, need_dims: bool, what: str = "transpose=True")
         raise ValueError(f"{argname} must be contiguous (row-major); got a non-contiguous view of shape "
                          f"{info.shape}: call .contiguous() / np.ascontiguousarray first")
     if need_dims and len(info.shape) < 1:
-        raise ValueError(f"{argname}: {what} needs an input of at least 1 dimension; got a scalar")
+        verb = "needs" if what == "transpose=True" else "need"
+        raise ValueError(f"{argname}: {what} {verb} an input of at least 1 dimension; got a scalar")
     return info
 
 

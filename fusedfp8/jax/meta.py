@@ -66,7 +66,7 @@ def state_to_meta(state: ScalingState) -> tuple:
     """The float32 meta of a state, marked valid (``writes = 1``)."""
     fields = tuple(getattr(state, name).astype(jnp.float32) if name in _COUNTERS else getattr(state, name)
                    for name in STATE_FIELDS)
-    return (*fields, jnp.ones(state.scale.shape, jnp.float32))
+    return (*fields, jnp.ones_like(state.scale))  # (ones_like keeps the mesh-axis type under shard_map)
 
 
 def decode(meta) -> tuple:
@@ -101,7 +101,7 @@ def check_meta(meta, n: int, recipe: DelayedScaling, argname: str = "meta") -> t
     """``meta`` as a tuple of jax arrays of the right shapes and dtype; TypeError / ValueError
     naming the field otherwise."""
     if not isinstance(meta, (tuple, list)) or len(meta) != len(META_FIELDS):
-        raise TypeError(f"{argname} must be a tuple {META_FIELDS}; got {type(meta).__name__}"
+        raise TypeError(f"{argname} must be a tuple ({', '.join(META_FIELDS)}); got {type(meta).__name__}"
                         + (f" of length {len(meta)}" if isinstance(meta, (tuple, list)) else ""))
     meta = tuple(jnp.asarray(m) for m in meta)
     for name, m in zip(META_FIELDS, meta):

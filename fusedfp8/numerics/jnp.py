@@ -163,6 +163,14 @@ def _unpack(ib):
     return jnp.where(e == 0, frac << shift, frac | 0x800000), jnp.where(e == 0, 1 - shift, e)
 
 
+def _division_step(_, rqm):
+    """One bit of the restoring long division (a module-level function: jax caches the loop by
+    its identity, so eager calls do not trace it again). r < 2 * mb < 2**25: int32 is enough."""
+    r, q, mb = rqm
+    take = r >= mb
+    return jnp.where(take, r - mb, r) << 1, (q << 1) | take.astype(jnp.int32), mb
+
+
 def div_rn(a, b) -> jax.Array:
     """IEEE float32 ``a / b``, round to nearest even: the kernels' ``div.rn.f32``, bit for bit.
 
@@ -182,16 +190,11 @@ def div_rn(a, b) -> jax.Array:
     r = jnp.where(below, ma << 1, ma)
     q = jnp.zeros_like(r)
 
-    def step(_, rq):  # r < 2 * mb < 2**25 throughout: int32 is enough
-        r, q = rq
-        take = r >= mb
-        return (jnp.where(take, r - mb, r) << 1, (q << 1) | take.astype(jnp.int32))
-
     if r.size <= _LOOP_BELOW:  # a state's scalars: one small loop that every consumer reads (see above)
-        r, q = lax.fori_loop(0, _QUOTIENT_BITS, step, (r, q))
+        r, q, _ = lax.fori_loop(0, _QUOTIENT_BITS, _division_step, (r, q, mb))
     else:  # a tensor: unrolled, for XLA to fuse into one pass
         for i in range(_QUOTIENT_BITS):
-            r, q = step(i, (r, q))
+            r, q, _ = _division_step(i, (r, q, mb))
     # |a / b| = (q + rest) * 2**(E - 25), q in [2**25, 2**26), rest in [0, 1) is nonzero iff r is.
     biased = ea - eb - below.astype(jnp.int32) + 127  # of the truncated quotient
     over = biased > 254
@@ -297,13 +300,17 @@ def _sigmoid_parts(x):
     return x2, e, r, jnp.where(jnp.signbit(w), e, _c(1.0))
 
 
+def _nan_where_nan(x, y):
+    return jnp.where(jnp.isnan(x), _c(np.nan), y)  # (see reference._nan_where_nan)
+
+
 def gelu_f32(x, approximate: str) -> jax.Array:
     """gelu in float32 ('tanh' or 'none'), as :func:`fusedfp8.numerics.reference.gelu_f32`."""
     x = jnp.asarray(x, f32)
     if approximate == "tanh":
         _, _, r, sel = _sigmoid_parts(x)
-        return _mul(_mul(x, sel), r)
-    return _mul(_mul(_c(0.5), x), erfc_f32(_mul(-x, _c(C.INV_SQRT2))))
+        return _nan_where_nan(x, _mul(_mul(x, sel), r))
+    return _nan_where_nan(x, _mul(_mul(_c(0.5), x), erfc_f32(_mul(-x, _c(C.INV_SQRT2)))))
 
 
 def dgelu_f32(x, approximate: str) -> jax.Array:
@@ -313,10 +320,10 @@ def dgelu_f32(x, approximate: str) -> jax.Array:
         xc = _clamp(x, 20.0)
         x2, e, rd, sel = _sigmoid_parts(xc)
         dudx = _mul(_c(C.SQRT_2_OVER_PI), fma_f32(_c(C.GELU_C3), x2, _c(1.0)))
-        return fma_f32(_mul(_mul(_mul(_mul(_c(2.0), xc), e), rd), rd), dudx, _mul(sel, rd))
+        return _nan_where_nan(x, fma_f32(_mul(_mul(_mul(_mul(_c(2.0), xc), e), rd), rd), dudx, _mul(sel, rd)))
     xc = _clamp(x, 40.0)
     pdf = _mul(exp_f32(_mul(_c(-0.5), _mul(xc, xc))), _c(C.INV_SQRT_2PI))
-    return fma_f32(xc, pdf, _mul(_c(0.5), erfc_f32(_mul(-xc, _c(C.INV_SQRT2)))))
+    return _nan_where_nan(x, fma_f32(xc, pdf, _mul(_c(0.5), erfc_f32(_mul(-xc, _c(C.INV_SQRT2))))))
 
 
 # ---- amax, scaling, the FP8 cast ------------------------------------------------------------------

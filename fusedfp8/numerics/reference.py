@@ -189,14 +189,21 @@ def _sigmoid_parts(x: np.ndarray):
     return x2, e, r, _where(np.signbit(w), e, f32(1.0))
 
 
+def _nan_where_nan(x, y):
+    """``y`` with the canonical NaN where ``x`` is NaN: the sign and payload of a NaN that went
+    through the arithmetic differ between NumPy, XLA and the GPU, and only its NaN-ness reaches an
+    output (quantization writes the format's NaN byte, the amax the canonical NaN)."""
+    return _where(np.isnan(x), f32(np.nan), y)
+
+
 def gelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
     """gelu in float32: 'tanh' (0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3)))) or 'none' (erf)."""
     x = np.asarray(x, np.float32)
     with np.errstate(all="ignore"):
         if approximate == "tanh":
             _, _, r, sel = _sigmoid_parts(x)
-            return ((x * sel) * r).astype(np.float32)
-        return ((f32(0.5) * x) * erfc_f32(-x * INV_SQRT2)).astype(np.float32)
+            return _nan_where_nan(x, (x * sel) * r)
+        return _nan_where_nan(x, (f32(0.5) * x) * erfc_f32(-x * INV_SQRT2))
 
 
 def dgelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
@@ -213,7 +220,7 @@ def dgelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
             xc = _clamp(x, 40.0)
             pdf = exp_f32(f32(-0.5) * (xc * xc)) * INV_SQRT_2PI
             g = fma_f32(xc, pdf, f32(0.5) * erfc_f32(-xc * INV_SQRT2))
-    return np.asarray(g, np.float32)
+    return _nan_where_nan(x, g)
 
 
 def column_sums(v: np.ndarray, argname: str = "dy") -> np.ndarray:
