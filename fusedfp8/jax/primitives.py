@@ -101,12 +101,15 @@ def _check_impl(impl: str) -> str:
 def _auto_backend() -> str:
     """The CUDA backend of impl='auto': 'ffi' where the shim is available (compiled on first use),
     else 'callback'. Without a GPU the CUDA branch never runs, and nothing is built for it."""
-    return "ffi" if callbacks.gpu_devices() and callbacks.ffi_target()[0] else "callback"
+    return "ffi" if _shim.default_on()[0] and callbacks.gpu_devices() and callbacks.ffi_target()[0] else "callback"
 
 
 def launch_path() -> tuple[str, str]:
     """(backend, why) of impl='auto' on CUDA, without building anything: 'ffi' (the XLA FFI
     handler of the compiled shim) or 'callback' (Python buffer_callbacks)."""
+    on, why = _shim.default_on()
+    if not on:
+        return "callback", why
     if callbacks.ffi_target.cache_info().currsize:  # decided in this process already
         ok, why = callbacks.ffi_target()
         return ("ffi", why) if ok else ("callback", why)

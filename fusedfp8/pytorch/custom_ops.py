@@ -109,7 +109,8 @@ def _cpp_ops():
     if not _cpp_state:
         with _cpp_lock:
             if not _cpp_state:
-                lib, why = _shim.library("torch")
+                on, why = _shim.default_on()
+                lib, why = _shim.library("torch") if on else (None, why)
                 if lib is not None:
                     use_cpp(True, _lib=lib)
                 _cpp_state.append((lib is not None, why))
@@ -118,7 +119,7 @@ def _cpp_ops():
 
 def use_cpp(on: bool, _lib=None) -> None:
     """Switch the CUDA implementation of the ops between C++ (``on``; the default where the shim
-    is available) and the Python executor (``on=False``, e.g. to compare the two). Raises
+    is available and opted into, see :func:`fusedfp8.csrc.default_on`) and the Python executor (``on=False``, e.g. to compare the two). Raises
     RuntimeError when the shim is wanted but cannot be had."""
     global _cpp
     if on:
@@ -143,6 +144,9 @@ def launch_path() -> tuple[str, str]:
         return "C++", _shim.library("torch")[1]
     if _cpp_state:
         return "Python", _cpp_state[0][1]
+    on, why = _shim.default_on()
+    if not on:
+        return "Python", why
     ready, why = _shim.status("torch")
     return ("C++" if ready is not False else "Python"), (why if ready is not None else
                                                          f"from the first CUDA call on ({why})")

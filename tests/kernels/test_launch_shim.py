@@ -679,14 +679,44 @@ def test_jax_ffi_matches_the_callback_path(dtype, shape, first, donate):
         assert got == want, impl
 
 
+def test_the_shim_is_opt_in_until_verified_on_a_gpu(monkeypatch):
+    """The frameworks take the shim by default only with FUSEDFP8_SHIM=1 (explicit requests work
+    without it); FUSEDFP8_NO_SHIM refuses it even then."""
+    from fusedfp8 import csrc
+
+    monkeypatch.delenv("FUSEDFP8_SHIM", raising=False)
+    monkeypatch.delenv("FUSEDFP8_NO_SHIM", raising=False)
+    on, why = csrc.default_on()
+    assert not on and "FUSEDFP8_SHIM=1" in why
+    from fusedfp8.jax import primitives as JP
+
+    assert JP.launch_path() == ("callback", why)
+    assert cpp_launch_path_without_loading() == ("Python", why)
+    monkeypatch.setenv("FUSEDFP8_SHIM", "1")
+    assert csrc.default_on() == (True, "")
+    monkeypatch.setenv("FUSEDFP8_NO_SHIM", "1")
+    assert csrc.default_on() == (False, "FUSEDFP8_NO_SHIM is set")
+
+
+def cpp_launch_path_without_loading():
+    import fusedfp8.pytorch.custom_ops as fops
+
+    saved, fops._cpp_state[:] = list(fops._cpp_state), []
+    try:
+        return fops.launch_path() if fops._cpp is None else ("Python", fops._shim.default_on()[1])
+    finally:
+        fops._cpp_state[:] = saved
+
+
 @pytest.mark.gpu
 @pytest.mark.jax_gpu
-def test_jax_auto_lowers_to_the_ffi_handler_on_the_gpu():
+def test_jax_auto_lowers_to_the_ffi_handler_on_the_gpu(monkeypatch):
     import jax
     import jax.numpy as jnp
 
     from fusedfp8.jax import primitives as JP
 
+    monkeypatch.setenv("FUSEDFP8_SHIM", "1")
     assert JP.launch_path()[0] == "ffi", JP.launch_path()
     recipe, x, dy, state = _jax_case((64, 128), jnp.bfloat16, True)
     text = jax.jit(lambda x, s: JP.quantize(x, s, 0, recipe, transpose=True)).lower(x, state()).as_text()
