@@ -25,7 +25,7 @@ from fusedfp8 import __main__ as cli
 from fusedfp8 import _cuda
 from fusedfp8.demo import bench as demo_bench
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--hidden", "32", "--ffn", "64", "--tokens", "48"]
 GPU_OK = _cuda.probe()[0]
 FP8_GEMM_OK = _cuda.probe(need_fp8_gemm=True)[0]

@@ -1,0 +1,247 @@
+"""State integrity of the JAX front end (issue 16): a module that gets no cotangent (2), a module
+used several times in one step (3), second derivatives (4), denormal scales on the jax.numpy
+path (7), donating a fresh meta (12), a CUDA impl without a GPU (16), a numpy state (17)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax.training import train_state
+
+import fusedfp8 as ff
+from fusedfp8._cuda import probe
+from fusedfp8.jax import fp8_dot, fp8_mlp
+from fusedfp8.jax import primitives as P
+from fusedfp8.jax.flax import OVERWRITE_WITH_GRADIENT as FP8
+from fusedfp8.jax.flax import Fp8DotGeneral, Fp8MLP, TrainState
+from fusedfp8.jax.meta import fresh_meta
+from fusedfp8.numerics import reference as ref
+
+R = ff.DelayedScaling(amax_history_len=8)
+X = jax.random.normal(jax.random.key(0), (32, 16), jnp.float32)
+Y = jax.random.normal(jax.random.key(1), (32, 16), jnp.float32)
+
+
+def _dense(recipe, name=None):
+    return nn.Dense(16, dot_general_cls=lambda: Fp8DotGeneral(recipe=recipe), name=name)
+
+
+class _NoCotangent(nn.Module):
+    """``a`` reaches the loss; ``b`` runs but its output gets no cotangent (how: stop_gradient,
+    unused, or the branch not taken by lax.cond)."""
+    how: str
+    recipe: ff.DelayedScaling
+
+    @nn.compact
+    def __call__(self, x):
+        a = _dense(self.recipe, "a")(x)
+        b = _dense(self.recipe, "b")
+        if self.how == "stop_gradient":
+            return a + jax.lax.stop_gradient(b(x))
+        if self.how == "unused":
+            b(x)
+            return a
+        # a branch never taken (flax's lifted cond; its variables made at init, outside the cond)
+        if self.is_initializing():
+            b(x)
+        taken = nn.cond(jnp.sum(x) > 1e9, lambda mdl, v: mdl(v), lambda mdl, v: jnp.zeros((v.shape[0], 16), v.dtype),
+                        b, x)
+        return a + taken
+
+
+def _train(model, state_cls, steps):
+    v = model.init(jax.random.key(2), X)
+    st = state_cls.create(apply_fn=model.apply, params=v, tx=optax.adam(1e-3))
+
+    @jax.jit
+    def step(st):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((st.apply_fn(p, X) - Y) ** 2))(st.params)
+        return st.apply_gradients(grads=g), loss
+
+    losses = []
+    for _ in range(steps):
+        st, loss = step(st)
+        losses.append(float(loss))
+    return v, st, losses
+
+
+# ---- 2. no cotangent ------------------------------------------------------------------------------
+NO_COTANGENT = [("stop_gradient", "current"), ("stop_gradient", "unit"), ("unused", "current"),
+                ("untaken_branch", "unit")]
+
+
+@pytest.mark.parametrize("how, first_step", NO_COTANGENT)
+def test_fusedfp8_train_state_keeps_the_state_of_a_module_without_cotangent(how, first_step):
+    recipe = ff.DelayedScaling(amax_history_len=8, first_step=first_step)
+    v, st, losses = _train(_NoCotangent(how, recipe), TrainState, 3)
+    assert np.all(np.isfinite(losses))
+    before, after = v[FP8]["b"]["Fp8DotGeneral_0"], st.params[FP8]["b"]["Fp8DotGeneral_0"]
+    for k in before:
+        np.testing.assert_array_equal(np.asarray(after[k]), np.asarray(before[k]), err_msg=k)
+    a = st.params[FP8]["a"]["Fp8DotGeneral_0"]
+    assert np.asarray(a["updates"]).tolist() == [2, 2, 2]  # the module that trains still advances
+
+
+@pytest.mark.parametrize("how, first_step", [("stop_gradient", "unit"), ("untaken_branch", "current")])
+def test_with_flax_train_state_a_module_without_cotangent_restarts_never_zeroes(how, first_step):
+    """flax's own TrainState writes the zero gradient over the state: the marker shows it, and
+    the next forward starts that module over (scale 1 or its current amax): never scale 0, never
+    a NaN loss."""
+    recipe = ff.DelayedScaling(amax_history_len=8, first_step=first_step)
+    _, st, losses = _train(_NoCotangent(how, recipe), train_state.TrainState, 3)
+    assert np.all(np.isfinite(losses))
+    b = st.params[FP8]["b"]["Fp8DotGeneral_0"]
+    assert np.asarray(b["writes"]).tolist() == [0, 0, 0]  # zeroed by the overwrite, and marked so
+    out = st.apply_fn(st.params, X)
+    assert np.all(np.isfinite(np.asarray(out)))
+
+
+# ---- 3. one module used several times in a step ---------------------------------------------------
+class _Shared(nn.Module):
+    uses: int
+
+    @nn.compact
+    def __call__(self, x):
+        d = _dense(R)
+        for _ in range(self.uses):
+            self.sow("intermediates", "inputs", x)
+            x = d(x)
+        return x
+
+
+@pytest.mark.parametrize("state_cls, uses", [(train_state.TrainState, 2), (TrainState, 3)])
+def test_a_shared_module_advances_once_per_step_and_max_accumulates(state_cls, uses):
+    steps = 4
+    model = _Shared(uses)
+    v, st, losses = _train(model, state_cls, steps)
+    s = {k: np.asarray(a) for k, a in st.params[FP8]["Dense_0"]["Fp8DotGeneral_0"].items()}
+    assert s["updates"].tolist() == [steps - 1] * 3  # once per step, not uses times
+    assert s["writes"].tolist() == [1, 1, 1]
+    np.testing.assert_allclose(s["scale"] * s["scale_inv"], 1.0, rtol=2e-7)  # never doubled
+    # the staged input amax of the first step: the max over every use's input, exactly
+    v0 = jax.tree.map(lambda a: a, v)
+    _, sown = model.apply(v0, X, mutable=["intermediates"])
+    inputs = sown["intermediates"]["inputs"]
+    assert len(inputs) == uses
+    g = jax.grad(lambda p: jnp.mean((model.apply(p, X) - Y) ** 2))(v0)
+    staged = np.asarray(g[FP8]["Dense_0"]["Fp8DotGeneral_0"]["amax_history"])[0]
+    assert staged[0] == max(float(jnp.max(jnp.abs(i))) for i in inputs)
+    assert staged[1] == float(jnp.max(jnp.abs(v0["params"]["Dense_0"]["kernel"])))
+    assert staged[2] > 0
+
+
+def test_a_reused_fp8_mlp_advances_once_per_step():
+    class Twice(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            m = Fp8MLP(32, recipe=R)
+            return m(m(x))
+
+    _, st, losses = _train(Twice(), TrainState, 3)
+    for fc in ("fc1", "fc2"):
+        s = st.params[FP8]["Fp8MLP_0"][fc]
+        assert np.asarray(s["updates"]).tolist() == [2, 2, 2]
+        assert np.asarray(s["writes"]).tolist() == [1, 1, 1]
+
+
+def test_two_unchained_uses_of_one_meta_are_marked_and_never_doubled():
+    """The functional fp8_dot cannot chain two calls that share a meta: their new metas are
+    summed by autodiff. The marker (2) shows it and the next step starts the meta over."""
+    meta = fresh_meta(R)
+    w = jax.random.normal(jax.random.key(3), (16, 16))
+    new = jax.grad(lambda m: jnp.sum(fp8_dot(X, w, m, R)) + jnp.sum(fp8_dot(X * 2, w, m, R)))(meta)
+    assert np.asarray(new[5]).tolist() == [2, 2, 2]
+    y = jax.grad(lambda m: jnp.sum(fp8_dot(X, w, m, R)))(new)  # decodes: a fresh start, scale 1 -> current
+    assert np.asarray(y[5]).tolist() == [1, 1, 1] and np.asarray(y[4]).tolist() == [0, 0, 0]
+
+
+# ---- 4. second derivatives --------------------------------------------------------------------------
+def _penalty_fns():
+    w = jax.random.normal(jax.random.key(4), (16, 16)) * 0.1
+    w2 = jax.random.normal(jax.random.key(5), (32, 16)) * 0.1
+    w1 = jax.random.normal(jax.random.key(6), (16, 32)) * 0.1
+    meta = fresh_meta(R)
+    dot = lambda x: jnp.sum((x + fp8_dot(x, w, meta, R)) ** 2)
+    mlp = lambda x: jnp.sum((x + fp8_mlp(x, w1, jnp.zeros(32), w2, jnp.zeros(16), meta, fresh_meta(R), R)) ** 2)
+    dense = _dense(R)
+    v = dense.init(jax.random.key(7), X)
+    flax_ = lambda x: jnp.sum((x + dense.apply(v, x)) ** 2)
+    return {"fp8_dot": dot, "fp8_mlp": mlp, "flax": flax_}
+
+
+@pytest.mark.parametrize("kind", ["fp8_dot", "fp8_mlp", "flax"])
+def test_second_derivatives_are_refused_clearly(kind):
+    f = _penalty_fns()[kind]
+    jax.grad(f)(X)  # first order works
+    with pytest.raises(TypeError, match="second derivatives"):
+        jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2))(X)
+    if kind == "fp8_dot":
+        with pytest.raises(TypeError, match="second derivatives"):
+            jax.hessian(f)(X[:4])
+
+
+# ---- 7. denormal scales on the jax.numpy path ------------------------------------------------------
+@pytest.mark.parametrize("fmt_grad", [False, True], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("scale", [1e-39, 1e-45, np.float32(1) / np.finfo(np.float32).max])
+def test_a_denormal_scale_quantizes_as_the_reference(fmt_grad, scale):
+    x = np.array([np.inf, -np.inf, 3e38, -3e38, 1.0, 0.0, -1e-39, 1e30, np.nan], np.float32)
+    state = ff.ScalingState.create([fmt_grad], R)
+    state = state.replace(scale=np.array([scale], np.float32), updates=np.ones(1, np.int32))
+    r, _ = jax.jit(lambda x, s: P.quantize(x, s, 0, R, impl="jnp"))(jnp.asarray(x), state)
+    want = ref.quantize(x, np.array([scale], np.float32), "e5m2" if fmt_grad else "e4m3").data
+    np.testing.assert_array_equal(np.asarray(r.data).view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_dequantize_with_a_denormal_scale_inv_matches_the_reference_where_the_result_is_normal(fmt):
+    q = np.array([448.0, -448.0, 240.0, 16.0, 4.0, -4.0], np.float32).astype(fmt)
+    si = np.array([np.float32(1) / np.finfo(np.float32).max], np.float32)
+    got = np.asarray(jax.jit(P.dequantize)(jnp.asarray(q), jnp.asarray(si)))
+    np.testing.assert_array_equal(got, ref.dequantize(q, si))
+    assert np.all(got != 0)
+
+
+# ---- 12. a fresh meta can be donated ----------------------------------------------------------------
+def test_a_fresh_meta_can_be_donated_to_a_jitted_step():
+    meta = fresh_meta(R)
+    ptrs = {m.unsafe_buffer_pointer() for m in meta}
+    assert len(ptrs) == len(meta)
+    w = jax.random.normal(jax.random.key(8), (16, 16))
+    step = jax.jit(lambda m: jax.grad(lambda mm: jnp.sum(fp8_dot(X, w, mm, R)))(m), donate_argnums=0)
+    new = step(meta)
+    assert np.asarray(new[5]).tolist() == [1, 1, 1]
+
+
+# ---- 16. a CUDA impl where no kernel can run --------------------------------------------------
+@pytest.mark.skipif(probe()[0], reason="a usable GPU is present: impl='kernel' is legal here")
+@pytest.mark.parametrize("impl", ["ffi", "callback", "callback_no_cmdbuf"])
+def test_a_cuda_impl_without_a_gpu_is_refused_naming_impl(impl):
+    state = ff.ScalingState.create(3, R)
+    with pytest.raises(ValueError, match=rf"^impl='{impl}' runs the CUDA kernels, which cannot run here"):
+        P.quantize(X, state, 0, R, impl=impl)
+    with pytest.raises(ValueError, match=r"^impl="):
+        fp8_dot(X, jnp.ones((16, 16)), fresh_meta(R), R, impl=impl)
+
+
+# ---- 17. a numpy state -------------------------------------------------------------------------------
+def test_a_numpy_state_is_taken_by_the_jax_functions():
+    np_state = ff.ScalingState.create([False, True], R)
+    jx_state = ff.ScalingState.create([False, True], R, like=jnp.zeros(1))
+    r1, s1 = P.quantize(X, np_state, 1, R, transpose=True)
+    r2, s2 = P.quantize(X, jx_state, 1, R, transpose=True)
+    np.testing.assert_array_equal(np.asarray(r1.data).view(np.uint8), np.asarray(r2.data).view(np.uint8))
+    import fusedfp8.jax as fj
+
+    u1, u2 = fj.update_scales(s1, R), fj.update_scales(s2, R)
+    for f in ("amax_history", "scale", "scale_inv", "overflows", "updates"):
+        np.testing.assert_array_equal(np.asarray(getattr(u1, f)), np.asarray(getattr(u2, f)))
+
+
+def test_a_torch_state_is_refused_by_the_jax_functions():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"^state\.amax_history: fusedfp8\.jax needs jax \(or numpy\) arrays"):
+        P.quantize(X, ff.ScalingState.create(2, R, like=torch.zeros(1)), 0, R)
