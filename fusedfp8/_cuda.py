@@ -215,23 +215,40 @@ def sm_count(device_id: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _gpu_count() -> tuple[int, str]:
+    """(number of CUDA devices, why none) from the driver itself (no CuPy needed)."""
+    lib = driver()
+    if lib is None:
+        return 0, "no CUDA GPU (no NVIDIA driver: libcuda.so.1 cannot be loaded)"
+    err = lib.cuInit(0)
+    if err:
+        return 0, f"no CUDA GPU (the NVIDIA driver does not initialise: CUDA error {err})"
+    n = ctypes.c_int(0)
+    err = lib.cuDeviceGetCount(ctypes.byref(n))
+    return (n.value, "") if not err and n.value else (0, "no CUDA GPU (the driver sees no device)")
+
+
+@functools.lru_cache(maxsize=None)
 def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
     """(ok, reason): can the kernels run here? One probe feeds every GPU skip marker.
 
-    Reasons are distinct: CuPy missing, no CUDA device, a device below sm_89 (no FP8
-    conversion instructions), and with ``need_fp8_gemm`` a device below sm_89 for FP8 GEMMs.
+    The reason names the first thing a user could change: no CUDA GPU (no driver, or no device),
+    then CuPy not installed, then a device below sm_89 (no FP8 conversion instructions; with
+    ``need_fp8_gemm``, no FP8 GEMMs).
     """
+    count, why = _gpu_count()
+    if count == 0:
+        return False, why
+    if count <= device_id:
+        return False, f"no CUDA device {device_id} (found {count})"
     try:
         import cupy
     except ImportError:
         return False, "CuPy is not installed (pip install 'fusedfp8[cuda]')"
     try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no driver, no device
-        return False, f"no CUDA GPU ({type(e).__name__}: {e})"
-    if count <= device_id:
-        return False, "no CUDA GPU" if count == 0 else f"no CUDA device {device_id} (found {count})"
-    cc = str(cupy.cuda.Device(device_id).compute_capability)  # e.g. '90'
+        cc = str(cupy.cuda.Device(device_id).compute_capability)  # e.g. '90'
+    except Exception as e:  # noqa: BLE001 - a driver CuPy cannot use (too old for its runtime, ...)
+        return False, f"CuPy cannot use CUDA device {device_id} ({type(e).__name__}: {e})"
     major, minor = int(cc[:-1]), int(cc[-1])
     if (major, minor) < (8, 9):
         what = "FP8 GEMMs" if need_fp8_gemm else "FP8 conversion instructions"
