@@ -210,6 +210,7 @@ def main(argv=None) -> int:
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=2))
+    dist.barrier()  # rank 0 hosts the store: no rank leaves while another still needs it
     dist.destroy_process_group()
     return 0 if identical and (scales_updated or args.model == "bf16") else 1
 
