@@ -25,6 +25,7 @@ import torch
 import fusedfp8
 from fusedfp8.formats import get_format
 from support import fuzz as F
+from support.torch_helpers import one_torch_thread  # noqa: F401  (autouse: one intra-op thread)
 from support.frameworks import to_torch
 
 # (count, max elements) per sweep and device
@@ -36,13 +37,6 @@ SWEEPS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: intra-op threads only contend on a loaded 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("op", F.OPS)

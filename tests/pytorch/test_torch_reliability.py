@@ -18,18 +18,12 @@ import pytest
 import torch
 
 from support import checkpoint as C
+from support.torch_helpers import one_torch_thread  # noqa: F401  (autouse: one intra-op thread)
 from support import reliability as rel
 
 pytestmark = pytest.mark.fp8_gemm  # (on the GPU: torch._scaled_mm)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: intra-op threads only contend (20x slower on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("fault", rel.FAULTS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import fusedfp8.pytorch as fp8
@@ -57,3 +58,13 @@ class Spy:
             return out
 
         monkeypatch.setattr(A8, "scaled_mm", spy)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op torch thread for the test (small tensors: more threads only contend, 20x slower
+    on a loaded 2-core machine). Autouse where a module binds it to a name."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
