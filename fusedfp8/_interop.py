@@ -53,18 +53,17 @@ class ArrayInfo:
     writable: bool = True  # can be written in place (numpy scalars, read-only views, jax arrays cannot)
     why_not_writable: str = ""
 
+    size: int = 0  # element count (set from the shape)
+    mutable: bool = True  # arrays of this framework can be written in place (jax arrays cannot)
+    _range: tuple | None = None
+
+    def __post_init__(self):
+        self.size = math.prod(self.shape)
+        self.mutable = _ADAPTERS[self.framework].mutable
+
     @property
     def is_gpu(self) -> bool:
         return self.device >= 0
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def mutable(self) -> bool:
-        """Arrays of this framework can be written in place (jax arrays cannot)."""
-        return self.adapter.mutable
 
     @property
     def adapter(self) -> "_Adapter":
@@ -75,8 +74,10 @@ class ArrayInfo:
 
     def byte_range(self) -> tuple[int, int]:
         """[start, end) of the bytes of a contiguous array."""
-        start = self.ptr or self.adapter.host_address(self.array)
-        return start, start + self.size * _ITEMSIZE.get(self.dtype, 8)
+        if self._range is None:
+            start = self.ptr or self.adapter.host_address(self.array)
+            self._range = (start, start + self.size * _ITEMSIZE.get(self.dtype, 8))
+        return self._range
 
 
 class _Adapter:
@@ -355,9 +356,7 @@ def host_copy(a) -> np.ndarray:
 def overlaps(a: ArrayInfo, b: ArrayInfo) -> bool:
     """Whether two contiguous arrays share bytes (jax arrays are immutable and alias nothing
     that is written)."""
-    if not (a.mutable and b.mutable) or a.size == 0 or b.size == 0:
-        return False
-    if (a.framework, a.device) != (b.framework, b.device):
+    if a.device != b.device or a.framework != b.framework or not a.mutable or not a.size or not b.size:
         return False
     a0, a1 = a.byte_range()
     b0, b1 = b.byte_range()
