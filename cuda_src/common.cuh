@@ -108,10 +108,10 @@ template <int THREADS> __device__ __forceinline__ void block_amax_atomic(u32 v, 
         v = lane < THREADS / 32 ? warp_max[lane] : 0u;
         for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
         if (v > 0x7f800000u) v = 0x7fc00000u;
-        if (lane == 0 && v != 0u) {
+        if (lane == 0) {
             u32* slot = reinterpret_cast<u32*>(dst);
-            atomicCAS(slot, 0x80000000u, 0u);  // a slot holding -0 holds 0 (its bits would outrank every amax)
-            atomicMax(slot, v);
+            atomicCAS(slot, 0x80000000u, 0u);  // a slot holding -0 holds 0 (its bits would outrank every amax),
+            if (v != 0u) atomicMax(slot, v);    // also when this block's amax is 0
         }
     }
 }

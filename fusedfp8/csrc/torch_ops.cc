@@ -76,7 +76,7 @@ PyObject* ivalue_to_py(const c10::IValue& v, const c10::Argument& arg) {
   if (v.isNone()) Py_RETURN_NONE;
   if (v.isBool()) return PyBool_FromLong(v.toBool());
   if (v.isInt()) {
-    if (arg.type()->kind() == c10::TypeKind::ScalarTypeType) {
+    if (arg.real_type()->kind() == c10::TypeKind::ScalarTypeType) {  // type() says int for a ScalarType
       PyObject* d = reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<at::ScalarType>(v.toInt())));
       Py_INCREF(d);
       return d;
