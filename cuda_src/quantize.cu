@@ -84,8 +84,8 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 }
 
 // ---------------------------------------------------------------------------------------------
-// quantize_tiled: x viewed as rows x cols (row-major). Writes q (rows x cols), optionally q_t
-// (cols x rows, row-major: the transpose) and optionally dbias (column sums of the unquantized
+// quantize_tiled: x viewed as rows x cols (row-major). Writes q (prows x pcols), optionally q_t
+// (pcols x prows, row-major: the transpose) and optionally dbias (column sums of the unquantized
 // values, float32, deterministic: per-tile partial sums in a fixed order, then the last tile of
 // each column strip to finish adds the partials in tile order).
 // Tile: 128 rows x 64 cols; block: 256 threads; grid: min(tiles, 4 * SMs), grid-stride.
@@ -95,6 +95,12 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 // 4(t%16)..+3 in rows 8(t/16)..+7 (conflict-free with the 72-byte pitch), transposes the bytes
 // with byte_perm, and writes 8 bytes to each of 4 rows of q_t.
 // Edge tiles are done element by element with bounds checks. One atomicMax per block.
+// Padding (prows >= rows, pcols >= cols; both rounded up to 16 for cuBLASLt's FP8 GEMMs, which
+// need every dimension a multiple of 16): q and q_t are written with the padded pitches and hold
+// zeros outside the rows x cols corner, so a GEMM over the padded operands sums exact zeros there;
+// the pad takes no part in the amax or dbias. Tiles cover the padded shape (for a pad to 16 that
+// is the same tile grid: 128 and 64 are multiples of 16); the dbias workspace has one row per
+// row tile and one counter per column strip of the padded shape.
 // ---------------------------------------------------------------------------------------------
 #define TILE_R 128
 #define TILE_C 64
@@ -116,8 +122,9 @@ __global__ void __launch_bounds__(256) quantize_tiled(
     float* scale_inv_used,            // [1] or null: 1 / the scale this launch used (any step)
     const int* updates,               // [1] or null: first-step flag
     i64 rows, i64 cols,               // logical shape
-    int vec,                          // 1: x, b, q 16-byte aligned and cols % 8 == 0
-    int vec_t,                        // 1: q_t 8-byte aligned and rows % 8 == 0
+    i64 prows, i64 pcols,             // padded shape of q (q_t: pcols x prows), >= rows, cols
+    int vec,                          // 1: x, b, q 16-byte aligned and cols % 8 == 0 == pcols % 8
+    int vec_t,                        // 1: q_t 8-byte aligned and prows % 8 == 0
     float margin_factor)              // 2**margin
 {
     __shared__ __align__(16) u8 tile[TILE_R][TILE_PITCH];
@@ -126,13 +133,13 @@ __global__ void __launch_bounds__(256) quantize_tiled(
     float s;
     const bool fresh = launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, &s);
     if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
-    const i64 tiles_r = (rows + TILE_R - 1) / TILE_R, tiles_c = (cols + TILE_C - 1) / TILE_C;
+    const i64 tiles_r = (prows + TILE_R - 1) / TILE_R, tiles_c = (pcols + TILE_C - 1) / TILE_C;
     const int t = threadIdx.x, lr = t >> 3, lc = (t & 7) * 8;
     u32 m = 0;
     for (i64 tile_id = blockIdx.x; tile_id < tiles_r * tiles_c; tile_id += gridDim.x) {
         const i64 tr = tile_id / tiles_c, tc = tile_id % tiles_c;
         const i64 r0 = tr * TILE_R, c0 = tc * TILE_C;
-        const bool full = r0 + TILE_R <= rows && c0 + TILE_C <= cols;
+        const bool full = r0 + TILE_R <= rows && c0 + TILE_C <= cols;  // no edge, no pad
         float csum[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) csum[j] = 0.0f;
@@ -155,7 +162,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                     v[p][j] = fmul(y, s);
                 }
                 const u64 bytes = cvt8<FMT>(v[p]);
-                *reinterpret_cast<u64*>(q + (r0 + r) * cols + c0 + lc) = bytes;
+                *reinterpret_cast<u64*>(q + (r0 + r) * pcols + c0 + lc) = bytes;
                 if (q_t != nullptr) *reinterpret_cast<u64*>(&tile[r][lc]) = bytes;
             }
         } else {
@@ -174,7 +181,9 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                         m = max(m, abs_bits(y));
                         csum[j] = fadd(csum[j], y);
                         byte = cvt1<FMT>(fmul(y, s));
-                        q[off] = byte;
+                        q[gr * pcols + gc] = byte;
+                    } else if (gr < prows && gc < pcols) {
+                        q[gr * pcols + gc] = 0;  // the pad
                     }
                     bytes |= (u64)byte << (8 * j);
                 }
@@ -198,11 +207,11 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                 const u32 hi = __byte_perm(__byte_perm(wd[4], wd[5], sel), __byte_perm(wd[6], wd[7], sel), 0x5410);
                 const i64 gc = c0 + cg + k, gr = r0 + rg;
                 if (full && vec_t) {
-                    *reinterpret_cast<u64*>(q_t + gc * rows + gr) = (u64)lo | ((u64)hi << 32);
-                } else if (gc < cols) {
+                    *reinterpret_cast<u64*>(q_t + gc * prows + gr) = (u64)lo | ((u64)hi << 32);
+                } else if (gc < pcols) {
                     const u64 both = (u64)lo | ((u64)hi << 32);
                     for (int i = 0; i < 8; ++i)
-                        if (gr + i < rows) q_t[gc * rows + gr + i] = (u8)(both >> (8 * i));
+                        if (gr + i < prows) q_t[gc * prows + gr + i] = (u8)(both >> (8 * i));
                 }
             }
         }

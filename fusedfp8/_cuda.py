@@ -140,7 +140,7 @@ compile_count = 0  # modules compiled (or loaded from CuPy's disk cache) in this
 SIGNATURES = {
     "flat": "@9Pqf",         # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                              #                updates, n, margin
-    "tiled": "@13Pqqiif",    # quantize_tiled: 13 pointers, rows, cols, vec, vec_t, margin
+    "tiled": "@13Pqqqqiif",  # quantize_tiled: 13 pointers, rows, cols, prows, pcols, vec, vec_t, margin
     "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
     "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
 }
@@ -296,20 +296,30 @@ def aligned(*ptrs: int) -> bool:
     return all(q % 16 == 0 for q in ptrs)
 
 
-def dbias_workspace(rows: int, cols: int) -> tuple[tuple[int, int], int]:
+def padded(rows: int, cols: int, pad_to: int = 1) -> tuple[int, int]:
+    """(rows, cols) rounded up to multiples of ``pad_to`` (the shape of a padded FP8 output)."""
+    return -(-rows // pad_to) * pad_to, -(-cols // pad_to) * pad_to
+
+
+def dbias_workspace(rows: int, cols: int, pad_to: int = 1) -> tuple[tuple[int, int], int]:
     """Shapes of the dbias workspaces of the tiled kernel: ``partial`` (float32, (row tiles,
-    cols)) and the int32 ``counters`` (one per column strip; the plan zeroes them first)."""
-    return (max(1, -(-rows // TILE_R)), cols), max(1, -(-cols // TILE_C))
+    cols)) and the int32 ``counters`` (one per column strip; the plan zeroes them first), tiles
+    of the padded shape."""
+    prows, pcols = padded(rows, cols, pad_to)
+    return (max(1, -(-prows // TILE_R)), cols), max(1, -(-pcols // TILE_C))
 
 
 def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, dbias: bool = False,
-                        first: bool = False, margin_factor: float = 1.0, offset: int = 0) -> Plan:
+                        first: bool = False, margin_factor: float = 1.0, offset: int = 0, pad_to: int = 1) -> Plan:
     """The plan of one quantize call over :data:`QUANTIZE_SLOTS` (``refs``: role -> KernelRef of the
     module, ``sms``: the device's multiprocessors). ``offset``: the byte offset of the tensor's
     entry in the scale / amax / scale_out / scale_inv_out / updates slots (4 * index for a state).
-    ``first``: launch the first-step pre-pass, and let the main kernel write the scale it used."""
+    ``first``: launch the first-step pre-pass, and let the main kernel write the scale it used.
+    ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
+    pad; a padded shape always takes the tiled kernel."""
     X, B, Q, QT, DB, PART, CNT, S, A, SO, SIO, SIU, U = range(len(QUANTIZE_SLOTS))
     n = rows * cols
+    prows, pcols = padded(rows, cols, pad_to)
     mf = immf32(margin_factor)
 
     def st(slot):
@@ -324,7 +334,7 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
                                                     ptr(SIU), NULLPTR, imm64(0), mf)))
         return _plan(QUANTIZE_SLOTS, steps)
     if dbias:
-        steps.append(Memset(CNT, 4 * dbias_workspace(rows, cols)[1]))
+        steps.append(Memset(CNT, 4 * dbias_workspace(rows, cols, pad_to)[1]))
     vec = (X, B, Q)
 
     def flat(store):
@@ -338,13 +348,14 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
         steps.append(_launch(flat(0), _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
                                                             NULLPTR, st(U), imm64(n), mf)))
     so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
-    if transpose or dbias:
+    if transpose or dbias or (prows, pcols) != (rows, cols):
         r = refs["tiled"]
         opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((QT, transpose), (DB, dbias), (PART, dbias),
                                                                     (CNT, dbias))}
-        steps.append(_launch([(r, _tiled_grid(r, sms, rows, cols))], 0, 256, (
+        steps.append(_launch([(r, _tiled_grid(r, sms, prows, pcols))], 0, 256, (
             ptr(X), ptr(B), ptr(Q), opt[QT], opt[DB], opt[PART], opt[CNT], st(S), st(A), so, sio, ptr(SIU), u,
-            imm64(rows), imm64(cols), flag(vec, 16, cols % 8 == 0), flag((QT,), 8, transpose and rows % 8 == 0), mf)))
+            imm64(rows), imm64(cols), imm64(prows), imm64(pcols), flag(vec, 16, cols % 8 == 0 and pcols % 8 == 0),
+            flag((QT,), 8, transpose and prows % 8 == 0), mf)))
     else:
         steps.append(_launch(flat(1), _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), so, sio, ptr(SIU),
                                                             u, imm64(n), mf)))
@@ -370,10 +381,11 @@ def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max
 # Cached per signature. Pass the arguments positionally: the cache keys on them as given.
 @functools.lru_cache(maxsize=4096)
 def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: int, transpose: bool = False,
-                  dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0) -> Plan:
+                  dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0,
+                  pad_to: int = 1) -> Plan:
     """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device``."""
     return build_quantize_plan(kernel_refs(ModuleKey("quantize", dtype, fmt, op), device), sm_count(device), rows,
-                               cols, transpose, dbias, first, margin_factor, offset)
+                               cols, transpose, dbias, first, margin_factor, offset, pad_to)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -390,7 +402,7 @@ def update_plan(device: int, n: int, L: int, margin_factor: float, algo_max: boo
 def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, x: int, b: int, q: int,
                     scale: int, amax: int, rows: int, cols: int, q_t: int = 0, dbias: int = 0, partial: int = 0,
                     counters: int = 0, scale_inv_used: int = 0, first: bool = False, updates: int = 0,
-                    scale_out: int = 0, scale_inv_out: int = 0, margin_factor: float = 1.0) -> None:
+                    scale_out: int = 0, scale_inv_out: int = 0, margin_factor: float = 1.0, pad_to: int = 1) -> None:
     """Launch the quantize kernels on raw device pointers (:func:`quantize_plan`, then :func:`execute`).
 
     Parameters
@@ -409,11 +421,13 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
     first : launch the first-step pre-pass; then ``updates`` (int32 flag, 0 = first step),
         ``scale_out`` and ``scale_inv_out`` (the state's entries, written on a first step) are set.
     margin_factor : 2**margin, for the first-step scale.
+    pad_to : q is (rows, cols) rounded up to multiples of it, q_t its transpose, zeros in the pad
+        (:func:`padded`; the dbias workspace too).
     """
     if rows * cols == 0 and not scale_inv_used:
         return
     plan = quantize_plan(device, dtype, fmt, op, rows, cols, bool(q_t), bool(dbias or partial or counters),
-                         bool(first), float(margin_factor), 0)
+                         bool(first), float(margin_factor), 0, int(pad_to))
     execute(plan, (x, b, q, q_t, dbias, partial, counters, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                    updates), stream)
 

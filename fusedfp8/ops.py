@@ -101,7 +101,9 @@ def _refuse_overlaps(written: dict, read: dict) -> None:
 class _Plan:
     """Everything a launch needs, all checked."""
 
-    def __init__(self, x, b, scale, fmt, amax, op, transpose, dbias, argname="x"):
+    def __init__(self, x, b, scale, fmt, amax, op, transpose, dbias, argname="x", pad_to=1):
+        if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to < 1:
+            raise ValueError(f"pad_to must be a positive int (1: no padding; 16: what FP8 GEMMs need); got {pad_to!r}")
         need = transpose or dbias
         what = "transpose=True" if transpose and not dbias else "transpose / dbias"
         self.xi = _check_input(x, argname, need, what)
@@ -141,6 +143,10 @@ class _Plan:
         shape = self.xi.shape
         self.rows = math.prod(shape[:-1])
         self.cols = int(shape[-1]) if shape else 1
+        self.pad_to = int(pad_to)
+        # the shape of q: x's own, or its (rows, cols) view rounded up to multiples of pad_to
+        self.q_shape = shape if pad_to == 1 else _cuda.padded(self.rows, self.cols, self.pad_to)
+        self.prows, self.pcols = _cuda.padded(self.rows, self.cols, self.pad_to)
 
 
 # ---- host path (reference) -------------------------------------------------------------------
@@ -177,23 +183,27 @@ def _host_run(p: _Plan, approximate: str) -> Quantized:
     with np.errstate(all="ignore"):
         res = ref.finish(y, amax_y, np.float32(s), p.fmt, p.transpose)
         scale_inv = np.array([np.float32(1.0) / np.float32(s)], np.float32)
+    data, data_t = res.data, res.data_t
+    if p.pad_to > 1:
+        data = ref.pad2d(data.reshape(p.rows, p.cols), p.prows, p.pcols)
+        data_t = ref.pad2d(data_t, p.pcols, p.prows) if data_t is not None else None
     dbias = io.from_numpy(ref.column_sums(y), p.xi) if p.dbias else None
-    data_t = io.from_numpy(res.data_t, p.xi) if res.data_t is not None else None
-    return Quantized(io.from_numpy(res.data, p.xi), amax_out, data_t, dbias, io.from_numpy(scale_inv, p.xi))
+    data_t = io.from_numpy(data_t, p.xi) if data_t is not None else None
+    return Quantized(io.from_numpy(data, p.xi), amax_out, data_t, dbias, io.from_numpy(scale_inv, p.xi))
 
 
 # ---- device path -----------------------------------------------------------------------------
 def _device_run(p: _Plan, approximate: str) -> Quantized:
     xi = io.device_view(p.xi)
     bi = io.device_view(p.bi) if p.bi is not None else None
-    q = io.empty(p.xi, p.xi.shape, p.fmt.dtype_name)
-    q_t = io.empty(p.xi, (p.cols, p.rows), p.fmt.dtype_name) if p.transpose else None
+    q = io.empty(p.xi, p.q_shape, p.fmt.dtype_name)
+    q_t = io.empty(p.xi, (p.pcols, p.prows), p.fmt.dtype_name) if p.transpose else None
     amax = io.device_view(p.amax) if p.amax is not None else None
     amax_arr = amax.array if amax is not None else io.zeros(p.xi, (1,), "float32")
     scale_inv = io.empty(p.xi, (1,), "float32")
     dbias = partial = counters = None
     if p.dbias:
-        part_shape, n_counters = _cuda.dbias_workspace(p.rows, p.cols)
+        part_shape, n_counters = _cuda.dbias_workspace(p.rows, p.cols, p.pad_to)
         dbias = io.empty(p.xi, (p.cols,), "float32")  # the plan zeroes it when there is nothing to sum
         partial = io.empty(p.xi, part_shape, "float32")
         counters = io.empty(p.xi, (n_counters,), "int32")  # and zeroes the counters before the kernel
@@ -207,7 +217,7 @@ def _device_run(p: _Plan, approximate: str) -> Quantized:
         counters=ptr(counters) if p.dbias else 0, scale_inv_used=ptr(scale_inv), first=first,
         updates=p.updates.ptr if first else 0, scale_out=p.scale.ptr if first else 0,
         scale_inv_out=p.scale_inv.ptr if first else 0,
-        margin_factor=p.slot.margin_factor if p.slot is not None else 1.0)
+        margin_factor=p.slot.margin_factor if p.slot is not None else 1.0, pad_to=p.pad_to)
     c = p.xi
     return Quantized(io.fp8_out(q, p.fmt, c), io.out_for_caller(amax_arr, c) if amax is None else p.amax.array,
                      io.fp8_out(q_t, p.fmt, c) if q_t is not None else None,
@@ -219,7 +229,8 @@ def _run(p: _Plan, approximate: str = "tanh") -> Quantized:
 
 
 # ---- public API ------------------------------------------------------------------------------
-def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose: bool = False) -> Quantized:
+def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose: bool = False,
+             pad_to: int = 1) -> Quantized:
     """Quantize ``x`` to FP8 and compute its amax in one pass.
 
     Parameters
@@ -232,6 +243,11 @@ def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose:
         Max-accumulated in place (NaN-propagating); a new one is returned when omitted.
     transpose : bool
         Also return the quantized transpose of x viewed as (prod(shape[:-1]), shape[-1]).
+    pad_to : int
+        1 (default): ``data`` has x's shape. Else ``data`` is x's (M, N) view with M and N
+        rounded up to multiples of ``pad_to``, and ``data_t`` the (N', M') transpose, zeros in
+        the pad (written by the same kernel): operands for FP8 GEMMs, which need every dimension
+        a multiple of 16. The pad takes no part in the amax.
 
     Returns
     -------
@@ -245,25 +261,25 @@ def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose:
         On a bad dtype, device, shape, format, an output aliasing an input, or a non-contiguous
         input; nothing is written.
     """
-    return _run(_Plan(x, None, scale, fmt, amax, "identity", transpose, False))
+    return _run(_Plan(x, None, scale, fmt, amax, "identity", transpose, False, pad_to=pad_to))
 
 
 def gelu_quantize(x, scale, fmt: str | Format | None = None, *, approximate: str = "tanh", amax=None,
-                  transpose: bool = False) -> Quantized:
+                  transpose: bool = False, pad_to: int = 1) -> Quantized:
     """``y = gelu(x)`` (float32; ``approximate`` 'tanh' or 'none' as in torch / jax.nn.gelu),
     quantized as :func:`quantize` does; ``amax = max |y|``. Same arguments and errors."""
     approximate = check_approximate(approximate)
-    return _run(_Plan(x, None, scale, fmt, amax, "gelu", transpose, False), approximate)
+    return _run(_Plan(x, None, scale, fmt, amax, "gelu", transpose, False, pad_to=pad_to), approximate)
 
 
 def dgelu_quantize(dy, x, scale, fmt: str | Format | None = None, *, approximate: str = "tanh", amax=None,
-                   transpose: bool = False, dbias: bool = False) -> Quantized:
+                   transpose: bool = False, dbias: bool = False, pad_to: int = 1) -> Quantized:
     """The gelu backward: ``dx = dy * gelu'(x)`` in float32, quantized (E5M2 is the usual format
     for gradients); ``amax = max |dx|``; with ``dbias=True`` also the (N,) float32 column sums of
     the unquantized dx over its (M, N) view (deterministic; equal to the reference within float32
     summation order). ``dy`` and ``x``: same shape, dtype and device."""
     approximate = check_approximate(approximate)
-    return _run(_Plan(dy, x, scale, fmt, amax, "dgelu", transpose, dbias, argname="dy"), approximate)
+    return _run(_Plan(dy, x, scale, fmt, amax, "dgelu", transpose, dbias, argname="dy", pad_to=pad_to), approximate)
 
 
 def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = None):

@@ -204,6 +204,7 @@ struct QArgs {
   std::string_view fmt, approximate = "tanh";
   double margin_factor = 1.0;
   bool current_first = false, dbias = false;
+  int64_t pad_to = 1;  // q is (rows, cols) rounded up to multiples of it (and q_t its transpose)
 };
 
 bool same_place(const at::Tensor& t, const at::Tensor& x) {
@@ -247,6 +248,7 @@ std::vector<at::Tensor> quantize(Op op, const QArgs& a, MakeArgs make_args) {
   v[19] = a.current_first;
   v[20] = a.dbias;
   v[21] = float_bits(a.margin_factor);
+  v[22] = a.pad_to;
   const bool exact = v[17] >= 0 && v[18] >= 0;  // a format or approximation alias is checked at every call
   std::shared_ptr<const Entry> e = cheap_ok && exact ? find(k) : nullptr;
   if (e == nullptr) {
@@ -256,8 +258,10 @@ std::vector<at::Tensor> quantize(Op op, const QArgs& a, MakeArgs make_args) {
   c10::DeviceGuard guard(x.device());
   const at::ScalarType fp8 = e->e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn;
   const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor q = at::empty(x.sizes(), x.options().dtype(fp8));
-  at::Tensor q_t = has_transpose(op) ? at::empty({cols, rows}, x.options().dtype(fp8)) : at::Tensor();
+  const int64_t p = a.pad_to > 1 ? a.pad_to : 1;  // checked > 0 by Python with the signature
+  const int64_t prows = (rows + p - 1) / p * p, pcols = (cols + p - 1) / p * p;
+  at::Tensor q = p > 1 ? at::empty({prows, pcols}, x.options().dtype(fp8)) : at::empty(x.sizes(), x.options().dtype(fp8));
+  at::Tensor q_t = has_transpose(op) ? at::empty({pcols, prows}, x.options().dtype(fp8)) : at::Tensor();
   at::Tensor si = at::empty({1}, f32);
   at::Tensor db, partial, counters;
   if (a.dbias) {
@@ -298,6 +302,7 @@ QArgs qargs_from_stack(Op op, c10::ArrayRef<c10::IValue> s) {
   a.current_first = s[i++].toBool();
   if (has_approximate(op)) a.approximate = s[i++].toStringRef();
   if (op == kDgeluT) a.dbias = s[i++].toBool();
+  if (i < s.size()) a.pad_to = s[i].isInt() ? s[i].toInt() : s[i].toSymInt().guard_int(__FILE__, __LINE__);
   return a;
 }
 
@@ -502,8 +507,9 @@ PyObject* py_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
       return THPVariable_Wrap(dequantize(q, si, reinterpret_cast<THPDtype*>(a[2])->scalar_type, make_args));
     }
     const Py_ssize_t want = 9 + (op == kDgeluT) + has_approximate(op) + (op == kDgeluT);
-    if (n != want) {
-      PyErr_Format(PyExc_TypeError, "fusedfp8: %s takes %zd arguments; got %zd", kOpNames[op], want, n);
+    if (n != want && n != want + 1) {  // + pad_to (default 1)
+      PyErr_Format(PyExc_TypeError, "fusedfp8: %s takes %zd or %zd arguments; got %zd", kOpNames[op], want,
+                   want + 1, n);
       return nullptr;
     }
     QArgs q;
@@ -527,6 +533,10 @@ PyObject* py_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
       const int db = PyObject_IsTrue(a[i++]);
       if (db < 0) return nullptr;
       q.dbias = db;
+    }
+    if (n == want + 1) {
+      q.pad_to = PyLong_AsLongLong(a[i++]);
+      if (q.pad_to == -1 && PyErr_Occurred()) return nullptr;
     }
     return wrap_all(quantize(op, q, make_args));
   }

@@ -99,6 +99,14 @@ def finish(v: np.ndarray, amax_v, scale, fmt, transpose: bool, dbias=None) -> Qu
     return Quantized(q, amax_v, q_t, dbias)
 
 
+def pad2d(q: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """The 2-D ``q`` in the top-left corner of a (rows, cols) array of zeros of its dtype (the
+    padded FP8 operands of the kernels' ``pad_to``)."""
+    out = np.zeros((rows, cols), q.dtype)
+    out[:q.shape[0], :q.shape[1]] = q
+    return out
+
+
 def quantize(x, scale, fmt: str | Format = "e4m3", transpose: bool = False) -> Quantized:
     """``q = fp8(float32(x) * scale)``, ``amax = max |x|``; optionally also ``q.T`` (2-D view)."""
     v = to_float32(x)

@@ -11,7 +11,15 @@ its transpose (``x_t`` (K, M), ``w_t`` (K, N), ``g_t`` (N, M)):
     wgrad    dw = g.T @ x   = _scaled_mm(g_t_q, x_t_q.t())    (N, M) x (M, K)
 
 so the forward saves only ``x_t_q``, ``w_t_q`` and their ``scale_inv``, never the bf16 input or
-weight. Their backwards are FP8 GEMMs of saved FP8 tensors, not differentiable again: they are
+weight.
+
+Any shape. cuBLASLt's FP8 GEMMs need every dimension a multiple of 16. When one is not (a last
+batch of 1000 tokens, a vocabulary of 50257), every operand of the layer is quantized with
+``pad_to=16``: the quantize kernels write it (and its transpose) into a buffer rounded up to
+multiples of 16 with zeros in the pad, in the same pass, so the GEMMs run on the padded operands
+(the zeros add exact zeros to every sum) and their results are sliced back. Token counts
+(rows) slice for free (a contiguous view); ragged feature dimensions cost a slice, a copy of
+the MLP's pre-activation and a padded bias. The CPU emulation runs the same padded path. Their backwards are FP8 GEMMs of saved FP8 tensors, not differentiable again: they are
 ``once_differentiable`` (a second derivative, e.g. a gradient penalty, raises instead of being
 silently wrong). Every ``scale_inv`` handed to a GEMM is the one the quantize kernel wrote into a (1,)
 buffer of its own: 16-byte aligned as cuBLASLt requires (column views of the state are not),
@@ -57,8 +65,8 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
 
     Returns
     -------
-    (M, N) tensor of ``out_dtype``. CUDA runs ``torch._scaled_mm`` (every dimension a multiple
-    of 16: checked by the callers); the CPU computes the float32 product of the exact FP8 values,
+    (M, N) tensor of ``out_dtype``. CUDA runs ``torch._scaled_mm`` (K and N multiples of 16: the
+    callers pad the operands); the CPU computes the float32 product of the exact FP8 values,
     scales it by ``scale_a * scale_b`` and adds the bias in float32.
     """
     if a.shape[0] == 0 or a.shape[1] == 0 or b.shape[1] == 0:  # nothing to multiply: as torch's matmul
@@ -77,6 +85,20 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
         if bias is not None:
             y = y + bias.float()
         return y.to(out_dtype)
+
+
+def _pad_of(*dims: int) -> int:
+    """16 when a GEMM dimension is not a multiple of 16 (then every operand is padded), else 1."""
+    return 16 if any(d % 16 for d in dims) else 1
+
+
+def _unpad(t: Tensor, rows: int, cols: int) -> Tensor:
+    """The (rows, cols) corner of a padded GEMM result (a view; contiguous when only rows were padded)."""
+    return t if tuple(t.shape) == (rows, cols) else t[:rows, :cols]
+
+
+def _padded_bias(bias: Tensor | None, n: int) -> Tensor | None:
+    return bias if bias is None or bias.shape[0] == n else torch.nn.functional.pad(bias, (0, n - bias.shape[0]))
 
 
 def _as_2d(t: Tensor) -> Tensor:
@@ -138,11 +160,11 @@ def quantize_ste(x: Tensor, state: ScalingState, index: int, recipe: DelayedScal
 
 # ---- FP8 linear ------------------------------------------------------------------------------
 def _quantize(x: Tensor, state: tuple, index: int, fmt: str, margin_factor: float, current_first: bool,
-              transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+              transpose: bool, pad_to: int = 1) -> tuple[Tensor, Tensor | None, Tensor]:
     """(q, q_t or None, scale_inv) of tensor ``index``, with the transpose only when asked."""
     if transpose:
-        return fops.call(fops.quantize_t, x, *state, index, fmt, margin_factor, current_first)
-    q, si = fops.call(fops.quantize, x, *state, index, fmt, margin_factor, current_first)
+        return fops.call(fops.quantize_t, x, *state, index, fmt, margin_factor, current_first, pad_to)
+    q, si = fops.call(fops.quantize, x, *state, index, fmt, margin_factor, current_first, pad_to)
     return q, None, si
 
 
@@ -161,12 +183,16 @@ class _LinearFn(torch.autograd.Function):
         state = (amax_history, scale, scale_inv, updates)
         x2 = _as_2d(x).contiguous()
         w = weight.contiguous()
-        x_q, x_t, x_si = _quantize(x2, state, col, fwd_fmt, margin_factor, current_first, need_wgrad)
-        w_q, w_t, w_si = _quantize(w, state, col + 1, fwd_fmt, margin_factor, current_first, need_dgrad)
-        y = scaled_mm(x_q, w_q.t(), x_si, w_si, bias, x.dtype, fast_accum=True)
+        (m, k), n = x2.shape, w.shape[0]
+        pad = _pad_of(k, n, *((m,) if need_wgrad else ()))  # tokens are a GEMM's K only in wgrad
+        x_q, x_t, x_si = _quantize(x2, state, col, fwd_fmt, margin_factor, current_first, need_wgrad, pad)
+        w_q, w_t, w_si = _quantize(w, state, col + 1, fwd_fmt, margin_factor, current_first, need_dgrad, pad)
+        y = scaled_mm(x_q, w_q.t(), x_si, w_si, _padded_bias(bias, w_q.shape[0]), x.dtype, fast_accum=True)
+        y = _unpad(y, m, n)
         ctx.save_for_backward(x_t, w_t, x_si, w_si)
         ctx.state, ctx.col = state, col
         ctx.cfg = (grad_fmt, margin_factor, current_first)
+        ctx.dims = (m, k, n, pad)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -179,12 +205,13 @@ class _LinearFn(torch.autograd.Function):
         dx = dw = db = None
         if x_t is not None or w_t is not None:
             grad_fmt, margin_factor, current_first = ctx.cfg
+            m, k, n, pad = ctx.dims
             g_q, g_t, g_si = fops.call(fops.quantize_t, g2, *ctx.state, ctx.col + 2, grad_fmt, margin_factor,
-                                       current_first)
+                                       current_first, pad)
             if w_t is not None:
-                dx = scaled_mm(g_q, w_t.t(), g_si, w_si, None, ctx.x_dtype).reshape(ctx.x_shape)
+                dx = _unpad(scaled_mm(g_q, w_t.t(), g_si, w_si, None, ctx.x_dtype), m, k).reshape(ctx.x_shape)
             if x_t is not None:
-                dw = scaled_mm(g_t, x_t.t(), g_si, x_si, None, ctx.w_dtype)
+                dw = _unpad(scaled_mm(g_t, x_t.t(), g_si, x_si, None, ctx.w_dtype), n, k).contiguous()
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _bias_grad(g2, ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None
@@ -216,19 +243,26 @@ class _MLPFn(torch.autograd.Function):
         st2 = st1 if hist2 is None else (hist2, scale2, scale_inv2, updates2)
         mf = margin_factor
         h2 = _as_2d(h).contiguous()
-        h_q, h_t, h_si = _quantize(h2, st1, c1, fwd_fmt, mf, current_first1, training)
-        w1_q, w1_t, w1_si = _quantize(w1.contiguous(), st1, c1 + 1, fwd_fmt, mf, current_first1, training)
-        z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, b1, h.dtype, fast_accum=True)
+        (m, hid), ffn, out = h2.shape, w1.shape[0], w2.shape[0]
+        pad = _pad_of(hid, ffn, out, *((m,) if training else ()))
+        h_q, h_t, h_si = _quantize(h2, st1, c1, fwd_fmt, mf, current_first1, training, pad)
+        w1_q, w1_t, w1_si = _quantize(w1.contiguous(), st1, c1 + 1, fwd_fmt, mf, current_first1, training, pad)
+        z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, _padded_bias(b1, w1_q.shape[0]), h.dtype, fast_accum=True)
+        z = _unpad(z, m, ffn).contiguous()  # the pad of z holds the bias: not an input of the activation
         if training:
-            a_q, a_t, a_si = fops.call(fops.gelu_quantize_t, z, *st2, c2, fwd_fmt, mf, current_first2, approximate)
+            a_q, a_t, a_si = fops.call(fops.gelu_quantize_t, z, *st2, c2, fwd_fmt, mf, current_first2, approximate,
+                                       pad)
         else:
-            (a_q, a_si), a_t = fops.call(fops.gelu_quantize, z, *st2, c2, fwd_fmt, mf, current_first2, approximate), None
-        w2_q, w2_t, w2_si = _quantize(w2.contiguous(), st2, c2 + 1, fwd_fmt, mf, current_first2, training)
-        y = scaled_mm(a_q, w2_q.t(), a_si, w2_si, b2, h.dtype, fast_accum=True)
+            (a_q, a_si), a_t = fops.call(fops.gelu_quantize, z, *st2, c2, fwd_fmt, mf, current_first2, approximate,
+                                         pad), None
+        w2_q, w2_t, w2_si = _quantize(w2.contiguous(), st2, c2 + 1, fwd_fmt, mf, current_first2, training, pad)
+        y = _unpad(scaled_mm(a_q, w2_q.t(), a_si, w2_si, _padded_bias(b2, w2_q.shape[0]), h.dtype, fast_accum=True),
+                   m, out)
         if training:
             ctx.save_for_backward(h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si)
             ctx.states, ctx.cols = (st1, st2), (c1, c2)
             ctx.cfg = (grad_fmt, mf, current_first1, current_first2, approximate)
+            ctx.dims = (m, hid, ffn, out, pad)
             ctx.meta = (h.shape, h.dtype, w1.dtype, w2.dtype, None if b1 is None else b1.dtype,
                         None if b2 is None else b2.dtype)
         return y.reshape(*h.shape[:-1], y.shape[-1])
@@ -242,14 +276,15 @@ class _MLPFn(torch.autograd.Function):
         h_shape, h_dtype, w1_dtype, w2_dtype, b1_dtype, b2_dtype = ctx.meta
         gy = _as_2d(grad).contiguous()
         c1, c2 = ctx.cols
-        gy_q, gy_t, gy_si = fops.call(fops.quantize_t, gy, *st2, c2 + 2, grad_fmt, mf, cf2)
-        da = scaled_mm(gy_q, w2_t.t(), gy_si, w2_si, None, z.dtype)
-        dw2 = scaled_mm(gy_t, a_t.t(), gy_si, a_si, None, w2_dtype)
+        m, hid, ffn, out, pad = ctx.dims
+        gy_q, gy_t, gy_si = fops.call(fops.quantize_t, gy, *st2, c2 + 2, grad_fmt, mf, cf2, pad)
+        da = _unpad(scaled_mm(gy_q, w2_t.t(), gy_si, w2_si, None, z.dtype), m, ffn).contiguous()
+        dw2 = _unpad(scaled_mm(gy_t, a_t.t(), gy_si, a_si, None, w2_dtype), out, ffn).contiguous()
         db2 = _bias_grad(gy, b2_dtype) if b2_dtype is not None else None
         dz_q, dz_t, db1, dz_si = fops.call(fops.dgelu_quantize_t, da, z, *st1, c1 + 2, grad_fmt, mf, cf1,
-                                           approximate, b1_dtype is not None)
-        dh = scaled_mm(dz_q, w1_t.t(), dz_si, w1_si, None, h_dtype).reshape(h_shape)
-        dw1 = scaled_mm(dz_t, h_t.t(), dz_si, h_si, None, w1_dtype)
+                                           approximate, b1_dtype is not None, pad)
+        dh = _unpad(scaled_mm(dz_q, w1_t.t(), dz_si, w1_si, None, h_dtype), m, hid).reshape(h_shape)
+        dw1 = _unpad(scaled_mm(dz_t, h_t.t(), dz_si, h_si, None, w1_dtype), ffn, hid).contiguous()
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
         return (dh, dw1, db1, dw2, db2) + (None,) * 17
 

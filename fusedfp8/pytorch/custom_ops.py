@@ -167,10 +167,12 @@ def _cpp_plan(name: str, args: tuple):
     amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first = rest[:8]
     approximate = rest[8] if op != "identity" else "tanh"
     dbias = bool(rest[9]) if op == "dgelu" else False
+    n_plain = 8 + (op != "identity") + (op == "dgelu")
+    pad_to = rest[n_plain] if len(rest) > n_plain else 1  # the direct call may leave the default out
     plan = _checked_plan(op, x, b, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
-                         current_first, approximate, transpose, dbias)
+                         current_first, approximate, transpose, dbias, pad_to)
     rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
-    (part_rows, _), n_counters = _cuda.dbias_workspace(rows, cols)
+    (part_rows, _), n_counters = _cuda.dbias_workspace(rows, cols, pad_to)
     data, names = plan.encode()
     return data.tobytes(), names, part_rows, n_counters, get_format(fmt).name == "e5m2"
 
@@ -214,41 +216,52 @@ def _scale_inv_like(x: Tensor) -> Tensor:
     return x.new_empty((1,), dtype=torch.float32)
 
 
+def _q_shapes(x: Tensor, pad_to: int) -> tuple[tuple, tuple]:
+    """Shapes of (q, q_t): x's shape and its 2-D view transposed, or both rounded up to multiples
+    of ``pad_to`` (q then 2-D)."""
+    rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
+    if pad_to == 1:
+        return tuple(x.shape), (cols, rows)
+    prows, pcols = _cuda.padded(rows, cols, pad_to)
+    return (prows, pcols), (pcols, prows)
+
+
 def _checked_plan(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int, fmt: str, margin_factor: float,
-                  current_first: bool, approximate: str, transpose: bool, dbias: bool) -> _cuda.Plan:
+                  current_first: bool, approximate: str, transpose: bool, dbias: bool, pad_to: int = 1) -> _cuda.Plan:
     """The launch plan of a CUDA call, after the full check of fusedfp8.ops once per signature
     (the check writes nothing)."""
     amax_history, scale, scale_inv, updates = state
     key = (op, x.shape, x.dtype, x.device, x.data_ptr() % 16, b is not None and b.data_ptr() % 16,
            amax_history.shape, amax_history.dtype, scale.dtype, scale_inv.dtype, updates.dtype,
            amax_history.data_ptr() % 4, index, fmt, approximate, transpose, dbias, bool(current_first),
-           float(margin_factor))
+           float(margin_factor), pad_to)
     plan = _checked.get(key)
     if plan is None:
         slot = _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first)
-        _ops._Plan(x, b, slot, None, None, op, transpose, dbias, argname="x" if b is None else "dy")
+        _ops._Plan(x, b, slot, None, None, op, transpose, dbias, argname="x" if b is None else "dy", pad_to=pad_to)
         if not (x.is_contiguous() and (b is None or b.is_contiguous())
                 and all(t.is_contiguous() and t.device == x.device for t in state)):
             raise ValueError("fusedfp8 custom ops need contiguous inputs and state tensors on the input's device")
         rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
         plan = _checked[key] = _cuda.quantize_plan(x.get_device(), str(x.dtype)[6:], fmt, kernel_op(op, approximate),
                                                    rows, cols, transpose, dbias, bool(current_first),
-                                                   float(margin_factor), index * 4)
+                                                   float(margin_factor), index * 4, int(pad_to))
     return plan
 
 
 def _run(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int, fmt: str, margin_factor: float,
-         current_first: bool, approximate: str, transpose: bool, dbias: bool):
+         current_first: bool, approximate: str, transpose: bool, dbias: bool, pad_to: int = 1):
     """(q, q_t or None, dbias or None, scale_inv) of one quantizing op."""
     amax_history, scale, scale_inv, updates = state
     if not x.is_cuda:
         slot = _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first)
         if op == "identity":
-            r = _ops.quantize(x, slot, transpose=transpose)
+            r = _ops.quantize(x, slot, transpose=transpose, pad_to=pad_to)
         elif op == "gelu":
-            r = _ops.gelu_quantize(x, slot, approximate=approximate, transpose=transpose)
+            r = _ops.gelu_quantize(x, slot, approximate=approximate, transpose=transpose, pad_to=pad_to)
         else:
-            r = _ops.dgelu_quantize(x, b, slot, approximate=approximate, transpose=transpose, dbias=dbias)
+            r = _ops.dgelu_quantize(x, b, slot, approximate=approximate, transpose=transpose, dbias=dbias,
+                                    pad_to=pad_to)
         return r.data, r.data_t, r.dbias, r.scale_inv
     cpp = _cpp_ops()
     if cpp is not None:  # the first CUDA call of a process comes here (later ones go straight to C++)
@@ -256,18 +269,20 @@ def _run(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int, fmt: st
             "_t" if transpose else "")
         extra = () if op == "identity" else (approximate,) if op == "gelu" else (approximate, dbias)
         outs = cpp.call(_CPP_OPS.index(name), x, *(() if b is None else (b,)), *state, index, fmt, margin_factor,
-                        current_first, *extra)
+                        current_first, *extra, pad_to)
         q, si = outs[0], outs[-1]
         return q, outs[1] if transpose else None, outs[2] if dbias else None, si
-    plan = _checked_plan(op, x, b, state, index, fmt, margin_factor, current_first, approximate, transpose, dbias)
+    plan = _checked_plan(op, x, b, state, index, fmt, margin_factor, current_first, approximate, transpose, dbias,
+                         pad_to)
     rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
     dt = _fp8_dtype(fmt)
-    q = torch.empty(x.shape, dtype=dt, device=x.device)
-    q_t = torch.empty((cols, rows), dtype=dt, device=x.device) if transpose else None
+    q_shape, t_shape = _q_shapes(x, pad_to)
+    q = torch.empty(q_shape, dtype=dt, device=x.device)
+    q_t = torch.empty(t_shape, dtype=dt, device=x.device) if transpose else None
     si = torch.empty((1,), dtype=torch.float32, device=x.device)
     db = partial = counters = None
     if dbias:  # the plan zeroes the counters (and dbias when there is nothing to sum)
-        part_shape, n_counters = _cuda.dbias_workspace(rows, cols)
+        part_shape, n_counters = _cuda.dbias_workspace(rows, cols, pad_to)
         db = torch.empty((cols,), dtype=torch.float32, device=x.device)
         partial = torch.empty(part_shape, dtype=torch.float32, device=x.device)
         counters = torch.empty((n_counters,), dtype=torch.int32, device=x.device)
@@ -285,84 +300,87 @@ def _run(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int, fmt: st
 # ---- quantize --------------------------------------------------------------------------------
 @_register("quantize", _MUTATED)
 def quantize(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
-             fmt: str, margin_factor: float, current_first: bool) -> tuple[Tensor, Tensor]:
-    """``fp8(x * scale[index])`` (same shape as x) and its scale_inv; amax of x into
+             fmt: str, margin_factor: float, current_first: bool, pad_to: int = 1) -> tuple[Tensor, Tensor]:
+    """``fp8(x * scale[index])`` (same shape as x; with ``pad_to`` > 1 x's 2-D view rounded up
+    to multiples of it, zeros in the pad) and its scale_inv; amax of x into
     ``amax_history[0, index]``."""
     q, _, _, si = _run("identity", x, None, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
-                       current_first, "tanh", False, False)
+                       current_first, "tanh", False, False, pad_to)
     return q, si
 
 
 @quantize.register_fake
-def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first):
-    return x.new_empty(x.shape, dtype=_fp8_dtype(fmt)), _scale_inv_like(x)
+def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, pad_to=1):
+    return x.new_empty(_q_shapes(x, pad_to)[0], dtype=_fp8_dtype(fmt)), _scale_inv_like(x)
 
 
 @_register("quantize_t", _MUTATED)
 def quantize_t(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
-               fmt: str, margin_factor: float, current_first: bool) -> tuple[Tensor, Tensor, Tensor]:
+               fmt: str, margin_factor: float, current_first: bool, pad_to: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """As :func:`quantize`, plus the contiguous quantized transpose (shape[-1], prod(shape[:-1]))
-    before the scale_inv."""
+    before the scale_inv (padded as q)."""
     q, q_t, _, si = _run("identity", x, None, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
-                         current_first, "tanh", True, False)
+                         current_first, "tanh", True, False, pad_to)
     return q, q_t, si
 
 
 @quantize_t.register_fake
-def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first):
-    dt = _fp8_dtype(fmt)
-    return x.new_empty(x.shape, dtype=dt), x.new_empty((x.shape[-1], _rows(x)), dtype=dt), _scale_inv_like(x)
+def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, pad_to=1):
+    dt, (qs, ts) = _fp8_dtype(fmt), _q_shapes(x, pad_to)
+    return x.new_empty(qs, dtype=dt), x.new_empty(ts, dtype=dt), _scale_inv_like(x)
 
 
 # ---- gelu + quantize (forward activation) ----------------------------------------------------
 @_register("gelu_quantize", _MUTATED)
 def gelu_quantize(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
-                  fmt: str, margin_factor: float, current_first: bool, approximate: str) -> tuple[Tensor, Tensor]:
+                  fmt: str, margin_factor: float, current_first: bool, approximate: str,
+                  pad_to: int = 1) -> tuple[Tensor, Tensor]:
     """``fp8(gelu(x) * scale[index])`` and its scale_inv; the amax is of gelu(x).
     ``approximate``: 'tanh' or 'none'."""
     q, _, _, si = _run("gelu", x, None, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
-                       current_first, approximate, False, False)
+                       current_first, approximate, False, False, pad_to)
     return q, si
 
 
 @gelu_quantize.register_fake
-def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate):
-    return x.new_empty(x.shape, dtype=_fp8_dtype(fmt)), _scale_inv_like(x)
+def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate, pad_to=1):
+    return x.new_empty(_q_shapes(x, pad_to)[0], dtype=_fp8_dtype(fmt)), _scale_inv_like(x)
 
 
 @_register("gelu_quantize_t", _MUTATED)
 def gelu_quantize_t(x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int,
                     fmt: str, margin_factor: float, current_first: bool,
-                    approximate: str) -> tuple[Tensor, Tensor, Tensor]:
+                    approximate: str, pad_to: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """As :func:`gelu_quantize`, plus the quantized transpose of gelu(x) before the scale_inv."""
     q, q_t, _, si = _run("gelu", x, None, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
-                         current_first, approximate, True, False)
+                         current_first, approximate, True, False, pad_to)
     return q, q_t, si
 
 
 @gelu_quantize_t.register_fake
-def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate):
-    dt = _fp8_dtype(fmt)
-    return x.new_empty(x.shape, dtype=dt), x.new_empty((x.shape[-1], _rows(x)), dtype=dt), _scale_inv_like(x)
+def _(x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate, pad_to=1):
+    dt, (qs, ts) = _fp8_dtype(fmt), _q_shapes(x, pad_to)
+    return x.new_empty(qs, dtype=dt), x.new_empty(ts, dtype=dt), _scale_inv_like(x)
 
 
 # ---- dgelu + quantize (+ dbias) (backward of the activation) ---------------------------------
 @_register("dgelu_quantize_t", _MUTATED)
 def dgelu_quantize_t(dy: Tensor, x: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor,
                      updates: Tensor, index: int, fmt: str, margin_factor: float, current_first: bool,
-                     approximate: str, dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     approximate: str, dbias: bool, pad_to: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``dx = dy * gelu'(x)`` quantized, its transpose, the (N,) float32 column sums of the
     unquantized dx when ``dbias`` (an empty (0,) float32 tensor otherwise) and the scale_inv.
     dy, x: same shape and dtype; the amax is of dx."""
     q, q_t, db, si = _run("dgelu", dy, x, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
-                          current_first, approximate, True, dbias)
+                          current_first, approximate, True, dbias, pad_to)
     return q, q_t, db if dbias else dy.new_empty((0,), dtype=torch.float32), si
 
 
 @dgelu_quantize_t.register_fake
-def _(dy, x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate, dbias):
-    dt = _fp8_dtype(fmt)
-    return (dy.new_empty(dy.shape, dtype=dt), dy.new_empty((dy.shape[-1], _rows(dy)), dtype=dt),
+def _(dy, x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first, approximate, dbias,
+      pad_to=1):
+    dt, (qs, ts) = _fp8_dtype(fmt), _q_shapes(dy, pad_to)
+    return (dy.new_empty(qs, dtype=dt), dy.new_empty(ts, dtype=dt),
             dy.new_empty((dy.shape[-1] if dbias else 0,), dtype=torch.float32), _scale_inv_like(dy))
 
 

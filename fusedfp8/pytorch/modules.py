@@ -102,18 +102,6 @@ class _UpdateHook:
             module._after_update()
 
 
-def check_gemm_dims(layer: str, **dims: int) -> None:
-    """Raise ValueError naming every dimension that ``torch._scaled_mm`` cannot take (each must
-    be a multiple of 16)."""
-    bad = [f"{name}={value}" for name, value in dims.items() if value % 16]
-    if bad:
-        raise ValueError(
-            f"{layer}: on CUDA the FP8 GEMMs (torch._scaled_mm) need every dimension to be a multiple of 16; got "
-            f"{', '.join(bad)}. Pad them to a multiple of 16, or keep this layer in bf16 "
-            "(convert_to_fp8(..., filter_fn=...)). Tokens (the flattened leading dimensions of the input) only "
-            "matter when the weight gradient is computed.")
-
-
 def _check_input(layer: str, x: torch.Tensor, features: int, weight: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{layer}: input must be a torch.Tensor; got {type(x).__name__}")
@@ -330,11 +318,6 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         _check_input(layer, x, self.in_features, self.weight)
         _check_state_writable(layer, self)
         need_dgrad, need_wgrad = self._need_grads(x)
-        if x.is_cuda:
-            dims = {"in_features": self.in_features, "out_features": self.out_features}
-            if need_wgrad:
-                dims["tokens"] = x.numel() // x.shape[-1] if x.shape[-1] else 0
-            check_gemm_dims(layer, **dims)
         if not torch.compiler.is_compiling():
             self._ensure_hook()
         return F8.linear(x, self.weight, self.bias, self._state(), self._kernel_cfg(), need_dgrad, need_wgrad)
@@ -397,11 +380,6 @@ class Fp8MLP(_StrictLoad, nn.Module):
         h = self.norm(x)
         training = torch.is_grad_enabled() and (h.requires_grad or any(
             p.requires_grad for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias) if p is not None))
-        if x.is_cuda:
-            dims = {"hidden": fc1.in_features, "ffn": fc1.out_features}
-            if training:
-                dims["tokens"] = x.numel() // x.shape[-1] if x.shape[-1] else 0
-            check_gemm_dims(layer, **dims)
         if not torch.compiler.is_compiling():
             fc1._ensure_hook()
             fc2._ensure_hook()

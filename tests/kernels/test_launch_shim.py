@@ -81,9 +81,11 @@ def records(dry: bytes) -> list:
 
 # ---- the plans themselves ----------------------------------------------------------------------
 def legacy_quantize(refs, *, x, b, q, scale, amax, rows, cols, q_t=0, dbias=0, partial=0, counters=0,
-                    scale_inv_used=0, first=False, updates=0, scale_out=0, scale_inv_out=0, margin_factor=1.0):
+                    scale_inv_used=0, first=False, updates=0, scale_out=0, scale_inv_out=0, margin_factor=1.0,
+                    pad_to=1):
     """The launches of fusedfp8._cuda.launch_quantize as it was before plans (2026-12-03), as
-    (func, grid, block, parameter bytes): the plans must launch exactly these."""
+    (func, grid, block, parameter bytes): the plans must launch exactly these. (Since: the tiled
+    kernel takes the padded shape, and takes every padded call.)"""
     out = []
 
     def launch(role, grid, block, *args):
@@ -94,6 +96,7 @@ def legacy_quantize(refs, *, x, b, q, scale, amax, rows, cols, q_t=0, dbias=0, p
         return max(1, min(-(-n // (16 * THREADS)), refs[role].per_sm * SMS))
 
     n = rows * cols
+    prows, pcols = -(-rows // pad_to) * pad_to, -(-cols // pad_to) * pad_to
     if not first:
         updates = scale_out = scale_inv_out = 0
     if n == 0:
@@ -104,11 +107,12 @@ def legacy_quantize(refs, *, x, b, q, scale, amax, rows, cols, q_t=0, dbias=0, p
     if first:
         launch(f"flat_vec{int(vec)}_store0", flat_grid(f"flat_vec{int(vec)}_store0", n), THREADS, x, b, q, scale,
                amax, 0, 0, 0, updates, n, margin_factor)
-    if q_t or dbias:
-        tiles = -(-rows // _cuda.TILE_R) * -(-cols // _cuda.TILE_C)
+    if q_t or dbias or (prows, pcols) != (rows, cols):
+        tiles = -(-prows // _cuda.TILE_R) * -(-pcols // _cuda.TILE_C)
         launch("tiled", max(1, min(tiles, refs["tiled"].per_sm * SMS)), 256, x, b, q, q_t, dbias, partial, counters,
-               scale, amax, scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
-               int(vec and cols % 8 == 0), int(bool(q_t) and q_t % 8 == 0 and rows % 8 == 0), margin_factor)
+               scale, amax, scale_out, scale_inv_out, scale_inv_used, updates, rows, cols, prows, pcols,
+               int(vec and cols % 8 == 0 and pcols % 8 == 0), int(bool(q_t) and q_t % 8 == 0 and prows % 8 == 0),
+               margin_factor)
     else:
         role = f"flat_vec{int(vec)}_store1"
         launch(role, flat_grid(role, n), THREADS, x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
@@ -463,6 +467,26 @@ def test_torch_cpu_ops_unchanged_with_the_cpp_kernels(cpp_ops):
     assert same_bytes(q, want.data) and same_bytes(q_t, want.data_t)
 
 
+@pytest.mark.parametrize("rows, cols, transpose, dbias", [(303, 300, False, False), (303, 300, True, True),
+                                                      (8190, 64, True, False), (5, 16, False, True), (32, 48, False, False)])
+def test_padded_plans_take_the_tiled_kernel_with_the_padded_shape(rows, cols, transpose, dbias):
+    refs = fake_refs(QKEY)
+    plan = _cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True, 1.0, 0, 16)
+    ptrs = pointer_sets(len(P.QUANTIZE_SLOTS))[0]
+    s = dict(zip(P.QUANTIZE_SLOTS, ptrs))
+    want = legacy_quantize(refs, x=s["x"], b=s["b"], q=s["q"], scale=s["scale"], amax=s["amax"], rows=rows,
+                           cols=cols, q_t=s["q_t"] if transpose else 0, dbias=s["dbias"] if dbias else 0,
+                           partial=s["partial"] if dbias else 0, counters=s["counters"] if dbias else 0,
+                           scale_inv_used=s["scale_inv_used"], first=True, updates=s["updates"],
+                           scale_out=s["scale_out"], scale_inv_out=s["scale_inv_out"], pad_to=16)
+    got = [(r[1], r[2], r[3], r[5]) for r in records(P.dry_run(plan, ptrs)) if r[0] == "launch"]
+    assert got == want
+    padded = rows % 16 or cols % 16  # then the tiled kernel, also without transpose / dbias
+    assert (got[-1][0] == refs["tiled"].func) == bool(padded or transpose or dbias)
+    if dbias:
+        assert _cuda.dbias_workspace(rows, cols, 16)[1] == -(-(-(-cols // 16) * 16) // _cuda.TILE_C)
+
+
 def test_torch_direct_call_refuses_cpu_tensors(cpp_ops):
     import torch
 
@@ -470,7 +494,7 @@ def test_torch_direct_call_refuses_cpu_tensors(cpp_ops):
     st = [torch.zeros(2, 1), torch.ones(1), torch.ones(1), torch.zeros(1, dtype=torch.int32)]
     with pytest.raises(RuntimeError, match="the C\\+\\+ ops run CUDA tensors"):
         cpp_ops._cpp.call(0, x, *st, 0, "e4m3", 1.0, True)
-    with pytest.raises(TypeError, match="quantize takes 9 arguments; got 2"):
+    with pytest.raises(TypeError, match="quantize takes 9 or 10 arguments; got 2"):
         cpp_ops._cpp.call(0, x, x)
     with pytest.raises(TypeError, match="amax_history must be a tensor; got int"):
         cpp_ops._cpp.call(0, x, 1, *st[1:], 0, "e4m3", 1.0, True)
