@@ -103,7 +103,8 @@ setup(
     python_requires=">=3.11",
     packages=[*find_packages(include=["fusedfp8*"]), "fusedfp8.cuda_src"],
     package_dir={"fusedfp8.cuda_src": "cuda_src"},
-    package_data={"fusedfp8.cuda_src": ["*.cu", "*.cuh"], "fusedfp8.csrc": ["*.h", "*.cc"]},
+    package_data={"fusedfp8.cuda_src": ["*.cu", "*.cuh"], "fusedfp8.csrc": ["*.h", "*.cc"],
+                  "fusedfp8": ["data/*.json"]},  # the calibration tables of policy='auto'; see fusedfp8/policy.py
     include_package_data=False,
     ext_modules=[Extension(f"fusedfp8.csrc._ff8_{t}", sources=[f"fusedfp8/csrc/{src}"], optional=True)
                  for t, src in (("xla", "xla_ffi.cc"), ("torch", "torch_ops.cc"))],

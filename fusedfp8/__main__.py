@@ -7,7 +7,9 @@
   ``./fusedfp8_demo/`` by default.
 - ``bench``: runs ``scripts/bench_kernels.py``, ``bench_mlp_torch.py`` and ``bench_mlp_jax.py`` of a
   source checkout and collects their JSON, PNG and logs in one folder (``./fusedfp8_bench/`` by
-  default) with a markdown summary (see :mod:`fusedfp8.demo.bench`).
+  default) with a markdown summary (see :mod:`fusedfp8.demo.bench`). ``bench --calibrate``
+  measures the table of ``convert_to_fp8(policy='auto')`` on this GPU instead
+  (``scripts/calibrate_policy.py``) and says how to use it.
 
 ``demo`` and ``bench`` say in their last line where they wrote.
 
@@ -209,11 +211,20 @@ def _bench_parser(sub) -> None:
                    help="tiny sizes (a quick check that the scripts run, not a measurement)")
     p.add_argument("--only", type=lambda v: v.split(","), default=None, metavar="NAME[,NAME]",
                    help=f"run only these benchmarks, from {', '.join(BENCHMARKS)}")
+    p.add_argument("--calibrate", action="store_true",
+                   help="instead of the benchmarks, measure the calibration table of convert_to_fp8(policy='auto') on "
+                        "this GPU (scripts/calibrate_policy.py, a few minutes) and write it to --out")
 
 
 def bench(args) -> int:
-    from .demo.bench import BENCHMARKS, run_bench
+    from .demo.bench import BENCHMARKS, run_bench, run_calibrate
 
+    if args.calibrate:
+        if args.only is not None:
+            print("python -m fusedfp8 bench: error: --only selects benchmarks; --calibrate runs none of them",
+                  file=sys.stderr)
+            return 2
+        return run_calibrate(args.out, dry_run=args.dry_run, tiny=args.tiny)
     unknown = sorted(set(args.only or ()) - set(BENCHMARKS))
     if unknown:
         print(f"python -m fusedfp8 bench: error: --only: unknown {unknown}; choose from {', '.join(BENCHMARKS)}",

@@ -10,6 +10,12 @@ benchmark also needs jax's GPU backend). Without one: the kernel benchmark is sk
 MLP benchmarks run only with ``tiny``, as CPU smoke tests of the scripts. Every command is shown,
 skipped ones too. The scripts run with this package's folder first on ``PYTHONPATH``, so that
 they import the same fusedfp8.
+
+``calibrate`` (``python -m fusedfp8 bench --calibrate``): runs ``scripts/calibrate_policy.py``
+instead, which measures the table of ``convert_to_fp8(policy='auto')`` on this GPU (a few
+minutes; with ``tiny`` a small grid, or without a GPU a CPU smoke test of the script) and writes
+it to the output folder; its progress is shown as it runs and kept in ``calibrate_policy.log``.
+Without a GPU with FP8 GEMMs (and without ``tiny``) it refuses with the probe's reason.
 """
 from __future__ import annotations
 
@@ -23,6 +29,12 @@ from pathlib import Path
 from typing import Callable
 
 BENCHMARKS = ("bench_kernels", "bench_mlp_torch", "bench_mlp_jax")
+CALIBRATE = "calibrate_policy"
+_CALIBRATE_TINY = {
+    "gpu": ["--tokens", "512,2048", "--features", "256,1024", "--reps", "3"],
+    "cpu": ["--device", "cpu", "--tokens", "16,32", "--features", "16,32", "--warmup", "1", "--calls", "1", "--reps",
+            "1"],
+}
 _GPU_TINY = {
     "bench_kernels": ["--sizes", "1024x1024", "--jobs", "quantize,quantize_t"],
     "bench_mlp_torch": ["--shapes", "1024x4096x2048", "--modes", "bf16_eager,fp8_eager", "--steps", "10", "--reps", "2",
@@ -49,10 +61,11 @@ class Command:
     note: str = ""
 
 
-def scripts_dir() -> Path | None:
-    """``scripts/`` of the source checkout this package runs from, or None (installed wheel)."""
+def scripts_dir(names=BENCHMARKS) -> Path | None:
+    """``scripts/`` of the source checkout this package runs from (holding the scripts ``names``),
+    or None (installed wheel)."""
     d = Path(__file__).resolve().parent.parent.parent / "scripts"
-    return d if all((d / f"{name}.py").is_file() for name in BENCHMARKS) else None
+    return d if all((d / f"{name}.py").is_file() for name in names) else None
 
 
 def _jax_gpu() -> str:
@@ -91,14 +104,18 @@ def _table_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("|")]
 
 
+def _env() -> dict:
+    """The environment of a script: this package's folder first on ``PYTHONPATH``."""
+    package_root = str(Path(__file__).resolve().parent.parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+
+
 def _run(cmd: Command, out: Path, cwd: Path, say) -> tuple[int, list[str]]:
     """Run one benchmark; (exit code, its summary lines)."""
     shown = " ".join(cmd.argv)
     say(f"{cmd.name}: running {shown}")
-    package_root = str(Path(__file__).resolve().parent.parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd.argv, capture_output=True, text=True, cwd=cwd, env=env)
+    proc = subprocess.run(cmd.argv, capture_output=True, text=True, cwd=cwd, env=_env())
     wall = time.perf_counter() - t0
     log = out / f"{cmd.name}.log"
     log.write_text(proc.stdout + ("\n--- stderr ---\n" + proc.stderr if proc.stderr else ""))
@@ -153,3 +170,61 @@ def run_bench(out, dry_run: bool = False, tiny: bool = False, only=None, echo: C
     (out / "summary.md").write_text("\n".join(lines))
     echo(f"wrote {', '.join(['summary.md', *written])} to {out}/")
     return 1 if rc else 0
+
+
+# ---- the calibration table of policy='auto' -------------------------------------------------
+def calibrate_command(scripts: Path, out: Path, gpu: bool, tiny: bool) -> Command:
+    """The :class:`Command` of ``scripts/calibrate_policy.py`` (``gpu``: the probe accepts the GPU,
+    FP8 GEMMs included)."""
+    base = [sys.executable, str(scripts / f"{CALIBRATE}.py"), "--out", str(out)]
+    if gpu:
+        return Command(CALIBRATE, base + (_CALIBRATE_TINY["gpu"] if tiny else []),
+                       note="tiny grid: a check that it runs, too coarse a table to use" if tiny else "")
+    if tiny:
+        return Command(CALIBRATE, base + _CALIBRATE_TINY["cpu"],
+                       note="CPU smoke test of the script: tiny grid, not a measurement")
+    return Command(CALIBRATE, base, skip="the table holds this GPU's timings of FP8 GEMMs, and there is no GPU with "
+                                         "FP8 GEMMs here; --tiny runs a CPU smoke test of the script")
+
+
+def run_calibrate(out, dry_run: bool = False, tiny: bool = False, echo: Callable[[str], None] = print) -> int:
+    """Run (or with ``dry_run`` only show) the calibration into the folder ``out``, echoing its
+    output as it comes and keeping it in ``calibrate_policy.log``. Returns the script's exit code,
+    1 where it cannot run here, 2 without a source checkout. The last line echoed says where the
+    table went."""
+    from .. import _cuda
+
+    scripts = scripts_dir((CALIBRATE,))
+    if scripts is None:
+        print(f"python -m fusedfp8 bench --calibrate: error: scripts/{CALIBRATE}.py is not installed with the package; "
+              "run this from a source checkout (git clone the fusedfp8 repository, pip install -e '.[all]' there)",
+              file=sys.stderr)
+        return 2
+    ok, reason = _cuda.probe(need_fp8_gemm=True)
+    out = Path(out).resolve()
+    cmd = calibrate_command(scripts, out, ok, tiny)
+    shown = " ".join(cmd.argv)
+    if cmd.skip:
+        echo(f"{cmd.name}: cannot run here ({reason}): {cmd.skip}. The command: {shown}")
+        return 1
+    if dry_run:
+        echo(f"{cmd.name}: would run {shown}" + (f" ({cmd.note})" if cmd.note else ""))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / f"{CALIBRATE}.log"
+    echo(f"{cmd.name}: running {shown}" + (f" ({cmd.note})" if cmd.note else ""))
+    table = None
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=scripts.parent, env=_env())
+        for line in proc.stdout:
+            f.write(line)
+            echo(line.rstrip("\n"))
+            if line.startswith("wrote ") and line.rstrip().endswith(".json"):
+                table = line[len("wrote "):].strip()
+        rc = proc.wait()
+    if rc or table is None:
+        echo(f"{cmd.name}: FAILED (exit code {rc}); log {log}")
+        return rc or 1
+    echo(f"wrote {Path(table).name}, {log.name} to {out}/")
+    return 0

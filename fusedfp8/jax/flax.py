@@ -1,4 +1,6 @@
-"""Flax (linen) modules: ``Fp8DotGeneral``, a drop-in ``dot_general_cls``, and ``Fp8MLP``.
+"""Flax (linen) modules: ``Fp8DotGeneral``, a drop-in ``dot_general_cls``, and ``Fp8MLP``;
+``dot_general_cls_for`` picks per layer between ``Fp8DotGeneral`` and flax's own dot by the
+calibration table of ``policy='auto'`` (:mod:`fusedfp8.policy`).
 
 ::
 
@@ -25,6 +27,7 @@ module per step). Variables converted to flax's ``fp32_max_grad`` dtype (as pipe
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 
@@ -34,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import policy as _policy
 from ..recipe import DelayedScaling
 from ..types import check_recipe
 from . import functional as F
@@ -43,7 +47,8 @@ from .meta import declare_state
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 _USES = "_fusedfp8_uses"  # attribute of a root flax scope: module path -> (stored value, last output meta)
 
-__all__ = ["Fp8DotGeneral", "Fp8MLP", "TrainState", "keep_unwritten", "OVERWRITE_WITH_GRADIENT", "STATE_VARIABLES"]
+__all__ = ["Fp8DotGeneral", "Fp8MLP", "TrainState", "keep_unwritten", "dot_general_cls_for", "OVERWRITE_WITH_GRADIENT",
+           "STATE_VARIABLES"]
 
 
 def _declare_state(module: nn.Module, recipe: DelayedScaling):
@@ -115,6 +120,60 @@ class Fp8DotGeneral(nn.Module):
                                first=first)
         _remember(self, stored, out)
         return y.reshape(*lead, *rest)
+
+
+_DOT_GENERAL_OPTIONS = ("recipe", "impl", "axis_name", "forward_fast_accum")
+
+
+def _device_name(device) -> str | None:
+    """The CUDA name of ``device`` (a jax Device, a name, or None: jax's first device), or None
+    when it is not a GPU."""
+    if isinstance(device, str):
+        return device
+    if device is not None and not hasattr(device, "device_kind"):
+        raise TypeError(f"device must be a jax Device, a GPU's name or None; got {type(device).__name__}")
+    device = device if device is not None else jax.devices()[0]
+    return device.device_kind if device.platform == "gpu" else None
+
+
+def dot_general_cls_for(tokens: int, in_features: int, out_features: int, policy: str = "auto", *, table=None,
+                        device=None, **options):
+    """The ``dot_general_cls`` for one ``nn.Dense`` by the policy of
+    ``fusedfp8.pytorch.convert_to_fp8`` (see :mod:`fusedfp8.policy`): :class:`Fp8DotGeneral`
+    where FP8 is predicted faster than bf16 for a layer of ``in_features -> out_features`` that
+    sees ``tokens`` rows per step (per device, per micro-batch), else None (flax's own
+    ``lax.dot_general``)::
+
+        cls = dot_general_cls_for(2048, 1024, 4096)              # from the GPU's calibration table
+        layer = nn.Dense(4096, dot_general_cls=cls)
+
+    Parameters
+    ----------
+    tokens, in_features, out_features : int
+    policy : {'auto', 'all'}
+        'auto' reads the calibration table; 'all' always returns the FP8 class.
+    table : fusedfp8.policy.PolicyTable or path, optional
+        By default ``$FUSEDFP8_POLICY_TABLE``, else the table shipped for the GPU.
+    device : jax Device or its name, optional
+        The GPU whose table is used (default: ``jax.devices()[0]`` when it is a GPU).
+    **options : ``recipe``, ``impl``, ``axis_name``, ``forward_fast_accum`` of :class:`Fp8DotGeneral`;
+        given, the FP8 class comes back as ``functools.partial(Fp8DotGeneral, **options)``.
+
+    ``fusedfp8.policy.decide(tokens, in_features, out_features, device=..., table=...)`` gives the
+    figures behind the decision. Raises as :func:`fusedfp8.policy.decide` (MissingTableError
+    without a table for the GPU), and TypeError on an unknown option.
+    """
+    unknown = sorted(set(options) - set(_DOT_GENERAL_OPTIONS))
+    if unknown:
+        raise TypeError(f"options must be fields of Fp8DotGeneral {_DOT_GENERAL_OPTIONS}; got {unknown}")
+    if "recipe" in options:
+        check_recipe(options["recipe"])
+    policy = _policy.check_policy(policy, allow_none=False)
+    name = None if policy == "all" or table is not None else _device_name(device)
+    decision = _policy.decide(tokens, in_features, out_features, policy=policy, device=name, table=table)
+    if not decision.fp8:
+        return None
+    return functools.partial(Fp8DotGeneral, **options) if options else Fp8DotGeneral
 
 
 class _DenseParams(nn.Module):

@@ -16,13 +16,14 @@ once-per-step ``update_model_scales``.
 Modules: ``custom_ops`` (the ``torch.ops.fusedfp8.*`` custom ops), ``autograd`` (the autograd
 functions, ``quantize_ste`` and ``scaled_mm``), ``modules`` (``Fp8Linear``, ``Fp8MLP``),
 ``scaling`` (model-level state linking, ``update_model_scales``, the amax all-reduce),
-``convert`` (``convert_to_fp8``).
+``convert`` (``convert_to_fp8`` and ``plan_fp8_conversion``: every ``nn.Linear``, or with
+``policy='auto'`` those predicted faster in FP8, see :mod:`fusedfp8.policy`).
 """
 from . import custom_ops  # noqa: F401  (registers torch.ops.fusedfp8.*)
 from .autograd import quantize_ste
-from .convert import convert_to_fp8
+from .convert import convert_to_fp8, plan_fp8_conversion
 from .modules import Fp8Linear, Fp8MLP, MissedScaleUpdateError, MissedScaleUpdateWarning
 from .scaling import PendingScaleUpdate, fp8_modules, update_model_scales
 
-__all__ = ["Fp8Linear", "Fp8MLP", "convert_to_fp8", "update_model_scales", "PendingScaleUpdate", "fp8_modules",
-           "MissedScaleUpdateError", "MissedScaleUpdateWarning", "quantize_ste"]
+__all__ = ["Fp8Linear", "Fp8MLP", "convert_to_fp8", "plan_fp8_conversion", "update_model_scales", "PendingScaleUpdate",
+           "fp8_modules", "MissedScaleUpdateError", "MissedScaleUpdateWarning", "quantize_ste"]

@@ -191,18 +191,24 @@ def update_model_scales(model: nn.Module, group=None, *, async_op: bool = False)
     TypeError
         If ``model`` is not an nn.Module, or ``group`` is not a ProcessGroup.
     ValueError
-        If ``model`` holds no FP8 module (an update that would silently do nothing).
+        If ``model`` holds no FP8 module (an update that would silently do nothing), unless
+        :func:`convert_to_fp8` left every layer of it in high precision (its ``filter_fn`` or
+        ``policy='auto'`` kept them all): then there is nothing to update and the call does nothing.
     RuntimeError
         If a group is given but torch.distributed is not initialized.
     """
     if not isinstance(async_op, bool):
         raise TypeError(f"async_op must be a bool; got {type(async_op).__name__}")
     modules = fp8_modules(model)
+    if group is not None:
+        check_group(group)
+    if not modules and any(getattr(m, "fp8_conversion_report", None) is not None for m in model.modules()):
+        # convert_to_fp8 kept every layer in high precision (its filter_fn or policy): nothing to do
+        done = PendingScaleUpdate([], None, [])
+        return done if async_op else None
     if not modules:
         raise ValueError(f"model: {type(model).__name__} holds no Fp8Linear / Fp8MLP module, so there are no scales to "
                          "update; convert it first with fusedfp8.pytorch.convert_to_fp8(model)")
-    if group is not None:
-        check_group(group)
     groups = _groups(modules)
     reductions = []
     if group is not None:

@@ -1,0 +1,379 @@
+"""``convert_to_fp8(policy='auto', tokens=...)``: which nn.Linear it converts (by a SYNTHETIC
+calibration table written by the test, tests/support/policy.py: none of its numbers was
+measured), the report, filter_fn asked first, bad arguments refused before any module is swapped,
+the table chosen by the GPU's name, the error without a table; a model left wholly in bf16 still
+takes update_model_scales; and scripts/calibrate_policy.py (a CPU smoke run whose table the
+conversion reads, the correctness gate, the refusal without a GPU) with ``python -m fusedfp8
+bench --calibrate``."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fusedfp8.pytorch as fp8
+from fusedfp8 import __main__ as cli
+from fusedfp8 import _cuda
+from fusedfp8 import policy as P
+from fusedfp8.recipe import DelayedScaling
+from support.policy import fp8_wins, synthetic_table
+from support.torch_helpers import inputs, train_step
+
+REPO = Path(__file__).resolve().parents[2]
+FP8_GEMM_OK = _cuda.probe(need_fp8_gemm=True)[0]
+R = DelayedScaling(amax_history_len=4)
+
+
+@pytest.fixture(autouse=True)
+def no_env_table(monkeypatch):
+    monkeypatch.delenv(P.TABLE_ENV, raising=False)
+
+
+@pytest.fixture
+def table(tmp_path):
+    return synthetic_table(tmp_path / "synthetic.json")
+
+
+class _Mixed(nn.Module):
+    """Linears of mixed sizes (with 64 tokens the synthetic table keeps small and head in bf16)
+    and an attention block, whose out_proj (not exactly an nn.Linear) is never considered."""
+
+    def __init__(self):
+        super().__init__()
+        self.small = nn.Linear(16, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.up = nn.Linear(16, 256)
+        self.body = nn.Sequential(nn.Linear(256, 256), nn.GELU())
+        self.down = nn.Linear(256, 16)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        x = self.small(x)
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        return self.head(self.down(self.body(self.up(x))))
+
+
+LINEARS = ["small", "up", "body.0", "down", "head"]
+
+
+def _mixed():
+    torch.manual_seed(0)
+    return _Mixed()
+
+
+def _snapshot(model):
+    return [(name, type(m), m.weight if hasattr(m, "weight") else None) for name, m in model.named_modules()]
+
+
+def _unchanged(model, snap) -> bool:
+    now = _snapshot(model)
+    return (len(now) == len(snap) and all(a[0] == b[0] and a[1] is b[1] and a[2] is b[2] for a, b in zip(now, snap))
+            and not hasattr(model, "fp8_conversion_report"))
+
+
+# ---- decisions and the report ----------------------------------------------------------------
+def test_auto_converts_the_layers_predicted_faster(table):
+    model = _mixed()
+    ref = copy.deepcopy(model)
+    weights = {n: m.weight for n, m in model.named_modules() if type(m) is nn.Linear}
+    out = fp8.convert_to_fp8(model, R, policy="auto", tokens=64, policy_table=table.path)
+    assert out is model
+    kinds = {n: type(model.get_submodule(n)) for n in LINEARS}
+    assert kinds == {"small": nn.Linear, "up": fp8.Fp8Linear, "body.0": fp8.Fp8Linear, "down": fp8.Fp8Linear,
+                     "head": nn.Linear}
+    assert all(model.get_submodule(n).weight is w for n, w in weights.items())
+    assert type(model.attn.out_proj) is not fp8.Fp8Linear
+    report = model.fp8_conversion_report
+    assert [d.name for d in report] == LINEARS  # module order; attn.out_proj is not an nn.Linear exactly
+    assert report.converted == ["up", "body.0", "down"] and report.kept == ["small", "head"]
+    assert report.policy == "auto" and report.tokens == 64 and "synthetic.json (Synthetic GPU" in report.table
+    for d in report:
+        m = ref.get_submodule(d.name)
+        fp8_ms, bf16_ms, how = table.predict(64, m.in_features, m.out_features)
+        assert (d.in_features, d.out_features, d.tokens) == (m.in_features, m.out_features, 64)
+        assert (d.fp8_ms, d.bf16_ms, d.fp8) == (fp8_ms, bf16_ms, fp8_ms < bf16_ms)
+        assert d.source == f"synthetic.json: {how}"
+        if how == "measured":
+            assert d.fp8 == fp8_wins(64, m.in_features, m.out_features)
+    assert report["head"].source == "synthetic.json: grid edge (out_features < 16)"
+    text = str(report)
+    assert "3 of 5 linear layers converted to FP8" in text and "| body.0 | 256 | 256 | fp8 |" in text
+    assert report.rows()[0] == ("small", 16, 16, "bf16", report["small"].fp8_ms, report["small"].bf16_ms,
+                                "synthetic.json: measured")
+    # the mixed model trains; the converted layers' scales advance
+    x = inputs(64, 16).reshape(4, 16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    train_step(model, x, torch.zeros(4, 16, 8), opt)
+    assert model.up.updates.tolist() == [1, 1, 1] and model.down.updates.tolist() == [1, 1, 1]
+
+
+def test_the_token_count_changes_the_decision(table):
+    """16 tokens: 16 x 16 x 256 is below the synthetic crossover, 16 x 256 x 256 above it."""
+    report = fp8.plan_fp8_conversion(_mixed(), policy="auto", tokens=16, policy_table=table)
+    assert report.converted == ["body.0"]
+
+
+def test_filter_fn_is_asked_first(table):
+    model, asked = _mixed(), []
+
+    def keep_body(fqn, m):
+        asked.append(fqn)
+        return fqn != "body.0"
+
+    fp8.convert_to_fp8(model, R, keep_body, policy="auto", tokens=64, policy_table=table)
+    assert asked == LINEARS  # once per nn.Linear, in module order
+    report = model.fp8_conversion_report
+    assert report.converted == ["up", "down"] and type(model.body[0]) is nn.Linear
+    d = report["body.0"]
+    assert not d.fp8 and d.reason == "filter_fn returned False" and d.fp8_ms is None and d.source == ""
+    assert report["small"].reason.startswith("auto: fp8 predicted slower")
+
+
+def test_plan_changes_nothing_and_is_what_convert_does(table):
+    model = _mixed()
+    snap = _snapshot(model)
+    plan = fp8.plan_fp8_conversion(model, policy="auto", tokens=64, policy_table=table.path)
+    assert _unchanged(model, snap)
+    fp8.convert_to_fp8(model, R, policy="auto", tokens=64, policy_table=table.path)
+    assert model.fp8_conversion_report == plan
+
+
+@pytest.mark.parametrize("policy", [None, "all"])
+def test_policy_all_converts_every_linear(policy):
+    model = _mixed()
+    fp8.convert_to_fp8(model, R, policy=policy)
+    report = model.fp8_conversion_report
+    assert report.converted == LINEARS and report.policy == "all" and report.tokens is None and report.table == ""
+    assert all(type(model.get_submodule(n)) is fp8.Fp8Linear for n in LINEARS)
+    assert {d.reason for d in report} == {"policy='all'"} and all(d.fp8_ms is None for d in report)
+
+
+def test_a_lone_linear(table):
+    small = nn.Linear(16, 16)
+    kept = fp8.convert_to_fp8(small, R, policy="auto", tokens=16, policy_table=table)
+    assert kept is small and kept.fp8_conversion_report.kept == [""]
+    big = fp8.convert_to_fp8(nn.Linear(256, 256), R, policy="auto", tokens=256, policy_table=table)
+    assert type(big) is fp8.Fp8Linear and big.fp8_conversion_report.converted == [""]
+    assert "| (model) | 256 | 256 | fp8 |" in str(big.fp8_conversion_report)
+
+
+def test_a_model_left_in_bf16_takes_update_model_scales(table):
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    fp8.convert_to_fp8(model, R, policy="auto", tokens=16, policy_table=table)
+    assert model.fp8_conversion_report.converted == []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(model, inputs(16, 16), torch.zeros(16, 16), opt)  # update_model_scales: nothing to do
+    assert fp8.update_model_scales(model, async_op=True).done
+    with pytest.raises(ValueError, match="holds no Fp8Linear"):  # never converted: still refused
+        fp8.update_model_scales(nn.Sequential(nn.Linear(16, 16)))
+
+
+# ---- errors, before any swap -----------------------------------------------------------------
+def _raising_filter(fqn, m):
+    if fqn == "down":
+        raise RuntimeError("filter broke at down")
+    return True
+
+
+BAD = [
+    ("policy-unknown", dict(policy="fast"), ValueError, r"^policy must be one of None, 'all', 'auto'; got 'fast'"),
+    ("policy-not-a-str", dict(policy=True), ValueError, r"^policy must be one of None, 'all', 'auto'; got True"),
+    ("auto-without-tokens", dict(policy="auto"), ValueError,
+     r"^tokens is required with policy='auto': the number of rows each linear layer sees per step .*; got None"),
+    ("tokens-zero", dict(policy="auto", tokens=0), ValueError,
+     r"^tokens must be a positive int; got 0 \(the rows each linear layer sees per step\)"),
+    ("tokens-float", dict(policy="auto", tokens=64.0), TypeError, r"^tokens must be a positive int; got float"),
+    ("tokens-bool", dict(policy="auto", tokens=True), TypeError, r"^tokens must be a positive int; got bool"),
+    ("table-without-auto", dict(policy="all", policy_table="t.json"), ValueError,
+     r"^policy_table is only read by policy='auto'; got policy='all'"),
+    ("table-not-a-path", dict(policy="auto", tokens=64, policy_table=3), TypeError,
+     r"^policy table must be a fusedfp8\.policy\.PolicyTable, a path to a JSON table or None; got int"),
+    ("table-missing-file", dict(policy="auto", tokens=64, policy_table="/nonexistent/t.json"), FileNotFoundError,
+     r"^the policy table argument names '/nonexistent/t\.json', which is not a file"),
+    ("recipe", dict(policy="auto", tokens=64, recipe="hybrid"), TypeError,
+     r"^recipe must be a fusedfp8\.DelayedScaling; got str"),
+    ("missed-update", dict(policy="auto", tokens=64, missed_update="loud"), ValueError,
+     r"^missed_update must be one of"),
+    ("filter-raises", dict(policy="auto", tokens=64, filter_fn=_raising_filter), RuntimeError, r"^filter broke at down"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [pytest.param(*b[1:], id=b[0]) for b in BAD])
+def test_bad_arguments_are_refused_before_any_swap(table, kwargs, exc, match):
+    kwargs = dict(kwargs)
+    if kwargs.get("policy") == "auto" and "policy_table" not in kwargs:
+        kwargs["policy_table"] = table
+    model = _mixed()
+    snap = _snapshot(model)
+    with pytest.raises(exc, match=match):
+        fp8.convert_to_fp8(model, **kwargs)
+    assert _unchanged(model, snap)
+
+
+def test_a_malformed_table_is_refused_before_any_swap(tmp_path):
+    data = synthetic_table().to_dict()
+    data["points"].pop()
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    model = _mixed()
+    snap = _snapshot(model)
+    with pytest.raises(ValueError, match=r"bad\.json: the points must cover the whole grid"):
+        fp8.convert_to_fp8(model, policy="auto", tokens=64, policy_table=tmp_path / "bad.json")
+    assert _unchanged(model, snap)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no CUDA device")
+def test_without_a_gpu_or_a_table_auto_says_how_to_get_one():
+    model = _mixed()
+    snap = _snapshot(model)
+    with pytest.raises(P.MissingTableError, match=r"no CUDA device is visible here; pass a table explicitly \(or set "
+                                                  r"FUSEDFP8_POLICY_TABLE\)\. `python -m fusedfp8 bench --calibrate`"):
+        fp8.convert_to_fp8(model, policy="auto", tokens=64)
+    assert _unchanged(model, snap)
+
+
+# ---- which table -----------------------------------------------------------------------------
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """torch sees a CUDA device called 'NVIDIA H200' (the model stays on the CPU); fusedfp8/data/
+    is a temporary folder holding a synthetic table under that GPU's file name."""
+    data = tmp_path / "data"
+    data.mkdir()
+    monkeypatch.setattr(P, "DATA_DIR", data)
+    synthetic_table(data / "policy_nvidia_h200.json", device="NVIDIA H200")
+    name = {"gpu": "NVIDIA H200"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name["gpu"])
+    return name
+
+
+def test_the_table_is_chosen_by_the_gpus_name(fake_gpu):
+    model = _mixed()
+    fp8.convert_to_fp8(model, R, policy="auto", tokens=64)
+    report = model.fp8_conversion_report
+    assert report.converted == ["up", "body.0", "down"]
+    assert report.table.startswith("policy_nvidia_h200.json (NVIDIA H200, 2000-01-01")
+    assert report["up"].source == "policy_nvidia_h200.json: measured"
+    fake_gpu["gpu"] = "NVIDIA B200"
+    model = _mixed()
+    snap = _snapshot(model)
+    with pytest.raises(P.MissingTableError, match=r"no calibration table for the GPU 'NVIDIA B200' "
+                                                  r"\(policy_nvidia_b200\.json\); fusedfp8 ships tables for "
+                                                  r"policy_nvidia_h200\.json\. `python -m fusedfp8 bench --calibrate`"):
+        fp8.convert_to_fp8(model, R, policy="auto", tokens=64)
+    assert _unchanged(model, snap)
+
+
+def test_the_environment_variable_names_a_table(fake_gpu, monkeypatch, tmp_path):
+    fake_gpu["gpu"] = "NVIDIA B200"  # no shipped table: the environment's is used
+    synthetic_table(tmp_path / "mine.json", device="NVIDIA B200")
+    monkeypatch.setenv(P.TABLE_ENV, str(tmp_path / "mine.json"))
+    model = _mixed()
+    fp8.convert_to_fp8(model, R, policy="auto", tokens=64)
+    assert model.fp8_conversion_report.table.startswith("mine.json (NVIDIA B200")
+
+
+# ---- scripts/calibrate_policy.py and bench --calibrate ---------------------------------------
+@pytest.fixture(scope="module")
+def script():
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts"))  # the script imports _bench, as when run from scripts/
+    try:
+        spec = importlib.util.spec_from_file_location("calibrate_policy", REPO / "scripts" / "calibrate_policy.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+
+
+SMOKE = ["--device", "cpu", "--tokens", "16,32", "--features", "16,32", "--warmup", "0", "--calls", "1", "--reps", "2"]
+
+
+def test_calibration_cpu_smoke_writes_a_table_that_convert_reads(script, tmp_path, capsys):
+    assert script.main([*SMOKE, "--out", str(tmp_path)]) == 0
+    path = tmp_path / "policy_cpu.json"
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1] == f"wrote {path}"
+    assert f"policy_table='{path}'" in out and "FP8 faster at" in out
+    table = P.PolicyTable.load(path)
+    assert table.device == "cpu" and table.axes == ((16, 32),) * 3 and len(table.points) == 8
+    assert table.meta["smoke_test"] is True and table.meta["clock"].startswith("time.perf_counter")
+    assert table.meta["reps"] == 2 and table.versions["torch"] == torch.__version__
+    for p in table.points:
+        assert len(p["bf16_ms_all"]) == len(p["fp8_ms_all"]) == 2
+        assert p["fp8_ms"] > 0 and math.isclose(p["speedup"], p["bf16_ms"] / p["fp8_ms"])
+        assert min(p["sqnr_db"].values()) >= 20 and set(p["sqnr_db"]) == {"output", "input_grad", "weight_grad"}
+    report = fp8.plan_fp8_conversion(nn.Linear(32, 32), policy="auto", tokens=32, policy_table=path)
+    assert report[""].source == "policy_cpu.json: measured"
+
+
+def test_calibration_aborts_when_fp8_is_not_close_to_bf16(script, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(script._bench, "SQNR_MIN_DB", 100.0)
+    assert script.main([*SMOKE, "--out", str(tmp_path)]) == 1
+    assert "ABORT at tokens 16, in 16, out 16: the FP8 layer's SQNR against bf16" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
+def test_calibration_dry_run_and_budget(script, tmp_path, capsys):
+    assert script.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tokens [512, 1024, 2048, 4096, 8192] x in_features [256, 512, 1024, 2048, 4096, 8192, 16384]" in out
+    assert "= 245 points" in out and f"would write {tmp_path}/policy_<gpu>.json" in out
+    assert script.main([*SMOKE, "--budget-s", "1e-9", "--out", str(tmp_path / "t.json")]) == 1
+    assert "nothing written" in capsys.readouterr().out and not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(FP8_GEMM_OK, reason="checks the refusal on a machine without a GPU with FP8 GEMMs")
+def test_calibration_refuses_without_a_gpu(script, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        script.main(["--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "the calibration times FP8 GEMMs on the GPU, and this machine has none usable: " in err
+    assert _cuda.probe(need_fp8_gemm=True)[1] in err and "--device cpu runs a smoke test" in err
+    assert cli.main(["bench", "--calibrate", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("calibrate_policy: cannot run here (") and "--tiny runs a CPU smoke test" in out
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(FP8_GEMM_OK, reason="on a GPU --tiny measures a small grid on it")
+def test_bench_calibrate_tiny_runs_the_cpu_smoke_test(tmp_path, capsys):
+    assert cli.main(["bench", "--calibrate", "--tiny", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.rstrip().splitlines()
+    assert out[0].startswith("calibrate_policy: running ") and "--device cpu" in out[0]
+    assert out[-1] == f"wrote policy_cpu.json, calibrate_policy.log to {tmp_path}/"
+    assert P.PolicyTable.load(tmp_path / "policy_cpu.json").meta["smoke_test"] is True
+    assert "FP8 faster at" in (tmp_path / "calibrate_policy.log").read_text()
+    assert cli.main(["bench", "--calibrate", "--only", "bench_kernels"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.fp8_gemm
+def test_calibration_on_the_gpu_feeds_auto_by_the_gpus_name(script, tmp_path, monkeypatch, capsys):
+    """A tiny grid measured on this GPU (not a table to use), found by the GPU's name as a shipped
+    table would be, decides a CUDA model's layers."""
+    assert script.main(["--tokens", "512,1024", "--features", "256,512", "--warmup", "1", "--calls", "2", "--reps",
+                        "2", "--out", str(tmp_path)]) == 0
+    name = torch.cuda.get_device_name()
+    path = tmp_path / P.table_file_name(name)
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == f"wrote {path}"
+    table = P.PolicyTable.load(path)
+    assert table.device == name and table.meta["clock"] == "CUDA events" and table.meta["smoke_test"] is False
+    assert table.versions["cuda"] == torch.version.cuda and len(table.points) == 8
+    monkeypatch.setattr(P, "DATA_DIR", tmp_path)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
+    fp8.convert_to_fp8(model, R, policy="auto", tokens=1024)
+    report = model.fp8_conversion_report
+    assert [d.source for d in report] == [f"{path.name}: measured"] * 2
+    for d in report:
+        fp8_ms, bf16_ms, _ = table.predict(1024, d.in_features, d.out_features)
+        assert (d.fp8_ms, d.bf16_ms, d.fp8) == (fp8_ms, bf16_ms, fp8_ms < bf16_ms)
+        assert type(model.get_submodule(d.name)) is (fp8.Fp8Linear if d.fp8 else nn.Linear)
