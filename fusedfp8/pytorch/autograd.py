@@ -178,15 +178,12 @@ class _LinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, amax_history, scale, scale_inv, updates, col, fwd_fmt, grad_fmt, margin_factor,
-                current_first, need_dgrad, need_wgrad):
+    def forward(ctx, x, weight, bias, w_q, w_t, w_si, amax_history, scale, scale_inv, updates, col, fwd_fmt, grad_fmt,
+                margin_factor, current_first, need_dgrad, need_wgrad, pad):
         state = (amax_history, scale, scale_inv, updates)
         x2 = _as_2d(x).contiguous()
-        w = weight.contiguous()
-        (m, k), n = x2.shape, w.shape[0]
-        pad = _pad_of(k, n, *((m,) if need_wgrad else ()))  # tokens are a GEMM's K only in wgrad
+        (m, k), n = x2.shape, weight.shape[0]
         x_q, x_t, x_si = _quantize(x2, state, col, fwd_fmt, margin_factor, current_first, need_wgrad, pad)
-        w_q, w_t, w_si = _quantize(w, state, col + 1, fwd_fmt, margin_factor, current_first, need_dgrad, pad)
         y = scaled_mm(x_q, w_q.t(), x_si, w_si, _padded_bias(bias, w_q.shape[0]), x.dtype, fast_accum=True)
         y = _unpad(y, m, n)
         ctx.save_for_backward(x_t, w_t, x_si, w_si)
@@ -214,15 +211,60 @@ class _LinearFn(torch.autograd.Function):
                 dw = _unpad(scaled_mm(g_t, x_t.t(), g_si, x_si, None, ctx.w_dtype), n, k).contiguous()
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _bias_grad(g2, ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None
+        return (dx, dw, db) + (None,) * 15
+
+
+class WeightCache:
+    """The FP8 copy of one weight (q, transpose, scale_inv), kept while neither the weight nor its
+    scale has changed: with gradient accumulation every micro-batch after the first reuses it
+    instead of quantizing and transposing the weight again (one weight quantization per optimizer
+    step, as Transformer Engine's ``is_first_microbatch`` but without a flag).
+
+    The key is the weight's version counter (every in-place change through autograd's view of the
+    tensor bumps it: optimizer steps, ``copy_``, ``load_state_dict``; a change through ``.data``
+    does not, so call :meth:`clear` after one), its storage, and ``epoch``, which every update of
+    the module's scales advances. The amax of the weight is staged by the quantization that fills
+    the cache, which is the max over the micro-batches since the weight has not changed. Never
+    used while torch.compile traces or a CUDA graph captures (a replay must quantize the weight)."""
+
+    __slots__ = ("epoch", "key", "value", "enabled")
+
+    def __init__(self):
+        self.epoch, self.key, self.value, self.enabled = 0, None, None, True
+
+    def clear(self) -> None:
+        self.epoch += 1
+        self.key = self.value = None
+
+
+def quantized_weight(w: Tensor, state: tuple, col: int, fmt: str, margin_factor: float, current_first: bool,
+                     transpose: bool, pad: int, cache: WeightCache | None):
+    """(w_q, w_t or None, scale_inv) of the weight in column ``col``, from ``cache`` when it holds
+    this weight at this scale epoch."""
+    key = None
+    if (cache is not None and cache.enabled and not torch.compiler.is_compiling()
+            and not (w.is_cuda and torch.cuda.is_current_stream_capturing())):
+        key = (w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape), col, transpose, pad, cache.epoch,
+               state[1].data_ptr())
+        if cache.key == key:
+            return cache.value
+    out = _quantize(w.detach().contiguous(), state, col, fmt, margin_factor, current_first, transpose, pad)
+    if key is not None:
+        cache.key, cache.value = key, out
+    return out
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: tuple, cfg: tuple, need_dgrad: bool,
-           need_wgrad: bool) -> Tensor:
+           need_wgrad: bool, cache: WeightCache | None = None) -> Tensor:
     """The FP8 linear: ``state`` = (amax_history, scale, scale_inv, updates, col) with columns
     col, col + 1, col + 2 = (input, weight, output gradient); ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first).
     Inputs are checked by the caller (:class:`fusedfp8.pytorch.Fp8Linear`)."""
-    return _LinearFn.apply(x, weight, bias, *state, *cfg, need_dgrad, need_wgrad)
+    *st, col = state
+    fwd_fmt, _, mf, cf = cfg
+    m = math.prod(x.shape[:-1])
+    pad = _pad_of(x.shape[-1], weight.shape[0], *((m,) if need_wgrad else ()))  # tokens: a K only in wgrad
+    w_q, w_t, w_si = quantized_weight(weight, tuple(st), col + 1, fwd_fmt, mf, cf, need_dgrad, pad, cache)
+    return _LinearFn.apply(x, weight, bias, w_q, w_t, w_si, *state, *cfg, need_dgrad, need_wgrad, pad)
 
 
 # ---- fused MLP core: Linear -> gelu -> Linear ------------------------------------------------
@@ -237,16 +279,15 @@ class _MLPFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, w1, b1, w2, b2, hist1, scale1, scale_inv1, updates1, c1, hist2, scale2, scale_inv2, updates2,
-                c2, fwd_fmt, grad_fmt, margin_factor, current_first1, current_first2, approximate, training):
+    def forward(ctx, h, w1, b1, w2, b2, w1_q, w1_t, w1_si, w2_q, w2_t, w2_si, hist1, scale1, scale_inv1, updates1, c1,
+                hist2, scale2, scale_inv2, updates2, c2, fwd_fmt, grad_fmt, margin_factor, current_first1,
+                current_first2, approximate, training, pad):
         st1 = (hist1, scale1, scale_inv1, updates1)
         st2 = st1 if hist2 is None else (hist2, scale2, scale_inv2, updates2)
         mf = margin_factor
         h2 = _as_2d(h).contiguous()
         (m, hid), ffn, out = h2.shape, w1.shape[0], w2.shape[0]
-        pad = _pad_of(hid, ffn, out, *((m,) if training else ()))
         h_q, h_t, h_si = _quantize(h2, st1, c1, fwd_fmt, mf, current_first1, training, pad)
-        w1_q, w1_t, w1_si = _quantize(w1.contiguous(), st1, c1 + 1, fwd_fmt, mf, current_first1, training, pad)
         z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, _padded_bias(b1, w1_q.shape[0]), h.dtype, fast_accum=True)
         z = _unpad(z, m, ffn).contiguous()  # the pad of z holds the bias: not an input of the activation
         if training:
@@ -255,7 +296,6 @@ class _MLPFn(torch.autograd.Function):
         else:
             (a_q, a_si), a_t = fops.call(fops.gelu_quantize, z, *st2, c2, fwd_fmt, mf, current_first2, approximate,
                                          pad), None
-        w2_q, w2_t, w2_si = _quantize(w2.contiguous(), st2, c2 + 1, fwd_fmt, mf, current_first2, training, pad)
         y = _unpad(scaled_mm(a_q, w2_q.t(), a_si, w2_si, _padded_bias(b2, w2_q.shape[0]), h.dtype, fast_accum=True),
                    m, out)
         if training:
@@ -286,14 +326,20 @@ class _MLPFn(torch.autograd.Function):
         dh = _unpad(scaled_mm(dz_q, w1_t.t(), dz_si, w1_si, None, h_dtype), m, hid).reshape(h_shape)
         dw1 = _unpad(scaled_mm(dz_t, h_t.t(), dz_si, h_si, None, w1_dtype), ffn, hid).contiguous()
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
-        return (dh, dw1, db1, dw2, db2) + (None,) * 17
+        return (dh, dw1, db1, dw2, db2) + (None,) * 24
 
 
 def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, state1: tuple, state2: tuple,
-        cfg: tuple, approximate: str, training: bool) -> Tensor:
+        cfg: tuple, approximate: str, training: bool, caches: tuple = (None, None)) -> Tensor:
     """fc2(gelu(fc1(h))) in FP8 with the fused activation kernels; ``state1``/``state2`` as in
     :func:`linear` (with their columns), ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first1, current_first2);
-    ``training`` = a backward will follow (the forward then also writes the transposes)."""
+    ``training`` = a backward will follow (the forward then also writes the transposes);
+    ``caches``: the :class:`WeightCache` of fc1 and fc2 (or None)."""
+    fwd_fmt, _, mf, cf1, cf2 = cfg
+    m = math.prod(h.shape[:-1])
+    pad = _pad_of(h.shape[-1], w1.shape[0], w2.shape[0], *((m,) if training else ()))
+    w1q = quantized_weight(w1, tuple(state1[:4]), state1[4] + 1, fwd_fmt, mf, cf1, training, pad, caches[0])
+    w2q = quantized_weight(w2, tuple(state2[:4]), state2[4] + 1, fwd_fmt, mf, cf2, training, pad, caches[1])
     if all(a is b for a, b in zip(state1[:4], state2[:4])):  # both columns of one linked state:
         state2 = (None,) * 4 + tuple(state2[4:])  # passed once (dynamo refuses a tensor given twice)
-    return _MLPFn.apply(h, w1, b1, w2, b2, *state1, *state2, *cfg, approximate, training)
+    return _MLPFn.apply(h, w1, b1, w2, b2, *w1q, *w2q, *state1, *state2, *cfg, approximate, training, pad)

@@ -186,6 +186,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         self._init_state(self.weight.device)
         self._group = None  # the model-level state this module's buffers are views of (convert.py)
         self._link = None  # (views handed out, the model-level arrays, this module's first column)
+        self._wcache = F8.WeightCache()  # the FP8 weight between its changes (gradient accumulation)
         self._ensure_hook()
 
     @classmethod
@@ -250,6 +251,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
             if new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
         self._pending_version = self.weight._version  # a move is not an optimizer step
+        self._wcache.clear()
         return self
 
     def _check_loaded_state(self, state_dict, prefix: str) -> None:
@@ -276,11 +278,13 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self._pending = False
+        self._wcache.clear()
 
     def __getstate__(self):
         state = super().__getstate__()
         state["_group"] = None  # copies and pickles get their own state; update_scales links them again
         state["_link"] = None
+        state["_wcache"] = F8.WeightCache()
         return state
 
     # -- missed-update detection ---------------------------------------------------------------
@@ -305,8 +309,27 @@ class Fp8Linear(_StrictLoad, nn.Linear):
 
     def _after_update(self) -> None:
         """Called by every update of this module's state: the backward since the last update is
-        accounted for."""
+        accounted for; the scales moved, so the cached FP8 weight is stale."""
         self._pending = False
+        self._wcache.clear()
+
+    @property
+    def cache_fp8_weight(self) -> bool:
+        """Keep the FP8 weight (and its transpose) between forwards until the weight or its scale
+        changes (default True): with gradient accumulation the weight is quantized once per
+        optimizer step, not once per micro-batch; costs the FP8 copy's memory (2 bytes per
+        parameter with the transpose). After changing the weight through ``.data`` (which its
+        version counter does not see) call :meth:`clear_fp8_weight`."""
+        return self._wcache.enabled
+
+    @cache_fp8_weight.setter
+    def cache_fp8_weight(self, on: bool) -> None:
+        self._wcache.enabled = bool(on)
+        self._wcache.clear()
+
+    def clear_fp8_weight(self) -> None:
+        """Drop the cached FP8 weight (the next forward quantizes the weight again)."""
+        self._wcache.clear()
 
     # -- forward -------------------------------------------------------------------------------
     def _need_grads(self, x: torch.Tensor) -> tuple[bool, bool]:
@@ -320,7 +343,8 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         need_dgrad, need_wgrad = self._need_grads(x)
         if not torch.compiler.is_compiling():
             self._ensure_hook()
-        return F8.linear(x, self.weight, self.bias, self._state(), self._kernel_cfg(), need_dgrad, need_wgrad)
+        return F8.linear(x, self.weight, self.bias, self._state(), self._kernel_cfg(), need_dgrad, need_wgrad,
+                         self._wcache)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self._recipe}"
@@ -385,4 +409,4 @@ class Fp8MLP(_StrictLoad, nn.Module):
             fc2._ensure_hook()
         cfg = fc1._kernel_cfg() + fc2._kernel_cfg()[-1:]
         return F8.mlp(h, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1._state(), fc2._state(), cfg,
-                      self.approximate, training)
+                      self.approximate, training, (fc1._wcache, fc2._wcache))
