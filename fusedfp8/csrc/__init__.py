@@ -18,11 +18,10 @@ Where a library comes from, first match wins:
    (``<name>-<fingerprint>.failed``, with the compiler's log) so that later processes do not
    retry it; delete that file to retry.
 
-The frameworks use the shim by default only with ``FUSEDFP8_SHIM=1`` (:func:`default_on`): it is
-opt-in until a GPU session has verified it (its tests compare it with the Python launch path byte
-for byte); ``impl='ffi'`` in JAX and ``fusedfp8.pytorch.custom_ops.use_cpp(True)`` ask for it
-explicitly. Without a C++ compiler, without the headers, or with ``FUSEDFP8_NO_SHIM=1`` (which also
-refuses the explicit requests) the frameworks keep the Python launch path, and :func:`library` /
+The frameworks use the shim by default (:func:`default_on`; its GPU tests compare it with the
+Python launch path byte for byte, and passed on an H200 on 2026-12-03); ``impl='ffi'`` in JAX and
+``fusedfp8.pytorch.custom_ops.use_cpp(True)`` ask for it explicitly. Without a C++ compiler,
+without the headers, or with ``FUSEDFP8_NO_SHIM=1`` (which also refuses the explicit requests) the frameworks keep the Python launch path, and :func:`library` /
 :func:`status` say why. This module imports only
 the standard library at import time (setup.py loads it by path, before any dependency exists).
 """
@@ -238,10 +237,7 @@ def default_on() -> tuple[bool, str]:
     """(whether the frameworks take the shim without being asked, why not)."""
     if os.environ.get("FUSEDFP8_NO_SHIM", "") not in ("", "0"):
         return False, "FUSEDFP8_NO_SHIM is set"
-    if os.environ.get("FUSEDFP8_SHIM", "") in ("1", "on"):
-        return True, ""
-    return False, ("the compiled launch shim is opt-in (FUSEDFP8_SHIM=1) until it has passed the GPU tests; "
-                   "the Python launch path runs the same plans")
+    return True, ""
 
 
 def status(target: str) -> tuple[bool | None, str]:

@@ -703,23 +703,19 @@ def test_jax_ffi_matches_the_callback_path(dtype, shape, first, donate):
         assert got == want, impl
 
 
-def test_the_shim_is_opt_in_until_verified_on_a_gpu(monkeypatch):
-    """The frameworks take the shim by default only with FUSEDFP8_SHIM=1 (explicit requests work
-    without it); FUSEDFP8_NO_SHIM refuses it even then."""
+def test_the_shim_is_on_by_default_and_no_shim_refuses_it(monkeypatch):
+    """The frameworks take the shim by default; FUSEDFP8_NO_SHIM refuses it (and the frameworks
+    then say so)."""
     from fusedfp8 import csrc
-
-    monkeypatch.delenv("FUSEDFP8_SHIM", raising=False)
-    monkeypatch.delenv("FUSEDFP8_NO_SHIM", raising=False)
-    on, why = csrc.default_on()
-    assert not on and "FUSEDFP8_SHIM=1" in why
     from fusedfp8.jax import primitives as JP
 
-    assert JP.launch_path() == ("callback", why)
-    assert cpp_launch_path_without_loading() == ("Python", why)
-    monkeypatch.setenv("FUSEDFP8_SHIM", "1")
+    monkeypatch.delenv("FUSEDFP8_NO_SHIM", raising=False)
     assert csrc.default_on() == (True, "")
     monkeypatch.setenv("FUSEDFP8_NO_SHIM", "1")
-    assert csrc.default_on() == (False, "FUSEDFP8_NO_SHIM is set")
+    on, why = csrc.default_on()
+    assert (on, why) == (False, "FUSEDFP8_NO_SHIM is set")
+    assert JP.launch_path() == ("callback", why)
+    assert cpp_launch_path_without_loading() == ("Python", why)
 
 
 def cpp_launch_path_without_loading():
