@@ -482,7 +482,7 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
     """:func:`build_layernorm_plan` for module (dtype, fmt, param) on ``device`` (compiles it on first
     use; with ``transpose``, allows the kernel the tile's shared memory)."""
     ks = kernels(ModuleKey("layernorm_quantize", dtype, fmt, param=param), device)
-    tile = layernorm_tile(cols, shared_optin(device)) if transpose else (0, 0)
+    tile = layernorm_tile(cols, shared_optin(device)) if transpose and rows else (0, 0)
     block = max(LN_BLOCK, _ln.threads_per_row(max(cols, 1)))
     ks["layernorm_store1_t"].allow_shared(tile[1])
     refs = {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(block, tile[1] if role.endswith("_t") else 0))
