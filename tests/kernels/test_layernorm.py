@@ -44,11 +44,12 @@ SHAPES = {  # label: shape
     "ragged-0x16": (0, 16),
     "wide-5x20000": (5, 20000),
 }
-LARGE = {
+LARGE = {  # (with transpose: 16-row tiles, 16-byte stores; 8-row tiles with 8-byte stores / ragged; 4-row tiles)
     "large-2048x1024": (2048, 1024),
     "large-2048x4096": (2048, 4096),
+    "large-256x8192": (256, 8192),
     "large-300x16384": (300, 16384),
-    "large-130x20000": (130, 20000),
+    "large-64x20000": (64, 20000),
 }
 
 
