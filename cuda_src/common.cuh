@@ -42,6 +42,9 @@ __device__ __forceinline__ float fdiv(float a, float b) {
 __device__ __forceinline__ float ffma(float a, float b, float c) {
     float r; asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c)); return r;
 }
+__device__ __forceinline__ float fsqrt(float a) {
+    float r; asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a)); return r;
+}
 __device__ __forceinline__ float frint(float a) {
     float r; asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a)); return r;
 }
@@ -97,15 +100,17 @@ __device__ __forceinline__ u32 abs_bits(float v) { return __float_as_uint(v) & 0
 
 // Max over the block, then ONE atomicMax into dst (a float32 slot viewed as uint32). A NaN is
 // canonicalised (0x7fc00000) once here, so the stored amax is one fixed pattern. A slot that holds
-// -0 (bits 0x80000000, above every amax) is first turned into +0: -0 behaves as 0.
-template <int THREADS> __device__ __forceinline__ void block_amax_atomic(u32 v, float* dst) {
+// -0 (bits 0x80000000, above every amax) is first turned into +0: -0 behaves as 0. THREADS bounds
+// the block size; `warps` is the block's actual warp count when it launches with fewer threads.
+template <int THREADS> __device__ __forceinline__ void block_amax_atomic(u32 v, float* dst,
+                                                                          int warps = THREADS / 32) {
     __shared__ u32 warp_max[THREADS / 32];
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) warp_max[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        v = lane < THREADS / 32 ? warp_max[lane] : 0u;
+        v = lane < warps ? warp_max[lane] : 0u;
         for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
         if (v > 0x7f800000u) v = 0x7fc00000u;
         if (lane == 0) {

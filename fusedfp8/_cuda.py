@@ -6,7 +6,8 @@ per (family, template arguments) with ``cupy.RawModule(code=..., name_expression
 in an lru_cache; CuPy's disk cache keys on the source text, so the shared ``common.cuh`` is
 folded into that text here (an edited header can never leave a stale kernel behind).
 
-Launches go through *plans* (:func:`quantize_plan`, :func:`dequantize_plan`, :func:`update_plan`):
+Launches go through *plans* (:func:`quantize_plan`, :func:`layernorm_plan`, :func:`dequantize_plan`,
+:func:`update_plan`):
 for one signature, the memsets and kernel launches of a call as pure data (CUfunction handles,
 grids, blocks, and each parameter as an immediate or "pointer of buffer slot i plus an offset"),
 built once and cached. The Python executor (:func:`fusedfp8.csrc.plan.execute`) and the compiled
@@ -28,11 +29,18 @@ from pathlib import Path
 from typing import NamedTuple
 
 # the plan format and the Python executor (re-exported: the launch interface is this module)
-from .csrc.plan import (DEQUANTIZE_SLOTS, NULLPTR, QUANTIZE_SLOTS, UPDATE_SLOTS, Launch, Memset,  # noqa: F401
-                        Plan, Variant, _mask, _plan, driver, dry_run, execute, flag, imm32, imm64, immf32, ptr)
+from .csrc.plan import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, NULLPTR, QUANTIZE_SLOTS, UPDATE_SLOTS, Launch,  # noqa: F401
+                        Memset, Plan, Variant, _check, _mask, _plan, driver, dry_run, execute, flag, imm32, imm64, immf32,
+                        ptr)
+from .numerics import layernorm as _ln
 
 THREADS = 256  # -DFF8_THREADS for the element-wise kernels
 TILE_R, TILE_C = 128, 64  # the tiled kernel's tile (rows, columns), fixed in quantize.cu
+LN_THREADS = _ln.MAX_THREADS_PER_ROW  # the layernorm kernel's largest block (LN_THREADS in layernorm_quantize.cu)
+LN_BLOCK = 256  # its block when a row takes fewer threads (blockDim / threads-per-row rows per pass)
+# the layernorm kernel's transposed tile: (rows per tile, most shared bytes), first that fits wins
+LN_TILES = ((16, 64 << 10), (8, 128 << 10), (4, 1 << 30))
+LN_STATIC_SHARED = 2048  # room left for the kernel's static shared memory (1216 bytes on sm_90)
 CPP_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 FMT_IDS = {"e4m3": 0, "e5m2": 1}
 OPS = {"identity": 0, "gelu_tanh": 1, "gelu_erf": 2, "dgelu_tanh": 3, "dgelu_erf": 4}  # types.kernel_op names
@@ -96,9 +104,10 @@ def cuda_include_dirs() -> list[str]:
 # ---- name expressions: one module per (family, types) -------------------------------------
 class ModuleKey(NamedTuple):
     family: str
-    dtype: str = ""  # input dtype of quantize, output dtype of dequantize
+    dtype: str = ""  # input dtype of quantize / layernorm_quantize, output dtype of dequantize
     fmt: str = ""
     op: str = ""
+    param: str = ""  # layernorm_quantize: the dtype of weight and bias
 
 
 def name_expressions(key: ModuleKey) -> dict[str, str]:
@@ -110,6 +119,11 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
                  for v in (True, False) for s in (True, False)}
         names["tiled"] = f"quantize_tiled<{t}, {f}, {o}>"
         return names
+    if key.family == "layernorm_quantize":
+        t, p, f = CPP_TYPES[key.dtype], CPP_TYPES[key.param], FMT_IDS[key.fmt]
+        return {"layernorm_store1": f"layernorm_quantize<{t}, {p}, {f}, true, false>",
+                "layernorm_store1_t": f"layernorm_quantize<{t}, {p}, {f}, true, true>",
+                "layernorm_store0": f"layernorm_quantize<{t}, {p}, {f}, false, false>"}
     if key.family == "dequantize":
         return {"dequant": f"dequantize_flat<{CPP_TYPES[key.dtype]}, {FMT_IDS[key.fmt]}>"}
     if key.family == "update_scales":
@@ -119,6 +133,7 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
 
 def all_module_keys() -> list[ModuleKey]:
     keys = [ModuleKey("quantize", d, f, o) for d in CPP_TYPES for f in FMT_IDS for o in OPS]
+    keys += [ModuleKey("layernorm_quantize", d, f, param=p) for d in CPP_TYPES for f in FMT_IDS for p in CPP_TYPES]
     keys += [ModuleKey("dequantize", d, f) for d in CPP_TYPES for f in FMT_IDS]
     keys.append(ModuleKey("update_scales"))
     return keys
@@ -141,6 +156,8 @@ SIGNATURES = {
     "flat": "@9Pqf",         # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                              #                updates, n, margin
     "tiled": "@13Pqqqqiif",  # quantize_tiled: 13 pointers, rows, cols, prows, pcols, vec, vec_t, margin
+    "layernorm": "@13Pqq4i2f",  # layernorm_quantize: 13 pointers, rows, cols, tpr, tile_rows, vec, vec_t, eps,
+                                #                     margin
     "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
     "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
 }
@@ -163,12 +180,21 @@ class Kernel:
         self.func = raw.kernel.ptr
 
     @functools.lru_cache(maxsize=None)
-    def blocks_per_sm(self, block: int) -> int:
-        """Resident blocks of ``block`` threads per multiprocessor (the occupancy calculator)."""
+    def blocks_per_sm(self, block: int, shared: int = 0) -> int:
+        """Resident blocks of ``block`` threads with ``shared`` bytes of dynamic shared memory per
+        multiprocessor (the occupancy calculator)."""
         n = ctypes.c_int(0)
         err = driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(self.func),
-                                                                     block, ctypes.c_size_t(0))
+                                                                     block, ctypes.c_size_t(shared))
         return n.value if err == 0 and n.value > 0 else 1
+
+    def allow_shared(self, nbytes: int) -> None:
+        """Let launches ask for ``nbytes`` of dynamic shared memory (beyond 48 KiB needs the
+        attribute; set once per size, before any launch that uses it)."""
+        if nbytes > getattr(self, "_shared_cap", 48 << 10):
+            _check(driver().cuFuncSetAttribute(ctypes.c_void_p(self.func), 8, ctypes.c_int(nbytes)),  # MAX_DYNAMIC_SHARED
+                   f"allowing {nbytes} bytes of shared memory for {self.name}")
+            self._shared_cap = nbytes
 
 
 def _build(key: ModuleKey, device_id: int) -> dict:
@@ -212,6 +238,14 @@ def sm_count(device_id: int) -> int:
     import cupy
 
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+@functools.lru_cache(maxsize=None)
+def shared_optin(device_id: int) -> int:
+    """The most dynamic shared memory one block may opt in to on ``device_id`` (bytes)."""
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -281,9 +315,9 @@ def _tiled_grid(ref: KernelRef, sms: int, rows: int, cols: int) -> int:
     return max(1, min(-(-rows // TILE_R) * -(-cols // TILE_C), ref.per_sm * sms))
 
 
-def _launch(variants, select: int, block: int, params: tuple) -> Launch:
+def _launch(variants, select: int, block: int, params: tuple, shared: int = 0) -> Launch:
     """A Launch whose parameter layout is checked against SIGNATURES for every variant's kernel."""
-    step = Launch(tuple(Variant(r.func, grid, r.name) for r, grid in variants), select, block, tuple(params))
+    step = Launch(tuple(Variant(r.func, grid, r.name) for r, grid in variants), select, block, tuple(params), shared)
     for r, _ in variants:
         if step.layout != signature(r.role):
             raise RuntimeError(f"fusedfp8: the plan lays out {r.name}'s parameters as {step.layout}, but its "
@@ -362,6 +396,60 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     return _plan(QUANTIZE_SLOTS, steps)
 
 
+def layernorm_tile(cols: int, optin: int) -> tuple[int, int]:
+    """(rows per transposed tile, dynamic shared bytes) of the layernorm kernel with q_t: the first
+    of :data:`LN_TILES` whose tile of FP8 bytes (rows x cols rounded up to 16) fits both its cap and
+    ``optin`` (the device's most shared memory per block) less the kernel's static shared memory."""
+    pitch = -(-cols // 16) * 16
+    room = optin - LN_STATIC_SHARED
+    for tile_rows, cap in LN_TILES:
+        if tile_rows * pitch <= min(cap, room):
+            return tile_rows, tile_rows * pitch
+    most = room // LN_TILES[-1][0] // 16 * 16
+    raise ValueError(f"layernorm_quantize: transpose=True needs {LN_TILES[-1][0]} rows of FP8 bytes per block in "
+                     f"shared memory ({optin} bytes on this GPU), so at most {most} columns; got {cols}")
+
+
+def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, first: bool = False,
+                         eps: float = 1e-5, margin_factor: float = 1.0, offset: int = 0,
+                         tile: tuple[int, int] = (0, 0)) -> Plan:
+    """The plan of one layernorm_quantize call over :data:`LAYERNORM_SLOTS` (``refs``: role ->
+    KernelRef, the main kernel's ``per_sm`` counted with the tile's shared memory; ``tile``: (rows
+    per tile, shared bytes) from :func:`layernorm_tile`, used with ``transpose``). ``offset``: the
+    byte offset of the tensor's entry in the state slots. ``first``: launch the first-step
+    pre-pass (amax of y only, when the tensor's ``updates`` is 0), and let the main kernel write
+    the scale it used. The row layout (threads per row) comes from
+    :func:`fusedfp8.numerics.layernorm.threads_per_row`, the one the reference sums in."""
+    X, W, B, Q, QT, MEAN, RSTD, S, A, SO, SIO, SIU, U = range(len(LAYERNORM_SLOTS))
+    tpr = _ln.threads_per_row(max(cols, 1))
+    block = max(LN_BLOCK, tpr)
+    per_pass = block // tpr
+    tile_rows, shared = tile if transpose else (0, 0)
+    vec = flag((X, W, B, Q), 16, cols % 8 == 0)
+    main, pre = refs["layernorm_store1_t" if transpose else "layernorm_store1"], refs["layernorm_store0"]
+
+    def st(slot):
+        return ptr(slot, offset)
+
+    def params(q, q_t, mean, rstd, so, sio, siu, u, n_rows, t_rows, vec_t):
+        return (ptr(X), ptr(W), ptr(B), q, q_t, mean, rstd, st(S), st(A), so, sio, siu, u, imm64(n_rows), imm64(cols),
+                imm32(tpr), imm32(t_rows), vec, vec_t, immf32(eps), immf32(margin_factor))
+
+    if rows == 0:  # nothing to normalise: still hand out 1 / scale (one block, no row)
+        return _plan(LAYERNORM_SLOTS, [_launch([(main, 1)], 0, block, params(
+            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(SIU), NULLPTR, 0, 0, flag((), 16, False)))])
+    steps = []
+    if first:  # at most one block per multiprocessor: past the first step each block reads the flag and exits
+        steps.append(_launch([(pre, min(-(-rows // per_pass), sms))], 0, block, params(
+            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, st(U), rows, 0, flag((), 16, False))))
+    so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
+    groups = -(-rows // (tile_rows if transpose else per_pass))
+    steps.append(_launch([(main, max(1, min(groups, main.per_sm * sms)))], 0, block, params(
+        ptr(Q), ptr(QT) if transpose else NULLPTR, ptr(MEAN), ptr(RSTD), so, sio, ptr(SIU), u, rows, tile_rows,
+        flag((QT,), 16, transpose and rows % max(tile_rows, 1) == 0)), shared))
+    return _plan(LAYERNORM_SLOTS, steps)
+
+
 def build_dequantize_plan(refs: dict, sms: int, n: int) -> Plan:
     """``out[i] = dtype(float32(q[i]) * scale_inv[0])`` over :data:`DEQUANTIZE_SLOTS` (nothing for n == 0)."""
     if n == 0:
@@ -386,6 +474,20 @@ def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: i
     """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device``."""
     return build_quantize_plan(kernel_refs(ModuleKey("quantize", dtype, fmt, op), device), sm_count(device), rows,
                                cols, transpose, dbias, first, margin_factor, offset, pad_to)
+
+
+@functools.lru_cache(maxsize=4096)
+def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, cols: int, transpose: bool = False,
+                   first: bool = False, eps: float = 1e-5, margin_factor: float = 1.0, offset: int = 0) -> Plan:
+    """:func:`build_layernorm_plan` for module (dtype, fmt, param) on ``device`` (compiles it on first
+    use; with ``transpose``, allows the kernel the tile's shared memory)."""
+    ks = kernels(ModuleKey("layernorm_quantize", dtype, fmt, param=param), device)
+    tile = layernorm_tile(cols, shared_optin(device)) if transpose and rows else (0, 0)
+    block = max(LN_BLOCK, _ln.threads_per_row(max(cols, 1)))
+    ks["layernorm_store1_t"].allow_shared(tile[1])
+    refs = {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(block, tile[1] if role.endswith("_t") else 0))
+            for role, k in ks.items()}
+    return build_layernorm_plan(refs, sm_count(device), rows, cols, transpose, first, eps, margin_factor, offset, tile)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -429,6 +531,34 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
     plan = quantize_plan(device, dtype, fmt, op, rows, cols, bool(q_t), bool(dbias or partial or counters),
                          bool(first), float(margin_factor), 0, int(pad_to))
     execute(plan, (x, b, q, q_t, dbias, partial, counters, scale, amax, scale_out, scale_inv_out, scale_inv_used,
+                   updates), stream)
+
+
+def launch_layernorm_quantize(device: int, stream: int, *, dtype: str, param: str, fmt: str, x: int, weight: int,
+                              bias: int, q: int, mean: int, rstd: int, scale: int, amax: int, rows: int, cols: int,
+                              eps: float, q_t: int = 0, scale_inv_used: int = 0, first: bool = False,
+                              updates: int = 0, scale_out: int = 0, scale_inv_out: int = 0,
+                              margin_factor: float = 1.0) -> None:
+    """Launch the layernorm_quantize kernels on raw device pointers (:func:`layernorm_plan`, then
+    :func:`execute`).
+
+    Parameters
+    ----------
+    device, stream : CUDA device ordinal and stream handle.
+    dtype : the dtype of x; param : the dtype of weight and bias ('float32' | 'float16' | 'bfloat16').
+    fmt : 'e4m3' | 'e5m2', the format of ``q`` / ``q_t``.
+    x : (rows, cols) row-major input, cols >= 1. weight, bias : (cols,), or 0 (1 and -0).
+    q : (rows, cols) FP8 output (bytes); q_t : (cols, rows) transpose, or 0.
+    mean, rstd : (rows,) float32 outputs.
+    scale : (1,) float32, read. amax : (1,) float32, max-accumulated (NaN-propagating).
+    eps : added to the variance (rounded to float32).
+    scale_inv_used, first, updates, scale_out, scale_inv_out, margin_factor : as :func:`launch_quantize`.
+    """
+    if rows == 0 and not scale_inv_used:
+        return
+    plan = layernorm_plan(device, dtype, param, fmt, rows, cols, bool(q_t), bool(first), float(eps),
+                          float(margin_factor), 0)
+    execute(plan, (x, weight, bias, q, q_t, mean, rstd, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                    updates), stream)
 
 

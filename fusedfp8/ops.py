@@ -1,5 +1,5 @@
-"""The framework-agnostic functions: quantize, gelu_quantize, dgelu_quantize, dequantize,
-update_scales.
+"""The framework-agnostic functions: quantize, gelu_quantize, dgelu_quantize, layernorm_quantize,
+dequantize, update_scales.
 
 Every function accepts torch tensors, jax arrays, cupy arrays and numpy arrays. Device arrays
 run the fused CUDA kernels on the caller's current stream (through :mod:`fusedfp8._cuda`'s launch
@@ -30,12 +30,14 @@ import numpy as np
 from . import _cuda
 from . import _interop as io
 from .formats import Format, get_format
+from .numerics import layernorm as ln
 from .numerics import reference as ref
 from .recipe import DelayedScaling
 from .state import STATE_FIELDS, ScalingState, Slot, apply_update
-from .types import FLOAT_INPUTS, FP8_DTYPES, Quantized, check_approximate, check_recipe, kernel_op
+from .types import (FLOAT_INPUTS, FP8_DTYPES, LayerNormQuantized, Quantized, check_approximate, check_recipe,
+                    kernel_op)
 
-__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "dequantize", "update_scales"]
+__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"]
 
 _host_lock = threading.Lock()  # host-path read-modify-writes of amax / scale slots are atomic
 
@@ -148,6 +150,64 @@ class _Plan:
         self.q_shape = shape if pad_to == 1 else _cuda.padded(self.rows, self.cols, self.pad_to)
         self.prows, self.pcols = _cuda.padded(self.rows, self.cols, self.pad_to)
 
+    def written(self) -> dict:
+        """The arrays this call writes in place, by argument name."""
+        if self.slot is not None:
+            return {"state.amax_history": self.amax, "state.scale": self.scale, "state.scale_inv": self.scale_inv}
+        return {"amax": self.amax} if self.amax is not None else {}
+
+
+def _check_eps(eps) -> float:
+    """``eps`` as the float32 the kernels add (returned as a Python float)."""
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.floating, np.integer)):
+        raise TypeError(f"eps must be a real number (a Python or NumPy float); got {type(eps).__module__}."
+                        f"{type(eps).__name__}")
+    with np.errstate(over="ignore"):
+        e32 = np.float32(eps)
+    if not (math.isfinite(float(eps)) and float(eps) >= 0 and np.isfinite(e32)):
+        raise ValueError(f"eps must be a finite number >= 0 (and finite as float32); got {eps!r}")
+    return float(e32)
+
+
+def _check_param(a, argname: str, x: io.ArrayInfo, cols: int) -> io.ArrayInfo | None:
+    """weight / bias of layernorm_quantize: None, or a (cols,) float array beside x."""
+    if a is None:
+        return None
+    info = io.describe(a, argname)
+    if info.dtype not in FLOAT_INPUTS:
+        raise TypeError(f"{argname} must be float32, float16 or bfloat16; got {info.dtype}")
+    if info.framework != x.framework:
+        raise TypeError(f"{argname} is a {info.framework} array but the input is a {x.framework} array")
+    if info.device != x.device:
+        raise ValueError(f"{argname} is on {info.where()} but the input is on {x.where()}; "
+                         "they must be on the same device")
+    if tuple(info.shape) != (cols,):
+        raise ValueError(f"{argname} must have shape ({cols},) (the last dimension of x); got {tuple(info.shape)}")
+    if not info.contiguous:
+        raise ValueError(f"{argname} must be contiguous; got a non-contiguous view of shape {tuple(info.shape)}")
+    return info
+
+
+class _LayerNormPlan(_Plan):
+    """A checked layernorm_quantize call: the checks of a quantization of x, then weight, bias and
+    eps, and no written array (amax, the state) sharing memory with weight or bias."""
+
+    def __init__(self, x, weight, bias, eps, scale, fmt, amax, transpose):
+        super().__init__(x, None, scale, fmt, amax, "layernorm", transpose, False)
+        if not self.xi.shape:
+            raise ValueError("x: layernorm_quantize needs an input of at least 1 dimension; got a scalar")
+        if self.cols == 0:
+            raise ValueError(f"x: layernorm_quantize normalises over the last dimension, which must not be empty; "
+                             f"got shape {tuple(self.xi.shape)}")
+        self.eps = _check_eps(eps)
+        self.wi = _check_param(weight, "weight", self.xi, self.cols)
+        self.biasi = _check_param(bias, "bias", self.xi, self.cols)
+        if self.wi is not None and self.biasi is not None and self.wi.dtype != self.biasi.dtype:
+            raise TypeError(f"weight and bias must have the same dtype; got {self.wi.dtype} and {self.biasi.dtype}")
+        self.param_dtype = next((i.dtype for i in (self.wi, self.biasi) if i is not None), "float32")
+        params = {name: i for name, i in (("weight", self.wi), ("bias", self.biasi)) if i is not None}
+        _refuse_overlaps(self.written(), params)
+
 
 # ---- host path (reference) -------------------------------------------------------------------
 def _nan_max(a: np.float32, b: np.float32) -> np.float32:
@@ -159,6 +219,12 @@ def _nan_max(a: np.float32, b: np.float32) -> np.float32:
 
 def _host_run(p: _Plan, approximate: str) -> Quantized:
     y = ref.activation(p.op, io.to_numpy(p.xi), io.to_numpy(p.bi) if p.bi is not None else None, approximate)
+    return _host_quantize(p, y)
+
+
+def _host_quantize(p: _Plan, y: np.ndarray) -> Quantized:
+    """Quantize the float32 values ``y`` (of x's shape) as the call ``p`` asks: scale or slot,
+    amax accumulation, first step, transpose, dbias."""
     amax_y = ref.amax(y)
     with _host_lock:
         if p.slot is not None:
@@ -228,6 +294,40 @@ def _run(p: _Plan, approximate: str = "tanh") -> Quantized:
     return _device_run(p, approximate) if p.xi.is_gpu else _host_run(p, approximate)
 
 
+def _host_layernorm(p: _LayerNormPlan) -> LayerNormQuantized:
+    y, mean, rstd = ln.layernorm_f32(io.to_numpy(p.xi), io.to_numpy(p.wi) if p.wi is not None else None,
+                                     io.to_numpy(p.biasi) if p.biasi is not None else None, np.float32(p.eps))
+    return LayerNormQuantized(_host_quantize(p, y), io.from_numpy(mean, p.xi), io.from_numpy(rstd, p.xi))
+
+
+def _device_layernorm(p: _LayerNormPlan) -> LayerNormQuantized:
+    xi = io.device_view(p.xi)
+    wi = io.device_view(p.wi) if p.wi is not None else None
+    bi = io.device_view(p.biasi) if p.biasi is not None else None
+    q = io.empty(p.xi, p.xi.shape, p.fmt.dtype_name)
+    q_t = io.empty(p.xi, (p.cols, p.rows), p.fmt.dtype_name) if p.transpose else None
+    mean = io.empty(p.xi, (p.rows,), "float32")
+    rstd = io.empty(p.xi, (p.rows,), "float32")
+    amax = io.device_view(p.amax) if p.amax is not None else None
+    amax_arr = amax.array if amax is not None else io.zeros(p.xi, (1,), "float32")
+    scale_inv = io.empty(p.xi, (1,), "float32")
+    first = p.slot is not None and p.slot.current_first
+    ptr = io.data_ptr
+    _cuda.launch_layernorm_quantize(
+        xi.device, io.stream_ptr(p.xi), dtype=xi.dtype, param=p.param_dtype, fmt=p.fmt.name, x=xi.ptr,
+        weight=wi.ptr if wi is not None else 0, bias=bi.ptr if bi is not None else 0, q=ptr(q), mean=ptr(mean),
+        rstd=ptr(rstd), scale=io.device_view(p.scale).ptr, amax=ptr(amax_arr), rows=p.rows, cols=p.cols, eps=p.eps,
+        q_t=ptr(q_t) if q_t is not None else 0, scale_inv_used=ptr(scale_inv), first=first,
+        updates=p.updates.ptr if first else 0, scale_out=p.scale.ptr if first else 0,
+        scale_inv_out=p.scale_inv.ptr if first else 0,
+        margin_factor=p.slot.margin_factor if p.slot is not None else 1.0)
+    c = p.xi
+    quantized = Quantized(io.fp8_out(q, p.fmt, c), io.out_for_caller(amax_arr, c) if amax is None else p.amax.array,
+                          io.fp8_out(q_t, p.fmt, c) if q_t is not None else None, None,
+                          io.out_for_caller(scale_inv, c))
+    return LayerNormQuantized(quantized, io.out_for_caller(mean, c), io.out_for_caller(rstd, c))
+
+
 # ---- public API ------------------------------------------------------------------------------
 def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose: bool = False,
              pad_to: int = 1) -> Quantized:
@@ -280,6 +380,42 @@ def dgelu_quantize(dy, x, scale, fmt: str | Format | None = None, *, approximate
     summation order). ``dy`` and ``x``: same shape, dtype and device."""
     approximate = check_approximate(approximate)
     return _run(_Plan(dy, x, scale, fmt, amax, "dgelu", transpose, dbias, argname="dy", pad_to=pad_to), approximate)
+
+
+def layernorm_quantize(x, weight, bias, eps: float, scale, fmt: str | Format | None = None, *, amax=None,
+                       transpose: bool = False) -> LayerNormQuantized:
+    """LayerNorm over the last dimension of ``x``, quantized to FP8 in the same pass.
+
+    In float32, per row of x viewed as (rows, cols): ``mean``, the variance of the centred values,
+    ``rstd = 1 / sqrt(var + eps)`` (correctly rounded), ``y = (x - mean) * rstd * weight + bias``
+    (the op order of :mod:`fusedfp8.numerics.layernorm`, which the kernel follows bit for bit);
+    ``y`` is quantized as :func:`quantize` quantizes x, and ``amax = max |y|``. The normalised
+    output is never written in 16 or 32 bits.
+
+    Parameters
+    ----------
+    x : array, float32 / float16 / bfloat16, at least 1-D (last dimension >= 1), contiguous
+    weight, bias : (cols,) arrays of one float dtype on x's device, or None (1 and 0)
+    eps : number >= 0, added to the variance (as float32)
+    scale, fmt, amax, transpose : as :func:`quantize` (a Slot stages amax(y) in its state; the
+        first step quantizes with the scale of y's own amax when the recipe says so)
+
+    Returns
+    -------
+    LayerNormQuantized
+        ``quantized`` (a :class:`Quantized`: data, amax, data_t, scale_inv) and ``mean`` / ``rstd``,
+        (rows,) float32 for the backward (``xhat = (x - mean) * rstd``); a NaN among them is the
+        canonical NaN.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`quantize`, and on a weight / bias of the wrong shape, dtype or device, weight and
+        bias of different dtypes, a written array sharing memory with them, or a bad eps; nothing
+        is written.
+    """
+    p = _LayerNormPlan(x, weight, bias, eps, scale, fmt, amax, transpose)
+    return _device_layernorm(p) if p.xi.is_gpu else _host_layernorm(p)
 
 
 def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = None):

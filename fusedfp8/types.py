@@ -35,6 +35,19 @@ class Quantized(NamedTuple):
     scale_inv: Any = None
 
 
+class LayerNormQuantized(NamedTuple):
+    """Result of :func:`fusedfp8.layernorm_quantize`.
+
+    quantized : the :class:`Quantized` LayerNorm output (data, amax, data_t, scale_inv; dbias None).
+    mean, rstd : (rows,) float32 per-row statistics of the input viewed as (rows, cols), for the
+        backward: ``xhat = (x - mean) * rstd``.
+    """
+
+    quantized: Quantized
+    mean: Any
+    rstd: Any
+
+
 def check_approximate(approximate, argname: str = "approximate") -> str:
     """``approximate`` if it names a gelu flavour ('tanh' or 'none'); ValueError otherwise."""
     if not isinstance(approximate, str) or approximate not in GELU_APPROXIMATIONS:

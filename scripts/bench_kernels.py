@@ -32,19 +32,34 @@ import fusedfp8  # noqa: E402
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 SIZES = [(1024, 1024), (4096, 4096), (8192, 4096), (8192, 16384)]
-JOBS = ["quantize", "quantize_t", "gelu", "gelu_t", "dgelu_dbias", "dgelu_dbias_t"]
+JOBS = ["quantize", "quantize_t", "gelu", "gelu_t", "dgelu_dbias", "dgelu_dbias_t", "layernorm", "layernorm_t"]
 TARGETS = {  # fraction of the copy ceiling, at 8192x16384 (and 4096x4096 for quantize)
     ("quantize", "8192x16384"): 0.92, ("quantize", "4096x4096"): 0.75, ("quantize_t", "8192x16384"): 0.85,
     ("gelu", "8192x16384"): 0.85, ("gelu_t", "8192x16384"): 0.85, ("dgelu_dbias", "8192x16384"): 0.80,
-    ("dgelu_dbias_t", "8192x16384"): 0.80,
+    ("dgelu_dbias_t", "8192x16384"): 0.80, ("layernorm", "8192x16384"): 0.80, ("layernorm_t", "8192x16384"): 0.80,
+    ("layernorm", "2048x4096"): 0.70, ("layernorm_t", "2048x4096"): 0.70,
 }
+LN_EPS = 1e-5
 
 
 def job_bytes(job: str, m: int, n: int) -> int:
     e = m * n
-    read = 2 * e * (2 if job.startswith("dgelu") else 1)
+    read = 2 * e * (2 if job.startswith("dgelu") else 1) + (2 * 2 * n if job.startswith("layernorm") else 0)
     write = e * (2 if job.endswith("_t") else 1) + (4 * n if "dbias" in job else 0)
+    write += 2 * 4 * m if job.startswith("layernorm") else 0  # mean and rstd
     return read + write
+
+
+_LN_PARAMS: dict = {}
+
+
+def ln_params(n: int, device="cuda"):
+    """The LayerNorm weight and bias of width n (bf16, as in a bf16 model; made once)."""
+    if (n, device) not in _LN_PARAMS:
+        g = torch.Generator(device=device).manual_seed(n)
+        _LN_PARAMS[(n, device)] = ((1 + 0.1 * torch.randn(n, device=device, generator=g)).to(torch.bfloat16),
+                                   (0.1 * torch.randn(n, device=device, generator=g)).to(torch.bfloat16))
+    return _LN_PARAMS[(n, device)]
 
 
 # ---- implementations -------------------------------------------------------------------------
@@ -54,6 +69,9 @@ def fused(job, x, b, scale, amax):
         r = fusedfp8.quantize(x, scale, "e4m3", amax=amax, transpose=t)
     elif job.startswith("gelu"):
         r = fusedfp8.gelu_quantize(x, scale, "e4m3", approximate="tanh", amax=amax, transpose=t)
+    elif job.startswith("layernorm"):
+        w, bias = ln_params(x.shape[-1])
+        r = fusedfp8.layernorm_quantize(x, w, bias, LN_EPS, scale, "e4m3", amax=amax, transpose=t).quantized
     else:
         r = fusedfp8.dgelu_quantize(x, b, scale, "e5m2", approximate="tanh", amax=amax, transpose=t, dbias=True)
     return r.data, r.data_t, r.dbias
@@ -67,6 +85,10 @@ def torch_job(job, x, b, scale, amax):
         y, fmax, dt = xf, E4M3_MAX, torch.float8_e4m3fn
     elif job.startswith("gelu"):
         y, fmax, dt = torch.nn.functional.gelu(xf, approximate="tanh"), E4M3_MAX, torch.float8_e4m3fn
+    elif job.startswith("layernorm"):  # (mean and rstd come out of native_layer_norm too)
+        w, bias = ln_params(x.shape[-1])
+        y = torch.native_layer_norm(xf, (x.shape[-1],), w.float(), bias.float(), LN_EPS)[0]
+        fmax, dt = E4M3_MAX, torch.float8_e4m3fn
     else:
         bf = b.float()
         u = 0.7978845608028654 * (bf + 0.044715 * bf * bf * bf)
@@ -90,6 +112,13 @@ def make_xla_job(job):
             y, fmax, dt = xf, E4M3_MAX, jnp.float8_e4m3fn
         elif job.startswith("gelu"):
             y, fmax, dt = jax.nn.gelu(xf, approximate=True), E4M3_MAX, jnp.float8_e4m3fn
+        elif job.startswith("layernorm"):
+            w, bias = (jax.dlpack.from_dlpack(p) for p in ln_params(x.shape[-1]))
+            mean = jnp.mean(xf, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+            rstd = jax.lax.rsqrt(var + LN_EPS)
+            y = (xf - mean) * rstd * w.astype(jnp.float32) + bias.astype(jnp.float32)
+            fmax, dt = E4M3_MAX, jnp.float8_e4m3fn
         else:
             bf = b.astype(jnp.float32)
             th = jnp.tanh(0.7978845608028654 * (bf + 0.044715 * bf * bf * bf))
@@ -163,6 +192,15 @@ def check_fused(job, x, b, m, n):
         want = fusedfp8.quantize(xn, sn, "e4m3", transpose=t)
     elif job.startswith("gelu"):
         want = fusedfp8.gelu_quantize(xn, sn, "e4m3", approximate="tanh", transpose=t)
+    elif job.startswith("layernorm"):
+        w, bias = ln_params(n)
+        want = fusedfp8.layernorm_quantize(xn, to_np_bf16(w), to_np_bf16(bias), LN_EPS, sn, "e4m3", transpose=t)
+        got = fusedfp8.layernorm_quantize(xs, w, bias, LN_EPS, s, "e4m3", transpose=t)
+        stats_ok = all(np.array_equal(a.cpu().numpy().view(np.uint32), b.view(np.uint32))
+                       for a, b in ((got.mean, want.mean), (got.rstd, want.rstd)))
+        want = want.quantized
+        if not stats_ok:
+            return False
     else:
         want = fusedfp8.dgelu_quantize(xn, bn, sn, "e5m2", approximate="tanh", transpose=t, dbias=True)
     ok = np.array_equal(q.cpu().view(torch.uint8).numpy(), want.data.view(np.uint8))

@@ -31,6 +31,8 @@ _PACK_CHAR = {I64: "q", I32: "i", F32: "I", PTR: "Q", NULL: "Q", FLAG: "i"}  # F
 
 QUANTIZE_SLOTS = ("x", "b", "q", "q_t", "dbias", "partial", "counters", "scale", "amax", "scale_out",
                   "scale_inv_out", "scale_inv_used", "updates")
+LAYERNORM_SLOTS = ("x", "weight", "bias", "q", "q_t", "mean", "rstd", "scale", "amax", "scale_out", "scale_inv_out",
+                   "scale_inv_used", "updates")
 DEQUANTIZE_SLOTS = ("q", "out", "scale_inv")
 UPDATE_SLOTS = ("amax_history", "scale", "scale_inv", "overflows", "updates", "fmt_max")
 
@@ -85,12 +87,14 @@ class Variant(NamedTuple):
 class Launch(NamedTuple):
     """A kernel launch: ``variants[0]`` when the pointers of every slot in the bit mask ``select``
     are 16-byte aligned (always, for a mask of 0), else ``variants[1]``; ``block`` threads; the
-    parameters laid out as the kernel declares them (natural alignment, no trailing padding)."""
+    parameters laid out as the kernel declares them (natural alignment, no trailing padding);
+    ``shared`` bytes of dynamic shared memory."""
 
     variants: tuple
     select: int
     block: int
     params: tuple
+    shared: int = 0
 
     @property
     def layout(self) -> str:
@@ -120,7 +124,7 @@ class Plan(NamedTuple):
             if isinstance(st, Memset):
                 out += [MEMSET, st.slot, st.nbytes]
                 continue
-            out += [LAUNCH, len(st.variants), st.select, st.block, 0, len(st.params)]
+            out += [LAUNCH, len(st.variants), st.select, st.block, st.shared, len(st.params)]
             for v in st.variants:
                 out += [v.func, v.grid]
                 names.append(v.name)
@@ -165,8 +169,10 @@ def _plan(slots: tuple, steps) -> Plan:
             continue
         if not 1 <= len(st.variants) <= 2 or (st.select and len(st.variants) != 2):
             raise ValueError("fusedfp8: a launch has one variant, or two chosen by a select mask")
+        if st.shared < 0:
+            raise ValueError(f"fusedfp8: a launch cannot ask for {st.shared} bytes of shared memory")
         fmt = "@" + "".join(_PACK_CHAR[t.kind] for t in st.params)
-        program.append((LAUNCH, st.variants, st.block, fmt, struct.calcsize(fmt), _packer(st, len(slots))))
+        program.append((LAUNCH, st.variants, st.block, fmt, struct.calcsize(fmt), _packer(st, len(slots)), st.shared))
     return Plan(tuple(slots), tuple(steps), tuple(program))
 
 
@@ -180,9 +186,9 @@ def _walk(plan: Plan, ptrs, on_memset, on_launch) -> None:
             if p and step[2]:
                 on_memset(p, step[2])
             continue
-        _, variants, block, fmt, size, pack = step
+        _, variants, block, fmt, size, pack, shared = step
         choice, values = pack(ptrs)
-        on_launch(variants[choice], block, fmt, size, values)
+        on_launch(variants[choice], block, shared, fmt, size, values)
 
 
 _tls = threading.local()
@@ -225,12 +231,12 @@ def execute(plan: Plan, ptrs, stream: int) -> None:
                 if err:
                     _check(err, f"zeroing {step[2]} bytes at {p:#x}")
             continue
-        _, variants, block, fmt, size, pack = step
+        _, variants, block, fmt, size, pack, shared = step
         choice, values = pack(ptrs)
         v = variants[choice]
         buf, _, extra = _param_buffer(size)
         struct.pack_into(fmt, buf, 0, *values)
-        err = drv.cuLaunchKernel(v.func, v.grid, 1, 1, block, 1, 1, 0, stream, None, extra)
+        err = drv.cuLaunchKernel(v.func, v.grid, 1, 1, block, 1, 1, shared, stream, None, extra)
         if err:
             _check(err, f"launching {v.name}")
 
@@ -244,8 +250,8 @@ def dry_run(plan: Plan, ptrs) -> bytes:
     def memset(p, nbytes):
         out.extend(struct.pack("<qQq", MEMSET, p, nbytes))
 
-    def launch(v, block, fmt, size, values):
-        out.extend(struct.pack("<qQqqqq", LAUNCH, v.func, v.grid, block, 0, size))
+    def launch(v, block, shared, fmt, size, values):
+        out.extend(struct.pack("<qQqqqq", LAUNCH, v.func, v.grid, block, shared, size))
         out.extend(struct.pack(fmt, *values))
         out.extend(bytes(-size % 8))
 

@@ -105,6 +105,13 @@ def _sabotage(w: World, state: ScalingState, **arrays) -> ScalingState:
     return bad
 
 
+def _ln_weight(w: World) -> np.ndarray:
+    """A (8,) float32 weight kept on the world (so that an amax viewing it is the same memory)."""
+    if not hasattr(w, "ln_weight"):
+        w.ln_weight = np.ones(8, np.float32)
+    return w.ln_weight
+
+
 def _ste(w: World, x, state=None, index=0, recipe=R):
     return fp8.quantize_ste(x, w.t_state if state is None else state, index, recipe)
 
@@ -164,6 +171,67 @@ CASES = [
     ("dequantize-dtype-float64", lambda w: lambda: ops.dequantize(torch.zeros(4).to(torch.float8_e4m3fn), w.scale_t,
                                                                    "float64"),
      ValueError, r"^dtype must be one of \('float32', 'float16', 'bfloat16'\); got 'float64'"),
+    # ---- fusedfp8.ops: layernorm_quantize ----------------------------------------------------
+    ("ln-x-float64", lambda w: lambda: ops.layernorm_quantize(w.x_np.astype(np.float64), None, None, 1e-5, w.scale_np,
+                                                              amax=w.amax_np),
+     TypeError, r"^x must be float32, float16 or bfloat16; got float64"),
+    ("ln-x-scalar", lambda w: lambda: ops.layernorm_quantize(w.x_np[0, 0].copy(), None, None, 1e-5, w.scale_np),
+     ValueError, r"^x: layernorm_quantize needs an input of at least 1 dimension; got a scalar"),
+    ("ln-x-empty-last-dimension", lambda w: lambda: ops.layernorm_quantize(w.x_np[:, :0].copy(), None, None, 1e-5,
+                                                                           w.scale_np, amax=w.amax_np),
+     ValueError, r"^x: layernorm_quantize normalises over the last dimension, which must not be empty; got shape "
+                 r"\(4, 0\)"),
+    ("ln-x-negative-stride", lambda w: lambda: ops.layernorm_quantize(w.x_np[::-1], None, None, 1e-5, w.scale_np),
+     ValueError, r"^x must be contiguous \(row-major\)"),
+    ("ln-weight-wrong-length", lambda w: lambda: ops.layernorm_quantize(w.x_np, np.ones(4, np.float32), None, 1e-5,
+                                                                        w.scale_np, amax=w.amax_np),
+     ValueError, r"^weight must have shape \(8,\) \(the last dimension of x\); got \(4,\)"),
+    ("ln-bias-2d", lambda w: lambda: ops.layernorm_quantize(w.x_t, None, torch.zeros(1, 8), 1e-5, w.scale_t,
+                                                            amax=w.amax_t),
+     ValueError, r"^bias must have shape \(8,\) \(the last dimension of x\); got \(1, 8\)"),
+    ("ln-weight-int32", lambda w: lambda: ops.layernorm_quantize(w.x_t, torch.ones(8, dtype=torch.int32), None, 1e-5,
+                                                                 w.scale_t, amax=w.amax_t),
+     TypeError, r"^weight must be float32, float16 or bfloat16; got int32"),
+    ("ln-bias-torch-x-numpy", lambda w: lambda: ops.layernorm_quantize(w.x_np, None, torch.zeros(8), 1e-5, w.scale_np,
+                                                                       amax=w.amax_np),
+     TypeError, r"^bias is a torch array but the input is a numpy array"),
+    ("ln-weight-meta", lambda w: lambda: ops.layernorm_quantize(w.x_t, torch.ones(8, device="meta"), None, 1e-5,
+                                                                w.scale_t, amax=w.amax_t),
+     ValueError, r"^weight: fusedfp8 runs on CUDA or CPU tensors; got a tensor on meta"),
+    ("ln-weight-and-bias-dtypes-differ",
+     lambda w: lambda: ops.layernorm_quantize(w.x_t, torch.ones(8), torch.zeros(8, dtype=torch.float16), 1e-5,
+                                              w.scale_t, amax=w.amax_t),
+     TypeError, r"^weight and bias must have the same dtype; got float32 and float16"),
+    ("ln-bias-strided", lambda w: lambda: ops.layernorm_quantize(w.x_t, None, torch.zeros(16)[::2], 1e-5, w.scale_t,
+                                                                 amax=w.amax_t),
+     ValueError, r"^bias must be contiguous; got a non-contiguous view of shape \(8,\)"),
+    ("ln-eps-negative", lambda w: lambda: ops.layernorm_quantize(w.x_np, None, None, -1e-5, w.scale_np, amax=w.amax_np),
+     ValueError, r"^eps must be a finite number >= 0 \(and finite as float32\); got -1e-05"),
+    ("ln-eps-nan", lambda w: lambda: ops.layernorm_quantize(w.x_t, None, None, float("nan"), w.scale_t, amax=w.amax_t),
+     ValueError, r"^eps must be a finite number >= 0 .*; got nan"),
+    ("ln-eps-beyond-float32", lambda w: lambda: ops.layernorm_quantize(w.x_t, None, None, 1e39, w.scale_t,
+                                                                       amax=w.amax_t),
+     ValueError, r"^eps must be a finite number >= 0 \(and finite as float32\); got 1e\+39"),
+    ("ln-eps-a-tensor", lambda w: lambda: ops.layernorm_quantize(w.x_t, None, None, torch.tensor(1e-5), w.scale_t,
+                                                                 amax=w.amax_t),
+     TypeError, r"^eps must be a real number \(a Python or NumPy float\); got torch\.Tensor"),
+    ("ln-eps-bool", lambda w: lambda: ops.layernorm_quantize(w.x_np, None, None, True, w.scale_np, amax=w.amax_np),
+     TypeError, r"^eps must be a real number .*; got builtins\.bool"),
+    ("ln-amax-aliases-weight", lambda w: lambda: ops.layernorm_quantize(w.x_np, _ln_weight(w), None, 1e-5, w.scale_np,
+                                                                        amax=_ln_weight(w)[3:4]),
+     ValueError, r"^amax overlaps weight's memory; it is written in place, so it must not alias weight"),
+    ("ln-state-aliases-bias", lambda w: lambda: ops.layernorm_quantize(
+        w.x_np, None, w.np_state.amax_history.reshape(-1)[:8], 1e-5, w.np_state.slot(0, R)),
+     ValueError, r"^state\.amax_history overlaps bias's memory; it is written in place"),
+    ("ln-amax-aliases-x", lambda w: lambda: ops.layernorm_quantize(w.x_t, None, None, 1e-5, w.scale_t,
+                                                                   amax=w.x_t.view(-1)[3:4]),
+     ValueError, r"^amax overlaps the input's memory"),
+    ("ln-slot-format-disagrees", lambda w: lambda: ops.layernorm_quantize(w.x_np, None, None, 1e-5,
+                                                                          w.np_state.slot(0, R), "e5m2"),
+     ValueError, r"^fmt: 'e5m2' disagrees with the slot's recipe format 'e4m3'; leave fmt=None with a slot"),
+    ("ln-transpose-of-a-scalar", lambda w: lambda: ops.layernorm_quantize(w.x_t[0, 0].clone(), None, None, 1e-5,
+                                                                          w.scale_t, transpose=True),
+     ValueError, r"^x: transpose=True needs an input of at least 1 dimension; got a scalar"),
     # ---- fusedfp8.ops: slots and update_scales -----------------------------------------------
     ("slot-of-a-read-only-numpy-state",
      lambda w: lambda: ops.quantize(w.x_np, _sabotage(w, w.np_state,
@@ -317,6 +385,7 @@ def test_accepted_calls_on_the_same_world_do_change_the_snapshot():
         lambda w: ops.quantize(w.x_np, w.scale_np, amax=w.amax_np),
         lambda w: ops.quantize(w.x_t, w.scale_t, amax=w.amax_t),
         lambda w: ops.quantize(w.x_np, w.np_state.slot(1, R)),
+        lambda w: ops.layernorm_quantize(w.x_t * 100, None, None, 1e-5, w.t_state.slot(0, R)),  # stages amax(y)
         lambda w: ops.update_scales(w.np_state, R),
         lambda w: ops.update_scales(w.t_state, R),
         lambda w: w.linear(torch.ones(4, 16) * 1e3),
@@ -398,6 +467,12 @@ GPU_CASES = [
      r"^amax overlaps the input's memory"),
     ("dgelu-x-on-cpu", lambda w: ops.dgelu_quantize(w.x, w.x.cpu(), w.scale), ValueError,
      r"^dy is on cuda:0 \(torch\) but x is on cpu \(torch\)"),
+    ("ln-weight-on-cpu", lambda w: ops.layernorm_quantize(w.x, torch.ones(64), None, 1e-5, w.scale), ValueError,
+     r"^weight is on cpu but the input is on cuda:0; they must be on the same device"),
+    ("ln-bias-numpy", lambda w: ops.layernorm_quantize(w.x, None, np.zeros(64, np.float32), 1e-5, w.scale), TypeError,
+     r"^bias is a numpy array but the input is a torch array"),
+    ("ln-cpu-state-slot", lambda w: ops.layernorm_quantize(w.x, None, None, 1e-5, w.cpu_state.slot(0, R)), ValueError,
+     r"^state\.scale is on cpu but the input is on cuda:0"),
     ("dequantize-scale_inv-on-cpu", lambda w: ops.dequantize(w.q, torch.ones(1)), ValueError,
      r"^scale_inv is on cpu but the input is on cuda:0"),
     ("update-state-on-two-devices", lambda w: ops.update_scales(_split(w), R), ValueError,

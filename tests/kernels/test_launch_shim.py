@@ -28,7 +28,8 @@ THREADS = _cuda.THREADS
 def fake_refs(key: _cuda.ModuleKey, base: int | None = None) -> dict:
     """Role -> KernelRef with made-up handles (distinct per role and family) and occupancies."""
     if base is None:
-        base = {"quantize": 0x7F00_0000_1000, "dequantize": 0x7F10_0000_1000}.get(key.family, 0x7F20_0000_1000)
+        base = {"quantize": 0x7F00_0000_1000, "dequantize": 0x7F10_0000_1000,
+                "layernorm_quantize": 0x7F30_0000_1000}.get(key.family, 0x7F20_0000_1000)
     names = _cuda.name_expressions(key)
     return {role: _cuda.KernelRef(base + 0x100 * i, expr, role, 2 + i % 3)
             for i, (role, expr) in enumerate(names.items())}
@@ -37,6 +38,7 @@ def fake_refs(key: _cuda.ModuleKey, base: int | None = None) -> dict:
 QKEY = _cuda.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh")
 DQKEY = _cuda.ModuleKey("dequantize", "float16", "e5m2")
 UKEY = _cuda.ModuleKey("update_scales")
+LNKEY = _cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32")
 
 # (rows, cols, transpose, dbias, first, margin_factor, offset): every launch configuration
 QUANTIZE_CASES = [(r, c, t, d, f, m, o) for (r, c) in [(256, 1024), (303, 300), (1, 1), (0, 16), (16, 0), (24, 8)]
@@ -52,7 +54,10 @@ def quantize_plans():
 def other_plans():
     return ([(("dequantize", n), _cuda.build_dequantize_plan(fake_refs(DQKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
             + [(("update", n, L), _cuda.build_update_plan(fake_refs(UKEY), n, L, 0.5, algo)) for n, L, algo in
-               [(1, 1, True), (3, 1024, False), (1024, 31, True)]])
+               [(1, 1, True), (3, 1024, False), (1024, 31, True)]]
+            + [(("layernorm", r, c, t, f), _cuda.build_layernorm_plan(
+                fake_refs(LNKEY), SMS, r, c, t, f, 1e-5, 0.5, 4, _cuda.layernorm_tile(c, 227 << 10) if t else (0, 0)))
+               for r, c in [(2048, 1024), (303, 300), (0, 8), (5, 20000)] for t in (False, True) for f in (False, True)])
 
 
 def pointer_sets(n_slots: int):
@@ -332,8 +337,10 @@ def test_every_plan_packs_exactly_the_parameter_size_the_cubin_declares(cubin_si
     """Each launch of each plan, packed by the Python executor and by the C++ packer, is as long as
     the kernel's parameter bank in the sm_90 cubin (the driver refuses any other size)."""
     keys = {"quantize": N.SIGNATURE_KEYS["quantize"], "dequantize": N.SIGNATURE_KEYS["dequantize"],
-            "update_scales": N.SIGNATURE_KEYS["update_scales"]}
-    assert keys == {"quantize": QKEY, "dequantize": DQKEY, "update_scales": UKEY}  # the modules built above
+            "update_scales": N.SIGNATURE_KEYS["update_scales"],
+            "layernorm_quantize": N.SIGNATURE_KEYS["layernorm_quantize"]}
+    assert keys == {"quantize": QKEY, "dequantize": DQKEY, "update_scales": UKEY,
+                    "layernorm_quantize": LNKEY}  # the modules built above
     by_func = {}
     for family, key in keys.items():
         for ref in fake_refs(key).values():
@@ -348,7 +355,7 @@ def test_every_plan_packs_exactly_the_parameter_size_the_cubin_declares(cubin_si
             for step in plan.steps:
                 if isinstance(step, P.Launch):
                     assert all(struct.calcsize(step.layout) == by_func[v.func] for v in step.variants)
-    assert seen == set(by_func)  # every kernel of the three modules was launched by some plan
+    assert seen == set(by_func)  # every kernel of the four modules was launched by some plan
 
 
 # ---- JAX: the FFI target ---------------------------------------------------------------------------

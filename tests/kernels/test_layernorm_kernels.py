@@ -1,0 +1,381 @@
+"""fusedfp8.layernorm_quantize against the NumPy reference (fusedfp8.numerics.layernorm), byte for
+byte, on both sides of the launch interface: 'cpu' (numpy, torch CPU and jax CPU arrays: the host
+path) and 'cuda' (torch CUDA tensors: cuda_src/layernorm_quantize.cu). Every result is compared:
+the FP8 data and its transpose, amax, the handed-out scale_inv, and the per-row mean and rstd.
+
+The shapes cover each row layout of the kernel: one warp per row (up to 1024 columns), several
+warps per row (2056, 4096: the shared-memory step of the reduction), rows wider than the
+registers hold (20000: chunks read again), ragged columns (the element path), one row, 0 rows,
+3-D; with transpose the shared tile of 16, 8 and 4 rows and a ragged last tile. The 'large' shapes
+(2048 x 1024 / 4096, the hidden sizes of the FP8 MLP) run on the GPU only."""
+from __future__ import annotations
+
+import struct
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import fusedfp8
+from fusedfp8 import _cuda
+from fusedfp8.csrc import plan as P
+from fusedfp8.formats import get_format
+from fusedfp8.numerics import layernorm as ln
+from fusedfp8.numerics import reference as ref
+from fusedfp8.recipe import DelayedScaling
+from fusedfp8.state import ScalingState
+from support import shapes as S
+from support.frameworks import HOST_FRAMEWORKS, assert_type, bytes_of, np_dtype, scalar, to_fw, to_np, to_torch
+
+DTYPES = ["float32", "float16", "bfloat16"]
+FMTS = ["e4m3", "e5m2"]
+SHAPES = {  # label: shape
+    "aligned-64x128": (64, 128),
+    "aligned-96x1024": (96, 1024),
+    "aligned-40x4096": (40, 4096),
+    "ragged-303x300": (303, 300),
+    "ragged-17x2056": (17, 2056),
+    "ragged-1x8": (1, 8),
+    "ragged-1x1": (1, 1),
+    "ragged-odd-tail-33x17": (33, 17),
+    "ragged-3d-3x5x40": (3, 5, 40),
+    "ragged-0x16": (0, 16),
+    "wide-5x20000": (5, 20000),
+}
+LARGE = {  # (with transpose: 16-row tiles, 16-byte stores; 8-row tiles with 8-byte stores / ragged; 4-row tiles)
+    "large-2048x1024": (2048, 1024),
+    "large-2048x4096": (2048, 4096),
+    "large-256x8192": (256, 8192),
+    "large-300x16384": (300, 16384),
+    "large-64x20000": (64, 20000),
+}
+
+
+def on_devices(small, large=LARGE) -> list:
+    """(device, shape) parameters: the small shapes on both sides, the large ones on 'cuda' only."""
+    out = []
+    for device in ("cpu", "cuda"):
+        marks = [pytest.mark.gpu] if device == "cuda" else []
+        for label, shape in [*small.items(), *(large.items() if device == "cuda" else ())]:
+            out.append(pytest.param(device, shape, id=f"{device}-{label}", marks=marks))
+    return out
+
+
+def frameworks(device: str) -> tuple:
+    return HOST_FRAMEWORKS if device == "cpu" else ("torch",)
+
+
+def seeded(*key) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def activations(rng, shape, dtype: str) -> np.ndarray:
+    """Plain LayerNorm inputs: each row its own offset and spread."""
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    x = (rng.standard_normal((rows, shape[-1])) * rng.uniform(0.1, 4, (rows, 1))
+         + 2 * rng.standard_normal((rows, 1)))
+    return x.astype(np.float32).astype(np_dtype(dtype)).reshape(shape)
+
+
+def layer_params(rng, cols: int, dtype: str = "float32"):
+    return ((1 + 0.3 * rng.standard_normal(cols)).astype(np.float32).astype(np_dtype(dtype)),
+            (0.2 * rng.standard_normal(cols)).astype(np.float32).astype(np_dtype(dtype)))
+
+
+def check(device, xn, wn, bn, eps, scale, fmt, transpose, fws=None, inputs=None):
+    """layernorm_quantize of ``xn`` through the frameworks ``fws`` (default: every framework of
+    ``device``; ``inputs``: ready torch (x, weight, bias)) equals the reference: FP8 data and
+    transpose, amax, scale_inv (1 / scale, in a buffer of its own), mean and rstd byte for byte,
+    every result in the caller's framework, dtype and shape."""
+    want, mean, rstd = ln.layernorm_quantize(xn, wn, bn, eps, np.float32(scale), fmt, transpose)
+    fdt = get_format(fmt).dtype_name
+    rows = int(np.prod(np.shape(xn)[:-1], dtype=np.int64))
+    for fw in ("torch",) if inputs is not None else fws or frameworks(device):
+        if inputs is not None:
+            x, w, b = inputs
+        else:
+            x, w, b = (None if a is None else to_fw(a, fw, device) for a in (xn, wn, bn))
+        got = fusedfp8.layernorm_quantize(x, w, b, eps, scalar(fw, scale, device=device), fmt, transpose=transpose)
+        q = got.quantized
+        where = f"{fw} on {device}"
+        assert isinstance(got, fusedfp8.LayerNormQuantized) and isinstance(q, fusedfp8.Quantized)
+        assert_type(q.data, fw, fdt, np.shape(xn), device)
+        assert bytes_of(q.data) == np.ascontiguousarray(want.data).tobytes(), where
+        assert_type(q.amax, fw, "float32", (1,), device)
+        assert bytes_of(q.amax) == np.float32(want.amax).tobytes(), (where, to_np(q.amax), want.amax)
+        assert bytes_of(q.scale_inv) == (np.float32(1) / np.float32(scale)).tobytes(), where
+        if transpose:
+            assert_type(q.data_t, fw, fdt, (np.shape(xn)[-1], rows), device)
+            assert bytes_of(q.data_t) == np.ascontiguousarray(want.data_t).tobytes(), where
+        else:
+            assert q.data_t is None
+        assert q.dbias is None
+        for name, have, expect in (("mean", got.mean, mean), ("rstd", got.rstd, rstd)):
+            assert_type(have, fw, "float32", (rows,), device)
+            assert bytes_of(have) == expect.tobytes(), (where, name)
+    return want, mean, rstd
+
+
+# ---- the whole matrix ----------------------------------------------------------------------------
+@pytest.mark.parametrize("transpose", [False, True], ids=["no-transpose", "transpose"])
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device, shape", on_devices(SHAPES))
+def test_layernorm_quantize_matches_reference(device, shape, dtype, fmt, transpose):
+    """Two inputs per case: LayerNorm-like activations at a scale that makes the FP8 values
+    meaningful (every framework of the device), and values over many binades with the edge values
+    sprinkled in (NaN and inf rows among them; torch tensors)."""
+    rng = seeded(shape, dtype, fmt, transpose)
+    w, b = layer_params(rng, shape[-1])
+    check(device, activations(rng, shape, dtype), w, b, 1e-5, 16.0 if fmt == "e4m3" else 1024.0, fmt, transpose)
+    check(device, S.make_input(rng, shape, dtype, fmt), w, b, 1e-5, 1.5, fmt, transpose, fws=("torch",))
+
+
+PARAMS = {  # id: (weight dtype or None, bias dtype or None)
+    "f32": ("float32", "float32"), "bf16": ("bfloat16", "bfloat16"), "f16": ("float16", "float16"),
+    "weight-only": ("bfloat16", None), "bias-only": (None, "float32"), "none": (None, None),
+}
+
+
+@pytest.mark.parametrize("params", list(PARAMS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device, shape", on_devices({k: SHAPES[k] for k in ("aligned-96x1024", "ragged-303x300",
+                                                                            "aligned-40x4096")},
+                                                     large={"large-2048x4096": LARGE["large-2048x4096"]}))
+def test_parameter_dtypes_and_missing_parameters(device, shape, dtype, params):
+    """weight and bias of each float dtype (read as float32), or left out (1 and 0)."""
+    rng = seeded("params", shape, dtype, params)
+    wd, bd = PARAMS[params]
+    w, b = layer_params(rng, shape[-1], wd or "float32")
+    b = b.astype(np_dtype(bd)) if bd else None
+    check(device, activations(rng, shape, dtype), w if wd else None, b, 1e-5, 8.0, "e4m3", True)
+
+
+def test_non_finite_and_constant_rows(device):
+    """Rows with a NaN, an inf, both infinities, a sum that overflows, a constant row, a row of
+    -0, next to plain rows: NaN rows quantize to NaN bytes, the amax is the canonical NaN, mean and
+    rstd the canonical NaN where NaN; eps 0 with a constant row gives rstd inf and NaN bytes."""
+    rng = seeded("non-finite")
+    x = activations(rng, (12, 300), "float32")
+    x[1, 7] = np.nan
+    x[2, 9] = np.inf
+    x[3, 4], x[3, 200] = np.inf, -np.inf
+    x[4, :] = 3e38
+    x[5] = 2.5
+    x[6] = -0.0
+    x[7, 0] = -np.nan
+    w, b = layer_params(rng, 300)
+    for dtype in DTYPES:
+        with np.errstate(over="ignore"):  # (3e38 is inf in float16: an inf row there)
+            xd = x.astype(np_dtype(dtype))
+        want, mean, _ = check(device, xd, w, b, 1e-5, 4.0, "e4m3", True)
+        assert np.isnan(want.amax) and np.isnan(mean[[1, 3, 7]]).all()
+        check(device, xd[5:9], w, b, 1e-5, 4.0, "e5m2", False)
+        check(device, xd[5:9], None, None, 0.0, 4.0, "e5m2", True)  # a constant row with eps 0: NaN
+        check(device, xd[8:], w, b, 1e-5, 4.0, "e4m3", True)  # plain rows only: a finite amax
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-12, 1e-6, 1e-5, 0.1, 1.0, 3.0e-45])
+def test_eps_values(device, eps):
+    rng = seeded("eps", eps)
+    x = activations(rng, (40, 520), "bfloat16")
+    x[3] = 1.0  # var 0: rstd = 1 / sqrt(eps)
+    x[4] = (rng.standard_normal(520) * 1e-3 + 5).astype(np.float32).astype(ml_dtypes.bfloat16)  # var ~ eps
+    w, b = layer_params(rng, 520)
+    check(device, x, w, b, eps, 32.0, "e4m3", True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [1, 3, 8], ids=lambda o: f"offset{o}")
+def test_unaligned_pointers(device, offset, dtype):
+    """x, weight and bias starting at an odd element offset (never 16-byte aligned for offsets 1
+    and 3): the element path, the same bytes."""
+    rng = seeded("unaligned", offset, dtype)
+    base = activations(rng, (40 * 128 + offset,), dtype)
+    pw = layer_params(rng, 128 + offset)
+    xt = to_torch(base, device)[offset:].view(40, 128)
+    wt, bt = (to_torch(p, device)[offset:] for p in pw)
+    check(device, base[offset:].reshape(40, 128), pw[0][offset:], pw[1][offset:], 1e-5, 8.0, "e4m3", True,
+          inputs=(xt, wt, bt))
+
+
+@pytest.mark.parametrize("start, nan_in_x, expect", [
+    (0.0, False, "amax"), (1e6, False, 1e6), (np.nan, False, np.nan), (0.0, True, np.nan), (-0.0, False, "amax"),
+], ids=["from-0", "keeps-larger", "keeps-nan", "nan-in-x", "from-minus-0"])
+def test_amax_accumulates_in_place(device, start, nan_in_x, expect):
+    rng = seeded("amax", start, nan_in_x)
+    x = activations(rng, (13, 64), "float32")
+    if nan_in_x:
+        x[4, 4] = np.nan
+    w, b = layer_params(rng, 64)
+    y, _, _ = ln.layernorm_f32(x, w, b, 1e-5)
+    want = ref.amax(y) if expect == "amax" else expect
+    for fw in [f for f in frameworks(device) if f != "jax"]:  # (jax arrays are immutable)
+        amax = scalar(fw, start, device=device)
+        r = fusedfp8.layernorm_quantize(*(to_fw(a, fw, device) for a in (x, w, b)), 1e-5, scalar(fw, 1.0, device=device),
+                                        amax=amax)
+        assert r.quantized.amax is amax
+        got = to_np(amax)[0]
+        assert (np.isnan(got) if np.isnan(want) else got == np.float32(want)), fw
+
+
+def test_zero_rows(device):
+    """0 rows: empty data, transpose and statistics; 1 / scale still handed out; the amax slot untouched."""
+    x = np.zeros((0, 48), np.float32)
+    check(device, x, np.ones(48, np.float32), np.zeros(48, np.float32), 1e-5, 4.0, "e4m3", True)
+    amax = scalar("torch", 7.0, device=device)
+    fusedfp8.layernorm_quantize(to_torch(x, device), None, None, 1e-5, scalar("torch", 4.0, device=device), amax=amax)
+    assert to_np(amax)[0] == 7.0
+
+
+# ---- delayed scaling: slots and the first step -------------------------------------------------------
+@pytest.mark.parametrize("first_step", ["current", "unit"])
+@pytest.mark.parametrize("fmt_recipe", ["hybrid-grad", "e4m3"])
+def test_slots_and_the_first_step(device, first_step, fmt_recipe):
+    """Three steps of two micro-batches into tensor 1 of a state (E5M2 for a gradient slot of the
+    hybrid recipe), with update_scales between steps: on its first step the tensor is quantized
+    with the scale of its own (max-accumulated) amax ('current') or with 1 ('unit'), afterwards
+    with the stored scale; the state's slot, scale and scale_inv after every call, and the bytes,
+    are the reference's. The LayerNorm output is tiny (weight 1e-6), so scale 1 would flush it."""
+    grad = fmt_recipe == "hybrid-grad"
+    recipe = DelayedScaling(amax_history_len=4, first_step=first_step, fp8_format="hybrid" if grad else "e4m3",
+                            margin=1)
+    st = ScalingState.create([False, grad], recipe, like=torch.zeros(1, device=device))
+    fmt = st.format_of(1, recipe)
+    rng = seeded("slots", first_step, fmt_recipe)
+    w = np.full(256, 1e-6, np.float32)
+    b = np.zeros(256, np.float32)
+    for step in range(3):
+        for mb in range(2):
+            x = activations(rng, (24, 256), "bfloat16")
+            y, mean, rstd = ln.layernorm_f32(x, w, b, 1e-5)
+            slot_before = to_np(st.amax_history)[0, 1]
+            acc = ref.amax(y) if slot_before == 0 else max(slot_before, ref.amax(y))
+            fresh = first_step == "current" and to_np(st.updates)[1] == 0
+            s = ref.current_scale(acc, fmt, recipe.margin_factor, to_np(st.scale)[1]) if fresh else to_np(st.scale)[1]
+            r = fusedfp8.layernorm_quantize(*(to_torch(a, device) for a in (x, w, b)), 1e-5, st.slot(1, recipe),
+                                            transpose=True)
+            want = ref.finish(y, acc, s, fmt, True)
+            where = f"step {step} micro-batch {mb}"
+            assert bytes_of(r.quantized.data) == want.data.tobytes(), where
+            assert bytes_of(r.quantized.data_t) == want.data_t.tobytes(), where
+            assert bytes_of(r.mean) == mean.tobytes() and bytes_of(r.rstd) == rstd.tobytes(), where
+            assert to_np(st.amax_history)[0, 1] == acc, where
+            assert bytes_of(st.scale[1:2]) == np.float32(s).tobytes(), where
+            assert bytes_of(r.quantized.scale_inv) == bytes_of(st.scale_inv[1:2]) == (np.float32(1) / s).tobytes()
+            if step == 0 and mb == 0:
+                assert bool((to_np(r.quantized.data).view(np.uint8) & 0x7F).any()) == (first_step == "current")
+        fusedfp8.update_scales(st, recipe)
+    assert to_np(st.updates).tolist() == [0, 3]
+
+
+@pytest.mark.gpu
+def test_first_step_pre_pass_is_one_extra_launch():
+    """With first_step='current' a slot quantization launches the pre-pass and the main kernel
+    (the pre-pass exits at once past the first step); with 'unit' the main kernel only."""
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    w, b = torch.ones(1024, device="cuda"), torch.zeros(1024, device="cuda")
+    for first, per_call in (("current", 2), ("unit", 1)):
+        r = DelayedScaling(amax_history_len=4, first_step=first)
+        st = ScalingState.create([False], r, like=torch.zeros(1, device="cuda"))
+        fusedfp8.layernorm_quantize(x, w, b, 1e-5, st.slot(0, r))  # compiles
+        fusedfp8.update_scales(st, r)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fusedfp8.layernorm_quantize(x, w, b, 1e-5, st.slot(0, r), transpose=True)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(kernels) == per_call and all("layernorm_quantize" in k for k in kernels), (first, kernels)
+
+
+@pytest.mark.gpu
+def test_results_are_deterministic():
+    """The fixed reduction: the same bits on every run (2048 x 4096, several warps a row)."""
+    rng = seeded("determinism")
+    x = to_torch(activations(rng, (2048, 4096), "bfloat16"), "cuda")
+    w, b = (to_torch(p, "cuda") for p in layer_params(rng, 4096))
+    first = fusedfp8.layernorm_quantize(x, w, b, 1e-5, torch.ones(1, device="cuda"), transpose=True)
+    for _ in range(3):
+        again = fusedfp8.layernorm_quantize(x, w, b, 1e-5, torch.ones(1, device="cuda"), transpose=True)
+        for a, c in ((first.mean, again.mean), (first.rstd, again.rstd), (first.quantized.data, again.quantized.data),
+                     (first.quantized.data_t, again.quantized.data_t)):
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
+
+
+# ---- the launch plans (no GPU: fake kernels) -------------------------------------------------------
+SMS = 132
+
+
+def fake_refs() -> dict:
+    names = _cuda.name_expressions(_cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"))
+    return {role: _cuda.KernelRef(0x7F40_0000_1000 + 0x100 * i, expr, role, 2) for i, (role, expr) in
+            enumerate(names.items())}
+
+
+@pytest.mark.parametrize("cols, optin, want", [
+    (1024, 227 << 10, (16, 16 << 10)), (300, 227 << 10, (16, 16 * 304)), (4096, 227 << 10, (16, 64 << 10)),
+    (8192, 227 << 10, (8, 64 << 10)), (16384, 227 << 10, (8, 128 << 10)), (20000, 227 << 10, (4, 80000)),
+    (16384, 99 << 10, (4, 64 << 10)), (50000, 227 << 10, (4, 200000)),
+])
+def test_transposed_tile(cols, optin, want):
+    """Rows of the shared tile: 16 while the tile stays within 64 KiB, 8 within 128 KiB, else 4, all
+    within the device's opt-in shared memory (227 KiB on an H200, 99 KiB on sm_89) less the static."""
+    assert _cuda.layernorm_tile(cols, optin) == want
+
+
+def test_transposed_tile_too_wide_is_refused():
+    with pytest.raises(ValueError, match=r"transpose=True needs 4 rows .* at most 24832 columns; got 30000"):
+        _cuda.layernorm_tile(30000, 99 << 10)
+
+
+@pytest.mark.parametrize("rows, cols, transpose, first", [
+    (2048, 1024, False, False), (2048, 4096, True, True), (303, 300, True, False), (5, 20000, False, True),
+    (0, 64, True, True),
+])
+def test_plan_launches(rows, cols, transpose, first):
+    """The launches of a plan, packed as the driver gets them: the pre-pass on a first step (at
+    most one block per multiprocessor, no outputs), the main kernel (the transposed role with the
+    tile's shared memory), block max(256, threads per row), one resident wave at most; for 0 rows
+    one block that only hands out 1 / scale."""
+    refs = fake_refs()
+    tile = _cuda.layernorm_tile(cols, 227 << 10) if transpose else (0, 0)
+    plan = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile)
+    ptrs = tuple(0x7000_0000_0000 + 0x10_0000 * (i + 1) for i in range(len(P.LAYERNORM_SLOTS)))
+    s = dict(zip(P.LAYERNORM_SLOTS, ptrs))
+    tpr = ln.threads_per_row(cols)
+    block = max(256, tpr)
+    fmt = _cuda.SIGNATURES["layernorm"]
+
+    def pack(*args):
+        return struct.pack(fmt, *args)
+
+    def st(name):
+        return s[name] + 8
+
+    want = []
+    if rows == 0:
+        want.append((refs["layernorm_store1_t" if transpose else "layernorm_store1"].func, 1, block, 0, pack(
+            s["x"], s["weight"], s["bias"], 0, 0, 0, 0, st("scale"), st("amax"), 0, 0, s["scale_inv_used"], 0, 0, cols,
+            tpr, 0, int(cols % 8 == 0), 0, 1e-5, 0.5)))
+    else:
+        if first:
+            want.append((refs["layernorm_store0"].func, min(-(-rows // (block // tpr)), SMS), block, 0, pack(
+                s["x"], s["weight"], s["bias"], 0, 0, 0, 0, st("scale"), st("amax"), 0, 0, 0, st("updates"), rows,
+                cols, tpr, 0, int(cols % 8 == 0), 0, 1e-5, 0.5)))
+        group = tile[0] if transpose else block // tpr
+        main = refs["layernorm_store1_t" if transpose else "layernorm_store1"]
+        want.append((main.func, min(-(-rows // group), 2 * SMS), block, tile[1], pack(
+            s["x"], s["weight"], s["bias"], s["q"], s["q_t"] if transpose else 0, s["mean"], s["rstd"], st("scale"),
+            st("amax"), st("scale_out") if first else 0, st("scale_inv_out") if first else 0, s["scale_inv_used"],
+            st("updates") if first else 0, rows, cols, tpr, tile[0], int(cols % 8 == 0),
+            int(transpose and rows % tile[0] == 0), 1e-5, 0.5)))
+    got = []
+    dry = P.dry_run(plan, ptrs)
+    at = 0
+    while at < len(dry):
+        _, func, grid, blk, shared, size = struct.unpack_from("<qQqqqq", dry, at)
+        got.append((func, grid, blk, shared, dry[at + 48:at + 48 + size]))
+        at += 48 + size + (-size % 8)
+    assert got == want
+    assert all(step.layout == _cuda.signature("layernorm") for step in plan.steps)
