@@ -276,18 +276,30 @@ class _MLPFn(torch.autograd.Function):
     fc1 (ffn, hidden) state columns: h, w1, dz. fc2 (hidden, ffn) state columns: a = gelu(z),
     w2, dy. Saved: h_t_q, w1_t_q, the pre-activation z (bf16: the gelu backward needs it),
     a_t_q, w2_t_q and the scale_inv their quantize ops returned.
+
+    With ``ln_eps`` (not None) the input is the MLP block's input x, and h = LayerNorm(x) (weight
+    ``ln_w``, bias ``ln_b``) comes quantized from the layernorm_quantize kernel with its
+    transpose and the per-row mean and rstd: h is never written in bf16. The LayerNorm backward
+    runs in torch from the saved x, mean and rstd (``native_layer_norm_backward`` on CUDA).
     """
 
     @staticmethod
-    def forward(ctx, h, w1, b1, w2, b2, w1_q, w1_t, w1_si, w2_q, w2_t, w2_si, hist1, scale1, scale_inv1, updates1, c1,
-                hist2, scale2, scale_inv2, updates2, c2, fwd_fmt, grad_fmt, margin_factor, current_first1,
-                current_first2, approximate, training, pad):
+    def forward(ctx, h, ln_w, ln_b, w1, b1, w2, b2, w1_q, w1_t, w1_si, w2_q, w2_t, w2_si, hist1, scale1, scale_inv1,
+                updates1, c1, hist2, scale2, scale_inv2, updates2, c2, fwd_fmt, grad_fmt, margin_factor,
+                current_first1, current_first2, approximate, training, pad, ln_eps):
         st1 = (hist1, scale1, scale_inv1, updates1)
         st2 = st1 if hist2 is None else (hist2, scale2, scale_inv2, updates2)
         mf = margin_factor
         h2 = _as_2d(h).contiguous()
         (m, hid), ffn, out = h2.shape, w1.shape[0], w2.shape[0]
-        h_q, h_t, h_si = _quantize(h2, st1, c1, fwd_fmt, mf, current_first1, training, pad)
+        ln_saved = ()
+        if ln_eps is None:
+            h_q, h_t, h_si = _quantize(h2, st1, c1, fwd_fmt, mf, current_first1, training, pad)
+        else:
+            h_q, h_t, h_si, mean, rstd = fops.call(fops.layernorm_quantize, h2, ln_w, ln_b, ln_eps, *st1, c1, fwd_fmt,
+                                                   mf, current_first1, training, pad)
+            h_t = h_t if training else None
+            ln_saved = (h2, mean, rstd, ln_w, ln_b)
         z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, _padded_bias(b1, w1_q.shape[0]), h.dtype, fast_accum=True)
         z = _unpad(z, m, ffn).contiguous()  # the pad of z holds the bias: not an input of the activation
         if training:
@@ -299,7 +311,8 @@ class _MLPFn(torch.autograd.Function):
         y = _unpad(scaled_mm(a_q, w2_q.t(), a_si, w2_si, _padded_bias(b2, w2_q.shape[0]), h.dtype, fast_accum=True),
                    m, out)
         if training:
-            ctx.save_for_backward(h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si)
+            ctx.save_for_backward(h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si, *ln_saved)
+            ctx.ln = ln_eps is not None, ln_w is not None, ln_b is not None
             ctx.states, ctx.cols = (st1, st2), (c1, c2)
             ctx.cfg = (grad_fmt, mf, current_first1, current_first2, approximate)
             ctx.dims = (m, hid, ffn, out, pad)
@@ -310,7 +323,7 @@ class _MLPFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si = ctx.saved_tensors
+        h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si, *ln_saved = ctx.saved_tensors
         st1, st2 = ctx.states
         grad_fmt, mf, cf1, cf2, approximate = ctx.cfg
         h_shape, h_dtype, w1_dtype, w2_dtype, b1_dtype, b2_dtype = ctx.meta
@@ -323,18 +336,41 @@ class _MLPFn(torch.autograd.Function):
         db2 = _bias_grad(gy, b2_dtype) if b2_dtype is not None else None
         dz_q, dz_t, db1, dz_si = fops.call(fops.dgelu_quantize_t, da, z, *st1, c1 + 2, grad_fmt, mf, cf1,
                                            approximate, b1_dtype is not None, pad)
-        dh = _unpad(scaled_mm(dz_q, w1_t.t(), dz_si, w1_si, None, h_dtype), m, hid).reshape(h_shape)
+        dh = _unpad(scaled_mm(dz_q, w1_t.t(), dz_si, w1_si, None, h_dtype), m, hid)
         dw1 = _unpad(scaled_mm(dz_t, h_t.t(), dz_si, h_si, None, w1_dtype), ffn, hid).contiguous()
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
-        return (dh, dw1, db1, dw2, db2) + (None,) * 24
+        dlw = dlb = None
+        if ctx.ln[0]:
+            dh, dlw, dlb = _layernorm_backward(dh.contiguous(), *ln_saved[:3], ln_saved[3] if ctx.ln[1] else None,
+                                               ln_saved[-1] if ctx.ln[2] else None, ctx.needs_input_grad[1:3])
+        return (dh.reshape(h_shape), dlw, dlb, dw1, db1, dw2, db2) + (None,) * 25
+
+
+def _layernorm_backward(dh: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, w: Tensor | None, b: Tensor | None,
+                        need: tuple) -> tuple:
+    """(dx, dweight, dbias) of LayerNorm(x) from its saved (rows,) float32 mean and rstd."""
+    if x.is_cuda:  # torch's kernel takes float32 statistics for a bf16 / fp16 input on CUDA
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dh, x, [x.shape[-1]], mean.view(-1, 1), rstd.view(-1, 1), w, b,
+            [True, w is not None and need[0], b is not None and need[1]])
+        return dx, dw, db
+    g, xhat = dh.float(), (x.float() - mean[:, None]) * rstd[:, None]
+    dw = (g * xhat).sum(0).to(w.dtype) if w is not None and need[0] else None
+    db = g.sum(0).to(b.dtype) if b is not None and need[1] else None
+    if w is not None:
+        g = g * w.float()
+    dx = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dw, db
 
 
 def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, state1: tuple, state2: tuple,
-        cfg: tuple, approximate: str, training: bool, caches: tuple = (None, None)) -> Tensor:
+        cfg: tuple, approximate: str, training: bool, caches: tuple = (None, None), norm=None) -> Tensor:
     """fc2(gelu(fc1(h))) in FP8 with the fused activation kernels; ``state1``/``state2`` as in
     :func:`linear` (with their columns), ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first1, current_first2);
     ``training`` = a backward will follow (the forward then also writes the transposes);
-    ``caches``: the :class:`WeightCache` of fc1 and fc2 (or None)."""
+    ``caches``: the :class:`WeightCache` of fc1 and fc2 (or None); ``norm``: an ``nn.LayerNorm``
+    whose output h is (then ``h`` is its input, and the LayerNorm runs fused with the quantization
+    of h)."""
     fwd_fmt, _, mf, cf1, cf2 = cfg
     m = math.prod(h.shape[:-1])
     pad = _pad_of(h.shape[-1], w1.shape[0], w2.shape[0], *((m,) if training else ()))
@@ -342,4 +378,6 @@ def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
     w2q = quantized_weight(w2, tuple(state2[:4]), state2[4] + 1, fwd_fmt, mf, cf2, training, pad, caches[1])
     if all(a is b for a, b in zip(state1[:4], state2[:4])):  # both columns of one linked state:
         state2 = (None,) * 4 + tuple(state2[4:])  # passed once (dynamo refuses a tensor given twice)
-    return _MLPFn.apply(h, w1, b1, w2, b2, *w1q, *w2q, *state1, *state2, *cfg, approximate, training, pad)
+    ln = (None, None, None) if norm is None else (norm.weight, norm.bias, float(norm.eps))
+    return _MLPFn.apply(h, ln[0], ln[1], w1, b1, w2, b2, *w1q, *w2q, *state1, *state2, *cfg, approximate, training,
+                        pad, ln[2])

@@ -53,8 +53,8 @@ from ..formats import get_format
 from ..state import Slot
 from ..types import kernel_op
 
-__all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize", "call",
-           "launch_path", "use_cpp"]
+__all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "layernorm_quantize",
+           "dequantize", "call", "launch_path", "use_cpp"]
 
 _MUTATED = ("amax_history", "scale", "scale_inv")
 _IMPLS: dict = {}  # custom op -> its Python implementation
@@ -72,7 +72,8 @@ def _register(name: str, mutates_args):
     def wrap(fn):
         op = torch.library.custom_op(f"fusedfp8::{name}", mutates_args=mutates_args)(fn)
         _IMPLS[op] = fn
-        _CPP_INDEX[op] = _CPP_OPS.index(name)
+        if name in _CPP_OPS:
+            _CPP_INDEX[op] = _CPP_OPS.index(name)
         return op
 
     return wrap
@@ -92,7 +93,7 @@ def call(op, *args):
             or torch._C._are_functorch_transforms_active()
             or any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args)):
         return op(*args)
-    if _cpp is not None and args[0].is_cuda:  # the C++ implementation, without the dispatcher
+    if _cpp is not None and args[0].is_cuda and op in _CPP_INDEX:  # the C++ implementation, without the dispatcher
         return _cpp.call(_CPP_INDEX[op], *args)
     return _IMPLS[op](*args)
 
@@ -382,6 +383,44 @@ def _(dy, x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor,
     dt, (qs, ts) = _fp8_dtype(fmt), _q_shapes(dy, pad_to)
     return (dy.new_empty(qs, dtype=dt), dy.new_empty(ts, dtype=dt),
             dy.new_empty((dy.shape[-1] if dbias else 0,), dtype=torch.float32), _scale_inv_like(dy))
+
+
+# ---- LayerNorm + quantize (the MLP's input) ----------------------------------------------------
+@_register("layernorm_quantize", _MUTATED)
+def layernorm_quantize(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, amax_history: Tensor,
+                       scale: Tensor, scale_inv: Tensor, updates: Tensor, index: int, fmt: str, margin_factor: float,
+                       current_first: bool, transpose: bool,
+                       pad_to: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``fp8(layernorm(x) * scale[index])`` of x viewed as (rows, cols) (the LayerNorm output is
+    never written in 16 or 32 bits), its transpose (an empty tensor without ``transpose``), the
+    scale_inv it used, and the (rows,) float32 mean and rstd for the backward; see
+    :func:`fusedfp8.layernorm_quantize`. ``pad_to`` as for :func:`quantize` (the statistics are
+    not padded). CUDA tensors run the kernel through the Python launch path (no C++ kernel yet)."""
+    slot = _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first)
+    r = _ops.layernorm_quantize(x, weight, bias, eps, slot, transpose=transpose)
+    q, q_t, si = r.quantized.data, r.quantized.data_t, r.quantized.scale_inv
+    if pad_to > 1:  # the kernel writes no pad yet: place the bytes in zeros (one copy of the FP8 data)
+        q_shape, t_shape = _q_shapes(x, pad_to)
+        q = _pad_bytes(q.reshape(-1, q.shape[-1]), q_shape)
+        q_t = _pad_bytes(q_t, t_shape) if transpose else None
+    if q_t is None:
+        q_t = x.new_empty((0,), dtype=q.dtype)
+    return q, q_t, si, r.mean, r.rstd
+
+
+def _pad_bytes(q: Tensor, shape: tuple) -> Tensor:
+    out = torch.zeros(shape, dtype=torch.uint8, device=q.device)
+    out[:q.shape[0], :q.shape[1]] = q.view(torch.uint8)
+    return out.view(q.dtype)
+
+
+@layernorm_quantize.register_fake
+def _(x, weight, bias, eps, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first,
+      transpose, pad_to=1):
+    dt, (qs, ts) = _fp8_dtype(fmt), _q_shapes(x, pad_to)
+    rows = _rows(x)
+    return (x.new_empty(qs if pad_to > 1 else x.shape, dtype=dt), x.new_empty(ts if transpose else (0,), dtype=dt),
+            _scale_inv_like(x), x.new_empty((rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32))
 
 
 # ---- dequantize ------------------------------------------------------------------------------

@@ -350,10 +350,15 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         return f"{super().extra_repr()}, recipe={self._recipe}"
 
 
-class Fp8MLP(_StrictLoad, nn.Module):
-    """LayerNorm -> Fp8Linear -> gelu -> Fp8Linear, with the activation fused into FP8.
+_FUSED_LN_MAX = 16384  # widest row the MLP's fused LayerNorm takes (the kernel's transposed tile fits)
 
-    The first GEMM's output z (the pre-activation) goes straight through the gelu + quantize
+
+class Fp8MLP(_StrictLoad, nn.Module):
+    """LayerNorm -> Fp8Linear -> gelu -> Fp8Linear, with the LayerNorm and the activation fused into FP8.
+
+    The LayerNorm runs inside the quantization of the first GEMM's input (the layernorm_quantize
+    kernel: its output is never written in bf16; its backward runs in torch from the saved input,
+    mean and rstd). The first GEMM's output z (the pre-activation) goes straight through the gelu + quantize
     (+ transpose) kernel into the second GEMM's input slot: gelu(z) is never written in bf16.
     The backward quantizes the gelu gradient with its transpose and the first bias gradient in
     one dgelu kernel. z is saved for the backward (in the input's dtype); everything else saved
@@ -369,9 +374,10 @@ class Fp8MLP(_StrictLoad, nn.Module):
     bias : bool
     device, dtype, missed_update : as :class:`Fp8Linear`.
 
-    Attributes: ``norm`` (nn.LayerNorm), ``fc1``, ``fc2`` (Fp8Linear, owning the states).
-    Input (..., hidden); output (..., hidden) in the input's dtype. Errors as Fp8Linear (on
-    CUDA, hidden, ffn and the tokens must be multiples of 16).
+    Attributes: ``norm`` (nn.LayerNorm), ``fc1``, ``fc2`` (Fp8Linear, owning the states),
+    ``fuse_layernorm`` (default True; False runs ``norm`` in torch and quantizes its bf16 output,
+    as do a ``norm`` replaced by another module and hidden > 16384).
+    Input (..., hidden); output (..., hidden) in the input's dtype. Errors as Fp8Linear.
     """
 
     def __init__(self, hidden: int, ffn: int, recipe: DelayedScaling = DelayedScaling(), *,
@@ -380,6 +386,7 @@ class Fp8MLP(_StrictLoad, nn.Module):
         check_approximate(approximate)
         super().__init__()
         self.approximate = approximate
+        self.fuse_layernorm = True
         self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
         self.fc1 = Fp8Linear(hidden, ffn, bias, recipe, device, dtype, missed_update=missed_update)
         self.fc2 = Fp8Linear(ffn, hidden, bias, recipe, device, dtype, missed_update=missed_update)
@@ -401,12 +408,16 @@ class Fp8MLP(_StrictLoad, nn.Module):
         _check_state_writable(layer, fc1, fc2)
         if fc2.weight.dtype not in _FLOATS:
             raise TypeError(f"{layer}: fc2.weight must be float32, float16 or bfloat16; got {fc2.weight.dtype}")
-        h = self.norm(x)
+        norm = self.norm
+        fused = (self.fuse_layernorm and type(norm) is nn.LayerNorm and norm.normalized_shape == (fc1.in_features,)
+                 and fc1.in_features <= _FUSED_LN_MAX)
+        h = x if fused else norm(x)
         training = torch.is_grad_enabled() and (h.requires_grad or any(
-            p.requires_grad for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias) if p is not None))
+            p.requires_grad for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias, *norm.parameters())
+            if p is not None))
         if not torch.compiler.is_compiling():
             fc1._ensure_hook()
             fc2._ensure_hook()
         cfg = fc1._kernel_cfg() + fc2._kernel_cfg()[-1:]
         return F8.mlp(h, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1._state(), fc2._state(), cfg,
-                      self.approximate, training, (fc1._wcache, fc2._wcache))
+                      self.approximate, training, (fc1._wcache, fc2._wcache), norm if fused else None)

@@ -210,9 +210,9 @@ def test_the_plain_mlp_is_the_twin_of_fp8_mlp():
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("device, dims", per_device([("16x32x64", (16, 32, 64))], [("64x128x256", (64, 128, 256))]))
 def test_fp8_mlp_operands_are_the_fused_kernels(monkeypatch, device, dims, dtype):
-    """The activation operand is gelu_quantize(z) of the fc1 output z, the fc1 gradient operand
-    is dgelu_quantize(da, z) and the fc1 bias gradient its dbias, all against fusedfp8's functions
-    on NumPy twins of both states."""
+    """The input operand is layernorm_quantize(x), the activation operand gelu_quantize(z) of the
+    fc1 output z, the fc1 gradient operand dgelu_quantize(da, z) and the fc1 bias gradient its
+    dbias, all against fusedfp8's functions on NumPy twins of both states."""
     tokens, hidden, ffn = dims
     recipe = DelayedScaling(amax_history_len=4)
     m, _ = _mlp_pair(hidden, ffn, dtype, recipe, device=device)
@@ -221,9 +221,10 @@ def test_fp8_mlp_operands_are_the_fused_kernels(monkeypatch, device, dims, dtype
     x = inputs(tokens, hidden, dtype, device=device)
     t = (inputs(tokens, hidden, seed=3, device=device) * 1e-3).to(dtype)
     (m(x) * t).sum().backward()
-    h = m.norm(x).detach()
     (ha, w1b, *_, z), (aa, w2b, *_), (gya, w2tb, *_, da), (gyta, atb, *_), (dza, w1tb, *_), (dzta, htb, *_) = spy.calls
-    rh = fusedfp8.quantize(np_of(h), tw1.slot(0, recipe), transpose=True)
+    # h = LayerNorm(x) quantized in the same pass (never rounded to the input's dtype)
+    rh = fusedfp8.layernorm_quantize(np_of(x), np_of(m.norm.weight), np_of(m.norm.bias), m.norm.eps,
+                                     tw1.slot(0, recipe), transpose=True).quantized
     rw1 = fusedfp8.quantize(np_of(m.fc1.weight), tw1.slot(1, recipe), transpose=True)
     ra = fusedfp8.gelu_quantize(np_of(z), tw2.slot(0, recipe), transpose=True)
     rw2 = fusedfp8.quantize(np_of(m.fc2.weight), tw2.slot(1, recipe), transpose=True)
@@ -411,3 +412,29 @@ def test_input_on_another_device_is_refused():
     f = fp8.Fp8Linear(64, 64, device="cuda")
     with pytest.raises(ValueError, match="input is on cpu but the weight is on cuda"):
         f(torch.randn(16, 64))
+
+
+def test_fp8_mlp_runs_its_layernorm_inside_the_quantization(monkeypatch, device):
+    """With fuse_layernorm (the default) torch's LayerNorm forward never runs: h comes quantized
+    from layernorm_quantize, and the LayerNorm's parameters still get their gradients (within
+    FP8's error of the unfused path's); fuse_layernorm=False runs norm(x) in torch."""
+    torch.manual_seed(0)
+    m = fp8.Fp8MLP(64, 128, DelayedScaling(amax_history_len=4), device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        m.norm.weight.uniform_(0.5, 1.5)
+        m.norm.bias.uniform_(-0.5, 0.5)
+    plain = copy.deepcopy(m)
+    plain.fuse_layernorm = False
+    x = inputs(32, 64, torch.bfloat16, device=device)
+    calls = []
+    real = torch.nn.functional.layer_norm
+    monkeypatch.setattr(torch.nn.functional, "layer_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y = m(x)
+    y.float().square().mean().backward()
+    assert calls == []
+    yp = plain(x)
+    yp.float().square().mean().backward()
+    assert calls == [1]
+    assert sqnr(yp, y) >= 20
+    for (name, p), q in zip(m.named_parameters(), plain.parameters()):
+        assert sqnr(q.grad, p.grad) >= 15, name
