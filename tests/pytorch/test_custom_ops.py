@@ -121,3 +121,40 @@ def test_quantize_ste_rejects_a_bad_index():
     with pytest.raises(IndexError, match=r"index must be in \[0, 1\)"):
         fp8.quantize_ste(torch.ones(4), state, 3, recipe)
 
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later"])
+@pytest.mark.parametrize("shape, params", [((2048, 1024), "bf16"), ((303, 300), "none"), ((4, 7, 96), "f32"),
+                                           ((1, 8), "bf16")], ids=str)
+@pytest.mark.parametrize("transpose", [True, False], ids=["transpose", "plain"])
+def test_custom_op_layernorm_quantize_matches_the_eager_function(device, shape, params, transpose, first):
+    """fusedfp8::layernorm_quantize (on CUDA: the once-per-signature check and the cached plan)
+    against fusedfp8.layernorm_quantize with a Slot of a twin state: the same bytes in q, q_t,
+    scale_inv, mean, rstd and the state, over two calls (the second with the cached plan)."""
+    import fusedfp8
+
+    recipe = DelayedScaling(amax_history_len=4)
+    a = ScalingState.create(3, recipe, like=torch.zeros(1, device=device))
+    b = ScalingState.create(3, recipe, like=torch.zeros(1, device=device))
+    if not first:
+        for st in (a, b):
+            st.updates.fill_(1)
+            st.scale.fill_(7.0)
+    cols = shape[-1]
+    pdt = {"bf16": torch.bfloat16, "f32": torch.float32, "none": None}[params]
+    w = None if pdt is None else (torch.rand(cols, device=device) + 0.5).to(pdt)
+    bias = None if pdt is None else (torch.rand(cols, device=device) - 0.5).to(pdt)
+    for seed in range(2):
+        x = inputs(int(np.prod(shape[:-1])), cols, torch.bfloat16, seed=seed, device=device).reshape(shape)
+        q, q_t, si, mean, rstd = fp8.custom_ops.call(fp8.custom_ops.layernorm_quantize, x, w, bias, 1e-5,
+                                                     a.amax_history, a.scale, a.scale_inv, a.updates, 1, "e4m3",
+                                                     recipe.margin_factor, True, transpose)
+        r = fusedfp8.layernorm_quantize(x, w, bias, 1e-5, b.slot(1, recipe), transpose=transpose)
+        assert same_bytes(q, r.quantized.data) and same_bytes(si, r.quantized.scale_inv)
+        assert same_bytes(mean, r.mean) and same_bytes(rstd, r.rstd)
+        if transpose:
+            assert same_bytes(q_t, r.quantized.data_t)
+        else:
+            assert q_t.numel() == 0
+        for f in ("amax_history", "scale", "scale_inv", "updates"):
+            assert same_bytes(getattr(a, f), getattr(b, f)), f
