@@ -303,6 +303,165 @@ def test_results_are_deterministic():
             assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
 
 
+# ---- pad_to: padded outputs for the FP8 GEMMs -------------------------------------------------------
+PAD_CASES = {  # label: (shape, pad_to)
+    "8190x1024-16": ((8190, 1024), 16),  # ragged tokens: pad rows only, one warp a row
+    "303x300-16": ((303, 300), 16),  # pad rows and columns, the element path
+    "300x1000-16": ((300, 1000), 16),  # pad columns on the vector path (1000 and 1008 multiples of 8)
+    "40x4096-16": ((40, 4096), 16),  # several warps a row; pad rows only
+    "17x40-16": ((17, 40), 16),
+    "1x8-16": ((1, 8), 16),  # one row: 15 pad rows
+    "3d-3x5x40-16": ((3, 5, 40), 16),  # data 2-D
+    "9x8200-16": ((9, 8200), 16),  # with q_t: 8-row tiles
+    "5x20000-16": ((5, 20000), 16),  # chunks read again; with q_t: 4-row tiles
+    "17x40-3": ((17, 40), 3),  # an odd pad: element stores, padded rows not a multiple of the tile
+    "33x17-128": ((33, 17), 128),  # far more pad than data: the tile's pitch from the padded columns
+    "aligned-32x64-16": ((32, 64), 16),  # nothing to pad: the unpadded kernel, data 2-D
+    "0x20-16": ((0, 20), 16),  # no rows: (0, 32) and (32, 0)
+}
+
+
+def pad_cases(labels=None, gpu_only=False) -> list:
+    """(device, shape, pad_to) parameters of PAD_CASES (every label on both sides)."""
+    out = []
+    for device in ("cuda",) if gpu_only else ("cpu", "cuda"):
+        marks = [pytest.mark.gpu] if device == "cuda" else []
+        for label in labels or PAD_CASES:
+            out.append(pytest.param(device, *PAD_CASES[label], id=f"{device}-{label}", marks=marks))
+    return out
+
+
+def padded_shape(shape, pad_to) -> tuple[int, int, int, int]:
+    rows, cols = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
+    return rows, cols, -(-rows // pad_to) * pad_to, -(-cols // pad_to) * pad_to
+
+
+def check_padded(plain, padded, shape, pad_to, want=None) -> None:
+    """``padded`` (a pad_to call) is ``plain`` (the same call with pad_to=1) in a corner of zeros:
+    data and data_t byte for byte against reference.pad2d of the unpadded bytes (and against the
+    reference's own padded result ``want``); amax, scale_inv, mean and rstd the same bytes."""
+    rows, cols, prows, pcols = padded_shape(shape, pad_to)
+    q, pq = plain.quantized, padded.quantized
+    assert tuple(pq.data.shape) == (prows, pcols)
+    assert bytes_of(pq.data) == ref.pad2d(to_np(q.data).reshape(rows, cols), prows, pcols).tobytes()
+    if q.data_t is not None:
+        assert tuple(pq.data_t.shape) == (pcols, prows)
+        assert bytes_of(pq.data_t) == ref.pad2d(to_np(q.data_t), pcols, prows).tobytes()
+    else:
+        assert pq.data_t is None
+    if want is not None:
+        assert bytes_of(pq.data) == want.data.tobytes()
+        assert want.data_t is None or bytes_of(pq.data_t) == want.data_t.tobytes()
+    assert bytes_of(pq.amax) == bytes_of(q.amax), "the pad takes no part in the amax"
+    assert bytes_of(pq.scale_inv) == bytes_of(q.scale_inv)
+    assert tuple(padded.mean.shape) == tuple(padded.rstd.shape) == (rows,)
+    assert bytes_of(padded.mean) == bytes_of(plain.mean) and bytes_of(padded.rstd) == bytes_of(plain.rstd)
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["weight-bias", "no-params"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["no-transpose", "transpose"])
+@pytest.mark.parametrize("device, shape, pad_to", pad_cases())
+def test_padded_layernorm_is_the_unpadded_result_in_a_corner_of_zeros(device, shape, pad_to, transpose, affine):
+    rng = seeded("pad", shape, pad_to, transpose, affine)
+    xn = activations(rng, shape, "bfloat16")
+    wn, bn = layer_params(rng, shape[-1]) if affine else (None, None)
+    x, w, b = (None if a is None else to_torch(a, device) for a in (xn, wn, bn))
+    scale = torch.tensor([16.0], device=device)
+    plain = fusedfp8.layernorm_quantize(x, w, b, 1e-5, scale, "e4m3", transpose=transpose)
+    padded = fusedfp8.layernorm_quantize(x, w, b, 1e-5, scale, "e4m3", transpose=transpose, pad_to=pad_to)
+    want, _, _ = ln.layernorm_quantize(xn, wn, bn, 1e-5, np.float32(16.0), "e4m3", transpose, pad_to=pad_to)
+    check_padded(plain, padded, shape, pad_to, want)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device, shape, pad_to", pad_cases(["303x300-16"]))
+def test_padded_layernorm_dtypes_formats_and_frameworks(device, shape, pad_to, dtype, fmt):
+    """Each input dtype and format, weight / bias in the input's dtype, every framework of the
+    device: the padded results in the caller's framework, dtype and padded shape."""
+    rng = seeded("pad-dtypes", dtype, fmt)
+    xn = activations(rng, shape, dtype)
+    wn, bn = (p.astype(np_dtype(dtype)) for p in layer_params(rng, shape[-1]))
+    rows, cols, prows, pcols = padded_shape(shape, pad_to)
+    for fw in frameworks(device):
+        x, w, b = (to_fw(a, fw, device) for a in (xn, wn, bn))
+        plain = fusedfp8.layernorm_quantize(x, w, b, 1e-5, scalar(fw, 4.0, device=device), fmt, transpose=True)
+        padded = fusedfp8.layernorm_quantize(x, w, b, 1e-5, scalar(fw, 4.0, device=device), fmt, transpose=True,
+                                             pad_to=pad_to)
+        assert_type(padded.quantized.data, fw, get_format(fmt).dtype_name, (prows, pcols), device)
+        assert_type(padded.quantized.data_t, fw, get_format(fmt).dtype_name, (pcols, prows), device)
+        check_padded(plain, padded, shape, pad_to)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose", [False, True], ids=["no-transpose", "transpose"])
+@pytest.mark.parametrize("device, shape, pad_to", pad_cases([k for k in PAD_CASES if not k.startswith("0x")],
+                                                            gpu_only=True))
+def test_the_padded_kernel_writes_every_byte_of_the_pad(device, shape, pad_to, transpose):
+    """Through the launch interface into outputs filled with 0xA5 first: every byte of q and q_t,
+    pad included, is the reference's (a pad the kernel left unwritten would show as 0xA5, where
+    fresh memory might hold zeros by chance)."""
+    rng = seeded("pad-garbage", shape, pad_to, transpose)
+    xn = activations(rng, shape, "bfloat16")
+    wn, bn = layer_params(rng, shape[-1])
+    rows, cols, prows, pcols = padded_shape(shape, pad_to)
+    want, mean, rstd = ln.layernorm_quantize(xn, wn, bn, 1e-5, np.float32(8.0), "e4m3", transpose, pad_to=pad_to)
+    x, w, b = (to_torch(a, "cuda") for a in (xn, wn, bn))
+    q = torch.full((prows, pcols), 0xA5, dtype=torch.uint8, device="cuda")
+    q_t = torch.full((pcols, prows), 0xA5, dtype=torch.uint8, device="cuda") if transpose else None
+    m, r = torch.empty(rows, device="cuda"), torch.empty(rows, device="cuda")
+    scale, amax, siu = (torch.tensor([v], device="cuda") for v in (8.0, 0.0, 0.0))
+    _cuda.launch_layernorm_quantize(
+        0, torch.cuda.current_stream().cuda_stream, dtype="bfloat16", param="float32", fmt="e4m3", x=x.data_ptr(),
+        weight=w.data_ptr(), bias=b.data_ptr(), q=q.data_ptr(), mean=m.data_ptr(), rstd=r.data_ptr(),
+        scale=scale.data_ptr(), amax=amax.data_ptr(), rows=rows, cols=cols, eps=1e-5,
+        q_t=q_t.data_ptr() if transpose else 0, scale_inv_used=siu.data_ptr(), pad_to=pad_to)
+    torch.cuda.synchronize()
+    assert bytes_of(q) == want.data.tobytes()
+    if transpose:
+        assert bytes_of(q_t) == want.data_t.tobytes()
+    assert bytes_of(amax) == np.float32(want.amax).tobytes()
+    assert bytes_of(m) == mean.tobytes() and bytes_of(r) == rstd.tobytes()
+
+
+@pytest.mark.parametrize("first_step", ["current", "unit"])
+def test_padded_first_step_and_slots(device, first_step):
+    """Two steps of a slot (the first one a first step: the pre-pass and the scale of y's own amax
+    when the recipe says so), padded (to 16) and unpadded into twin states: the same state after
+    every call, the padded bytes the unpadded ones in a corner of zeros."""
+    recipe = DelayedScaling(amax_history_len=4, first_step=first_step, margin=1)
+    twins = [ScalingState.create([False, False], recipe, like=torch.zeros(1, device=device)) for _ in range(2)]
+    rng = seeded("pad-slots", first_step)
+    wn, bn = layer_params(rng, 40)
+    w, b = to_torch(wn, device), to_torch(bn, device)
+    for step in range(2):
+        x = to_torch(activations(rng, (2, 17, 40), "bfloat16"), device)
+        plain = fusedfp8.layernorm_quantize(x, w, b, 1e-5, twins[0].slot(1, recipe), transpose=True)
+        padded = fusedfp8.layernorm_quantize(x, w, b, 1e-5, twins[1].slot(1, recipe), transpose=True, pad_to=16)
+        check_padded(plain, padded, (2, 17, 40), 16)
+        for field in ("amax_history", "scale", "scale_inv", "updates"):
+            assert bytes_of(getattr(twins[0], field)) == bytes_of(getattr(twins[1], field)), (step, field)
+        if step == 0:
+            assert bool((to_np(padded.quantized.data).view(np.uint8) & 0x7F).any())
+        for st in twins:
+            fusedfp8.update_scales(st, recipe)
+
+
+def test_bad_pad_to_is_refused_before_anything_is_written(device):
+    x = to_torch(activations(seeded("pad-bad"), (17, 40), "float32"), device)
+    amax = torch.full((1,), 5.0, device=device)
+    recipe = DelayedScaling(amax_history_len=4)
+    st = ScalingState.create([False], recipe, like=torch.zeros(1, device=device))
+    before = [bytes_of(getattr(st, f)) for f in ("amax_history", "scale", "scale_inv", "updates")]
+    for bad in (0, -16, 1.5, True, "16", None):
+        with pytest.raises(ValueError, match=f"pad_to must be a positive int .*got {bad!r}"):
+            fusedfp8.layernorm_quantize(x, None, None, 1e-5, 2.0, amax=amax, pad_to=bad)
+        with pytest.raises(ValueError, match="pad_to must be a positive int"):
+            fusedfp8.layernorm_quantize(x, None, None, 1e-5, st.slot(0, recipe), transpose=True, pad_to=bad)
+    assert to_np(amax)[0] == 5.0
+    assert [bytes_of(getattr(st, f)) for f in ("amax_history", "scale", "scale_inv", "updates")] == before
+
+
 # ---- the launch plans (no GPU: fake kernels) -------------------------------------------------------
 SMS = 132
 
