@@ -435,24 +435,27 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
     block = max(LN_BLOCK, tpr)
     per_pass = block // tpr
     tile_rows, shared = tile if transpose else (0, 0)
-    vec = flag((X, W, B, Q), 16, cols % 8 == 0 and pcols % 8 == 0)
+    vec_in = flag((X, W, B, Q), 16, cols % 8 == 0)  # the pre-pass (and a launch for no rows) writes no q
+    vec = flag((X, W, B, Q), 16, cols % 8 == 0 and pcols % 8 == 0)  # q's rows start 8-byte aligned
     main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if transpose else "layernorm_store1")]
     pre = refs["layernorm_store0"]
 
     def st(slot):
         return ptr(slot, offset)
 
-    def params(q, q_t, mean, rstd, so, sio, siu, u, n_rows, t_rows, vec_t, padded_shape=()):
+    def params(q, q_t, mean, rstd, so, sio, siu, u, n_rows, t_rows, vec_t, padded_shape=(), vec=vec):
         return (ptr(X), ptr(W), ptr(B), q, q_t, mean, rstd, st(S), st(A), so, sio, siu, u, imm64(n_rows), imm64(cols),
                 *map(imm64, padded_shape), imm32(tpr), imm32(t_rows), vec, vec_t, immf32(eps), immf32(margin_factor))
 
     if rows == 0:  # nothing to normalise: still hand out 1 / scale (one block, no row)
         return _plan(LAYERNORM_SLOTS, [_launch([(main, 1)], 0, block, params(
-            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(SIU), NULLPTR, 0, 0, flag((), 16, False)))])
+            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(SIU), NULLPTR, 0, 0, flag((), 16, False),
+            vec=vec_in))])
     steps = []
     if first:  # at most one block per multiprocessor: past the first step each block reads the flag and exits
         steps.append(_launch([(pre, min(-(-rows // per_pass), sms))], 0, block, params(
-            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, st(U), rows, 0, flag((), 16, False))))
+            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, st(U), rows, 0, flag((), 16, False),
+            vec=vec_in)))
     so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
     groups = -(-prows // (tile_rows if transpose else per_pass))
     steps.append(_launch([(main, max(1, min(groups, main.per_sm * sms)))], 0, block, params(

@@ -488,18 +488,26 @@ def test_transposed_tile_too_wide_is_refused():
         _cuda.layernorm_tile(30000, 99 << 10)
 
 
-@pytest.mark.parametrize("rows, cols, transpose, first", [
-    (2048, 1024, False, False), (2048, 4096, True, True), (303, 300, True, False), (5, 20000, False, True),
-    (0, 64, True, True),
+@pytest.mark.parametrize("rows, cols, transpose, first, pad_to", [
+    (2048, 1024, False, False, 1), (2048, 4096, True, True, 1), (303, 300, True, False, 1), (5, 20000, False, True, 1),
+    (0, 64, True, True, 1),
+    # padded: the padded main kernel (the pre-pass the unpadded one), its groups over the padded rows
+    (303, 300, True, False, 16), (303, 300, False, True, 16), (8190, 1024, True, True, 16), (1, 8, False, False, 16),
+    (5, 20000, True, True, 16), (17, 40, True, False, 3), (33, 17, True, False, 128),
+    # nothing to pad (aligned, or no rows): what pad_to=1 launches
+    (2048, 1024, True, True, 16), (0, 20, True, True, 16),
 ])
-def test_plan_launches(rows, cols, transpose, first):
+def test_plan_launches(rows, cols, transpose, first, pad_to):
     """The launches of a plan, packed as the driver gets them: the pre-pass on a first step (at
     most one block per multiprocessor, no outputs), the main kernel (the transposed role with the
     tile's shared memory), block max(256, threads per row), one resident wave at most; for 0 rows
-    one block that only hands out 1 / scale."""
+    one block that only hands out 1 / scale. With a pad: the padded main kernel, with the padded
+    shape after the logical one, its groups (and the tile's columns) those of the padded shape."""
     refs = fake_refs()
-    tile = _cuda.layernorm_tile(cols, 227 << 10) if transpose else (0, 0)
-    plan = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile)
+    prows, pcols = _cuda.padded(rows, cols, pad_to)
+    pad = rows > 0 and (prows, pcols) != (rows, cols)
+    tile = _cuda.layernorm_tile(pcols, 227 << 10) if transpose else (0, 0)
+    plan = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, pad_to)
     ptrs = tuple(0x7000_0000_0000 + 0x10_0000 * (i + 1) for i in range(len(P.LAYERNORM_SLOTS)))
     s = dict(zip(P.LAYERNORM_SLOTS, ptrs))
     tpr = ln.threads_per_row(cols)
@@ -508,6 +516,11 @@ def test_plan_launches(rows, cols, transpose, first):
 
     def pack(*args):
         return struct.pack(fmt, *args)
+
+    def pack_main(*args):  # the logical shape at 13, 14; the padded one after it
+        if not pad:
+            return pack(*args)
+        return struct.pack(_cuda.SIGNATURES["padded_layernorm"], *args[:15], prows, pcols, *args[15:])
 
     def st(name):
         return s[name] + 8
@@ -523,12 +536,12 @@ def test_plan_launches(rows, cols, transpose, first):
                 s["x"], s["weight"], s["bias"], 0, 0, 0, 0, st("scale"), st("amax"), 0, 0, 0, st("updates"), rows,
                 cols, tpr, 0, int(cols % 8 == 0), 0, 1e-5, 0.5)))
         group = tile[0] if transpose else block // tpr
-        main = refs["layernorm_store1_t" if transpose else "layernorm_store1"]
-        want.append((main.func, min(-(-rows // group), 2 * SMS), block, tile[1], pack(
+        main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if transpose else "layernorm_store1")]
+        want.append((main.func, min(-(-prows // group), 2 * SMS), block, tile[1], pack_main(
             s["x"], s["weight"], s["bias"], s["q"], s["q_t"] if transpose else 0, s["mean"], s["rstd"], st("scale"),
             st("amax"), st("scale_out") if first else 0, st("scale_inv_out") if first else 0, s["scale_inv_used"],
-            st("updates") if first else 0, rows, cols, tpr, tile[0], int(cols % 8 == 0),
-            int(transpose and rows % tile[0] == 0), 1e-5, 0.5)))
+            st("updates") if first else 0, rows, cols, tpr, tile[0], int(cols % 8 == 0 and pcols % 8 == 0),
+            int(transpose and prows % tile[0] == 0), 1e-5, 0.5)))
     got = []
     dry = P.dry_run(plan, ptrs)
     at = 0
@@ -537,4 +550,8 @@ def test_plan_launches(rows, cols, transpose, first):
         got.append((func, grid, blk, shared, dry[at + 48:at + 48 + size]))
         at += 48 + size + (-size % 8)
     assert got == want
-    assert all(step.layout == _cuda.signature("layernorm") for step in plan.steps)
+    assert [step.layout for step in plan.steps] == [_cuda.signature("layernorm")] * (len(plan.steps) - 1) + [
+        _cuda.signature("padded_layernorm" if pad else "layernorm")]
+    if not pad:  # pad_to changes nothing where there is nothing to pad
+        same = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile)
+        assert plan.steps == same.steps
