@@ -42,7 +42,15 @@
 // 2-8 KiB of bf16, which 32-128 threads hold in registers (4 independent 16-byte loads each):
 // x is read once, q written once with 8-byte stores, and a 1024-wide row needs no barrier at all.
 // Registers (sm_90, NVRTC, bf16 in, float32 / bf16 params): 108 / 98 without q_t, 126 with it,
-// 126 / 110 in the pre-pass: two blocks of 256 per multiprocessor. The vector path with weight
+// 126 / 110 in the pre-pass: two blocks of 256 per multiprocessor.
+//
+// Padding (layernorm_quantize_padded, the quantize family's pad_to): q is (prows x pcols) and q_t
+// (pcols x prows), rounded up (to 16 for cuBLASLt's FP8 GEMMs), zeros outside the rows x cols
+// corner, written in the same pass: an active row also zeroes its pad columns, the groups run to
+// prows and a pad row writes a row of zeros, and with q_t the transposed store runs to pcols and
+// prows and puts zeros where the pad is. The pad takes no part in the amax; mean / rstd stay
+// (rows). Both kernels are one body (layernorm_rows, template flag PAD); the unpadded kernel's
+// machine code is the one it had before padding existed (its PAD tests fold away). The vector path with weight
 // and bias spends 74 SASS instructions on the output of 8 elements (3 FMUL + 2 FADD an element).
 
 // Edge cases (the same table as the reference):
@@ -159,11 +167,24 @@ __device__ __forceinline__ u32 column_word(u32 w0, u32 w1, u32 w2, u32 w3, int k
 // columns 4g..4g+3, reads 4-byte words of 4 rows at a time (consecutive threads read consecutive
 // words: no bank conflict), transposes the bytes with byte_perm and stores tile_rows contiguous
 // bytes per column (one 16-, 8- or 4-byte store with vec_t, else byte stores within rows).
-__device__ __forceinline__ void store_transposed(const u8* tile, u8* q_t, i64 rows, i64 cols, i64 r0, i64 pitch,
-                                              int tile_rows, int vec_t) {
+// PAD: q_t is (pcols x prows); the columns run to pcols and the rows to prows, and the bytes of
+// the pad (a column >= cols, a row >= rows: tile bytes no row wrote) are replaced by zeros as
+// they leave the tile. (Without PAD prows == rows and pcols == cols: the same code as before.)
+template <bool PAD>
+__device__ __forceinline__ void store_transposed(const u8* tile, u8* q_t, i64 rows, i64 cols, i64 prows, i64 pcols,
+                                                 i64 r0, i64 pitch, int tile_rows, int vec_t) {
     const int quads = tile_rows >> 2;
+    const i64 out_rows = PAD ? prows : rows, out_cols = PAD ? pcols : cols;
+    u32 keep[4];  // PAD: the bytes of row quad i that hold data (rows < rows)
+    if (PAD) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const i64 n = rows - (r0 + 4 * i);
+            keep[i] = n >= 4 ? 0xffffffffu : n <= 0 ? 0u : (1u << (8 * (int)n)) - 1u;
+        }
+    }
 #pragma unroll 1
-    for (i64 cg = threadIdx.x; cg < (cols + 3) / 4; cg += blockDim.x) {
+    for (i64 cg = threadIdx.x; cg < (out_cols + 3) / 4; cg += blockDim.x) {
         u32 cw[4][4];  // [column k][row quad i]
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -174,14 +195,17 @@ __device__ __forceinline__ void store_transposed(const u8* tile, u8* q_t, i64 ro
                 const u32 w2 = *reinterpret_cast<const u32*>(base + 2 * pitch);
                 const u32 w3 = *reinterpret_cast<const u32*>(base + 3 * pitch);
 #pragma unroll
-                for (int k = 0; k < 4; ++k) cw[k][i] = column_word(w0, w1, w2, w3, k);
+                for (int k = 0; k < 4; ++k) {
+                    cw[k][i] = column_word(w0, w1, w2, w3, k);
+                    if (PAD) cw[k][i] = 4 * cg + k < cols ? cw[k][i] & keep[i] : 0u;
+                }
             }
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const i64 col = 4 * cg + k;
-            if (col >= cols) break;
-            u8* dst = q_t + col * rows + r0;
+            if (col >= out_cols) break;
+            u8* dst = q_t + col * out_rows + r0;
             if (vec_t) {
                 if (quads == 4) *reinterpret_cast<uint4*>(dst) = make_uint4(cw[k][0], cw[k][1], cw[k][2], cw[k][3]);
                 else if (quads == 2) *reinterpret_cast<uint2*>(dst) = make_uint2(cw[k][0], cw[k][1]);
@@ -192,7 +216,7 @@ __device__ __forceinline__ void store_transposed(const u8* tile, u8* q_t, i64 ro
                     if (i < quads) {
 #pragma unroll
                         for (int bt = 0; bt < 4; ++bt)
-                            if (r0 + 4 * i + bt < rows) dst[4 * i + bt] = (u8)(cw[k][i] >> (8 * bt));
+                            if (r0 + 4 * i + bt < out_rows) dst[4 * i + bt] = (u8)(cw[k][i] >> (8 * bt));
                     }
                 }
             }
@@ -200,28 +224,19 @@ __device__ __forceinline__ void store_transposed(const u8* tile, u8* q_t, i64 ro
     }
 }
 
-template <typename T, typename P, int FMT, bool STORE, bool TRANSPOSE>
-__global__ void __launch_bounds__(LN_THREADS) layernorm_quantize(
-    const T* __restrict__ x,          // [rows, cols] input
-    const P* __restrict__ weight,     // [cols] or null (1)
-    const P* __restrict__ bias,       // [cols] or null (-0)
-    u8* __restrict__ q,               // [rows, cols] FP8 output (null in the pre-pass)
-    u8* __restrict__ q_t,             // [cols, rows] transposed FP8 output, or null
-    float* __restrict__ mean_out,     // [rows] or null
-    float* __restrict__ rstd_out,     // [rows] or null
-    const float* __restrict__ scale,  // [1] scale
-    float* amax,                      // [1] amax slot, max-accumulated (NaN-propagating)
-    float* scale_out,                 // [1] or null: first step writes the scale it used
-    float* scale_inv_out,             // [1] or null: and its inverse
-    float* scale_inv_used,            // [1] or null: 1 / the scale this launch used (any step)
-    const int* updates,               // [1] or null: first-step flag (0 = first step)
-    i64 rows, i64 cols,               // logical shape (cols >= 1)
-    int tpr,                          // threads per row: a power of two, 32 .. blockDim
-    int tile_rows,                    // rows per transposed tile (16, 8 or 4; a multiple of blockDim / tpr)
-    int vec,                          // 1: x, weight, bias, q 16-byte aligned and cols % 8 == 0
-    int vec_t,                        // 1: q_t 16-byte aligned and rows % tile_rows == 0
-    float eps,                        // added to the variance
-    float margin_factor)              // 2**margin, for the first-step scale
+// The kernels' body. PAD (layernorm_quantize_padded): q is (prows x pcols) and q_t (pcols x prows),
+// prows >= rows and pcols >= cols, with zeros outside the rows x cols corner, written in the same
+// pass: an active row zeroes its pad columns, the pad rows up to prows (the groups run to prows)
+// write zeros, and with q_t the transposed store runs to pcols and prows with zeros for the pad
+// (store_transposed<true>); the shared tile's pitch is pcols rounded up to 16. The pad takes no
+// part in the amax (a pad row loads nothing). Without PAD, prows == rows and pcols == cols and
+// the code is the unpadded kernel's: every PAD test is a compile-time constant.
+template <typename T, typename P, int FMT, bool STORE, bool TRANSPOSE, bool PAD>
+__device__ __forceinline__ void layernorm_rows(
+    const T* __restrict__ x, const P* __restrict__ weight, const P* __restrict__ bias, u8* __restrict__ q,
+    u8* __restrict__ q_t, float* __restrict__ mean_out, float* __restrict__ rstd_out, const float* __restrict__ scale,
+    float* amax, float* scale_out, float* scale_inv_out, float* scale_inv_used, const int* updates, i64 rows,
+    i64 cols, i64 prows, i64 pcols, int tpr, int tile_rows, int vec, int vec_t, float eps, float margin_factor)
 {
     extern __shared__ __align__(16) u8 tile[];       // [tile_rows][pitch] when q_t
     __shared__ float red[2][LN_THREADS / 32];         // per-warp partial sums (sum, sum of squares)
@@ -238,8 +253,9 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize(
     const i64 nchunks = (cols + LN_CHUNK - 1) / LN_CHUNK;
     const int steps = (int)((nchunks + tpr - 1) / tpr);
     const int group_rows = transposed ? tile_rows : per_pass;
-    const i64 groups = (rows + group_rows - 1) / group_rows;
-    const i64 pitch = (cols + 15) & ~(i64)15;
+    const i64 groups = ((PAD ? prows : rows) + group_rows - 1) / group_rows;
+    const i64 qcols = PAD ? pcols : cols;  // the row pitch of q
+    const i64 pitch = (qcols + 15) & ~(i64)15;
     const float n = (float)cols;  // exact: cols < 2**24
     const bool affine = weight != nullptr && bias != nullptr;
     u32 m = 0;
@@ -328,7 +344,7 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize(
             m = max(m, cm);
             if (STORE) {
                 const uint2 bytes = pack8<FMT>(e);
-                u8* qr = q + r * cols + col;
+                u8* qr = q + r * qcols + col;
                 if (VEC) {
                     *reinterpret_cast<uint2*>(qr) = bytes;
                 } else {
@@ -344,6 +360,10 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize(
             const int nk = valid(k, col);
             output(load_chunk<T, VEC>(xr + col, nk), col, nk);
         }
+        if (PAD && r < prows) {  // the pad of q: an active row's columns cols.., a pad row's every column
+            u8* qr = q + r * pcols;
+            for (i64 c = (active ? cols : 0) + t; c < pcols; c += tpr) qr[c] = 0;
+        }
         if (STORE && active && t == 0 && mean_out != nullptr) {
             mean_out[r] = canonical(mean);
             rstd_out[r] = canonical(rstd);
@@ -358,9 +378,69 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize(
         }
         if (transposed) {
             __syncthreads();
-            store_transposed(tile, q_t, rows, cols, r0, pitch, tile_rows, vec_t);
+            store_transposed<PAD>(tile, q_t, rows, cols, prows, pcols, r0, pitch, tile_rows, vec_t);
             __syncthreads();  // the tile is rewritten by the next group
         }
     }
     if (!fresh) block_amax_atomic<LN_THREADS>(m, amax, blockDim.x >> 5);  // on a first step the pre-pass did it
+}
+
+template <typename T, typename P, int FMT, bool STORE, bool TRANSPOSE>
+__global__ void __launch_bounds__(LN_THREADS) layernorm_quantize(
+    const T* __restrict__ x,          // [rows, cols] input
+    const P* __restrict__ weight,     // [cols] or null (1)
+    const P* __restrict__ bias,       // [cols] or null (-0)
+    u8* __restrict__ q,               // [rows, cols] FP8 output (null in the pre-pass)
+    u8* __restrict__ q_t,             // [cols, rows] transposed FP8 output, or null
+    float* __restrict__ mean_out,     // [rows] or null
+    float* __restrict__ rstd_out,     // [rows] or null
+    const float* __restrict__ scale,  // [1] scale
+    float* amax,                      // [1] amax slot, max-accumulated (NaN-propagating)
+    float* scale_out,                 // [1] or null: first step writes the scale it used
+    float* scale_inv_out,             // [1] or null: and its inverse
+    float* scale_inv_used,            // [1] or null: 1 / the scale this launch used (any step)
+    const int* updates,               // [1] or null: first-step flag (0 = first step)
+    i64 rows, i64 cols,               // logical shape (cols >= 1)
+    int tpr,                          // threads per row: a power of two, 32 .. blockDim
+    int tile_rows,                    // rows per transposed tile (16, 8 or 4; a multiple of blockDim / tpr)
+    int vec,                          // 1: x, weight, bias, q 16-byte aligned and cols % 8 == 0
+    int vec_t,                        // 1: q_t 16-byte aligned and rows % tile_rows == 0
+    float eps,                        // added to the variance
+    float margin_factor)              // 2**margin, for the first-step scale
+{
+    layernorm_rows<T, P, FMT, STORE, TRANSPOSE, false>(x, weight, bias, q, q_t, mean_out, rstd_out, scale, amax,
+                                                       scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
+                                                       rows, cols, tpr, tile_rows, vec, vec_t, eps, margin_factor);
+}
+
+// layernorm_quantize writing padded outputs (the quantize family's pad_to): the same parameters
+// with the padded shape after the logical one; the main launch only (the first-step pre-pass
+// only reads, the unpadded kernel's).
+template <typename T, typename P, int FMT, bool TRANSPOSE>
+__global__ void __launch_bounds__(LN_THREADS) layernorm_quantize_padded(
+    const T* __restrict__ x,          // [rows, cols] input
+    const P* __restrict__ weight,     // [cols] or null (1)
+    const P* __restrict__ bias,       // [cols] or null (-0)
+    u8* __restrict__ q,               // [prows, pcols] FP8 output, zeros outside [rows, cols]
+    u8* __restrict__ q_t,             // [pcols, prows] transposed FP8 output, or null
+    float* __restrict__ mean_out,     // [rows] or null
+    float* __restrict__ rstd_out,     // [rows] or null
+    const float* __restrict__ scale,  // [1] scale
+    float* amax,                      // [1] amax slot, max-accumulated (NaN-propagating)
+    float* scale_out,                 // [1] or null: first step writes the scale it used
+    float* scale_inv_out,             // [1] or null: and its inverse
+    float* scale_inv_used,            // [1] or null: 1 / the scale this launch used (any step)
+    const int* updates,               // [1] or null: first-step flag (0 = first step)
+    i64 rows, i64 cols,               // logical shape (rows, cols >= 1)
+    i64 prows, i64 pcols,             // padded shape of q (q_t: pcols x prows), >= rows, cols
+    int tpr,                          // threads per row: a power of two, 32 .. blockDim
+    int tile_rows,                    // rows per transposed tile (16, 8 or 4; a multiple of blockDim / tpr)
+    int vec,                          // 1: x, weight, bias, q 16-byte aligned and cols % 8 == 0 == pcols % 8
+    int vec_t,                        // 1: q_t 16-byte aligned and prows % tile_rows == 0
+    float eps,                        // added to the variance
+    float margin_factor)              // 2**margin, for the first-step scale
+{
+    layernorm_rows<T, P, FMT, true, TRANSPOSE, true>(x, weight, bias, q, q_t, mean_out, rstd_out, scale, amax,
+                                                     scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
+                                                     prows, pcols, tpr, tile_rows, vec, vec_t, eps, margin_factor);
 }

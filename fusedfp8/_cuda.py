@@ -123,7 +123,9 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
         t, p, f = CPP_TYPES[key.dtype], CPP_TYPES[key.param], FMT_IDS[key.fmt]
         return {"layernorm_store1": f"layernorm_quantize<{t}, {p}, {f}, true, false>",
                 "layernorm_store1_t": f"layernorm_quantize<{t}, {p}, {f}, true, true>",
-                "layernorm_store0": f"layernorm_quantize<{t}, {p}, {f}, false, false>"}
+                "layernorm_store0": f"layernorm_quantize<{t}, {p}, {f}, false, false>",
+                "padded_layernorm_store1": f"layernorm_quantize_padded<{t}, {p}, {f}, false>",
+                "padded_layernorm_store1_t": f"layernorm_quantize_padded<{t}, {p}, {f}, true>"}
     if key.family == "dequantize":
         return {"dequant": f"dequantize_flat<{CPP_TYPES[key.dtype]}, {FMT_IDS[key.fmt]}>"}
     if key.family == "update_scales":
@@ -158,6 +160,8 @@ SIGNATURES = {
     "tiled": "@13Pqqqqiif",  # quantize_tiled: 13 pointers, rows, cols, prows, pcols, vec, vec_t, margin
     "layernorm": "@13Pqq4i2f",  # layernorm_quantize: 13 pointers, rows, cols, tpr, tile_rows, vec, vec_t, eps,
                                 #                     margin
+    "padded_layernorm": "@13Pqqqq4i2f",  # layernorm_quantize_padded: 13 pointers, rows, cols, prows, pcols, tpr,
+                                         #                            tile_rows, vec, vec_t, eps, margin
     "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
     "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
 }
@@ -412,41 +416,51 @@ def layernorm_tile(cols: int, optin: int) -> tuple[int, int]:
 
 def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, first: bool = False,
                          eps: float = 1e-5, margin_factor: float = 1.0, offset: int = 0,
-                         tile: tuple[int, int] = (0, 0)) -> Plan:
+                         tile: tuple[int, int] = (0, 0), pad_to: int = 1) -> Plan:
     """The plan of one layernorm_quantize call over :data:`LAYERNORM_SLOTS` (``refs``: role ->
     KernelRef, the main kernel's ``per_sm`` counted with the tile's shared memory; ``tile``: (rows
     per tile, shared bytes) from :func:`layernorm_tile`, used with ``transpose``). ``offset``: the
     byte offset of the tensor's entry in the state slots. ``first``: launch the first-step
     pre-pass (amax of y only, when the tensor's ``updates`` is 0), and let the main kernel write
     the scale it used. The row layout (threads per row) comes from
-    :func:`fusedfp8.numerics.layernorm.threads_per_row`, the one the reference sums in."""
+    :func:`fusedfp8.numerics.layernorm.threads_per_row`, the one the reference sums in.
+    ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
+    pad, written by the padded main kernel (its groups run to the padded rows; ``tile`` must then
+    be the one of the padded columns); a shape that needs no pad (or 0 rows) launches exactly what
+    ``pad_to=1`` launches."""
     X, W, B, Q, QT, MEAN, RSTD, S, A, SO, SIO, SIU, U = range(len(LAYERNORM_SLOTS))
+    prows, pcols = padded(rows, cols, pad_to)
+    pad = rows > 0 and (prows, pcols) != (rows, cols)
     tpr = _ln.threads_per_row(max(cols, 1))
     block = max(LN_BLOCK, tpr)
     per_pass = block // tpr
     tile_rows, shared = tile if transpose else (0, 0)
-    vec = flag((X, W, B, Q), 16, cols % 8 == 0)
-    main, pre = refs["layernorm_store1_t" if transpose else "layernorm_store1"], refs["layernorm_store0"]
+    vec_in = flag((X, W, B, Q), 16, cols % 8 == 0)  # the pre-pass (and a launch for no rows) writes no q
+    vec = flag((X, W, B, Q), 16, cols % 8 == 0 and pcols % 8 == 0)  # q's rows start 8-byte aligned
+    main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if transpose else "layernorm_store1")]
+    pre = refs["layernorm_store0"]
 
     def st(slot):
         return ptr(slot, offset)
 
-    def params(q, q_t, mean, rstd, so, sio, siu, u, n_rows, t_rows, vec_t):
+    def params(q, q_t, mean, rstd, so, sio, siu, u, n_rows, t_rows, vec_t, padded_shape=(), vec=vec):
         return (ptr(X), ptr(W), ptr(B), q, q_t, mean, rstd, st(S), st(A), so, sio, siu, u, imm64(n_rows), imm64(cols),
-                imm32(tpr), imm32(t_rows), vec, vec_t, immf32(eps), immf32(margin_factor))
+                *map(imm64, padded_shape), imm32(tpr), imm32(t_rows), vec, vec_t, immf32(eps), immf32(margin_factor))
 
     if rows == 0:  # nothing to normalise: still hand out 1 / scale (one block, no row)
         return _plan(LAYERNORM_SLOTS, [_launch([(main, 1)], 0, block, params(
-            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(SIU), NULLPTR, 0, 0, flag((), 16, False)))])
+            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(SIU), NULLPTR, 0, 0, flag((), 16, False),
+            vec=vec_in))])
     steps = []
     if first:  # at most one block per multiprocessor: past the first step each block reads the flag and exits
         steps.append(_launch([(pre, min(-(-rows // per_pass), sms))], 0, block, params(
-            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, st(U), rows, 0, flag((), 16, False))))
+            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, st(U), rows, 0, flag((), 16, False),
+            vec=vec_in)))
     so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
-    groups = -(-rows // (tile_rows if transpose else per_pass))
+    groups = -(-prows // (tile_rows if transpose else per_pass))
     steps.append(_launch([(main, max(1, min(groups, main.per_sm * sms)))], 0, block, params(
         ptr(Q), ptr(QT) if transpose else NULLPTR, ptr(MEAN), ptr(RSTD), so, sio, ptr(SIU), u, rows, tile_rows,
-        flag((QT,), 16, transpose and rows % max(tile_rows, 1) == 0)), shared))
+        flag((QT,), 16, transpose and prows % max(tile_rows, 1) == 0), (prows, pcols) if pad else ()), shared))
     return _plan(LAYERNORM_SLOTS, steps)
 
 
@@ -478,16 +492,19 @@ def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: i
 
 @functools.lru_cache(maxsize=4096)
 def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, cols: int, transpose: bool = False,
-                   first: bool = False, eps: float = 1e-5, margin_factor: float = 1.0, offset: int = 0) -> Plan:
+                   first: bool = False, eps: float = 1e-5, margin_factor: float = 1.0, offset: int = 0,
+                   pad_to: int = 1) -> Plan:
     """:func:`build_layernorm_plan` for module (dtype, fmt, param) on ``device`` (compiles it on first
-    use; with ``transpose``, allows the kernel the tile's shared memory)."""
+    use; with ``transpose``, allows the kernel the tile's shared memory: the tile of the padded columns)."""
     ks = kernels(ModuleKey("layernorm_quantize", dtype, fmt, param=param), device)
-    tile = layernorm_tile(cols, shared_optin(device)) if transpose and rows else (0, 0)
+    tile = layernorm_tile(padded(rows, cols, pad_to)[1], shared_optin(device)) if transpose and rows else (0, 0)
     block = max(LN_BLOCK, _ln.threads_per_row(max(cols, 1)))
-    ks["layernorm_store1_t"].allow_shared(tile[1])
+    for role in ("layernorm_store1_t", "padded_layernorm_store1_t"):
+        ks[role].allow_shared(tile[1])
     refs = {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(block, tile[1] if role.endswith("_t") else 0))
             for role, k in ks.items()}
-    return build_layernorm_plan(refs, sm_count(device), rows, cols, transpose, first, eps, margin_factor, offset, tile)
+    return build_layernorm_plan(refs, sm_count(device), rows, cols, transpose, first, eps, margin_factor, offset, tile,
+                                pad_to)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -538,7 +555,7 @@ def launch_layernorm_quantize(device: int, stream: int, *, dtype: str, param: st
                               bias: int, q: int, mean: int, rstd: int, scale: int, amax: int, rows: int, cols: int,
                               eps: float, q_t: int = 0, scale_inv_used: int = 0, first: bool = False,
                               updates: int = 0, scale_out: int = 0, scale_inv_out: int = 0,
-                              margin_factor: float = 1.0) -> None:
+                              margin_factor: float = 1.0, pad_to: int = 1) -> None:
     """Launch the layernorm_quantize kernels on raw device pointers (:func:`layernorm_plan`, then
     :func:`execute`).
 
@@ -548,16 +565,18 @@ def launch_layernorm_quantize(device: int, stream: int, *, dtype: str, param: st
     dtype : the dtype of x; param : the dtype of weight and bias ('float32' | 'float16' | 'bfloat16').
     fmt : 'e4m3' | 'e5m2', the format of ``q`` / ``q_t``.
     x : (rows, cols) row-major input, cols >= 1. weight, bias : (cols,), or 0 (1 and -0).
-    q : (rows, cols) FP8 output (bytes); q_t : (cols, rows) transpose, or 0.
+    q : (rows, cols) FP8 output (bytes; padded with pad_to); q_t : (cols, rows) transpose (likewise), or 0.
     mean, rstd : (rows,) float32 outputs.
     scale : (1,) float32, read. amax : (1,) float32, max-accumulated (NaN-propagating).
     eps : added to the variance (rounded to float32).
     scale_inv_used, first, updates, scale_out, scale_inv_out, margin_factor : as :func:`launch_quantize`.
+    pad_to : q is (rows, cols) rounded up to multiples of it, q_t its transpose, zeros in the pad
+        (:func:`padded`); mean and rstd stay (rows,).
     """
     if rows == 0 and not scale_inv_used:
         return
     plan = layernorm_plan(device, dtype, param, fmt, rows, cols, bool(q_t), bool(first), float(eps),
-                          float(margin_factor), 0)
+                          float(margin_factor), 0, int(pad_to))
     execute(plan, (x, weight, bias, q, q_t, mean, rstd, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                    updates), stream)
 

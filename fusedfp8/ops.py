@@ -192,8 +192,8 @@ class _LayerNormPlan(_Plan):
     """A checked layernorm_quantize call: the checks of a quantization of x, then weight, bias and
     eps, and no written array (amax, the state) sharing memory with weight or bias."""
 
-    def __init__(self, x, weight, bias, eps, scale, fmt, amax, transpose):
-        super().__init__(x, None, scale, fmt, amax, "layernorm", transpose, False)
+    def __init__(self, x, weight, bias, eps, scale, fmt, amax, transpose, pad_to=1):
+        super().__init__(x, None, scale, fmt, amax, "layernorm", transpose, False, pad_to=pad_to)
         if not self.xi.shape:
             raise ValueError("x: layernorm_quantize needs an input of at least 1 dimension; got a scalar")
         if self.cols == 0:
@@ -304,8 +304,8 @@ def _device_layernorm(p: _LayerNormPlan) -> LayerNormQuantized:
     xi = io.device_view(p.xi)
     wi = io.device_view(p.wi) if p.wi is not None else None
     bi = io.device_view(p.biasi) if p.biasi is not None else None
-    q = io.empty(p.xi, p.xi.shape, p.fmt.dtype_name)
-    q_t = io.empty(p.xi, (p.cols, p.rows), p.fmt.dtype_name) if p.transpose else None
+    q = io.empty(p.xi, p.q_shape, p.fmt.dtype_name)
+    q_t = io.empty(p.xi, (p.pcols, p.prows), p.fmt.dtype_name) if p.transpose else None
     mean = io.empty(p.xi, (p.rows,), "float32")
     rstd = io.empty(p.xi, (p.rows,), "float32")
     amax = io.device_view(p.amax) if p.amax is not None else None
@@ -320,7 +320,7 @@ def _device_layernorm(p: _LayerNormPlan) -> LayerNormQuantized:
         q_t=ptr(q_t) if q_t is not None else 0, scale_inv_used=ptr(scale_inv), first=first,
         updates=p.updates.ptr if first else 0, scale_out=p.scale.ptr if first else 0,
         scale_inv_out=p.scale_inv.ptr if first else 0,
-        margin_factor=p.slot.margin_factor if p.slot is not None else 1.0)
+        margin_factor=p.slot.margin_factor if p.slot is not None else 1.0, pad_to=p.pad_to)
     c = p.xi
     quantized = Quantized(io.fp8_out(q, p.fmt, c), io.out_for_caller(amax_arr, c) if amax is None else p.amax.array,
                           io.fp8_out(q_t, p.fmt, c) if q_t is not None else None, None,
@@ -383,7 +383,7 @@ def dgelu_quantize(dy, x, scale, fmt: str | Format | None = None, *, approximate
 
 
 def layernorm_quantize(x, weight, bias, eps: float, scale, fmt: str | Format | None = None, *, amax=None,
-                       transpose: bool = False) -> LayerNormQuantized:
+                       transpose: bool = False, pad_to: int = 1) -> LayerNormQuantized:
     """LayerNorm over the last dimension of ``x``, quantized to FP8 in the same pass.
 
     In float32, per row of x viewed as (rows, cols): ``mean``, the variance of the centred values,
@@ -399,6 +399,11 @@ def layernorm_quantize(x, weight, bias, eps: float, scale, fmt: str | Format | N
     eps : number >= 0, added to the variance (as float32)
     scale, fmt, amax, transpose : as :func:`quantize` (a Slot stages amax(y) in its state; the
         first step quantizes with the scale of y's own amax when the recipe says so)
+    pad_to : int
+        As :func:`quantize`: 1 (default), ``data`` has x's shape; else ``data`` is y's (rows, cols)
+        view rounded up to multiples of ``pad_to`` and ``data_t`` its transpose, zeros in the pad
+        (written by the same kernel); the pad takes no part in the amax; ``mean`` / ``rstd`` stay
+        (rows,).
 
     Returns
     -------
@@ -414,7 +419,7 @@ def layernorm_quantize(x, weight, bias, eps: float, scale, fmt: str | Format | N
         bias of different dtypes, a written array sharing memory with them, or a bad eps; nothing
         is written.
     """
-    p = _LayerNormPlan(x, weight, bias, eps, scale, fmt, amax, transpose)
+    p = _LayerNormPlan(x, weight, bias, eps, scale, fmt, amax, transpose, pad_to)
     return _device_layernorm(p) if p.xi.is_gpu else _host_layernorm(p)
 
 

@@ -126,9 +126,21 @@ def layernorm_f32(x, weight, bias, eps) -> tuple[np.ndarray, np.ndarray, np.ndar
     return y.reshape(xf.shape), canonical_nan(mean), canonical_nan(rstd)
 
 
-def layernorm_quantize(x, weight, bias, eps, scale, fmt: str | Format = "e4m3",
-                       transpose: bool = False) -> tuple[Quantized, np.ndarray, np.ndarray]:
+def layernorm_quantize(x, weight, bias, eps, scale, fmt: str | Format = "e4m3", transpose: bool = False,
+                       pad_to: int = 1) -> tuple[Quantized, np.ndarray, np.ndarray]:
     """(Quantized of y, mean, rstd): y = LayerNorm(x) as :func:`layernorm_f32`, quantized with
-    ``scale`` as :func:`fusedfp8.numerics.reference.quantize` does; ``amax = max |y|``."""
+    ``scale`` as :func:`fusedfp8.numerics.reference.quantize` does; ``amax = max |y|``.
+    ``pad_to`` > 1: ``data`` is y's (rows, cols) view in the corner of zeros of its shape rounded up
+    to multiples of ``pad_to`` (``data_t`` likewise, transposed; :func:`reference.pad2d`), the pad
+    outside the amax; mean and rstd stay (rows,)."""
+    if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to < 1:
+        raise ValueError(f"pad_to must be a positive int; got {pad_to!r}")
     y, mean, rstd = layernorm_f32(x, weight, bias, eps)
-    return ref.finish(y, ref.amax(y), scale, fmt, transpose), mean, rstd
+    res = ref.finish(y, ref.amax(y), scale, fmt, transpose)
+    if pad_to > 1:
+        cols = y.shape[-1]
+        rows = math.prod(y.shape[:-1])
+        prows, pcols = -(-rows // pad_to) * pad_to, -(-cols // pad_to) * pad_to
+        res = res._replace(data=ref.pad2d(res.data.reshape(rows, cols), prows, pcols),
+                           data_t=ref.pad2d(res.data_t, pcols, prows) if res.data_t is not None else None)
+    return res, mean, rstd

@@ -59,7 +59,8 @@ def test_every_family_and_instantiation_is_listed():
     roles = _cuda.name_expressions(_cuda.ModuleKey("quantize", "bfloat16", "e4m3", "identity"))
     assert set(roles) == {"flat_vec1_store1", "flat_vec1_store0", "flat_vec0_store1", "flat_vec0_store0", "tiled"}
     roles = _cuda.name_expressions(_cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"))
-    assert set(roles) == {"layernorm_store1", "layernorm_store1_t", "layernorm_store0"}
+    assert set(roles) == {"layernorm_store1", "layernorm_store1_t", "layernorm_store0", "padded_layernorm_store1",
+                          "padded_layernorm_store1_t"}
 
 
 def test_name_expressions_reject_unknown_family():

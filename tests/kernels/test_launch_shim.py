@@ -55,9 +55,12 @@ def other_plans():
     return ([(("dequantize", n), _cuda.build_dequantize_plan(fake_refs(DQKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
             + [(("update", n, L), _cuda.build_update_plan(fake_refs(UKEY), n, L, 0.5, algo)) for n, L, algo in
                [(1, 1, True), (3, 1024, False), (1024, 31, True)]]
-            + [(("layernorm", r, c, t, f), _cuda.build_layernorm_plan(
-                fake_refs(LNKEY), SMS, r, c, t, f, 1e-5, 0.5, 4, _cuda.layernorm_tile(c, 227 << 10) if t else (0, 0)))
-               for r, c in [(2048, 1024), (303, 300), (0, 8), (5, 20000)] for t in (False, True) for f in (False, True)])
+            + [(("layernorm", r, c, t, f, p), _cuda.build_layernorm_plan(
+                fake_refs(LNKEY), SMS, r, c, t, f, 1e-5, 0.5, 4,
+                _cuda.layernorm_tile(_cuda.padded(r, c, p)[1], 227 << 10) if t else (0, 0), p))
+               for r, c, p in [(2048, 1024, 1), (303, 300, 1), (0, 8, 1), (5, 20000, 1),  # (pad_to: padded kernels)
+                               (303, 300, 16), (1, 8, 16), (8190, 1024, 16), (17, 40, 3)]
+               for t in (False, True) for f in (False, True)])
 
 
 def pointer_sets(n_slots: int):

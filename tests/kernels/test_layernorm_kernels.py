@@ -303,6 +303,165 @@ def test_results_are_deterministic():
             assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
 
 
+# ---- pad_to: padded outputs for the FP8 GEMMs -------------------------------------------------------
+PAD_CASES = {  # label: (shape, pad_to)
+    "8190x1024-16": ((8190, 1024), 16),  # ragged tokens: pad rows only, one warp a row
+    "303x300-16": ((303, 300), 16),  # pad rows and columns, the element path
+    "300x1000-16": ((300, 1000), 16),  # pad columns on the vector path (1000 and 1008 multiples of 8)
+    "40x4096-16": ((40, 4096), 16),  # several warps a row; pad rows only
+    "17x40-16": ((17, 40), 16),
+    "1x8-16": ((1, 8), 16),  # one row: 15 pad rows
+    "3d-3x5x40-16": ((3, 5, 40), 16),  # data 2-D
+    "9x8200-16": ((9, 8200), 16),  # with q_t: 8-row tiles
+    "5x20000-16": ((5, 20000), 16),  # chunks read again; with q_t: 4-row tiles
+    "17x40-3": ((17, 40), 3),  # an odd pad: element stores, padded rows not a multiple of the tile
+    "33x17-128": ((33, 17), 128),  # far more pad than data: the tile's pitch from the padded columns
+    "aligned-32x64-16": ((32, 64), 16),  # nothing to pad: the unpadded kernel, data 2-D
+    "0x20-16": ((0, 20), 16),  # no rows: (0, 32) and (32, 0)
+}
+
+
+def pad_cases(labels=None, gpu_only=False) -> list:
+    """(device, shape, pad_to) parameters of PAD_CASES (every label on both sides)."""
+    out = []
+    for device in ("cuda",) if gpu_only else ("cpu", "cuda"):
+        marks = [pytest.mark.gpu] if device == "cuda" else []
+        for label in labels or PAD_CASES:
+            out.append(pytest.param(device, *PAD_CASES[label], id=f"{device}-{label}", marks=marks))
+    return out
+
+
+def padded_shape(shape, pad_to) -> tuple[int, int, int, int]:
+    rows, cols = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
+    return rows, cols, -(-rows // pad_to) * pad_to, -(-cols // pad_to) * pad_to
+
+
+def check_padded(plain, padded, shape, pad_to, want=None) -> None:
+    """``padded`` (a pad_to call) is ``plain`` (the same call with pad_to=1) in a corner of zeros:
+    data and data_t byte for byte against reference.pad2d of the unpadded bytes (and against the
+    reference's own padded result ``want``); amax, scale_inv, mean and rstd the same bytes."""
+    rows, cols, prows, pcols = padded_shape(shape, pad_to)
+    q, pq = plain.quantized, padded.quantized
+    assert tuple(pq.data.shape) == (prows, pcols)
+    assert bytes_of(pq.data) == ref.pad2d(to_np(q.data).reshape(rows, cols), prows, pcols).tobytes()
+    if q.data_t is not None:
+        assert tuple(pq.data_t.shape) == (pcols, prows)
+        assert bytes_of(pq.data_t) == ref.pad2d(to_np(q.data_t), pcols, prows).tobytes()
+    else:
+        assert pq.data_t is None
+    if want is not None:
+        assert bytes_of(pq.data) == want.data.tobytes()
+        assert want.data_t is None or bytes_of(pq.data_t) == want.data_t.tobytes()
+    assert bytes_of(pq.amax) == bytes_of(q.amax), "the pad takes no part in the amax"
+    assert bytes_of(pq.scale_inv) == bytes_of(q.scale_inv)
+    assert tuple(padded.mean.shape) == tuple(padded.rstd.shape) == (rows,)
+    assert bytes_of(padded.mean) == bytes_of(plain.mean) and bytes_of(padded.rstd) == bytes_of(plain.rstd)
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["weight-bias", "no-params"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["no-transpose", "transpose"])
+@pytest.mark.parametrize("device, shape, pad_to", pad_cases())
+def test_padded_layernorm_is_the_unpadded_result_in_a_corner_of_zeros(device, shape, pad_to, transpose, affine):
+    rng = seeded("pad", shape, pad_to, transpose, affine)
+    xn = activations(rng, shape, "bfloat16")
+    wn, bn = layer_params(rng, shape[-1]) if affine else (None, None)
+    x, w, b = (None if a is None else to_torch(a, device) for a in (xn, wn, bn))
+    scale = torch.tensor([16.0], device=device)
+    plain = fusedfp8.layernorm_quantize(x, w, b, 1e-5, scale, "e4m3", transpose=transpose)
+    padded = fusedfp8.layernorm_quantize(x, w, b, 1e-5, scale, "e4m3", transpose=transpose, pad_to=pad_to)
+    want, _, _ = ln.layernorm_quantize(xn, wn, bn, 1e-5, np.float32(16.0), "e4m3", transpose, pad_to=pad_to)
+    check_padded(plain, padded, shape, pad_to, want)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device, shape, pad_to", pad_cases(["303x300-16"]))
+def test_padded_layernorm_dtypes_formats_and_frameworks(device, shape, pad_to, dtype, fmt):
+    """Each input dtype and format, weight / bias in the input's dtype, every framework of the
+    device: the padded results in the caller's framework, dtype and padded shape."""
+    rng = seeded("pad-dtypes", dtype, fmt)
+    xn = activations(rng, shape, dtype)
+    wn, bn = (p.astype(np_dtype(dtype)) for p in layer_params(rng, shape[-1]))
+    rows, cols, prows, pcols = padded_shape(shape, pad_to)
+    for fw in frameworks(device):
+        x, w, b = (to_fw(a, fw, device) for a in (xn, wn, bn))
+        plain = fusedfp8.layernorm_quantize(x, w, b, 1e-5, scalar(fw, 4.0, device=device), fmt, transpose=True)
+        padded = fusedfp8.layernorm_quantize(x, w, b, 1e-5, scalar(fw, 4.0, device=device), fmt, transpose=True,
+                                             pad_to=pad_to)
+        assert_type(padded.quantized.data, fw, get_format(fmt).dtype_name, (prows, pcols), device)
+        assert_type(padded.quantized.data_t, fw, get_format(fmt).dtype_name, (pcols, prows), device)
+        check_padded(plain, padded, shape, pad_to)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose", [False, True], ids=["no-transpose", "transpose"])
+@pytest.mark.parametrize("device, shape, pad_to", pad_cases([k for k in PAD_CASES if not k.startswith("0x")],
+                                                            gpu_only=True))
+def test_the_padded_kernel_writes_every_byte_of_the_pad(device, shape, pad_to, transpose):
+    """Through the launch interface into outputs filled with 0xA5 first: every byte of q and q_t,
+    pad included, is the reference's (a pad the kernel left unwritten would show as 0xA5, where
+    fresh memory might hold zeros by chance)."""
+    rng = seeded("pad-garbage", shape, pad_to, transpose)
+    xn = activations(rng, shape, "bfloat16")
+    wn, bn = layer_params(rng, shape[-1])
+    rows, cols, prows, pcols = padded_shape(shape, pad_to)
+    want, mean, rstd = ln.layernorm_quantize(xn, wn, bn, 1e-5, np.float32(8.0), "e4m3", transpose, pad_to=pad_to)
+    x, w, b = (to_torch(a, "cuda") for a in (xn, wn, bn))
+    q = torch.full((prows, pcols), 0xA5, dtype=torch.uint8, device="cuda")
+    q_t = torch.full((pcols, prows), 0xA5, dtype=torch.uint8, device="cuda") if transpose else None
+    m, r = torch.empty(rows, device="cuda"), torch.empty(rows, device="cuda")
+    scale, amax, siu = (torch.tensor([v], device="cuda") for v in (8.0, 0.0, 0.0))
+    _cuda.launch_layernorm_quantize(
+        0, torch.cuda.current_stream().cuda_stream, dtype="bfloat16", param="float32", fmt="e4m3", x=x.data_ptr(),
+        weight=w.data_ptr(), bias=b.data_ptr(), q=q.data_ptr(), mean=m.data_ptr(), rstd=r.data_ptr(),
+        scale=scale.data_ptr(), amax=amax.data_ptr(), rows=rows, cols=cols, eps=1e-5,
+        q_t=q_t.data_ptr() if transpose else 0, scale_inv_used=siu.data_ptr(), pad_to=pad_to)
+    torch.cuda.synchronize()
+    assert bytes_of(q) == want.data.tobytes()
+    if transpose:
+        assert bytes_of(q_t) == want.data_t.tobytes()
+    assert bytes_of(amax) == np.float32(want.amax).tobytes()
+    assert bytes_of(m) == mean.tobytes() and bytes_of(r) == rstd.tobytes()
+
+
+@pytest.mark.parametrize("first_step", ["current", "unit"])
+def test_padded_first_step_and_slots(device, first_step):
+    """Two steps of a slot (the first one a first step: the pre-pass and the scale of y's own amax
+    when the recipe says so), padded (to 16) and unpadded into twin states: the same state after
+    every call, the padded bytes the unpadded ones in a corner of zeros."""
+    recipe = DelayedScaling(amax_history_len=4, first_step=first_step, margin=1)
+    twins = [ScalingState.create([False, False], recipe, like=torch.zeros(1, device=device)) for _ in range(2)]
+    rng = seeded("pad-slots", first_step)
+    wn, bn = layer_params(rng, 40)
+    w, b = to_torch(wn, device), to_torch(bn, device)
+    for step in range(2):
+        x = to_torch(activations(rng, (2, 17, 40), "bfloat16"), device)
+        plain = fusedfp8.layernorm_quantize(x, w, b, 1e-5, twins[0].slot(1, recipe), transpose=True)
+        padded = fusedfp8.layernorm_quantize(x, w, b, 1e-5, twins[1].slot(1, recipe), transpose=True, pad_to=16)
+        check_padded(plain, padded, (2, 17, 40), 16)
+        for field in ("amax_history", "scale", "scale_inv", "updates"):
+            assert bytes_of(getattr(twins[0], field)) == bytes_of(getattr(twins[1], field)), (step, field)
+        if step == 0:
+            assert bool((to_np(padded.quantized.data).view(np.uint8) & 0x7F).any())
+        for st in twins:
+            fusedfp8.update_scales(st, recipe)
+
+
+def test_bad_pad_to_is_refused_before_anything_is_written(device):
+    x = to_torch(activations(seeded("pad-bad"), (17, 40), "float32"), device)
+    amax = torch.full((1,), 5.0, device=device)
+    recipe = DelayedScaling(amax_history_len=4)
+    st = ScalingState.create([False], recipe, like=torch.zeros(1, device=device))
+    before = [bytes_of(getattr(st, f)) for f in ("amax_history", "scale", "scale_inv", "updates")]
+    for bad in (0, -16, 1.5, True, "16", None):
+        with pytest.raises(ValueError, match=f"pad_to must be a positive int .*got {bad!r}"):
+            fusedfp8.layernorm_quantize(x, None, None, 1e-5, 2.0, amax=amax, pad_to=bad)
+        with pytest.raises(ValueError, match="pad_to must be a positive int"):
+            fusedfp8.layernorm_quantize(x, None, None, 1e-5, st.slot(0, recipe), transpose=True, pad_to=bad)
+    assert to_np(amax)[0] == 5.0
+    assert [bytes_of(getattr(st, f)) for f in ("amax_history", "scale", "scale_inv", "updates")] == before
+
+
 # ---- the launch plans (no GPU: fake kernels) -------------------------------------------------------
 SMS = 132
 
@@ -329,18 +488,26 @@ def test_transposed_tile_too_wide_is_refused():
         _cuda.layernorm_tile(30000, 99 << 10)
 
 
-@pytest.mark.parametrize("rows, cols, transpose, first", [
-    (2048, 1024, False, False), (2048, 4096, True, True), (303, 300, True, False), (5, 20000, False, True),
-    (0, 64, True, True),
+@pytest.mark.parametrize("rows, cols, transpose, first, pad_to", [
+    (2048, 1024, False, False, 1), (2048, 4096, True, True, 1), (303, 300, True, False, 1), (5, 20000, False, True, 1),
+    (0, 64, True, True, 1),
+    # padded: the padded main kernel (the pre-pass the unpadded one), its groups over the padded rows
+    (303, 300, True, False, 16), (303, 300, False, True, 16), (8190, 1024, True, True, 16), (1, 8, False, False, 16),
+    (5, 20000, True, True, 16), (17, 40, True, False, 3), (33, 17, True, False, 128),
+    # nothing to pad (aligned, or no rows): what pad_to=1 launches
+    (2048, 1024, True, True, 16), (0, 20, True, True, 16),
 ])
-def test_plan_launches(rows, cols, transpose, first):
+def test_plan_launches(rows, cols, transpose, first, pad_to):
     """The launches of a plan, packed as the driver gets them: the pre-pass on a first step (at
     most one block per multiprocessor, no outputs), the main kernel (the transposed role with the
     tile's shared memory), block max(256, threads per row), one resident wave at most; for 0 rows
-    one block that only hands out 1 / scale."""
+    one block that only hands out 1 / scale. With a pad: the padded main kernel, with the padded
+    shape after the logical one, its groups (and the tile's columns) those of the padded shape."""
     refs = fake_refs()
-    tile = _cuda.layernorm_tile(cols, 227 << 10) if transpose else (0, 0)
-    plan = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile)
+    prows, pcols = _cuda.padded(rows, cols, pad_to)
+    pad = rows > 0 and (prows, pcols) != (rows, cols)
+    tile = _cuda.layernorm_tile(pcols, 227 << 10) if transpose else (0, 0)
+    plan = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, pad_to)
     ptrs = tuple(0x7000_0000_0000 + 0x10_0000 * (i + 1) for i in range(len(P.LAYERNORM_SLOTS)))
     s = dict(zip(P.LAYERNORM_SLOTS, ptrs))
     tpr = ln.threads_per_row(cols)
@@ -349,6 +516,11 @@ def test_plan_launches(rows, cols, transpose, first):
 
     def pack(*args):
         return struct.pack(fmt, *args)
+
+    def pack_main(*args):  # the logical shape at 13, 14; the padded one after it
+        if not pad:
+            return pack(*args)
+        return struct.pack(_cuda.SIGNATURES["padded_layernorm"], *args[:15], prows, pcols, *args[15:])
 
     def st(name):
         return s[name] + 8
@@ -364,12 +536,12 @@ def test_plan_launches(rows, cols, transpose, first):
                 s["x"], s["weight"], s["bias"], 0, 0, 0, 0, st("scale"), st("amax"), 0, 0, 0, st("updates"), rows,
                 cols, tpr, 0, int(cols % 8 == 0), 0, 1e-5, 0.5)))
         group = tile[0] if transpose else block // tpr
-        main = refs["layernorm_store1_t" if transpose else "layernorm_store1"]
-        want.append((main.func, min(-(-rows // group), 2 * SMS), block, tile[1], pack(
+        main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if transpose else "layernorm_store1")]
+        want.append((main.func, min(-(-prows // group), 2 * SMS), block, tile[1], pack_main(
             s["x"], s["weight"], s["bias"], s["q"], s["q_t"] if transpose else 0, s["mean"], s["rstd"], st("scale"),
             st("amax"), st("scale_out") if first else 0, st("scale_inv_out") if first else 0, s["scale_inv_used"],
-            st("updates") if first else 0, rows, cols, tpr, tile[0], int(cols % 8 == 0),
-            int(transpose and rows % tile[0] == 0), 1e-5, 0.5)))
+            st("updates") if first else 0, rows, cols, tpr, tile[0], int(cols % 8 == 0 and pcols % 8 == 0),
+            int(transpose and prows % tile[0] == 0), 1e-5, 0.5)))
     got = []
     dry = P.dry_run(plan, ptrs)
     at = 0
@@ -378,4 +550,8 @@ def test_plan_launches(rows, cols, transpose, first):
         got.append((func, grid, blk, shared, dry[at + 48:at + 48 + size]))
         at += 48 + size + (-size % 8)
     assert got == want
-    assert all(step.layout == _cuda.signature("layernorm") for step in plan.steps)
+    assert [step.layout for step in plan.steps] == [_cuda.signature("layernorm")] * (len(plan.steps) - 1) + [
+        _cuda.signature("padded_layernorm" if pad else "layernorm")]
+    if not pad:  # pad_to changes nothing where there is nothing to pad
+        same = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile)
+        assert plan.steps == same.steps

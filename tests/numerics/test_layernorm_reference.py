@@ -188,6 +188,26 @@ def test_quantize_is_finish_of_y(rng):
     assert u32(m2).tobytes() == u32(mean).tobytes() and u32(r2).tobytes() == u32(rstd).tobytes()
 
 
+@pytest.mark.parametrize("shape, pad_to", [((33, 300), 16), ((3, 5, 40), 16), ((1, 8), 3), ((32, 64), 16)])
+def test_padded_quantize_is_the_result_in_a_corner_of_zeros(shape, pad_to, rng):
+    """pad_to: data is y's (rows, cols) view rounded up to multiples of pad_to, data_t its transpose,
+    zeros in the pad (reference.pad2d); amax, mean and rstd those of the unpadded call."""
+    x = data(rng, shape, BF16)
+    w, b = params(rng, shape[-1])
+    plain, mean, rstd = ln.layernorm_quantize(x, w, b, 1e-5, f32(8.0), "e4m3", transpose=True)
+    got, m2, r2 = ln.layernorm_quantize(x, w, b, 1e-5, f32(8.0), "e4m3", transpose=True, pad_to=pad_to)
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    prows, pcols = -(-rows // pad_to) * pad_to, -(-cols // pad_to) * pad_to
+    assert got.data.shape == (prows, pcols) and got.data_t.shape == (pcols, prows)
+    assert got.data.tobytes() == ref.pad2d(plain.data.reshape(rows, cols), prows, pcols).tobytes()
+    assert got.data_t.tobytes() == ref.pad2d(plain.data_t, pcols, prows).tobytes()
+    assert u32(got.amax).tobytes() == u32(plain.amax).tobytes()
+    assert u32(m2).tobytes() == u32(mean).tobytes() and u32(r2).tobytes() == u32(rstd).tobytes()
+    for bad in (0, -16, 1.5, True):
+        with pytest.raises(ValueError, match="pad_to must be a positive int"):
+            ln.layernorm_quantize(x, w, b, 1e-5, f32(8.0), pad_to=bad)
+
+
 def test_reference_refuses_a_wrong_parameter_shape():
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
         ln.layernorm_f32(np.ones((2, 8), f32), np.ones(7, f32), None, 1e-5)
