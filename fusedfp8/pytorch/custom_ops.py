@@ -394,27 +394,23 @@ def layernorm_quantize(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
     """``fp8(layernorm(x) * scale[index])`` of x viewed as (rows, cols) (the LayerNorm output is
     never written in 16 or 32 bits), its transpose (an empty tensor without ``transpose``), the
     scale_inv it used, and the (rows,) float32 mean and rstd for the backward; see
-    :func:`fusedfp8.layernorm_quantize`. ``pad_to`` as for :func:`quantize` (the statistics are
-    not padded). CUDA tensors run the kernel through the Python launch path (no C++ kernel yet)."""
+    :func:`fusedfp8.layernorm_quantize`. ``pad_to`` as for :func:`quantize` (the kernel writes the
+    pad; the statistics are not padded). CUDA tensors run the kernel through the Python launch path (no C++ kernel yet)."""
     state = (amax_history, scale, scale_inv, updates)
     if x.is_cuda:
         q, q_t, si, mean, rstd = _layernorm_cuda(x, weight, bias, eps, state, index, fmt, margin_factor,
-                                                 current_first, transpose)
+                                                 current_first, transpose, pad_to)
     else:
         slot = _slot(*state, index, fmt, margin_factor, current_first)
-        r = _ops.layernorm_quantize(x, weight, bias, eps, slot, transpose=transpose)
+        r = _ops.layernorm_quantize(x, weight, bias, eps, slot, transpose=transpose, pad_to=pad_to)
         q, q_t, si, mean, rstd = r.quantized.data, r.quantized.data_t, r.quantized.scale_inv, r.mean, r.rstd
-    if pad_to > 1:  # the kernel writes no pad yet: place the bytes in zeros (one copy of the FP8 data)
-        q_shape, t_shape = _q_shapes(x, pad_to)
-        q = _pad_bytes(q.reshape(-1, q.shape[-1]), q_shape)
-        q_t = _pad_bytes(q_t, t_shape) if transpose else None
     if q_t is None:
         q_t = x.new_empty((0,), dtype=q.dtype)
     return q, q_t, si, mean, rstd
 
 
 def _layernorm_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, state: tuple, index: int,
-                    fmt: str, margin_factor: float, current_first: bool, transpose: bool):
+                    fmt: str, margin_factor: float, current_first: bool, transpose: bool, pad_to: int):
     """(q, q_t or None, scale_inv, mean, rstd) on CUDA: the full check of fusedfp8.ops once per
     signature (cached with the launch plan), then the plan on torch's current stream."""
     amax_history, scale, scale_inv, updates = state
@@ -424,20 +420,21 @@ def _layernorm_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
 
     key = ("layernorm", sig(x), sig(weight), sig(bias), float(eps), amax_history.shape, amax_history.dtype,
            scale.dtype, scale_inv.dtype, updates.dtype, amax_history.data_ptr() % 4, index, fmt,
-           float(margin_factor), bool(current_first), transpose)
+           float(margin_factor), bool(current_first), transpose, pad_to)
     plan = _checked.get(key)
     rows, cols = _rows(x), int(x.shape[-1])
     if plan is None:
         slot = _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first)
-        p = _ops._LayerNormPlan(x, weight, bias, eps, slot, None, None, transpose)
+        p = _ops._LayerNormPlan(x, weight, bias, eps, slot, None, None, transpose, pad_to=pad_to)
         if not (x.is_contiguous() and all(t.is_contiguous() and t.device == x.device for t in state)):
             raise ValueError("fusedfp8 custom ops need contiguous inputs and state tensors on the input's device")
         plan = _checked[key] = _cuda.layernorm_plan(x.get_device(), str(x.dtype)[6:], p.param_dtype, fmt, rows, cols,
                                                     transpose, bool(current_first), float(eps), float(margin_factor),
-                                                    index * 4)
+                                                    index * 4, int(pad_to))
     dt = _fp8_dtype(fmt)
-    q = torch.empty(x.shape, dtype=dt, device=x.device)
-    q_t = torch.empty((cols, rows), dtype=dt, device=x.device) if transpose else None
+    q_shape, t_shape = _q_shapes(x, pad_to)
+    q = torch.empty(q_shape, dtype=dt, device=x.device)
+    q_t = torch.empty(t_shape, dtype=dt, device=x.device) if transpose else None
     mean = torch.empty((rows,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
     si = torch.empty((1,), dtype=torch.float32, device=x.device)
@@ -450,12 +447,6 @@ def _layernorm_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
                          s, amax_history.data_ptr(), s, scale_inv.data_ptr(), si.data_ptr(), updates.data_ptr()),
                   torch._C._cuda_getCurrentRawStream(x.get_device()))
     return q, q_t, si, mean, rstd
-
-
-def _pad_bytes(q: Tensor, shape: tuple) -> Tensor:
-    out = torch.zeros(shape, dtype=torch.uint8, device=q.device)
-    out[:q.shape[0], :q.shape[1]] = q.view(torch.uint8)
-    return out.view(q.dtype)
 
 
 @layernorm_quantize.register_fake

@@ -158,3 +158,22 @@ def test_custom_op_layernorm_quantize_matches_the_eager_function(device, shape, 
             assert q_t.numel() == 0
         for f in ("amax_history", "scale", "scale_inv", "updates"):
             assert same_bytes(getattr(a, f), getattr(b, f)), f
+
+
+@pytest.mark.parametrize("shape", [(1000, 40), (8190, 1024), (17, 33)], ids=str)
+def test_custom_op_layernorm_quantize_pads_as_the_eager_function(device, shape):
+    """pad_to=16 through the op (the kernel writes the pad) against fusedfp8.layernorm_quantize."""
+    import fusedfp8
+
+    recipe = DelayedScaling(amax_history_len=4)
+    a = ScalingState.create(3, recipe, like=torch.zeros(1, device=device))
+    b = ScalingState.create(3, recipe, like=torch.zeros(1, device=device))
+    x = inputs(shape[0], shape[1], torch.bfloat16, device=device)
+    w = torch.rand(shape[1], device=device).to(torch.bfloat16) + 0.5
+    q, q_t, si, mean, rstd = fp8.custom_ops.call(fp8.custom_ops.layernorm_quantize, x, w, None, 1e-5, a.amax_history,
+                                                 a.scale, a.scale_inv, a.updates, 0, "e4m3", 1.0, True, True, 16)
+    r = fusedfp8.layernorm_quantize(x, w, None, 1e-5, b.slot(0, recipe), transpose=True, pad_to=16)
+    assert tuple(q.shape) == tuple(-(-d // 16) * 16 for d in shape)
+    assert same_bytes(q, r.quantized.data) and same_bytes(q_t, r.quantized.data_t)
+    assert same_bytes(mean, r.mean) and same_bytes(rstd, r.rstd) and same_bytes(si, r.quantized.scale_inv)
+    assert same_bytes(a.amax_history, b.amax_history) and same_bytes(a.scale, b.scale)
