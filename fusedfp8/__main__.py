@@ -3,7 +3,7 @@
 - ``info [--compile]``: versions, the GPU and its compute capability, the capability probe's
   verdict and reason, where the kernel sources and the kernel cache live; ``--compile`` builds
   every kernel instantiation now (progress bar, time taken).
-- ``demo``: trains the MLP of DESIGN.md in bf16 and in FP8 (see :mod:`fusedfp8.demo`); writes
+- ``demo``: trains the MLP of docs/design.md in bf16 and in FP8 (see :mod:`fusedfp8.demo`); writes
   ``./fusedfp8_demo/`` by default.
 - ``bench``: runs ``scripts/bench_kernels.py``, ``bench_mlp_torch.py`` and ``bench_mlp_jax.py`` of a
   source checkout and collects their JSON, PNG and logs in one folder (``./fusedfp8_bench/`` by
@@ -138,7 +138,7 @@ def _demo_parser(sub) -> None:
     from .formats import RECIPE_FORMATS
 
     p = sub.add_parser(
-        "demo", help="train the MLP of DESIGN.md in bf16 and FP8, print a table, draw the curves",
+        "demo", help="train the MLP of docs/design.md in bf16 and FP8, print a table, draw the curves",
         description="Trains LayerNorm -> Linear -> gelu -> Linear with FP8 delayed scaling next to bf16 from the "
                     "same weights and data, then prints a summary table (step time, speed-up, losses, overflows) "
                     "and writes demo_summary.md, demo.json and demo.png (loss curves, the FP8/bf16 loss ratio per "

@@ -1,4 +1,4 @@
-"""Data-parallel training of the MLP of DESIGN.md (LayerNorm -> Linear -> gelu -> Linear) with
+"""Data-parallel training of the MLP of docs/design.md (LayerNorm -> Linear -> gelu -> Linear) with
 fusedfp8 FP8 and DDP, one process per GPU, launched with torchrun.
 
 Every rank trains on its own batches of the regression task of fusedfp8.demo.task (the demo's and

@@ -1,4 +1,4 @@
-"""``python -m fusedfp8 demo``: train the MLP of DESIGN.md with FP8 delayed scaling next to bf16.
+"""``python -m fusedfp8 demo``: train docs/design.md's MLP with FP8 delayed scaling next to bf16.
 
 The model is LayerNorm -> Linear(hidden, ffn) -> gelu(tanh) -> Linear(ffn, hidden), trained with
 Adam (lr 1e-3) on a fixed regression task (:mod:`fusedfp8.demo.task`: x ~ N(0, 1), y = a random
@@ -9,7 +9,7 @@ FP8 over bf16, the losses and the overflow count, and draws the loss curves, the
 and, for every FP8 tensor, its amax and its scale over the steps.
 
 Where it runs. With a CUDA GPU, CuPy and FP8 support (the capability probe says so), on the
-GPU at the shape of DESIGN.md (hidden 4096, ffn 16384, 8192 tokens). Otherwise on the CPU
+GPU at the shape of docs/design.md (hidden 4096, ffn 16384, 8192 tokens). Otherwise on the CPU
 through the reference path at a small shape: the FP8 numerics are then emulated bit-exactly
 (torch: in NumPy, the GEMMs in float32; jax: in jax.numpy, with XLA's FP8 GEMMs in software), so
 the CPU step times say nothing about FP8 speed; the loss curves and the scaling state are the

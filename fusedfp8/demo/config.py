@@ -11,7 +11,7 @@ import numpy as np
 from .. import _cuda
 from ..recipe import DelayedScaling
 
-GPU_SHAPE = (4096, 16384, 8192)  # hidden, ffn, tokens: the MLP of DESIGN.md
+GPU_SHAPE = (4096, 16384, 8192)  # hidden, ffn, tokens: the MLP of docs/design.md
 CPU_SHAPE = (64, 256, 512)
 WARMUP_STEPS = 3  # excluded from the median step time
 LOSS_TAIL = 10  # the final loss is also given as the mean of the last 10 steps

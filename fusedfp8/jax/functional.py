@@ -140,6 +140,7 @@ def _dot_bwd(cfg: _Cfg, res, cts):
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
+_dot_call = P.compiled_when_eager(3)(_dot)
 
 
 def _check_operand(a, argname: str):
@@ -196,7 +197,7 @@ def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dt
     cfg = _Cfg(recipe, P._check_impl(impl), out_name, P._check_axis_name(axis_name), bool(forward_fast_accum),
                bool(first))
     x, w, *meta = P._as_varying_as((x, w, *meta), (x, w, *meta))
-    return _dot(x, w, tuple(meta), cfg)
+    return _dot_call(x, w, tuple(meta), cfg)
 
 
 # ---- the fused MLP core: Linear -> gelu -> Linear --------------------------------------------
@@ -255,6 +256,7 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
+_mlp_call = P.compiled_when_eager(7)(_mlp)
 
 
 def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
@@ -292,4 +294,4 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
     h, w1, b1, w2, b2, *metas = P._as_varying_as((h, w1, b1, w2, b2, *meta1, *meta2),
                                                  (h, w1, b1, w2, b2, *meta1, *meta2))
     k = len(meta1)
-    return _mlp(h, w1, b1, w2, b2, tuple(metas[:k]), tuple(metas[k:]), cfg)
+    return _mlp_call(h, w1, b1, w2, b2, tuple(metas[:k]), tuple(metas[k:]), cfg)

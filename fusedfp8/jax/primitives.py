@@ -40,6 +40,7 @@ reduction itself.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -77,6 +78,25 @@ class _QCfg(NamedTuple):
     dbias: bool
     margin_factor: float
     current_first: bool
+
+
+def compiled_when_eager(*static_argnums: int):
+    """Decorator: ``fn`` runs as one compiled program (``jax.jit``, the ``static_argnums`` as
+    static arguments) when none of its arguments is traced, and inline in the caller's trace
+    otherwise. Op by op, the jax.numpy numerics dispatch thousands of small XLA programs: flax's
+    ``model.init`` of the README's model, not under ``jax.jit``, took 20 s on a 2-core CPU."""
+
+    def wrap(fn):
+        jitted = jax.jit(fn, static_argnums=static_argnums)
+
+        @functools.wraps(fn)
+        def call(*args):
+            traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args))
+            return fn(*args) if traced else jitted(*args)
+
+        return call
+
+    return wrap
 
 
 # ---- checks ----------------------------------------------------------------------------------
@@ -162,8 +182,8 @@ def _activation(cfg: _QCfg, x, b):
 
 def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
     y = _activation(cfg, x, b)
-    if cfg.op != "identity":  # computed once: XLA would otherwise duplicate it into each consumer
-        y = lax.optimization_barrier(y)
+    if cfg.op != "identity":  # computed once, not in each of the amax, cast, transpose, dbias
+        y = jn.computed_once(y)
     i = cfg.index
     acc = jn.nan_max(hist[0, i], jn.amax(y))
     s_old = scale[i]
@@ -174,6 +194,7 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
         scale_inv = scale_inv.at[i].set(jnp.where(fresh, jn.div_rn(1.0, s), scale_inv[i]))
     else:
         s = s_old
+    s = jn.computed_once(s)  # a scalar read by every element: not recomputed in each reader
     v = jn.mul(y, s)
     q = jn.cast_to_fp8(v, cfg.fmt)
     rows, cols = _rows_cols(x.shape)
@@ -250,6 +271,7 @@ def _dispatch(impl: str, jnp_fn, kernel_fn, *args):
                                   default=jnp_fn)
 
 
+@compiled_when_eager(0, 4)
 def _run(cfg: _QCfg, x, b, state: ScalingState, impl: str) -> tuple[Quantized, ScalingState]:
     # the primitives carry no derivative (the custom_vjp wrappers of functional.py define it)
     x, b, state = lax.stop_gradient((x, b, state))
@@ -394,7 +416,11 @@ def update_scales(state: ScalingState, recipe: DelayedScaling, *, axis_name=None
     state, non-finite -> overflow on every device), so every device ends with identical scales
     and histories."""
     _check_impl(impl)
-    state = _check_state(state, recipe)
+    return _update(_check_state(state, recipe), recipe, _check_axis_name(axis_name), impl)
+
+
+@compiled_when_eager(1, 2, 3)
+def _update(state: ScalingState, recipe: DelayedScaling, axis_name, impl: str) -> ScalingState:
     (state,) = sync_staged([state], axis_name)
     fmt_max = jnp.asarray(state.fmt_max(recipe))
     arrays = (state.amax_history, state.scale, state.scale_inv, state.overflows, state.updates)

@@ -68,6 +68,16 @@ def _hide(v) -> jax.Array:
     return from_bits(bits(v) ^ _hidden_zero())
 
 
+def computed_once(v) -> jax.Array:
+    """float32 ``v``, bit for bit, computed once and stored. XLA:CPU drops optimization barriers
+    before it fuses, and copies a producer made of cheap ops into every fusion that reads it: an
+    emulated activation (thousands of integer ops an element) read by the amax, the cast and the
+    transpose was compiled, and run, once per reader. An integer division counts as expensive to
+    XLA's fusion pass, which never duplicates one: dividing the bits by a 1 it cannot see stops
+    the copying there."""
+    return from_bits(lax.div(bits(v), _hidden_zero() + 1))
+
+
 def _mul(a, b) -> jax.Array:
     """``a * b`` rounded once, never contracted into a following add."""
     return _hide(jnp.multiply(a, b))
@@ -237,7 +247,7 @@ class JnpNamespace(NumpyNamespace):
         return lax.bitcast_convert_type(a, self.m.int32)
 
     def divide(self, a, b):
-        return div_rn(a, b)
+        return computed_once(div_rn(a, b))  # ~130 integer ops: not copied into every reader
 
 
 

@@ -1,6 +1,6 @@
 """Delayed-scaling state (state.py) and the update rule (numerics/scaling.py), replayed by hand.
 
-The hand replay below is written from DESIGN.md alone, one tensor at a time with Python floats
+The hand replay below is written from docs/design.md alone, one tensor at a time with Python floats
 and lists (each float32 operation is a double operation rounded once to float32, which is exact
 for a single + - * /). It never calls fusedfp8.numerics.scaling.update_rule.
 """

@@ -230,7 +230,7 @@ def test_ragged_fp8_dot_runs_fp8_gemms_and_matches_the_jnp_path(mkn):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
 
 
-# ---- the MLP train step of DESIGN.md -------------------------------------------------------------
+# ---- the MLP train step of docs/design.md -------------------------------------------------------
 @pytest.mark.fp8_gemm
 def test_flax_mlp_train_step_kernel_path_matches_jnp_path_and_bf16():
     import flax.linen as nn

@@ -2,7 +2,9 @@
 the reference (a fresh state's current first step, a set scale, special values, the activations),
 the state machine inside jit over several steps, vmap, and the custom_vjp gradients of
 quantize_ste, fp8_dot and fp8_mlp. The GPU kernel path against this one is test_jax_kernels.py."""
+import logging
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from fusedfp8.formats import E4M3, E5M2
 from fusedfp8.jax import functional as F
 from fusedfp8.jax import meta as JM
 from fusedfp8.jax import primitives as P
+from fusedfp8.numerics import jnp as jn
 from fusedfp8.numerics import reference as ref
 from fusedfp8.state import ScalingState, apply_update
 from support import shapes as S
@@ -246,3 +249,68 @@ def test_fp8_mlp_matches_the_unfused_composition(rng):
     assert (hist1[0] > 0).all() and (hist2[0] > 0).all()  # all six tensors staged an amax
     z = np.asarray(h @ w1 + b1)  # fc2's input amax is of gelu(z) (up to the FP8 GEMM's error)
     assert abs(hist2[0, 0] / np.abs(np.asarray(jax.nn.gelu(z, approximate=True))).max() - 1) < 0.1
+
+
+# ---- what the jax.numpy path costs on the CPU ------------------------------------------------------
+def compiled_programs(fn) -> list[str]:
+    """The names of the XLA programs compiled while ``fn()`` runs (jax's log_compiles messages)."""
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    log = logging.getLogger("jax")
+    log.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            jax.block_until_ready(fn())
+    finally:
+        log.removeHandler(handler)
+    head = "Finished XLA compilation of "
+    return [m[len(head):].split(" in ")[0] for m in messages if m.startswith(head)]
+
+
+def test_an_eager_call_is_one_compiled_program_with_the_jitted_bytes(rng):
+    """Outside jax.jit (flax's ``model.init`` and ``apply`` run the modules eagerly) each call is
+    one XLA program: op by op, the emulated numerics dispatched thousands of small ones (20 s for
+    the un-jitted init of README's flax model on 2 cores)."""
+    recipe = fusedfp8.DelayedScaling(amax_history_len=11)  # shapes no other test compiles
+    x = jnp.asarray((rng.standard_normal((24, 40)) * 3).astype(f32))
+    w = jnp.asarray((rng.standard_normal((40, 56)) / 6).astype(f32))
+    st = ScalingState.create((False, True), recipe, like=x)
+    meta = JM.fresh_meta(recipe)
+    calls = {"jit(_run)": lambda: P.gelu_quantize(x, st, 0, recipe, transpose=True),
+             "jit(_update)": lambda: P.update_scales(st, recipe),
+             "jit(_dot)": lambda: F.fp8_dot(x, w, meta, recipe)}
+    for name, call in calls.items():
+        eager = []
+        assert compiled_programs(lambda: eager.append(call()) or eager[0]) == [name]
+        traced = jax.jit(call)()
+        for a, b in zip(jax.tree.leaves(eager[0]), jax.tree.leaves(traced), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
+
+
+_INSTRUCTION = re.compile(r"^\s+(ROOT )?%\S+ = ", re.M)
+
+
+@pytest.mark.parametrize("op", ["gelu", "dgelu"])
+def test_the_emulated_activation_is_compiled_once(op):
+    """XLA:CPU drops optimization barriers before it fuses and copies a producer of cheap ops into
+    every fusion that reads it: the emulated activation (thousands of integer ops an element) was
+    compiled into the amax, the cast, the transpose and the dbias fusions (the README's flax step:
+    8.9 s of XLA compile, 4 s once). The quantization with the activation must stay below twice
+    the activation alone."""
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put(jnp.ones((64, 128), jnp.bfloat16), cpu)
+    st = ScalingState.create((False, True), RECIPE, like=x)
+
+    def instructions(fn, *args):
+        return len(_INSTRUCTION.findall(jax.jit(fn).lower(*args).compile().as_text()))
+
+    if op == "gelu":
+        alone = instructions(lambda x: jn.gelu_f32(x.astype(jnp.float32), "tanh"), x)
+        fused = instructions(lambda x, s: P.gelu_quantize(x, s, 0, RECIPE, transpose=True, impl="jnp"), x, st)
+    else:
+        alone = instructions(lambda x: jn.dgelu_f32(x.astype(jnp.float32), "tanh"), x)
+        fused = instructions(lambda x, s: P.dgelu_quantize(x, x, s, 1, RECIPE, transpose=True, dbias=True,
+                                                           impl="jnp"), x, st)
+    assert alone > 1000  # (the count is of instructions: the activation is a big graph)
+    assert fused < 2 * alone, (fused, alone)
