@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         return torch.randn(tokens, H, device=dev, dtype=dt, generator=g)
 
     x0 = batch(2048, 0)
-    sq = B.sqnr_db(bf(x0).float().cpu().numpy(), fp(x0).float().cpu().numpy())
+    sq = B.sqnr_db(bf(x0).detach().float().cpu().numpy(), fp(x0).detach().float().cpu().numpy())
     print(f"correctness: FP8 output vs bf16 SQNR {sq:.1f} dB")
     if sq < B.SQNR_MIN_DB:
         print("FAILED: below the SQNR floor")
@@ -103,8 +103,9 @@ def main(argv=None) -> int:
     row = {"part": "accumulation", "micro": args.micro, "tokens": 2048, "hidden": H, "ffn": F}
     steps = {"bf16": stepper(copy.deepcopy(bf), 2048, args.micro), "fp8_cached": stepper(cached, 2048, args.micro),
              "fp8_uncached": stepper(plain, 2048, args.micro)}
+    for name in ("fp8_uncached", "fp8_cached", "fp8_uncached", "fp8_cached", "bf16"):  # twice, alternating
+        row[f"{name}_ms"] = min(row.get(f"{name}_ms", float("inf")), time_step(steps[name]))
     for name, step in steps.items():
-        row[f"{name}_ms"] = time_step(step)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()

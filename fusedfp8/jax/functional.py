@@ -111,14 +111,29 @@ def _advance(meta, cfg, grad=LINEAR_GRAD) -> ScalingState:
     return P.update_scales(st, cfg.recipe, axis_name=cfg.axis_name, impl=cfg.impl)
 
 
+def _padded(a, pad: int):
+    """A 2-D FP8 operand with zeros appended to multiples of ``pad`` (cuBLASLt's FP8 GEMMs need
+    every dimension a multiple of 16, and XLA does not pad them: with a ragged dimension its GEMM
+    rewriter falls back to a GEMM in high precision). One copy of the FP8 bytes; the quantize
+    kernels' own pad_to is not wired into the JAX primitives yet."""
+    if pad == 1:
+        return a
+    rows, cols = a.shape
+    return jnp.pad(a, ((0, -rows % pad), (0, -cols % pad)))
+
+
 def _dot_fwd(x, w, meta, cfg: _Cfg, training: bool = True):
     x, w = _first_order(x), _first_order(w)
+    (m, k), n = x.shape, w.shape[1]
+    pad = 16 if any(d % 16 for d in (m, k, n)) else 1
     st = _advance(meta, cfg)
     rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=training, impl=cfg.impl)
     rw, st = P.quantize(w, st, 1, cfg.recipe, transpose=True, impl=cfg.impl)
-    y = gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype, fast_accum=cfg.forward_fast_accum)
-    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-    return (y, state_to_meta(st)), (rx.data_t, rw.data, rx.scale_inv, rw.scale_inv, st, dtypes)
+    y = gemm(_padded(rx.data, pad), _padded(rw.data_t, pad), rx.scale_inv, rw.scale_inv, cfg.out_dtype,
+             fast_accum=cfg.forward_fast_accum)[:m, :n]
+    dtypes = (jnp.zeros((0, m, k), x.dtype), jnp.zeros((0, k, n), w.dtype))  # dtypes and real shapes
+    x_t = _padded(rx.data_t, pad) if training else None
+    return (y, state_to_meta(st)), (x_t, _padded(rw.data, pad), rx.scale_inv, rw.scale_inv, st, dtypes)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -133,9 +148,11 @@ def _dot_bwd(cfg: _Cfg, res, cts):
     g, later = cts
     g = _first_order(g)
     x_t, w_q, sx, sw, st, (xz, wz) = res
+    (_, m, k), n = xz.shape, wz.shape[2]
+    pad = 16 if any(d % 16 for d in (m, k, n)) else 1  # as the forward padded
     rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, impl=cfg.impl)
-    dx = gemm(rg.data, w_q, rg.scale_inv, sw, xz.dtype)
-    dw = gemm(x_t, rg.data_t, sx, rg.scale_inv, wz.dtype)
+    dx = gemm(_padded(rg.data, pad), w_q, rg.scale_inv, sw, xz.dtype)[:m, :k]
+    dw = gemm(x_t, _padded(rg.data_t, pad), sx, rg.scale_inv, wz.dtype)[:k, :n]
     return dx, dw, combine(later, state_to_meta(st))
 
 

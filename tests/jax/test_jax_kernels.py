@@ -204,10 +204,11 @@ def test_fp8_dot_compiles_to_cublaslt_fp8_gemms_without_transposes():
 @pytest.mark.fp8_gemm
 @pytest.mark.parametrize("mkn", [(303, 300, 200), (8190, 64, 128), (1000, 48, 80), (17, 33, 50)], ids=str)
 def test_ragged_fp8_dot_runs_fp8_gemms_and_matches_the_jnp_path(mkn):
-    """GEMM dimensions that are not multiples of 16 (issue 19.1): XLA pads the FP8 operands of its
-    cuBLASLt GEMMs itself, so fusedfp8.jax needs no padding of its own; checked here: still three
-    FP8 GEMMs in the compiled step, and the kernel path's output, gradients and new meta agree
-    with the jax.numpy path's (same quantize bytes; the GEMMs the same XLA ops)."""
+    """GEMM dimensions that are not multiples of 16 (issue 19.1). XLA does not pad FP8 GEMM
+    operands (on the H200, jax 0.11.2, a ragged dimension made its rewriter fall back to GEMMs in
+    high precision: 0 or 1 FP8 GEMM of 3), so fp8_dot pads the quantized operands with zeros and
+    slices the results: three FP8 GEMMs in the compiled step, and the kernel path's output,
+    gradients and new meta agree with the jax.numpy path's (same quantize bytes)."""
     M, K, N = mkn
     x = inputs((M, K), "bfloat16", scale=1.0, special=False)
     w = inputs((K, N), "bfloat16", seed=1, scale=0.05, special=False)

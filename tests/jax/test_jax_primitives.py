@@ -314,3 +314,29 @@ def test_the_emulated_activation_is_compiled_once(op):
                                                            impl="jnp"), x, st)
     assert alone > 1000  # (the count is of instructions: the activation is a big graph)
     assert fused < 2 * alone, (fused, alone)
+
+
+@pytest.mark.parametrize("mkn", [(303, 300, 200), (17, 33, 50), (64, 32, 48)], ids=str)
+def test_fp8_dot_pads_ragged_operands_and_slices_its_results(mkn):
+    """fp8_dot with GEMM dimensions that are not multiples of 16: the padded FP8 GEMMs give the
+    unpadded problem's shapes, and the values of a GEMM of the unpadded quantized operands."""
+    from fusedfp8.jax import functional as F
+    from fusedfp8.jax import meta as JM
+
+    M, K, N = mkn
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((K, N)) * 0.05, jnp.bfloat16)
+    meta = JM.fresh_meta(fusedfp8.DelayedScaling(amax_history_len=8))
+    recipe = fusedfp8.DelayedScaling(amax_history_len=8)
+    y = jax.jit(lambda x, w, m: F.fp8_dot(x, w, m, recipe))(x, w, meta)
+    assert y.shape == (M, N)
+    st = JM.meta_to_state(meta, JM.LINEAR_GRAD)
+    rx, st = P.quantize(x, st, 0, recipe)
+    rw, st = P.quantize(w, st, 1, recipe, transpose=True)
+    want = F.gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, jnp.bfloat16, fast_accum=True)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(F.fp8_dot(x, w, meta, recipe).astype(jnp.float32) ** 2),
+                              argnums=(0, 1)))(x, w)
+    assert dx.shape == (M, K) and dw.shape == (K, N)
+    assert bool(jnp.all(jnp.isfinite(dx.astype(jnp.float32)))) and float(jnp.abs(dw.astype(jnp.float32)).max()) > 0
