@@ -236,17 +236,24 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg, training: bool = Tru
         st2 = P.update_scales(st2, r, impl=impl)
     else:
         st1, st2 = meta_to_state(meta1), meta_to_state(meta2)
+    (m, hid), ffn, out = h.shape, w1.shape[1], w2.shape[1]
+    p = 16 if any(d % 16 for d in (m, hid, ffn, out)) else 1  # ragged: padded FP8 operands, as fp8_dot
     rh, st1 = P.quantize(h, st1, 0, r, transpose=training, impl=impl)
     rw1, st1 = P.quantize(w1, st1, 1, r, transpose=True, impl=impl)
     fast = cfg.forward_fast_accum
-    z = gemm(rh.data, rw1.data_t, rh.scale_inv, rw1.scale_inv, h.dtype, fast_accum=fast) + b1.astype(h.dtype)
+    z = gemm(_padded(rh.data, p), _padded(rw1.data_t, p), rh.scale_inv, rw1.scale_inv, h.dtype,
+             fast_accum=fast)[:m, :ffn] + b1.astype(h.dtype)
     ra, st2 = P.gelu_quantize(z, st2, 0, r, approximate=cfg.approximate, transpose=training, impl=impl)
     rw2, st2 = P.quantize(w2, st2, 1, r, transpose=True, impl=impl)
-    y = gemm(ra.data, rw2.data_t, ra.scale_inv, rw2.scale_inv, h.dtype, fast_accum=fast) + b2.astype(h.dtype)
-    dtypes = tuple(jnp.zeros((0,), a.dtype) for a in (h, w1, b1, w2, b2))
+    y = gemm(_padded(ra.data, p), _padded(rw2.data_t, p), ra.scale_inv, rw2.scale_inv, h.dtype,
+             fast_accum=fast)[:m, :out] + b2.astype(h.dtype)
+    # dtypes, and the real shapes of h, w1, w2 (zero-size arrays: static)
+    dtypes = (jnp.zeros((0, m, hid), h.dtype), jnp.zeros((0, hid, ffn), w1.dtype), jnp.zeros((0,), b1.dtype),
+              jnp.zeros((0, ffn, out), w2.dtype), jnp.zeros((0,), b2.dtype))
+    h_t, a_t = (_padded(rh.data_t, p), _padded(ra.data_t, p)) if training else (None, None)
     return (y, state_to_meta(st1), state_to_meta(st2)), (
-        rh.data_t, rw1.data, z, ra.data_t, rw2.data, rh.scale_inv, rw1.scale_inv, ra.scale_inv, rw2.scale_inv,
-        st1, st2, dtypes)
+        h_t, _padded(rw1.data, p), z, a_t, _padded(rw2.data, p), rh.scale_inv, rw1.scale_inv, ra.scale_inv,
+        rw2.scale_inv, st1, st2, dtypes)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -259,15 +266,17 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
     g, later1, later2 = cts
     g = _first_order(g)
     h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z) = res
+    (_, m, hid), (_, ffn, out) = hz.shape, w2z.shape
+    p = 16 if any(d % 16 for d in (m, hid, ffn, out)) else 1  # as the forward padded
     r, impl = cfg.recipe, cfg.impl
     rg, st2 = P.quantize(g, st2, 2, r, transpose=True, impl=impl)
-    da = gemm(rg.data, w2_q, rg.scale_inv, sw2, z.dtype)
-    dw2 = gemm(a_t, rg.data_t, sa, rg.scale_inv, w2z.dtype)
+    da = gemm(_padded(rg.data, p), w2_q, rg.scale_inv, sw2, z.dtype)[:m, :ffn]
+    dw2 = gemm(a_t, _padded(rg.data_t, p), sa, rg.scale_inv, w2z.dtype)[:ffn, :out]
     db2 = jnp.sum(g.reshape(-1, g.shape[-1]), axis=0, dtype=jnp.float32).astype(b2z.dtype)
     rdz, st1 = P.dgelu_quantize(da, z, st1, 2, r, approximate=cfg.approximate, transpose=True, dbias=True,
                                 impl=impl)
-    dh = gemm(rdz.data, w1_q, rdz.scale_inv, sw1, hz.dtype)
-    dw1 = gemm(h_t, rdz.data_t, sh, rdz.scale_inv, w1z.dtype)
+    dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, hz.dtype)[:m, :hid]
+    dw1 = gemm(h_t, _padded(rdz.data_t, p), sh, rdz.scale_inv, w1z.dtype)[:hid, :ffn]
     return (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, combine(later1, state_to_meta(st1)),
             combine(later2, state_to_meta(st2)))
 

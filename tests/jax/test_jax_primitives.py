@@ -340,3 +340,34 @@ def test_fp8_dot_pads_ragged_operands_and_slices_its_results(mkn):
                               argnums=(0, 1)))(x, w)
     assert dx.shape == (M, K) and dw.shape == (K, N)
     assert bool(jnp.all(jnp.isfinite(dx.astype(jnp.float32)))) and float(jnp.abs(dw.astype(jnp.float32)).max()) > 0
+
+
+@pytest.mark.parametrize("dims", [(30, 40, 72), (17, 24, 33), (64, 32, 48)], ids=str)
+def test_fp8_mlp_pads_ragged_operands_and_slices_its_results(dims):
+    """fp8_mlp with ragged tokens / hidden / ffn (the GEMMs on padded FP8 operands, sliced): the
+    unpadded shapes out, values within FP8's error of the float32 MLP, finite gradients of the
+    operands' shapes."""
+    from fusedfp8.jax import functional as F
+    from fusedfp8.jax import meta as JM
+
+    m, hid, ffn = dims
+    recipe = fusedfp8.DelayedScaling(amax_history_len=8)
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.standard_normal((m, hid)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((hid, ffn)) * 0.1, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((ffn, hid)) * 0.1, jnp.bfloat16)
+    b1, b2 = jnp.zeros((ffn,), jnp.bfloat16) + 0.1, jnp.zeros((hid,), jnp.bfloat16) - 0.1
+    metas = (JM.fresh_meta(recipe), JM.fresh_meta(recipe))
+
+    def loss(h, w1, w2, m1, m2):
+        return jnp.sum(F.fp8_mlp(h, w1, b1, w2, b2, m1, m2, recipe).astype(jnp.float32) ** 2)
+
+    y = jax.jit(lambda *a: F.fp8_mlp(*a, recipe))(h, w1, b1, w2, b2, *metas)
+    f32 = [a.astype(jnp.float32) for a in (h, w1, b1, w2, b2)]
+    want = jax.nn.gelu(f32[0] @ f32[1] + f32[2], approximate=True) @ f32[3] + f32[4]
+    assert y.shape == (m, hid)
+    err = float(jnp.linalg.norm(y.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+    assert err < 0.1, err
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(h, w1, w2, *metas)
+    assert [g.shape for g in grads[:3]] == [(m, hid), (hid, ffn), (ffn, hid)]
+    assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads[:3])
