@@ -56,17 +56,22 @@ def _check_input(x, argname: str, need_dims: bool, what: str = "transpose=True")
     return info
 
 
+def _check_beside(info: io.ArrayInfo, argname: str, x: io.ArrayInfo) -> None:
+    """``argname`` is an array of x's framework on x's device."""
+    if info.framework != x.framework:
+        raise TypeError(f"{argname} is a {info.framework} array but the input is a {x.framework} array")
+    if info.device != x.device:
+        raise ValueError(f"{argname} is on {info.where()} but the input is on {x.where()}; "
+                         "they must be on the same device")
+
+
 def _check_scalar(a, argname: str, dtype: str, x: io.ArrayInfo, writable: bool) -> io.ArrayInfo:
     info = io.describe(a, argname)
     if info.dtype != dtype:
         raise TypeError(f"{argname} must be a {dtype} array; got {info.dtype}")
     if info.size != 1:
         raise ValueError(f"{argname} must hold exactly one element; got shape {info.shape}")
-    if info.framework != x.framework:
-        raise TypeError(f"{argname} is a {info.framework} array but the input is a {x.framework} array")
-    if info.device != x.device:
-        raise ValueError(f"{argname} is on {info.where()} but the input is on {x.where()}; "
-                         "they must be on the same device")
+    _check_beside(info, argname, x)
     if writable and not info.writable:
         if not info.mutable:
             raise TypeError(f"{argname}: jax arrays are immutable and cannot be accumulated into; leave "
@@ -146,9 +151,9 @@ class _Plan:
         self.rows = math.prod(shape[:-1])
         self.cols = int(shape[-1]) if shape else 1
         self.pad_to = int(pad_to)
-        # the shape of q: x's own, or its (rows, cols) view rounded up to multiples of pad_to
-        self.q_shape = shape if pad_to == 1 else _cuda.padded(self.rows, self.cols, self.pad_to)
         self.prows, self.pcols = _cuda.padded(self.rows, self.cols, self.pad_to)
+        # the shape of q: x's own, or its (rows, cols) view rounded up to multiples of pad_to
+        self.q_shape = shape if pad_to == 1 else (self.prows, self.pcols)
 
     def written(self) -> dict:
         """The arrays this call writes in place, by argument name."""
@@ -176,11 +181,7 @@ def _check_param(a, argname: str, x: io.ArrayInfo, cols: int) -> io.ArrayInfo | 
     info = io.describe(a, argname)
     if info.dtype not in FLOAT_INPUTS:
         raise TypeError(f"{argname} must be float32, float16 or bfloat16; got {info.dtype}")
-    if info.framework != x.framework:
-        raise TypeError(f"{argname} is a {info.framework} array but the input is a {x.framework} array")
-    if info.device != x.device:
-        raise ValueError(f"{argname} is on {info.where()} but the input is on {x.where()}; "
-                         "they must be on the same device")
+    _check_beside(info, argname, x)
     if tuple(info.shape) != (cols,):
         raise ValueError(f"{argname} must have shape ({cols},) (the last dimension of x); got {tuple(info.shape)}")
     if not info.contiguous:

@@ -16,6 +16,14 @@ GELU_APPROXIMATIONS = {"tanh": "tanh", "none": "erf"}
 # the elementwise operation fused before the cast; 'identity' is plain quantization
 OPS = ("identity", "gelu", "dgelu")
 
+GEMM_MULTIPLE = 16  # cuBLASLt's FP8 GEMMs need every dimension a multiple of this
+
+
+def gemm_pad_to(*dims: int) -> int:
+    """The ``pad_to`` of an FP8 GEMM's operands: :data:`GEMM_MULTIPLE` when one of its dimensions
+    is not a multiple of it (then every operand is padded), else 1."""
+    return GEMM_MULTIPLE if any(d % GEMM_MULTIPLE for d in dims) else 1
+
 
 class Quantized(NamedTuple):
     """Result of a quantization.

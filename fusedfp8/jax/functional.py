@@ -35,7 +35,7 @@ from jax import lax
 
 from ..recipe import DelayedScaling
 from ..state import ScalingState
-from ..types import check_approximate, check_recipe
+from ..types import check_approximate, check_recipe, gemm_pad_to
 from . import primitives as P
 from .meta import LINEAR_GRAD, combine, decode, meta_to_state, state_to_meta
 from .meta import check_meta as _check_meta
@@ -118,14 +118,13 @@ def _padded(a, pad: int):
     kernels' own pad_to is not wired into the JAX primitives yet."""
     if pad == 1:
         return a
-    rows, cols = a.shape
-    return jnp.pad(a, ((0, -rows % pad), (0, -cols % pad)))
+    return jnp.pad(a, [(0, -d % pad) for d in a.shape])
 
 
 def _dot_fwd(x, w, meta, cfg: _Cfg, training: bool = True):
     x, w = _first_order(x), _first_order(w)
     (m, k), n = x.shape, w.shape[1]
-    pad = 16 if any(d % 16 for d in (m, k, n)) else 1
+    pad = gemm_pad_to(m, k, n)
     st = _advance(meta, cfg)
     rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=training, impl=cfg.impl)
     rw, st = P.quantize(w, st, 1, cfg.recipe, transpose=True, impl=cfg.impl)
@@ -149,7 +148,7 @@ def _dot_bwd(cfg: _Cfg, res, cts):
     g = _first_order(g)
     x_t, w_q, sx, sw, st, (xz, wz) = res
     (_, m, k), n = xz.shape, wz.shape[2]
-    pad = 16 if any(d % 16 for d in (m, k, n)) else 1  # as the forward padded
+    pad = gemm_pad_to(m, k, n)  # as the forward padded
     rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, impl=cfg.impl)
     dx = gemm(_padded(rg.data, pad), w_q, rg.scale_inv, sw, xz.dtype)[:m, :k]
     dw = gemm(x_t, _padded(rg.data_t, pad), sx, rg.scale_inv, wz.dtype)[:k, :n]
@@ -237,7 +236,7 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg, training: bool = Tru
     else:
         st1, st2 = meta_to_state(meta1), meta_to_state(meta2)
     (m, hid), ffn, out = h.shape, w1.shape[1], w2.shape[1]
-    p = 16 if any(d % 16 for d in (m, hid, ffn, out)) else 1  # ragged: padded FP8 operands, as fp8_dot
+    p = gemm_pad_to(m, hid, ffn, out)  # ragged: padded FP8 operands, as fp8_dot
     rh, st1 = P.quantize(h, st1, 0, r, transpose=training, impl=impl)
     rw1, st1 = P.quantize(w1, st1, 1, r, transpose=True, impl=impl)
     fast = cfg.forward_fast_accum
@@ -267,7 +266,7 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
     g = _first_order(g)
     h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z) = res
     (_, m, hid), (_, ffn, out) = hz.shape, w2z.shape
-    p = 16 if any(d % 16 for d in (m, hid, ffn, out)) else 1  # as the forward padded
+    p = gemm_pad_to(m, hid, ffn, out)  # as the forward padded
     r, impl = cfg.recipe, cfg.impl
     rg, st2 = P.quantize(g, st2, 2, r, transpose=True, impl=impl)
     da = gemm(_padded(rg.data, p), w2_q, rg.scale_inv, sw2, z.dtype)[:m, :ffn]

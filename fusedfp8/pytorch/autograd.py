@@ -38,6 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from ..recipe import DelayedScaling
 from ..state import ScalingState
+from ..types import gemm_pad_to
 from . import custom_ops as fops
 
 __all__ = ["scaled_mm", "QuantizeSTE", "quantize_ste"]
@@ -85,11 +86,6 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
         if bias is not None:
             y = y + bias.float()
         return y.to(out_dtype)
-
-
-def _pad_of(*dims: int) -> int:
-    """16 when a GEMM dimension is not a multiple of 16 (then every operand is padded), else 1."""
-    return 16 if any(d % 16 for d in dims) else 1
 
 
 def _unpad(t: Tensor, rows: int, cols: int) -> Tensor:
@@ -262,7 +258,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: tuple, cfg: tu
     *st, col = state
     fwd_fmt, _, mf, cf = cfg
     m = math.prod(x.shape[:-1])
-    pad = _pad_of(x.shape[-1], weight.shape[0], *((m,) if need_wgrad else ()))  # tokens: a K only in wgrad
+    pad = gemm_pad_to(x.shape[-1], weight.shape[0], *((m,) if need_wgrad else ()))  # tokens: a K only in wgrad
     w_q, w_t, w_si = quantized_weight(weight, tuple(st), col + 1, fwd_fmt, mf, cf, need_dgrad, pad, cache)
     return _LinearFn.apply(x, weight, bias, w_q, w_t, w_si, *state, *cfg, need_dgrad, need_wgrad, pad)
 
@@ -373,7 +369,7 @@ def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
     of h)."""
     fwd_fmt, _, mf, cf1, cf2 = cfg
     m = math.prod(h.shape[:-1])
-    pad = _pad_of(h.shape[-1], w1.shape[0], w2.shape[0], *((m,) if training else ()))
+    pad = gemm_pad_to(h.shape[-1], w1.shape[0], w2.shape[0], *((m,) if training else ()))
     w1q = quantized_weight(w1, tuple(state1[:4]), state1[4] + 1, fwd_fmt, mf, cf1, training, pad, caches[0])
     w2q = quantized_weight(w2, tuple(state2[:4]), state2[4] + 1, fwd_fmt, mf, cf2, training, pad, caches[1])
     if all(a is b for a, b in zip(state1[:4], state2[:4])):  # both columns of one linked state:
