@@ -37,9 +37,10 @@ from .numerics import layernorm as _ln
 THREADS = 256  # -DFF8_THREADS for the element-wise kernels
 TILE_R, TILE_C = 128, 64  # the tiled kernels' tile (rows, columns), fixed in quantize.cu
 TILED_BLOCK = 256  # the tiled kernels' block (their __launch_bounds__)
-# The tiled kernel's variants: 'v2' = quantize_tiled (issue 18; the default) and 'v1' = quantize_tiled_v1, the
-# kernel before it, kept for A/B benchmarks (scripts/bench_kernels.py --variants) in a module of its own
-# (ModuleKey param 'v1'), compiled only when asked for. Same parameters, bytes and launch configuration.
+# The quantize kernels' variants: 'v2' = quantize_tiled and quantize_flat of issue 18 (the default) and 'v1' =
+# quantize_tiled_v1 and quantize_flat_v1, the kernels before it, kept for A/B benchmarks
+# (scripts/bench_kernels.py --variants) in a module of their own (ModuleKey param 'v1'), compiled only when
+# asked for. Same roles, parameters, bytes and launch configuration.
 TILED_VARIANTS = ("v2", "v1")
 _tiled_variant = "v2"
 LN_THREADS = _ln.MAX_THREADS_PER_ROW  # the layernorm kernel's largest block (LN_THREADS in layernorm_quantize.cu)
@@ -113,7 +114,7 @@ class ModuleKey(NamedTuple):
     dtype: str = ""  # input dtype of quantize / layernorm_quantize, output dtype of dequantize
     fmt: str = ""
     op: str = ""
-    param: str = ""  # layernorm_quantize: the dtype of weight and bias; quantize: '' or 'v1' (the old tiled kernel)
+    param: str = ""  # layernorm_quantize: the dtype of weight and bias; quantize: '' or 'v1' (the kernels before issue 18)
 
 
 def name_expressions(key: ModuleKey) -> dict[str, str]:
@@ -121,11 +122,10 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
     parameter layout in SIGNATURES."""
     if key.family == "quantize":
         t, f, o = CPP_TYPES[key.dtype], FMT_IDS[key.fmt], OPS[key.op]
-        if key.param == "v1":  # the tiled kernel before issue 18, alone (A/B benchmarks)
-            return {"tiled": f"quantize_tiled_v1<{t}, {f}, {o}>"}
-        names = {f"flat_vec{int(v)}_store{int(s)}": f"quantize_flat<{t}, {f}, {o}, {str(v).lower()}, {str(s).lower()}>"
+        v1 = "_v1" if key.param == "v1" else ""  # the kernels before issue 18 (A/B benchmarks)
+        names = {f"flat_vec{int(v)}_store{int(s)}": f"quantize_flat{v1}<{t}, {f}, {o}, {str(v).lower()}, {str(s).lower()}>"
                  for v in (True, False) for s in (True, False)}
-        names["tiled"] = f"quantize_tiled<{t}, {f}, {o}>"
+        names["tiled"] = f"quantize_tiled{v1}<{t}, {f}, {o}>"
         return names
     if key.family == "layernorm_quantize":
         t, p, f = CPP_TYPES[key.dtype], CPP_TYPES[key.param], FMT_IDS[key.fmt]
@@ -324,8 +324,8 @@ def _flat_grid(ref: KernelRef, sms: int, n: int) -> int:
 
 
 def use_tiled_variant(variant: str) -> str:
-    """Make ``variant`` (one of :data:`TILED_VARIANTS`) the tiled kernel of the quantize plans built from
-    now on; returns the previous one. For A/B benchmarks and tests in one process (scripts/bench_kernels.py
+    """Make ``variant`` (one of :data:`TILED_VARIANTS`) the module whose kernels (tiled and flat) the
+    quantize plans built from now on launch; returns the previous one. For A/B benchmarks and tests in one process (scripts/bench_kernels.py
     --variants): :func:`quantize_plan`'s cache is emptied; plans a front end keeps (the torch custom
     ops' per-signature cache) keep the kernel they were built with."""
     global _tiled_variant
@@ -507,14 +507,11 @@ def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max
 def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: int, transpose: bool = False,
                   dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0,
                   pad_to: int = 1) -> Plan:
-    """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device`` (the tiled kernel of
+    """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device`` (the kernels of
     :func:`use_tiled_variant`)."""
-    key = ModuleKey("quantize", dtype, fmt, op)
-    refs = kernel_refs(key, device)
-    if _tiled_variant != "v2":
-        refs = {**refs, "tiled": kernel_refs(key._replace(param=_tiled_variant), device)["tiled"]}
-    return build_quantize_plan(refs, sm_count(device), rows, cols, transpose, dbias, first, margin_factor, offset,
-                               pad_to)
+    key = ModuleKey("quantize", dtype, fmt, op, "" if _tiled_variant == "v2" else _tiled_variant)
+    return build_quantize_plan(kernel_refs(key, device), sm_count(device), rows, cols, transpose, dbias, first,
+                               margin_factor, offset, pad_to)
 
 
 @functools.lru_cache(maxsize=4096)

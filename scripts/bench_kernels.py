@@ -12,10 +12,10 @@ fusedfp8.quantize call from torch at 1024x1024 (pipelined calls, no sync).
 Usage: python scripts/bench_kernels.py [--out DIR] [--sizes 1024x1024,4096x4096] [--jobs quantize,gelu_t,...]
        [--peers eager,compile,xla | --peers none] [--variants v2,v1]
 Writes DIR/bench_kernels.json and DIR/bench_kernels.png.
---variants times fusedfp8 once per variant of the tiled kernel (fusedfp8._cuda.TILED_VARIANTS: v2 the
-current one, v1 the one before issue 18), alternately in the order A B B A, each checked byte for
-byte first; fusedfp8_us is the first variant's best, fusedfp8[v]_us each variant's. Jobs that do not
-take the tiled kernel (quantize, gelu: the flat kernel; layernorm) are timed once.
+--variants times fusedfp8 once per variant of the quantize kernels (fusedfp8._cuda.TILED_VARIANTS: v2
+the current flat and tiled kernels, v1 those before issue 18), alternately in the order A B B A, each
+checked byte for byte first; fusedfp8_us is the first variant's best, fusedfp8[v]_us each variant's.
+The layernorm jobs (another kernel) are timed once.
 """
 from __future__ import annotations
 
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", default=",".join(JOBS), help="jobs to run")
     ap.add_argument("--peers", default="eager,compile,xla", help="peers to run ('none': fusedfp8 alone)")
     ap.add_argument("--variants", default=_cuda.TILED_VARIANTS[0],
-                    help=f"tiled-kernel variants to time, A/B in one run (of {','.join(_cuda.TILED_VARIANTS)})")
+                    help=f"quantize-kernel variants to time, A/B in one run (of {','.join(_cuda.TILED_VARIANTS)})")
     args = ap.parse_args(argv)
     sizes = _bench.parse_sizes(args.sizes, 2, "--sizes", ap.error)
     jobs = args.jobs.split(",")
@@ -280,8 +280,8 @@ def main(argv=None) -> int:
         for job in jobs:
             row = {"job": job, "size": size, "bytes": job_bytes(job, m, n)}
             inputs = [(x, b, scale, amax) for x, b in zip(xs, bs)]
-            tiled = job.endswith("_t") or "dbias" in job and not job.startswith("layernorm")
-            order = (variants + variants[::-1]) if tiled and len(variants) > 1 else variants[:1]
+            ab = not job.startswith("layernorm") and len(variants) > 1
+            order = variants + variants[::-1] if ab else variants[:1]
             times: dict = {}
             correct = True
             for v in order:

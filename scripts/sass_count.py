@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fmt", default="e4m3", choices=list(_cuda.FMT_IDS))
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump"), help="path to cuobjdump")
     ap.add_argument("--tiled", default="v2", choices=list(_cuda.TILED_VARIANTS),
-                    help="v1: count the tiled kernel before issue 18 (alone) instead of the current module")
+                    help="v1: count the kernels before issue 18 (quantize_flat_v1, quantize_tiled_v1)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if not args.cuobjdump:
