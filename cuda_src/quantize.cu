@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
 }
 
 // =============================================================================================
-// The kernels before issue 18, kept for A/B benchmarks in one run (_cuda.use_tiled_variant('v1'),
+// The kernels before issue 18, kept for A/B benchmarks in one run (_cuda.use_quantize_variant('v1'),
 // scripts/bench_kernels.py --variants v2,v1); compiled only when asked for (module param 'v1').
 // Same parameters and launch configuration as the kernels above; the same bytes (dbias within
 // float32 rounding: its sums are grouped differently). To be deleted once the new ones are measured.
@@ -424,7 +424,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat_v1(
 }
 
 // ---------------------------------------------------------------------------------------------
-// quantize_tiled_v1: the tiled kernel before issue 18, kept for A/B benchmarks (_cuda.use_tiled_variant,
+// quantize_tiled_v1: the tiled kernel before issue 18, kept for A/B benchmarks (_cuda.use_quantize_variant,
 // scripts/bench_kernels.py --variants); same parameters, outputs and bytes as quantize_tiled.
 // x viewed as rows x cols (row-major). Writes q (prows x pcols), optionally q_t
 // (pcols x prows, row-major: the transpose) and optionally dbias (column sums of the unquantized

@@ -41,8 +41,8 @@ TILED_BLOCK = 256  # the tiled kernels' block (their __launch_bounds__)
 # quantize_tiled_v1 and quantize_flat_v1, the kernels before it, kept for A/B benchmarks
 # (scripts/bench_kernels.py --variants) in a module of their own (ModuleKey param 'v1'), compiled only when
 # asked for. Same roles, parameters, bytes and launch configuration.
-TILED_VARIANTS = ("v2", "v1")
-_tiled_variant = "v2"
+QUANTIZE_VARIANTS = ("v2", "v1")
+_quantize_variant = "v2"
 LN_THREADS = _ln.MAX_THREADS_PER_ROW  # the layernorm kernel's largest block (LN_THREADS in layernorm_quantize.cu)
 LN_BLOCK = 256  # its block when a row takes fewer threads (blockDim / threads-per-row rows per pass)
 # the layernorm kernel's transposed tile: (rows per tile, most shared bytes), first that fits wins
@@ -323,15 +323,15 @@ def _flat_grid(ref: KernelRef, sms: int, n: int) -> int:
     return max(1, min(-(-n // (16 * THREADS)), ref.per_sm * sms))
 
 
-def use_tiled_variant(variant: str) -> str:
-    """Make ``variant`` (one of :data:`TILED_VARIANTS`) the module whose kernels (tiled and flat) the
-    quantize plans built from now on launch; returns the previous one. For A/B benchmarks and tests in one process (scripts/bench_kernels.py
-    --variants): :func:`quantize_plan`'s cache is emptied; plans a front end keeps (the torch custom
-    ops' per-signature cache) keep the kernel they were built with."""
-    global _tiled_variant
-    if variant not in TILED_VARIANTS:
-        raise ValueError(f"tiled kernel variant must be one of {TILED_VARIANTS}; got {variant!r}")
-    previous, _tiled_variant = _tiled_variant, variant
+def use_quantize_variant(variant: str) -> str:
+    """Make ``variant`` (one of :data:`QUANTIZE_VARIANTS`) the module whose kernels (flat and tiled) the
+    quantize plans built from now on launch; returns the previous one. For A/B benchmarks and tests in
+    one process (scripts/bench_kernels.py --variants): :func:`quantize_plan`'s cache is emptied; plans
+    a front end keeps (the torch custom ops' per-signature cache) keep the kernels they were built with."""
+    global _quantize_variant
+    if variant not in QUANTIZE_VARIANTS:
+        raise ValueError(f"quantize kernel variant must be one of {QUANTIZE_VARIANTS}; got {variant!r}")
+    previous, _quantize_variant = _quantize_variant, variant
     quantize_plan.cache_clear()
     return previous
 
@@ -508,8 +508,8 @@ def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: i
                   dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0,
                   pad_to: int = 1) -> Plan:
     """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device`` (the kernels of
-    :func:`use_tiled_variant`)."""
-    key = ModuleKey("quantize", dtype, fmt, op, "" if _tiled_variant == "v2" else _tiled_variant)
+    :func:`use_quantize_variant`)."""
+    key = ModuleKey("quantize", dtype, fmt, op, "" if _quantize_variant == "v2" else _quantize_variant)
     return build_quantize_plan(kernel_refs(key, device), sm_count(device), rows, cols, transpose, dbias, first,
                                margin_factor, offset, pad_to)
 

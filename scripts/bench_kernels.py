@@ -12,7 +12,7 @@ fusedfp8.quantize call from torch at 1024x1024 (pipelined calls, no sync).
 Usage: python scripts/bench_kernels.py [--out DIR] [--sizes 1024x1024,4096x4096] [--jobs quantize,gelu_t,...]
        [--peers eager,compile,xla | --peers none] [--variants v2,v1]
 Writes DIR/bench_kernels.json and DIR/bench_kernels.png.
---variants times fusedfp8 once per variant of the quantize kernels (fusedfp8._cuda.TILED_VARIANTS: v2
+--variants times fusedfp8 once per variant of the quantize kernels (fusedfp8._cuda.QUANTIZE_VARIANTS: v2
 the current flat and tiled kernels, v1 those before issue 18), alternately in the order A B B A, each
 checked byte for byte first; fusedfp8_us is the first variant's best, fusedfp8[v]_us each variant's.
 The layernorm jobs (another kernel) are timed once.
@@ -230,16 +230,16 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES), help="MxN list")
     ap.add_argument("--jobs", default=",".join(JOBS), help="jobs to run")
     ap.add_argument("--peers", default="eager,compile,xla", help="peers to run ('none': fusedfp8 alone)")
-    ap.add_argument("--variants", default=_cuda.TILED_VARIANTS[0],
-                    help=f"quantize-kernel variants to time, A/B in one run (of {','.join(_cuda.TILED_VARIANTS)})")
+    ap.add_argument("--variants", default=_cuda.QUANTIZE_VARIANTS[0],
+                    help=f"quantize-kernel variants to time, A/B in one run (of {','.join(_cuda.QUANTIZE_VARIANTS)})")
     args = ap.parse_args(argv)
     sizes = _bench.parse_sizes(args.sizes, 2, "--sizes", ap.error)
     jobs = args.jobs.split(",")
     peers = [] if args.peers == "none" else args.peers.split(",")
     variants = args.variants.split(",")
-    if set(variants) - set(_cuda.TILED_VARIANTS) or not variants:
-        ap.error(f"--variants: unknown {sorted(set(variants) - set(_cuda.TILED_VARIANTS))}; choose from "
-                 f"{list(_cuda.TILED_VARIANTS)}")
+    if set(variants) - set(_cuda.QUANTIZE_VARIANTS) or not variants:
+        ap.error(f"--variants: unknown {sorted(set(variants) - set(_cuda.QUANTIZE_VARIANTS))}; choose from "
+                 f"{list(_cuda.QUANTIZE_VARIANTS)}")
     if set(jobs) - set(JOBS):
         ap.error(f"--jobs: unknown {sorted(set(jobs) - set(JOBS))}; choose from {JOBS}")
     if set(peers) - {"eager", "compile", "xla"}:
@@ -285,11 +285,11 @@ def main(argv=None) -> int:
             times: dict = {}
             correct = True
             for v in order:
-                _cuda.use_tiled_variant(v)
+                _cuda.use_quantize_variant(v)
                 if v not in times:
                     correct &= check_fused(job, xs[0], bs[0], m, n)
                 times.setdefault(v, []).append(_bench.graph_us(lambda *a: fused(job, *a), inputs))
-            _cuda.use_tiled_variant(variants[0])
+            _cuda.use_quantize_variant(variants[0])
             row["fusedfp8_correct"] = correct
             row["fusedfp8_us"] = min(times[variants[0]])
             if len(times) > 1:

@@ -184,23 +184,23 @@ TILED_CASES = [(1024, 2048, 1), (136, 1032, 1), (303, 300, 1), (333, 517, 16), (
 def tiled_launch(monkeypatch):
     """``tiled_launch(v, grid=None)``: the tiled kernel v (and a fixed grid) for the plans from now on;
     the default variant and grid come back after."""
-    before = _cuda.use_tiled_variant(_cuda.TILED_VARIANTS[0])
+    before = _cuda.use_quantize_variant(_cuda.QUANTIZE_VARIANTS[0])
     grid = _cuda._tiled_grid
 
     def use(v, g=None):
         monkeypatch.setattr(_cuda, "_tiled_grid", grid if g is None else lambda ref, sms, rows, cols: g)
-        _cuda.use_tiled_variant(v)
+        _cuda.use_quantize_variant(v)
 
     yield use
     monkeypatch.undo()
-    _cuda.use_tiled_variant(before)
+    _cuda.use_quantize_variant(before)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["identity", "gelu_tanh", "dgelu_tanh"])  # (the v1 modules bench_kernels uses too)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # (float16 takes bfloat16's 2-byte code)
 @pytest.mark.parametrize("rows, cols, pad_to", TILED_CASES, ids=lambda v: str(v))
-def test_tiled_variants_agree(tiled_launch, rows, cols, pad_to, dtype, op):
+def test_quantize_variants_agree(tiled_launch, rows, cols, pad_to, dtype, op):
     """The tiled kernel of issue 18 (v2, the default; also on a grid of 7 blocks, which pipelines
     many tiles a block) and the one before it (v1, kept for A/B benchmarks) write the same bytes
     (q, q_t, amax, scale_inv), with transpose and dbias; dbias, summed in another order than v1's,
