@@ -37,6 +37,8 @@ constexpr size_t kMaxParamBytes = 4096;  // the driver's limit for kernel parame
 using CUresult = int;
 using CUfunction = void*;
 using CUstream = void*;
+using CUcontext = void*;
+using CUdevice = int;
 using CUdeviceptr = unsigned long long;
 
 struct Driver {
@@ -45,6 +47,10 @@ struct Driver {
   CUresult (*memset_d32_async)(CUdeviceptr, unsigned, size_t, CUstream) = nullptr;
   CUresult (*memcpy_dtod_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
   CUresult (*ctx_get_device)(int*) = nullptr;
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, CUdevice) = nullptr;
   CUresult (*error_name)(CUresult, const char**) = nullptr;
   CUresult (*error_string)(CUresult, const char**) = nullptr;
   std::string why;  // empty when every entry point was found
@@ -67,6 +73,10 @@ inline const Driver& driver() {
     sym("cuMemsetD32Async", r.memset_d32_async);
     sym("cuMemcpyDtoDAsync_v2", r.memcpy_dtod_async);
     sym("cuCtxGetDevice", r.ctx_get_device);
+    sym("cuCtxGetCurrent", r.ctx_get_current);
+    sym("cuCtxSetCurrent", r.ctx_set_current);
+    sym("cuDeviceGet", r.device_get);
+    sym("cuDevicePrimaryCtxRetain", r.primary_ctx_retain);
     sym("cuGetErrorName", r.error_name);
     sym("cuGetErrorString", r.error_string);
     return r;
@@ -82,6 +92,37 @@ inline std::string cuda_error(CUresult err) {
   if (d.error_name) d.error_name(err, &name);
   if (d.error_string) d.error_string(err, &text);
   return "CUDA error " + std::to_string(err) + " (" + (name ? name : "?") + ": " + (text ? text : "?") + ")";
+}
+
+// Makes `device`'s primary context current on this thread when the thread has no current context.
+// The driver API launches into the current context, and a thread that has made no CUDA runtime
+// call yet has none: torch's autograd engine runs the backward on worker threads of its own, and
+// the caching allocator hands out memory without touching the runtime, so the first launch of a
+// backward op there failed with CUDA_ERROR_INVALID_CONTEXT. The runtime uses the same primary
+// context (retained here once per device and kept). "" or the error.
+inline std::string ensure_context(int device) {
+  const Driver& d = driver();
+  if (!d.why.empty()) return "fusedfp8: " + d.why;
+  CUcontext cur = nullptr;
+  if (d.ctx_get_current(&cur) == 0 && cur != nullptr) return "";
+  constexpr int kMaxDevices = 64;
+  static CUcontext primary[kMaxDevices] = {};
+  if (device < 0 || device >= kMaxDevices) return "fusedfp8: CUDA device index " + std::to_string(device) + " out of range";
+  CUcontext ctx = __atomic_load_n(&primary[device], __ATOMIC_ACQUIRE);
+  if (ctx == nullptr) {
+    CUdevice dev = 0;
+    CUresult err = d.device_get(&dev, device);
+    if (err == 0) err = d.primary_ctx_retain(&ctx, dev);
+    if (err != 0) return "fusedfp8: retaining the primary context of CUDA device " + std::to_string(device) +
+                         " failed: " + cuda_error(err);
+    CUcontext none = nullptr;  // another thread may have retained it first: keep one retain
+    if (!__atomic_compare_exchange_n(&primary[device], &none, ctx, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+      ctx = none;
+  }
+  CUresult err = d.ctx_set_current(ctx);
+  if (err != 0) return "fusedfp8: making CUDA device " + std::to_string(device) + "'s context current failed: " +
+                       cuda_error(err);
+  return "";
 }
 
 // ---- the plan walk ---------------------------------------------------------------------------

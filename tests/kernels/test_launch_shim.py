@@ -587,6 +587,74 @@ def test_torch_cpp_ops_match_the_python_path(cpp_ops, name, dtype, shape, first,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", TORCH_OPS)
+def test_torch_cpp_ops_launch_from_a_thread_without_a_cuda_context(cpp_ops, name):
+    """The C++ ops launch through the driver API, into the thread's current context. torch's
+    autograd engine runs the backward on threads of its own whose first CUDA work can be a
+    fusedfp8 op (the caching allocator hands out memory without a CUDA call): they have no current
+    context, and the launch failed with CUDA_ERROR_INVALID_CONTEXT (found by tests/pytorch/
+    test_ragged.py on the H200). Every op, called first thing in a fresh thread, gives the bytes
+    it gives on the main thread; so does the backward of an Fp8Linear."""
+    import threading
+
+    import torch
+
+    x = _torch_x((64, 128), "bfloat16", 1, False)
+    b = _torch_x((64, 128), "bfloat16", 2, False)
+    if name == "dequantize":
+        q = cpp_ops.call(cpp_ops.quantize, *_torch_args("quantize", x, b, _torch_state(False)))[0]
+        args = lambda: (q, torch.full((1,), 0.5, device="cuda"), torch.bfloat16)  # noqa: E731
+    else:
+        states = [_torch_state(False) for _ in range(2)]
+        args = iter([_torch_args(name, x, b, s) for s in states]).__next__
+    want = cpp_ops.call(getattr(cpp_ops, name), *args())
+    got, errors = [], []
+
+    def run():
+        try:
+            got.append(cpp_ops.call(getattr(cpp_ops, name), *args()))
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - handed to the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors[0]
+    got, want = (got[0], want) if isinstance(want, tuple) else ((got[0],), (want,))
+    _same_all(got, want)
+
+
+@pytest.mark.gpu
+def test_fp8_linear_backward_runs_on_the_autograd_threads(cpp_ops):
+    """The backward of a fresh Fp8Linear in a fresh process-level thread: the engine's worker
+    thread launches the gradient's quantization first (see the test above)."""
+    import threading
+
+    import torch
+
+    import fusedfp8
+    import fusedfp8.pytorch as fp8
+
+    lin = fp8.Fp8Linear(48, 32, recipe=fusedfp8.DelayedScaling(), device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(40, 48, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    errors = []
+
+    def run():
+        try:
+            lin(x).float().pow(2).sum().backward()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors[0]
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_torch_cpp_dequantize_matches_the_python_path(cpp_ops, dtype, fmt):
