@@ -24,6 +24,12 @@ The "gradient" of that collection is the new state (see :mod:`fusedfp8.jax.funct
 step's staged amaxes become scales at the start of the next forward (one fused update per
 module per step). Variables converted to flax's ``fp32_max_grad`` dtype (as pipelined
 ``nn.scan`` users do) accumulate the staged amaxes of several uses with max.
+
+Gradient accumulation. The micro-batches of one step add their gradients with
+:func:`accumulate_gradients` (their new FP8 states combine by max; a sum would restart them).
+:func:`quantize_weights` makes every module's FP8 weight once per step (the ``'fp8_weights'``
+collection); passed with the variables, the modules reuse it instead of quantizing their weight
+in each micro-batch (docs/accumulation.md).
 """
 from __future__ import annotations
 
