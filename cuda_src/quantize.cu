@@ -16,8 +16,348 @@
 
 using namespace ff8;
 
+// ---- helpers of the kernels of issue 18 ----------------------------------------------------------
+// A 16-byte load through the read-only path, as written (volatile: issued where it stands, so the
+// next step's loads are in flight while this step computes).
+__device__ __forceinline__ uint4 ldg_nc16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32 word_of(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+// Element j (0..15, compile-time) of 16 consecutive elements held raw in 16-byte chunks c[].
+template <typename T> __device__ __forceinline__ float raw_elem(const uint4* c, int j);
+template <> __device__ __forceinline__ float raw_elem<float>(const uint4* c, int j) {
+    return __uint_as_float(word_of(c[j >> 2], j & 3));
+}
+template <> __device__ __forceinline__ float raw_elem<__nv_bfloat16>(const uint4* c, int j) {
+    const u32 w = word_of(c[j >> 3], (j >> 1) & 3);
+    return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
+}
+template <> __device__ __forceinline__ float raw_elem<__half>(const uint4* c, int j) {
+    const u32 w = word_of(c[j >> 3], (j >> 1) & 3);
+    return __half2float(__ushort_as_half((unsigned short)((j & 1) ? (w >> 16) : (w & 0xffffu))));
+}
+
+// Byte offset of tile element (r, c) in quantize_tiled's swizzled 128 x 64 shared tile (see its header).
+__device__ __forceinline__ int tile_at(int r, int c) {
+    return 64 * r + 16 * ((c >> 4) ^ ((r >> 4) & 3)) + 8 * (((c >> 3) & 1) ^ ((r >> 6) & 1)) + (c & 7);
+}
+
+template <bool V> struct Flag { static constexpr bool value = V; };
+
 // ---------------------------------------------------------------------------------------------
 // quantize_flat: any shape, seen as n contiguous elements.
+// Grid: 1-D, min(ceil(n / (16 * FF8_THREADS)), resident blocks) blocks of FF8_THREADS threads, grid-
+// stride. Vector path (VEC=true; x, b and q 16-byte aligned): each thread takes 16 elements per
+// step, 2 independent 16-byte loads for 2-byte types (4 for float32) per input, kept raw in
+// registers, and one 16-byte store; a thread's first loads are issued before the scale is read
+// (issue 18: a block's first step waits for one memory latency, not two). (Loads of the next step
+// issued ahead, or of two steps side by side, do not survive ptxas: in the sm_90 SASS it sinks them
+// to their first use to save registers.) The < 16-element tail is done element-wise by the last
+// threads. VEC=false: element-wise.
+// STORE=false is the first-step pre-pass: amax only, and only if *updates == 0.
+// One atomicMax per block.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int FMT, int OP, bool VEC, bool STORE>
+__global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
+    const T* __restrict__ x,          // [n] input (dy for OP 3/4)
+    const T* __restrict__ b,          // [n] second input (x for OP 3/4), else null
+    u8* __restrict__ q,               // [n] FP8 output (bytes)
+    const float* __restrict__ scale,  // [1] scale
+    float* amax,                      // [1] amax slot, max-accumulated (NaN-propagating)
+    float* scale_out,                 // [1] or null: first step writes the scale it used
+    float* scale_inv_out,             // [1] or null: and its inverse
+    float* scale_inv_used,            // [1] or null: 1 / the scale this launch used (any step)
+    const int* updates,               // [1] or null: first-step flag (0 = first step)
+    i64 n,                            // number of elements
+    float margin_factor)              // 2**margin, for the first-step scale
+{
+    constexpr int LOADS = (int)sizeof(T);  // 16-byte loads per input and step (16 elements)
+    if (!STORE && *updates != 0) return;  // pre-pass only runs on a first step
+    const i64 tid = (i64)blockIdx.x * FF8_THREADS + threadIdx.x;
+    const i64 nthreads = (i64)gridDim.x * FF8_THREADS;
+    const i64 nvec = VEC ? n / 16 : 0;
+    uint4 xc[LOADS], bc[OP >= 3 ? LOADS : 1];
+    auto load = [&](uint4* xr, uint4* br, i64 i) {
+#pragma unroll
+        for (int k = 0; k < LOADS; ++k) {
+            xr[k] = ldg_nc16(x + i * 16 + k * (16 / LOADS));
+            if (OP >= 3) br[k] = ldg_nc16(b + i * 16 + k * (16 / LOADS));
+        }
+    };
+    if (VEC && tid < nvec) load(xc, bc, tid);  // before the scale: the first loads wait on nothing
+    float s = 1.0f;
+    bool fresh = false;
+    if (STORE) {
+        fresh = launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, &s);
+        if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
+    }
+    u32 m = 0;
+    if (VEC) {
+        for (i64 i = tid; i < nvec; i += nthreads) {
+            if (i != tid) load(xc, bc, i);  // (the first step's were issued before the scale)
+            float v[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                float y = apply_op<OP>(raw_elem<T>(xc, j), OP >= 3 ? raw_elem<T>(bc, j) : 0.0f);
+                m = max(m, abs_bits(y));
+                v[j] = fmul(y, s);
+            }
+            if (STORE) {
+                const u64 lo = cvt8<FMT>(v), hi = cvt8<FMT>(v + 8);
+                *reinterpret_cast<uint4*>(q + i * 16) = make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32));
+            }
+        }
+    }
+    for (i64 i = nvec * 16 + tid; i < n; i += nthreads) {
+        float y = apply_op<OP>(to_f32(x[i]), OP >= 3 ? to_f32(b[i]) : 0.0f);
+        m = max(m, abs_bits(y));
+        if (STORE) q[i] = cvt1<FMT>(fmul(y, s));
+    }
+    if (!fresh) block_amax_atomic<FF8_THREADS>(m, amax);  // on a first step the pre-pass already did it
+}
+
+// ---------------------------------------------------------------------------------------------
+// quantize_tiled (issue 18): what quantize_tiled_v1 computes, byte for byte (the same operations
+// per element in the same order, the same amax; dbias from the same 128 x 64 tiles and workspace,
+// summed in the fixed order below), with more bytes in flight and whole-line stores.
+// Tile: 128 rows x 64 cols (the v1 tile: dbias_workspace and the padded tile grid are unchanged);
+// block: 256 threads; grid: min(tiles, resident blocks) from the occupancy, grid-stride.
+// Software pipeline: a block issues the 16-byte loads of its next tile (raw, in registers) before
+// it computes the current one, and the first tile's loads before it reads the scale, so loads are
+// in flight while the block computes and stores: per thread 2 rows x 16 columns of x (and b), i.e.
+// 4 loads of 16 bytes for a 2-byte type (8 for float32) per input, current + next tile.
+// Thread t owns rows t/4 and t/4 + 64, columns 16(t%4)..+15 of the tile: q is written with one
+// 16-byte store per row (two 8-byte stores when pcols % 16 != 0), and the FP8 bytes go to a shared
+// 128 x 64-byte tile (two of them, alternating, so one barrier a tile suffices) at a swizzled place
+//     phys(r, c) = 64 r + 16 ((c / 16) ^ (r / 16 % 4)) + 8 ((c / 8 % 2) ^ (r / 64)) + c % 8
+// (16-byte chunks permuted within a row: the stores and the transposed reads are conflict-free).
+// Transposed store: lane l of warp w takes tile rows 16(l%8)..+15 and columns 2p, 2p+1 with
+// p = 4w + l/8: 16 4-byte reads (the word of columns 4(p/2)..+3), byte_perm, and one 16-byte store
+// per column, so 8 lanes write one full 128-byte line of q_t and a warp store writes 4 lines
+// (when the tile is full, q_t 16-byte aligned and prows % 16 == 0; else byte stores with bounds).
+// dbias: each thread adds its two rows (y0 + y1, per column), a thread per (column, 16-row group)
+// adds its 16 rows in order, one per column adds the 4 groups ((g0 + g1) + (g2 + g3)), then the
+// partials of the tiles of a column strip in tile order by the last tile of the strip (as v1).
+// Edge tiles (and every tile when !vec) are done element by element with bounds checks, their
+// dbias rows added from +0 in row order. One atomicMax per block.
+// Padding: as quantize_tiled_v1 (q, q_t padded with zeros; the pad takes no part in amax or dbias).
+// ---------------------------------------------------------------------------------------------
+#define TILE_R 128  // the tile of both tiled kernels (_cuda.TILE_R, TILE_C)
+#define TILE_C 64
+#define T2_LOADS (2 * (int)sizeof(T))  // 16-byte loads per thread, tile and input (2 rows x 16 columns)
+
+template <typename T, int FMT, int OP>
+__global__ void __launch_bounds__(256) quantize_tiled(
+    const T* __restrict__ x,          // [rows, cols] input (dy for OP 3/4)
+    const T* __restrict__ b,          // [rows, cols] second input (x for OP 3/4), else null
+    u8* __restrict__ q,               // [prows, pcols] FP8 output
+    u8* __restrict__ q_t,             // [pcols, prows] transposed FP8 output, or null
+    float* __restrict__ dbias,        // [cols] column sums, or null
+    float* __restrict__ partial,      // [ceil(prows/128), cols] workspace for dbias, or null
+    int* __restrict__ strip_count,    // [ceil(pcols/64)] zeroed counters for dbias, or null
+    const float* __restrict__ scale,  // [1]
+    float* amax,                      // [1] amax slot, max-accumulated
+    float* scale_out,                 // [1] or null (first step)
+    float* scale_inv_out,             // [1] or null (first step)
+    float* scale_inv_used,            // [1] or null: 1 / the scale this launch used (any step)
+    const int* updates,               // [1] or null: first-step flag
+    i64 rows, i64 cols,               // logical shape
+    i64 prows, i64 pcols,             // padded shape of q (q_t: pcols x prows), >= rows, cols
+    int vec,                          // 1: x, b, q 16-byte aligned and cols % 8 == 0 == pcols % 8
+    int vec_t,                        // 1: q_t 8-byte aligned and prows % 8 == 0
+    float margin_factor)              // 2**margin
+{
+    constexpr int PER_ROW = T2_LOADS / 2;       // 16-byte loads per row
+    constexpr int ELEMS = 16 / (int)sizeof(T);  // elements per 16-byte load
+    __shared__ __align__(16) u8 tile[2][TILE_R * TILE_C];
+    __shared__ __align__(16) float colsum[64][TILE_C + 4];  // dbias: each thread's two-row sums
+    __shared__ float colsum4[4][TILE_C];                    // dbias: the 16-row groups' sums
+    __shared__ int is_last;
+    const int t = threadIdx.x, lr = t >> 2, lc = (t & 3) * 16;
+    const u32 tiles_c = (u32)((pcols + TILE_C - 1) / TILE_C), tiles_r = (u32)((prows + TILE_R - 1) / TILE_R);
+    const i64 ntiles = (i64)tiles_r * tiles_c;
+    // the transposed reads: rows 16 rm..+15, the word of columns 4 wc..+3; bytes kb, kb + 1 of it
+    const int lane = t & 31, rm = lane & 7, cp = (t >> 5) * 4 + (lane >> 3), wc = cp >> 1, kb = 2 * (cp & 1);
+    const int rd_base = tile_at(16 * rm, 4 * wc);
+    // the tile stores: row lr + 64 p, chunk t % 4 (tile_at(lr + 64 p, lc) = wr_base + 4096 p, halves swapped for p = 1)
+    const int wr_base = tile_at(lr, lc);
+    const bool q16 = (pcols & 15) == 0;                                             // (q 16-byte aligned when vec)
+    const bool t16 = vec_t && (prows & 15) == 0 && (reinterpret_cast<u64>(q_t) & 15) == 0;
+    const bool fast_ok = vec && (OP >= 3 || dbias == nullptr);  // (dbias with OP < 3: the element-wise path)
+
+    // tile coordinates advance by the grid in both dimensions (no division in the loop)
+    const u32 step_r = gridDim.x / tiles_c, step_c = gridDim.x % tiles_c;
+    u32 tr = blockIdx.x / tiles_c, tc = blockIdx.x % tiles_c;
+    auto is_fast = [&](u32 r, u32 c) {
+        return fast_ok && (i64)(r + 1) * TILE_R <= rows && (i64)(c + 1) * TILE_C <= cols;
+    };
+    auto load = [&](uint4* xr, uint4* br, u32 r, u32 c) {
+        const i64 off = ((i64)r * TILE_R + lr) * cols + (i64)c * TILE_C + lc;
+#pragma unroll
+        for (int p = 0; p < 2; ++p)
+#pragma unroll
+            for (int k = 0; k < PER_ROW; ++k) {
+                xr[p * PER_ROW + k] = ldg_nc16(x + off + p * 64 * cols + k * ELEMS);
+                if (OP >= 3) br[p * PER_ROW + k] = ldg_nc16(b + off + p * 64 * cols + k * ELEMS);
+            }
+    };
+
+    uint4 xc[T2_LOADS], bc[OP >= 3 ? T2_LOADS : 1];
+    bool fast = blockIdx.x < ntiles && is_fast(tr, tc);
+    if (fast) load(xc, bc, tr, tc);  // before the scale: the first loads wait on nothing
+
+    float s;
+    const bool fresh = launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, &s);
+    if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
+    u32 m = 0;
+    int buf = 0;
+    for (i64 id = blockIdx.x; id < ntiles; id += gridDim.x) {
+        const i64 r0 = (i64)tr * TILE_R, c0 = (i64)tc * TILE_C;
+        const bool full = r0 + TILE_R <= rows && c0 + TILE_C <= cols;  // no edge, no pad
+        u32 ntr = tr + step_r, ntc = tc + step_c;
+        if (ntc >= tiles_c) { ntc -= tiles_c; ++ntr; }
+        uint4 xn[T2_LOADS], bn[OP >= 3 ? T2_LOADS : 1];
+        const bool nfast = id + gridDim.x < ntiles && is_fast(ntr, ntc);
+        if (nfast) load(xn, bn, ntr, ntc);  // the next tile's loads fly while this one is computed
+        u8* tl = tile[buf];
+        if (fast) {
+            auto body = [&](auto with_dbias) {
+                constexpr bool DB = decltype(with_dbias)::value;
+                float cs[16];
+#pragma unroll
+                for (int p = 0; p < 2; ++p) {
+                    float v[16];
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+                        float y = apply_op<OP>(raw_elem<T>(xc + p * PER_ROW, j),
+                                               OP >= 3 ? raw_elem<T>(bc + p * PER_ROW, j) : 0.0f);
+                        m = max(m, abs_bits(y));
+                        if (DB) cs[j] = p == 0 ? y : fadd(cs[j], y);
+                        v[j] = fmul(y, s);
+                    }
+                    const u64 lo = cvt8<FMT>(v), hi = cvt8<FMT>(v + 8);
+                    u8* qp = q + (r0 + lr + 64 * p) * pcols + c0 + lc;
+                    if (q16) {
+                        *reinterpret_cast<uint4*>(qp) = make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32));
+                    } else {
+                        reinterpret_cast<u64*>(qp)[0] = lo;
+                        reinterpret_cast<u64*>(qp)[1] = hi;
+                    }
+                    if (q_t != nullptr)  // the 8-byte halves swapped in rows 64..127 (tile_at)
+                        *reinterpret_cast<uint4*>(tl + wr_base + 4096 * p) =
+                            p == 0 ? make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32))
+                                   : make_uint4((u32)hi, (u32)(hi >> 32), (u32)lo, (u32)(lo >> 32));
+                }
+                if (DB) {
+#pragma unroll
+                    for (int j = 0; j < 16; j += 4)
+                        *reinterpret_cast<float4*>(&colsum[lr][lc + j]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
+                }
+            };
+            if (OP >= 3 && dbias != nullptr) body(Flag<true>());
+            else body(Flag<false>());
+        } else {
+            if (dbias != nullptr) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j) colsum[lr][lc + j] = 0.0f;
+            }
+#pragma unroll 1
+            for (int p = 0; p < 2; ++p) {
+                const int r = lr + 64 * p;
+                const i64 gr = r0 + r;
+#pragma unroll 1
+                for (int j = 0; j < 16; ++j) {
+                    const int c = lc + j;
+                    const i64 gc = c0 + c;
+                    u8 byte = 0;
+                    if (gr < rows && gc < cols) {
+                        const i64 off = gr * cols + gc;
+                        float y = apply_op<OP>(to_f32(x[off]), OP >= 3 ? to_f32(b[off]) : 0.0f);
+                        m = max(m, abs_bits(y));
+                        if (dbias != nullptr) colsum[lr][c] = fadd(colsum[lr][c], y);
+                        byte = cvt1<FMT>(fmul(y, s));
+                        q[gr * pcols + gc] = byte;
+                    } else if (gr < prows && gc < pcols) {
+                        q[gr * pcols + gc] = 0;  // the pad
+                    }
+                    if (q_t != nullptr) tl[tile_at(r, c)] = byte;
+                }
+            }
+        }
+        __syncthreads();
+        if (q_t != nullptr) {
+            u32 wd[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) wd[i] = *reinterpret_cast<const u32*>(tl + rd_base + 64 * i);
+            const i64 gr = r0 + 16 * rm;
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const u32 sel = (u32)(kb + k) | ((u32)(kb + k + 4) << 4);  // byte kb + k of two words
+                u32 o[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    o[i] = __byte_perm(__byte_perm(wd[4 * i], wd[4 * i + 1], sel),
+                                       __byte_perm(wd[4 * i + 2], wd[4 * i + 3], sel), 0x5410);
+                const i64 gc = c0 + 2 * cp + k;
+                if (full && t16) {
+                    *reinterpret_cast<uint4*>(q_t + gc * prows + gr) = make_uint4(o[0], o[1], o[2], o[3]);
+                } else if (gc < pcols) {
+#pragma unroll
+                    for (int i = 0; i < 16; ++i)
+                        if (gr + i < prows) q_t[gc * prows + gr + i] = (u8)(o[i >> 2] >> (8 * (i & 3)));
+                }
+            }
+        }
+        if (dbias != nullptr) {
+            {
+                const int c = t & 63, g = t >> 6;
+                float acc = colsum[16 * g][c];
+#pragma unroll
+                for (int k = 1; k < 16; ++k) acc = fadd(acc, colsum[16 * g + k][c]);
+                colsum4[g][c] = acc;
+            }
+            __syncthreads();
+            if (t < TILE_C && c0 + t < cols)
+                partial[(i64)tr * cols + c0 + t] = fadd(fadd(colsum4[0][t], colsum4[1][t]), fadd(colsum4[2][t], colsum4[3][t]));
+            __threadfence();
+            __syncthreads();
+            if (t == 0) is_last = atomicAdd(&strip_count[tc], 1) == (int)tiles_r - 1;
+            __syncthreads();
+            if (is_last) {
+                __threadfence();
+                if (t < TILE_C && c0 + t < cols) {
+                    float acc = 0.0f;
+                    for (u32 k = 0; k < tiles_r; ++k) acc = fadd(acc, __ldcg(&partial[(i64)k * cols + c0 + t]));
+                    dbias[c0 + t] = acc;
+                }
+                if (t == 0) strip_count[tc] = 0;  // leave the counters zeroed for the next call
+            }
+        }
+        buf ^= 1;
+        tr = ntr;
+        tc = ntc;
+        fast = nfast;
+#pragma unroll
+        for (int k = 0; k < T2_LOADS; ++k) {
+            xc[k] = xn[k];
+            if (OP >= 3) bc[k] = bn[k];
+        }
+    }
+    if (!fresh) block_amax_atomic<256>(m, amax);
+}
+
+// =============================================================================================
+// The kernels before issue 18, kept for A/B benchmarks in one run (_cuda.use_quantize_variant('v1'),
+// scripts/bench_kernels.py --variants v2,v1); compiled only when asked for (module param 'v1').
+// Same parameters and launch configuration as the kernels above; the same bytes (dbias within
+// float32 rounding: its sums are grouped differently). To be deleted once the new ones are measured.
+// =============================================================================================
+// ---------------------------------------------------------------------------------------------
+// quantize_flat_v1: quantize_flat before issue 18 (A/B benchmarks, see quantize_tiled_v1).
+// Any shape, seen as n contiguous elements.
 // Grid: 1-D, min(ceil(n / (16 * FF8_THREADS)), 8 * SMs) blocks of FF8_THREADS threads, grid-
 // stride. Vector path (VEC=true; x, b and q 16-byte aligned): each thread takes 16 elements per
 // step, 2 independent 16-byte loads for 2-byte types (4 for float32) and one 16-byte store;
@@ -26,7 +366,7 @@ using namespace ff8;
 // One atomicMax per block.
 // ---------------------------------------------------------------------------------------------
 template <typename T, int FMT, int OP, bool VEC, bool STORE>
-__global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
+__global__ void __launch_bounds__(FF8_THREADS) quantize_flat_v1(
     const T* __restrict__ x,          // [n] input (dy for OP 3/4)
     const T* __restrict__ b,          // [n] second input (x for OP 3/4), else null
     u8* __restrict__ q,               // [n] FP8 output (bytes)
@@ -84,13 +424,16 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 }
 
 // ---------------------------------------------------------------------------------------------
-// quantize_tiled: x viewed as rows x cols (row-major). Writes q (prows x pcols), optionally q_t
+// quantize_tiled_v1: the tiled kernel before issue 18, kept for A/B benchmarks (_cuda.use_quantize_variant,
+// scripts/bench_kernels.py --variants); same parameters, outputs and bytes as quantize_tiled.
+// x viewed as rows x cols (row-major). Writes q (prows x pcols), optionally q_t
 // (pcols x prows, row-major: the transpose) and optionally dbias (column sums of the unquantized
 // values, float32, deterministic: per-tile partial sums in a fixed order, then the last tile of
 // each column strip to finish adds the partials in tile order).
 // Tile: 128 rows x 64 cols; block: 256 threads; grid: min(tiles, 4 * SMs), grid-stride.
-// Load: thread t takes 8 consecutive elements of rows t/8 + 32p, p = 0..3, all four loads issued
-// before any is used (16-byte loads when `vec`); it writes its 8 bytes of q per row and into a
+// Load: thread t takes 8 consecutive elements of rows t/8 + 32p, p = 0..3, all four loads written
+// before any use (16-byte loads when `vec`; in the sm_90 SASS ptxas issues the first, computes its
+// row, then issues the other three: two memory latencies a tile); it writes its 8 bytes of q per row and into a
 // shared 128 x 72-byte tile. Transposed store: thread t reads the 4-byte words of tile columns
 // 4(t%16)..+3 in rows 8(t/16)..+7 (conflict-free with the 72-byte pitch), transposes the bytes
 // with byte_perm, and writes 8 bytes to each of 4 rows of q_t.
@@ -102,12 +445,10 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 // is the same tile grid: 128 and 64 are multiples of 16); the dbias workspace has one row per
 // row tile and one counter per column strip of the padded shape.
 // ---------------------------------------------------------------------------------------------
-#define TILE_R 128
-#define TILE_C 64
 #define TILE_PITCH 72
 
 template <typename T, int FMT, int OP>
-__global__ void __launch_bounds__(256) quantize_tiled(
+__global__ void __launch_bounds__(256) quantize_tiled_v1(
     const T* __restrict__ x,          // [rows, cols] input (dy for OP 3/4)
     const T* __restrict__ b,          // [rows, cols] second input (x for OP 3/4), else null
     u8* __restrict__ q,               // [rows, cols] FP8 output
@@ -239,3 +580,4 @@ __global__ void __launch_bounds__(256) quantize_tiled(
     }
     if (!fresh) block_amax_atomic<256>(m, amax);
 }
+

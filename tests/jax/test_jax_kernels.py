@@ -195,6 +195,9 @@ def test_fp8_dot_compiles_to_cublaslt_fp8_gemms_without_transposes():
     text = _compiled_text(jax.grad(loss, argnums=(0, 1, 2)), x, w, meta)
     gemms = text.count('custom_call_target="__cublas$lt$matmul$f8"')
     assert gemms == 3, f"expected 3 FP8 GEMMs (forward, dgrad, wgrad); found {gemms}"
+    # each writes its bf16 result itself: no float32 GEMM output and separate convert pass
+    outs = re.findall(r"= \((\w+)\[[\d,]*\][^\n]*custom_call_target=\"__cublas\$lt\$matmul\$f8\"", text)
+    assert outs == ["bf16"] * 3, f"FP8 GEMM output types: {outs}"
     # the opcode, not the metadata: op_name="jit(loss)/transpose(jvp())/..." names autodiff's
     # transpose pass and appears on every backward instruction
     f8_transposes = [ln for ln in text.splitlines() if re.search(r"= f8e[45]m[23]\S*\s+transpose\(", ln)]
