@@ -105,6 +105,38 @@ def graph_us(fn, inputs: list, reps: int = 7) -> float:
     return us
 
 
+class GraphedStep:
+    """A train step replayed from a CUDA graph: the first ``warmup`` calls run ``eager_step()`` on
+    a side stream (allocator and first-step state settle; they are real steps), the next one
+    captures it (the capture runs nothing) and replays it, and every later call replays the
+    graph. Returns what the step returned (the captured output, the same tensor at every replay)."""
+
+    def __init__(self, eager_step, warmup: int = 3):
+        self.eager_step, self.warmup, self.calls = eager_step, warmup, 0
+        self.graph = self.out = self.side = None
+
+    def __call__(self):
+        import torch
+
+        self.calls += 1
+        if self.calls <= self.warmup:
+            if self.side is None:
+                self.side = torch.cuda.Stream()
+            self.side.wait_stream(torch.cuda.current_stream())  # inputs copied in on it
+            with torch.cuda.stream(self.side):
+                out = self.eager_step()
+            # the caller reads the result on the current stream: it must wait for the side stream
+            # (reading it unordered gave a 0.0 first loss at 4096/16384/8192)
+            torch.cuda.current_stream().wait_stream(self.side)
+            return out
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.eager_step()
+        self.graph.replay()
+        return self.out
+
+
 def loop_us(fn, inputs: list, reps: int = 7) -> float:
     """As :func:`graph_us` without a graph (for calls that cannot be captured): CUDA events
     around a loop over the inputs."""
@@ -170,6 +202,42 @@ def copy_ceiling_tbps() -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * 4 * n / (us * 1e-6) / 1e12
+
+
+def torch_profile(step, clock: Clock, steps: int = 3, warmup: int = 2) -> dict:
+    """Device time per kernel category (:data:`KERNEL_CATEGORIES`) of one call of ``step``, in ms,
+    averaged over ``steps`` calls traced by the torch profiler after ``warmup`` untraced ones, with
+    the total (the GPU busy time of a step) and the busiest kernels; or ``{"error": ...}`` (a
+    profiler problem must not lose the timings)."""
+    try:
+        return _torch_profile(step, clock, steps, warmup)
+    except Exception as e:  # noqa: BLE001 - report any profiler failure as text
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _torch_profile(step, clock: Clock, steps: int, warmup: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    clock.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        clock.sync()
+    cats = empty_categories()
+    kernels = {}
+    for evt in prof.key_averages():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = evt.self_device_time_total / 1e3 / steps
+        if ms <= 0:
+            continue
+        cats[kernel_category(evt.key)] += ms
+        kernels[evt.key[:120]] = kernels.get(evt.key[:120], 0.0) + ms
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
+    return {"device_ms_per_step": cats, "device_ms_total": sum(cats.values()), "top_kernels_ms": top}
 
 
 # ---- numbers ---------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ class Runner:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=_bench.LR, fused=fused, capturable=fused)
         self.x, self.y = x, y
         self.forward = lambda a, b: mse(self.model(a), b)
-        self.graph = self.static_loss = None
+        self.graphed = None
         self.steps_done = 0
 
     def eager_step(self):
@@ -94,25 +94,12 @@ class Runner:
                 # the compiled graph is built once
                 self.forward = torch.compile(lambda a, b: mse(self.model(a), b), fullgraph=True, dynamic=False)
             return self.eager_step()
-        if self.steps_done <= GRAPH_WARMUP:
-            if self.steps_done == 1:
-                self.side = torch.cuda.Stream()
-            self.side.wait_stream(torch.cuda.current_stream())  # the batch was copied in on it
-            with torch.cuda.stream(self.side):
-                loss = self.eager_step()
-            # the caller reads the loss on the current stream: it must wait for the side stream
-            # (reading it unordered gave a 0.0 first loss at 4096/16384/8192)
-            torch.cuda.current_stream().wait_stream(self.side)
-            return loss
-        if self.graph is None:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.static_loss = self.eager_step()
-        self.graph.replay()
-        return self.static_loss
+        if self.graphed is None:
+            self.graphed = _bench.GraphedStep(self.eager_step, GRAPH_WARMUP)
+        return self.graphed()
 
     def close(self):
-        self.graph = self.static_loss = None
+        self.graphed = None
         del self.model, self.opt
 
 
@@ -130,36 +117,8 @@ def check_correctness(hidden, ffn, weights, x, y, device) -> dict:
 
 
 def profile_step(runner: Runner, clock: _bench.Clock) -> dict:
-    """Device time per kernel category over 3 eager steps, per step, in ms (or the error: a
-    profiler problem must not lose the timings)."""
-    try:
-        return _profile_step(runner, clock)
-    except Exception as e:  # noqa: BLE001 - report any profiler failure as text
-        return {"error": f"{type(e).__name__}: {e}"}
-
-
-def _profile_step(runner: Runner, clock: _bench.Clock) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(2):
-        runner.step()
-    clock.sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            runner.step()
-        clock.sync()
-    cats = _bench.empty_categories()
-    kernels = {}
-    for evt in prof.key_averages():
-        if evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        ms = evt.self_device_time_total / 1e3 / 3
-        if ms <= 0:
-            continue
-        cats[_bench.kernel_category(evt.key)] += ms
-        kernels[evt.key[:120]] = kernels.get(evt.key[:120], 0.0) + ms
-    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
-    return {"device_ms_per_step": cats, "device_ms_total": sum(cats.values()), "top_kernels_ms": top}
+    """Device time per kernel category over 3 eager steps, per step, in ms (_bench.torch_profile)."""
+    return _bench.torch_profile(runner.step, clock)
 
 
 def run_shape(shape, modes, args, device, clock) -> dict:

@@ -24,6 +24,12 @@ The "gradient" of that collection is the new state (see :mod:`fusedfp8.jax.funct
 step's staged amaxes become scales at the start of the next forward (one fused update per
 module per step). Variables converted to flax's ``fp32_max_grad`` dtype (as pipelined
 ``nn.scan`` users do) accumulate the staged amaxes of several uses with max.
+
+Gradient accumulation. The micro-batches of one step add their gradients with
+:func:`accumulate_gradients` (their new FP8 states combine by max; a sum would restart them).
+:func:`quantize_weights` makes every module's FP8 weight once per step (the ``'fp8_weights'``
+collection); passed with the variables, the modules reuse it instead of quantizing their weight
+in each micro-batch (docs/accumulation.md).
 """
 from __future__ import annotations
 
@@ -39,16 +45,18 @@ from jax import lax
 
 from .. import policy as _policy
 from ..recipe import DelayedScaling
-from ..types import check_recipe
+from ..types import Quantized, check_recipe
 from . import functional as F
 from .meta import META_FIELDS as STATE_VARIABLES
-from .meta import declare_state
+from .meta import combine, declare_state
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+FP8_WEIGHTS = "fp8_weights"  # the collection of the weight cache (quantize_weights)
+_CACHED = ("data", "data_t", "amax", "scale_inv")  # its variables per linear: a Quantized without dbias
 _USES = "_fusedfp8_uses"  # attribute of a root flax scope: module path -> (stored value, last output meta)
 
-__all__ = ["Fp8DotGeneral", "Fp8MLP", "TrainState", "keep_unwritten", "dot_general_cls_for", "OVERWRITE_WITH_GRADIENT",
-           "STATE_VARIABLES"]
+__all__ = ["Fp8DotGeneral", "Fp8MLP", "TrainState", "keep_unwritten", "dot_general_cls_for", "quantize_weights",
+           "accumulate_gradients", "OVERWRITE_WITH_GRADIENT", "FP8_WEIGHTS", "STATE_VARIABLES"]
 
 
 def _declare_state(module: nn.Module, recipe: DelayedScaling):
@@ -69,6 +77,24 @@ def _this_use(module, stored: tuple):
 
 def _remember(module, stored: tuple, out) -> None:
     module.scope.root.__dict__[_USES][module.scope.path] = (stored[0], out)
+
+
+def _fp8_weight(module: nn.Module, w, stored: tuple, first: bool, recipe: DelayedScaling, axis_name, impl):
+    """The FP8 copy of the weight ``w`` for this call, from the module's :data:`FP8_WEIGHTS`
+    variables, or None (quantize it in the call). Where the collection is mutable (outside init),
+    the first call in an apply quantizes ``w`` from the ``stored`` state
+    (:func:`fusedfp8.jax.quantize_weight`) and stores it; a later call of the same apply, and
+    every call where the collection is passed in read-only, reuses what it holds."""
+    if module.is_initializing():
+        return None
+    if module.is_mutable_collection(FP8_WEIGHTS) and (first or not module.has_variable(FP8_WEIGHTS, "data")):
+        q = F.quantize_weight(w, stored, recipe, axis_name=axis_name, impl=impl)
+        for name in _CACHED:
+            module.put_variable(FP8_WEIGHTS, name, getattr(q, name))
+        return q
+    if not module.has_variable(FP8_WEIGHTS, "data"):
+        return None
+    return Quantized(**{name: module.get_variable(FP8_WEIGHTS, name) for name in _CACHED})
 
 
 def _check_recipe(module) -> DelayedScaling:
@@ -115,9 +141,10 @@ class Fp8DotGeneral(nn.Module):
             raise ValueError(f"contracting dimensions disagree: {lhs.shape} and {rhs.shape}")
         x2 = jnp.asarray(lhs, rhs.dtype).reshape(math.prod(lead), k)
         w2 = rhs.reshape(k, math.prod(rest))
+        fp8_weight = _fp8_weight(self, w2, stored, first, recipe, self.axis_name, self.impl)
         y, out = F.fp8_dot_use(x2, w2, meta, recipe, out_dtype=preferred_element_type or rhs.dtype,
                                axis_name=self.axis_name, impl=self.impl, forward_fast_accum=self.forward_fast_accum,
-                               first=first)
+                               first=first, fp8_weight=fp8_weight)
         _remember(self, stored, out)
         return y.reshape(*lead, *rest)
 
@@ -191,6 +218,10 @@ class _DenseParams(nn.Module):
         bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
         return kernel, bias, _declare_state(self, self.recipe)
 
+    def fp8_weight(self, w, stored: tuple, first: bool, axis_name, impl):
+        """This linear's cached FP8 weight, or None (:func:`_fp8_weight`, in this module's scope)."""
+        return _fp8_weight(self, w, stored, first, self.recipe, axis_name, impl)
+
 
 class Fp8MLP(nn.Module):
     """LayerNorm -> Dense(ffn) -> gelu -> Dense(out) with FP8 GEMMs and the activation fused
@@ -232,16 +263,38 @@ class Fp8MLP(nn.Module):
         out = self.out_features or hidden
         dtype = self.dtype or x.dtype
         h = nn.LayerNorm(dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
-        w1, b1, stored1 = _DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")()
-        w2, b2, stored2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")()
+        fc1 = _DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")
+        fc2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")
+        (w1, b1, stored1), (w2, b2, stored2) = fc1(), fc2()
         prev, first = _this_use(self, (*stored1, *stored2))
         meta1, meta2 = (stored1, stored2) if first else prev
         h2 = jnp.asarray(h, dtype).reshape(-1, hidden)
-        y, out1, out2 = F.fp8_mlp_use(h2, w1.astype(dtype), b1.astype(dtype), w2.astype(dtype), b2.astype(dtype),
-                                      meta1, meta2, recipe, approximate=self.approximate, axis_name=self.axis_name,
-                                      impl=self.impl, forward_fast_accum=self.forward_fast_accum, first=first)
+        w1, w2 = w1.astype(dtype), w2.astype(dtype)
+        q1 = fc1.fp8_weight(w1, stored1, first, self.axis_name, self.impl)
+        q2 = fc2.fp8_weight(w2, stored2, first, self.axis_name, self.impl)
+        y, out1, out2 = F.fp8_mlp_use(h2, w1, b1.astype(dtype), w2, b2.astype(dtype), meta1, meta2, recipe,
+                                      approximate=self.approximate, axis_name=self.axis_name, impl=self.impl,
+                                      forward_fast_accum=self.forward_fast_accum, first=first,
+                                      fp8_weights=None if q1 is None else (q1, q2))
         _remember(self, (*stored1, *stored2), (out1, out2))
         return y.reshape(*x.shape[:-1], out)
+
+
+def _merge_states(old, new, merge):
+    """``new`` with every FP8 module's state (a mapping holding ``writes`` and ``amax_history``,
+    :mod:`fusedfp8.jax.meta`) replaced by ``merge(old's, new's)``; any nesting of mappings."""
+    if isinstance(new, Mapping):
+        if "writes" in new and "amax_history" in new:
+            items = merge(old, new)
+        else:
+            items = {k: _merge_states(old[k], v, merge) for k, v in new.items()}
+        return type(new)(items) if isinstance(new, dict) else new.copy(items)
+    return new
+
+
+def _keep(old, new) -> dict:
+    keep = jnp.asarray(new["writes"]) == 0
+    return {k: jnp.where(keep, old[k], v) for k, v in new.items()}
 
 
 def keep_unwritten(old, new):
@@ -250,14 +303,52 @@ def keep_unwritten(old, new):
     gradient is zero (their output got no cotangent this step: stop_gradient, an unused head, an
     untaken branch), which keep their ``old`` state unchanged. Any nesting of mappings; a module's
     state is recognised by its ``writes`` marker (:mod:`fusedfp8.jax.meta`)."""
-    if isinstance(new, Mapping):
-        if "writes" in new and "amax_history" in new:
-            keep = jnp.asarray(new["writes"]) == 0
-            return type(new)({k: jnp.where(keep, old[k], v) for k, v in new.items()}) if isinstance(new, dict) else \
-                new.copy({k: jnp.where(keep, old[k], v) for k, v in new.items()})
-        items = {k: keep_unwritten(old[k], v) for k, v in new.items()}
-        return type(new)(items) if isinstance(new, dict) else new.copy(items)
-    return new
+    return _merge_states(old, new, _keep)
+
+
+def _combine(total, new) -> dict:
+    merged = combine(tuple(new[k] for k in STATE_VARIABLES), tuple(total[k] for k in STATE_VARIABLES))
+    return dict(zip(STATE_VARIABLES, merged))
+
+
+def accumulate_gradients(total, grads, weight=1.0):
+    """The gradients of one more micro-batch added to ``total`` (gradient accumulation):
+    ``total + weight * grads`` in every collection but ``'_overwrite_with_gradient'``, whose
+    "gradient" is each FP8 module's new state: there the states are combined as one step's uses
+    of a module are (:func:`fusedfp8.jax.meta.combine`: the staged amaxes max-accumulated, the
+    rest from ``grads``; a module that got no gradient in a micro-batch adds nothing). Summing
+    the states instead (``jax.tree.map(jnp.add, ...)``, or averaging them) would make every FP8
+    module start over from a fresh state at the next step (a sum) or stage the mean amax (an
+    average).
+
+    Start from ``jax.tree.map(jnp.zeros_like, grads_or_params)``; pass ``weight=1 / k`` for the
+    mean over k micro-batches. Works inside ``jax.jit`` and ``lax.scan``; the result goes to
+    :meth:`TrainState.apply_gradients` as one step's gradients."""
+    out = {}
+    for col, g in grads.items():
+        if col == OVERWRITE_WITH_GRADIENT:
+            out[col] = _merge_states(total[col], g, _combine)
+        else:
+            out[col] = jax.tree.map(lambda t, a: t + weight * a, total[col], g)
+    return type(grads)(out) if isinstance(grads, dict) else grads.copy(out)
+
+
+def quantize_weights(apply_fn, variables, *args, **kwargs):
+    """The weight cache of a flax model for one optimizer step: the FP8 copy (with its transpose)
+    of the weight of every :class:`Fp8DotGeneral` and :class:`Fp8MLP` linear, quantized from
+    ``variables`` as the step's first forward would (:func:`fusedfp8.jax.quantize_weight`), as
+    the :data:`FP8_WEIGHTS` collection. Pass it with the variables to the micro-batches of that
+    step, ``apply_fn({**variables, FP8_WEIGHTS: fp8_weights}, x)``: they reuse it instead of
+    quantizing each weight again, with the same results, gradients and new FP8 states.
+
+    ``args`` / ``kwargs`` are what ``apply_fn(variables, ...)`` takes for a forward (one
+    micro-batch's input: the modules see their weights only when called). It runs that forward
+    with the collection mutable and keeps only the collection: inside ``jax.jit`` XLA removes
+    the rest of the forward, so it costs the weights' quantizations. Make it again after every
+    ``apply_gradients`` (a copy of another step's weights is not detected)."""
+    variables = {k: v for k, v in variables.items() if k != FP8_WEIGHTS}
+    _, new = apply_fn(variables, *args, mutable=[FP8_WEIGHTS], **kwargs)
+    return new.get(FP8_WEIGHTS, {})
 
 
 class TrainState(train_state.TrainState):

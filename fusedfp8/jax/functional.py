@@ -35,12 +35,12 @@ from jax import lax
 
 from ..recipe import DelayedScaling
 from ..state import ScalingState
-from ..types import check_approximate, check_recipe, gemm_pad_to
+from ..types import Quantized, check_approximate, check_recipe, gemm_pad_to
 from . import primitives as P
 from .meta import LINEAR_GRAD, combine, decode, meta_to_state, state_to_meta
 from .meta import check_meta as _check_meta
 
-__all__ = ["quantize_ste", "fp8_dot", "fp8_dot_use", "fp8_mlp", "fp8_mlp_use", "gemm"]
+__all__ = ["quantize_ste", "quantize_weight", "fp8_dot", "fp8_dot_use", "fp8_mlp", "fp8_mlp_use", "gemm"]
 
 # ---- straight-through fake quantization ------------------------------------------------------
 @jax.custom_jvp
@@ -121,42 +121,58 @@ def _padded(a, pad: int):
     return jnp.pad(a, [(0, -d % pad) for d in a.shape])
 
 
-def _dot_fwd(x, w, meta, cfg: _Cfg, training: bool = True):
+def _weight(w, fp8_weight, st: ScalingState, recipe: DelayedScaling, impl: str):
+    """(the FP8 weight with its transpose, the state after it): ``w`` quantized into column 1 of
+    ``st``, or ``fp8_weight`` (from :func:`quantize_weight`) reused, its amax staged as the
+    quantization would have staged it."""
+    if fp8_weight is None:
+        return P.quantize(w, st, 1, recipe, transpose=True, impl=impl)
+    return fp8_weight, P.stage_amax(st, 1, fp8_weight.amax, recipe)
+
+
+def _dot_fwd(x, w, meta, fp8_weight, cfg: _Cfg, training: bool = True):
     x, w = _first_order(x), _first_order(w)
     (m, k), n = x.shape, w.shape[1]
     pad = gemm_pad_to(m, k, n)
     st = _advance(meta, cfg)
     rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=training, impl=cfg.impl)
-    rw, st = P.quantize(w, st, 1, cfg.recipe, transpose=True, impl=cfg.impl)
+    rw, st = _weight(w, fp8_weight, st, cfg.recipe, cfg.impl)
     y = gemm(_padded(rx.data, pad), _padded(rw.data_t, pad), rx.scale_inv, rw.scale_inv, cfg.out_dtype,
              fast_accum=cfg.forward_fast_accum)[:m, :n]
     dtypes = (jnp.zeros((0, m, k), x.dtype), jnp.zeros((0, k, n), w.dtype))  # dtypes and real shapes
     x_t = _padded(rx.data_t, pad) if training else None
-    return (y, state_to_meta(st)), (x_t, _padded(rw.data, pad), rx.scale_inv, rw.scale_inv, st, dtypes)
+    res = (x_t, _padded(rw.data, pad), rx.scale_inv, rw.scale_inv, st, dtypes, fp8_weight)
+    return (y, state_to_meta(st)), res
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dot(x, w, meta, cfg: _Cfg):
+def _zeros_like(tree):
+    """Zero cotangents for ``tree`` (a reused FP8 weight: an input of the custom_vjp without a
+    derivative; nothing reads them, and XLA drops them)."""
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _dot(x, w, meta, fp8_weight, cfg: _Cfg):
     """(x @ w, the meta after this use). The VJP with respect to ``meta`` is the new meta of the
     step: this use's (with the gradient's amax staged) merged with what later uses of the same
     meta handed back through the output meta's cotangent (:func:`fusedfp8.jax.meta.combine`)."""
-    return _dot_fwd(x, w, meta, cfg, training=False)[0]
+    return _dot_fwd(x, w, meta, fp8_weight, cfg, training=False)[0]
 
 
 def _dot_bwd(cfg: _Cfg, res, cts):
     g, later = cts
     g = _first_order(g)
-    x_t, w_q, sx, sw, st, (xz, wz) = res
+    x_t, w_q, sx, sw, st, (xz, wz), fp8_weight = res
     (_, m, k), n = xz.shape, wz.shape[2]
     pad = gemm_pad_to(m, k, n)  # as the forward padded
     rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, impl=cfg.impl)
     dx = gemm(_padded(rg.data, pad), w_q, rg.scale_inv, sw, xz.dtype)[:m, :k]
     dw = gemm(x_t, _padded(rg.data_t, pad), sx, rg.scale_inv, wz.dtype)[:k, :n]
-    return dx, dw, combine(later, state_to_meta(st))
+    return dx, dw, combine(later, state_to_meta(st)), _zeros_like(fp8_weight)
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
-_dot_call = P.compiled_when_eager(3)(_dot)
+_dot_call = P.compiled_when_eager(4)(_dot)
 
 
 def _check_operand(a, argname: str):
@@ -168,14 +184,66 @@ def _check_operand(a, argname: str):
     return a
 
 
+def _check_fp8_weight(q, w, recipe: DelayedScaling, argname: str):
+    """``q`` if it is the FP8 copy of a weight shaped like ``w`` (a :class:`Quantized` from
+    :func:`quantize_weight`: data (K, N) and data_t (N, K) in the recipe's forward format,
+    float32 amax and (1,) scale_inv); TypeError / ValueError naming ``argname`` otherwise."""
+    if q is None:
+        return None
+    if not isinstance(q, Quantized) or q.data_t is None or q.scale_inv is None:
+        raise TypeError(f"{argname} must be None or the Quantized that fusedfp8.jax.quantize_weight returned (data, "
+                        f"data_t, amax, scale_inv); got {type(q).__name__}")
+    fp8 = recipe.format_for(False).dtype_name
+    (k, n), want = w.shape, {"data": (w.shape, fp8), "data_t": ((w.shape[1], w.shape[0]), fp8),
+                             "amax": ((), "float32"), "scale_inv": ((1,), "float32")}
+    for name, (shape, dtype) in want.items():
+        a = jnp.asarray(getattr(q, name))
+        if a.shape != shape or a.dtype.name != dtype:
+            raise ValueError(f"{argname}.{name} must be {dtype} of shape {shape} (the FP8 copy of a ({k}, {n}) weight "
+                             f"under this recipe); got {a.dtype} {a.shape}")
+    return Quantized(*(None if a is None else jnp.asarray(a) for a in q))
+
+
+def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_name=None, impl: str = "auto"):
+    """The FP8 copy of the weight ``w`` (K, N) with its transpose, for the ``fp8_weight=``
+    argument of :func:`fp8_dot` (and ``fp8_weights=`` of :func:`fp8_mlp`): the weight cache for
+    gradient accumulation, explicit in JAX. Make it once per optimizer step, from the step's
+    weight and stored ``meta``, and pass it to every micro-batch of that step: they skip the
+    weight's quantization and transpose (one read of the weight per step instead of one per
+    micro-batch) and otherwise compute what they compute without it, byte for byte: the meta is
+    advanced and the input and gradient quantized as before, and the weight's amax is staged
+    into each micro-batch's new meta as its quantization would have staged it (so the amaxes of
+    the micro-batches still combine by max, and the delayed-scaling rule is unchanged).
+
+    It quantizes ``w`` as the first use of ``meta`` in a step would: ``meta`` advanced by
+    :func:`fusedfp8.jax.update_scales` (with ``axis_name``), then tensor 1 (the weight) with
+    ``transpose=True``. The result is a :class:`fusedfp8.Quantized` (``data`` (K, N) and
+    ``data_t`` (N, K) in the forward FP8 format, ``amax``, ``scale_inv`` (1,)); it carries no
+    derivative. A copy made from another step's weight or meta is not detected: the GEMMs then
+    use that weight. ``axis_name``, ``impl``: as :func:`fp8_dot`.
+    """
+    w = _check_operand(w, "w")
+    check_recipe(recipe)
+    meta = _check_meta(meta, 3, recipe)
+    cfg = _Cfg(recipe, P._check_impl(impl), w.dtype.name, P._check_axis_name(axis_name))
+    w, *meta = P._as_varying_as((w, *meta), (w, *meta))
+    return _quantize_weight_call(w, tuple(meta), cfg)
+
+
+@P.compiled_when_eager(2)
+def _quantize_weight_call(w, meta, cfg: _Cfg) -> Quantized:
+    rw, _ = P.quantize(lax.stop_gradient(w), _advance(meta, cfg), 1, cfg.recipe, transpose=True, impl=cfg.impl)
+    return rw
+
+
 def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=None, axis_name=None,
-            impl: str = "auto", forward_fast_accum: bool = True):
+            impl: str = "auto", forward_fast_accum: bool = True, fp8_weight=None):
     return fp8_dot_use(x, w, meta, recipe, out_dtype=out_dtype, axis_name=axis_name, impl=impl,
-                       forward_fast_accum=forward_fast_accum)[0]
+                       forward_fast_accum=forward_fast_accum, fp8_weight=fp8_weight)[0]
 
 
 def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=None, axis_name=None,
-                impl: str = "auto", forward_fast_accum: bool = True, first: bool = True):
+                impl: str = "auto", forward_fast_accum: bool = True, first: bool = True, fp8_weight=None):
     """``x @ w`` with FP8 GEMMs and delayed scaling (forward and both backward GEMMs).
 
     Parameters
@@ -191,6 +259,9 @@ def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dt
     impl : backend of the quantize primitives (:data:`fusedfp8.jax.IMPLS`)
     forward_fast_accum : the forward GEMM with cuBLASLt's fast accumulation (the gradient GEMMs
         always use the split accumulator)
+    fp8_weight : None, or :func:`quantize_weight` of this ``w`` and ``meta`` in this step: the
+        GEMMs use it instead of quantizing ``w`` again (the weight cache for gradient
+        accumulation); the results, gradients and new meta are the same
 
     Returns
     -------
@@ -212,8 +283,9 @@ def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dt
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16; got {out_name}")
     cfg = _Cfg(recipe, P._check_impl(impl), out_name, P._check_axis_name(axis_name), bool(forward_fast_accum),
                bool(first))
+    fp8_weight = _check_fp8_weight(fp8_weight, w, recipe, "fp8_weight")
     x, w, *meta = P._as_varying_as((x, w, *meta), (x, w, *meta))
-    return _dot_call(x, w, tuple(meta), cfg)
+    return _dot_call(x, w, tuple(meta), fp8_weight, cfg)
 
 
 # ---- the fused MLP core: Linear -> gelu -> Linear --------------------------------------------
@@ -226,7 +298,7 @@ class _MlpCfg(NamedTuple):
     first: bool = True
 
 
-def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg, training: bool = True):
+def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, cfg: _MlpCfg, training: bool = True):
     h, w1, b1, w2, b2 = map(_first_order, (h, w1, b1, w2, b2))
     r, impl = cfg.recipe, cfg.impl
     if cfg.first:  # both linears' staged amaxes in one all-reduce, then the two (local) updates
@@ -238,12 +310,13 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg, training: bool = Tru
     (m, hid), ffn, out = h.shape, w1.shape[1], w2.shape[1]
     p = gemm_pad_to(m, hid, ffn, out)  # ragged: padded FP8 operands, as fp8_dot
     rh, st1 = P.quantize(h, st1, 0, r, transpose=training, impl=impl)
-    rw1, st1 = P.quantize(w1, st1, 1, r, transpose=True, impl=impl)
+    q1, q2 = fp8_weights or (None, None)
+    rw1, st1 = _weight(w1, q1, st1, r, impl)
     fast = cfg.forward_fast_accum
     z = gemm(_padded(rh.data, p), _padded(rw1.data_t, p), rh.scale_inv, rw1.scale_inv, h.dtype,
              fast_accum=fast)[:m, :ffn] + b1.astype(h.dtype)
     ra, st2 = P.gelu_quantize(z, st2, 0, r, approximate=cfg.approximate, transpose=training, impl=impl)
-    rw2, st2 = P.quantize(w2, st2, 1, r, transpose=True, impl=impl)
+    rw2, st2 = _weight(w2, q2, st2, r, impl)
     y = gemm(_padded(ra.data, p), _padded(rw2.data_t, p), ra.scale_inv, rw2.scale_inv, h.dtype,
              fast_accum=fast)[:m, :out] + b2.astype(h.dtype)
     # dtypes, and the real shapes of h, w1, w2 (zero-size arrays: static)
@@ -252,19 +325,19 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg, training: bool = Tru
     h_t, a_t = (_padded(rh.data_t, p), _padded(ra.data_t, p)) if training else (None, None)
     return (y, state_to_meta(st1), state_to_meta(st2)), (
         h_t, _padded(rw1.data, p), z, a_t, _padded(rw2.data, p), rh.scale_inv, rw1.scale_inv, ra.scale_inv,
-        rw2.scale_inv, st1, st2, dtypes)
+        rw2.scale_inv, st1, st2, dtypes, fp8_weights)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _mlp(h, w1, b1, w2, b2, meta1, meta2, cfg: _MlpCfg):
+@partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _mlp(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, cfg: _MlpCfg):
     """(y, fc1's meta after this use, fc2's): as :func:`_dot`."""
-    return _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, cfg, training=False)[0]
+    return _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, cfg, training=False)[0]
 
 
 def _mlp_bwd(cfg: _MlpCfg, res, cts):
     g, later1, later2 = cts
     g = _first_order(g)
-    h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z) = res
+    h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z), fp8_weights = res
     (_, m, hid), (_, ffn, out) = hz.shape, w2z.shape
     p = gemm_pad_to(m, hid, ffn, out)  # as the forward padded
     r, impl = cfg.recipe, cfg.impl
@@ -277,22 +350,23 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
     dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, hz.dtype)[:m, :hid]
     dw1 = gemm(h_t, _padded(rdz.data_t, p), sh, rdz.scale_inv, w1z.dtype)[:hid, :ffn]
     return (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, combine(later1, state_to_meta(st1)),
-            combine(later2, state_to_meta(st2)))
+            combine(later2, state_to_meta(st2)), _zeros_like(fp8_weights))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
-_mlp_call = P.compiled_when_eager(7)(_mlp)
+_mlp_call = P.compiled_when_eager(8)(_mlp)
 
 
 def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
-            approximate: str = "tanh", axis_name=None, impl: str = "auto", forward_fast_accum: bool = True):
+            approximate: str = "tanh", axis_name=None, impl: str = "auto", forward_fast_accum: bool = True,
+            fp8_weights=None):
     return fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe, approximate=approximate, axis_name=axis_name,
-                       impl=impl, forward_fast_accum=forward_fast_accum)[0]
+                       impl=impl, forward_fast_accum=forward_fast_accum, fp8_weights=fp8_weights)[0]
 
 
 def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
                 approximate: str = "tanh", axis_name=None, impl: str = "auto", forward_fast_accum: bool = True,
-                first: bool = True):
+                first: bool = True, fp8_weights=None):
     """``gelu(h @ w1 + b1) @ w2 + b2`` with FP8 GEMMs, the activation quantized (with its
     transpose) straight from the first GEMM's output by the fused gelu kernel, and the gelu
     backward (+ the first bias gradient) by the fused dgelu kernel.
@@ -301,8 +375,9 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
     w1, dz) and fc2 (gelu(z), w2, dy), whose VJPs are the new metas. Output (M, H2) in h's
     dtype; the pre-activation z is saved for the backward in h's dtype, everything else saved
     is FP8. ``axis_name``, ``impl``, ``forward_fast_accum``: as :func:`fp8_dot` (one ``lax.pmax``
-    for both metas). :func:`fp8_mlp_use`: as :func:`fp8_dot_use` (results: y, fc1's output meta,
-    fc2's).
+    for both metas). ``fp8_weights``: None, or ``(quantize_weight(w1, meta1, ...),
+    quantize_weight(w2, meta2, ...))`` of this step, reused as ``fp8_weight`` of :func:`fp8_dot`.
+    :func:`fp8_mlp_use`: as :func:`fp8_dot_use` (results: y, fc1's output meta, fc2's).
     """
     h, w1, w2 = _check_operand(h, "h"), _check_operand(w1, "w1"), _check_operand(w2, "w2")
     if h.shape[1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
@@ -318,5 +393,11 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
     # broadcast that plain ops insert; its transpose sums a replicated weight's gradient)
     h, w1, b1, w2, b2, *metas = P._as_varying_as((h, w1, b1, w2, b2, *meta1, *meta2),
                                                  (h, w1, b1, w2, b2, *meta1, *meta2))
+    if fp8_weights is not None:
+        if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
+            raise TypeError(f"fp8_weights must be None or a pair (fc1's, fc2's) of quantize_weight results; got "
+                            f"{type(fp8_weights).__name__}")
+        fp8_weights = (_check_fp8_weight(fp8_weights[0], w1, recipe, "fp8_weights[0]"),
+                       _check_fp8_weight(fp8_weights[1], w2, recipe, "fp8_weights[1]"))
     k = len(meta1)
-    return _mlp_call(h, w1, b1, w2, b2, tuple(metas[:k]), tuple(metas[k:]), cfg)
+    return _mlp_call(h, w1, b1, w2, b2, tuple(metas[:k]), tuple(metas[k:]), fp8_weights, cfg)

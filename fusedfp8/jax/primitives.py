@@ -60,8 +60,8 @@ from ..state import STATE_FIELDS, ScalingState
 from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_recipe, kernel_op
 from . import callbacks
 
-__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "update_scales", "sync_staged", "dequantize", "IMPLS",
-           "launch_path"]
+__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "stage_amax", "update_scales", "sync_staged", "dequantize",
+           "IMPLS", "launch_path"]
 
 IMPLS = ("auto", "jnp", "ffi", "callback", "callback_no_cmdbuf")
 _CUDA_IMPLS = ("ffi", "callback", "callback_no_cmdbuf")
@@ -180,12 +180,12 @@ def _activation(cfg: _QCfg, x, b):
     return jn._mul(xf, jn.dgelu_f32(_as_f32(b), cfg.approximate))
 
 
-def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
-    y = _activation(cfg, x, b)
-    if cfg.op != "identity":  # computed once, not in each of the amax, cast, transpose, dbias
-        y = jn.computed_once(y)
+def _stage_jnp(cfg: _QCfg, amax, hist, scale, scale_inv, updates):
+    """What quantizing a tensor of amax ``amax`` does to the state (the scale it quantizes with,
+    and the new history, scale, scale_inv): the amax max-accumulated into its staging slot and,
+    on the tensor's first step under first_step='current', the current scale from that slot."""
     i = cfg.index
-    acc = jn.nan_max(hist[0, i], jn.amax(y))
+    acc = jn.nan_max(hist[0, i], amax)
     s_old = scale[i]
     if cfg.current_first:
         fresh = updates[i] == 0
@@ -194,6 +194,14 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
         scale_inv = scale_inv.at[i].set(jnp.where(fresh, jn.div_rn(1.0, s), scale_inv[i]))
     else:
         s = s_old
+    return s, hist.at[0, i].set(acc), scale, scale_inv
+
+
+def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
+    y = _activation(cfg, x, b)
+    if cfg.op != "identity":  # computed once, not in each of the amax, cast, transpose, dbias
+        y = jn.computed_once(y)
+    s, hist, scale, scale_inv = _stage_jnp(cfg, jn.amax(y), hist, scale, scale_inv, updates)
     s = jn.computed_once(s)  # a scalar read by every element: not recomputed in each reader
     v = jn.mul(y, s)
     q = jn.cast_to_fp8(v, cfg.fmt)
@@ -204,7 +212,7 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
     if cfg.dbias:
         outs.append(jnp.sum(y.reshape(rows, cols), axis=0, dtype=jnp.float32))
     si_used = jn.div_rn(1.0, s).reshape(1)
-    return (*outs, si_used, hist.at[0, i].set(acc), scale, scale_inv)
+    return (*outs, si_used, hist, scale, scale_inv)
 
 
 # ---- the CUDA backends ------------------------------------------------------------------------
@@ -355,6 +363,23 @@ def dequantize(q, scale_inv, dtype=jnp.float32):
     if q.dtype.name not in ("float8_e4m3fn", "float8_e5m2"):
         raise TypeError(f"q must be a float8_e4m3fn / float8_e5m2 array; got {q.dtype}")
     return jn.mul(q.astype(jnp.float32), jnp.reshape(scale_inv, ())).astype(dtype)
+
+
+def stage_amax(state: ScalingState, index: int, amax, recipe: DelayedScaling) -> ScalingState:
+    """The state after :func:`quantize` of a tensor whose amax is ``amax``, without the data: the
+    amax max-accumulated into ``amax_history[0, index]`` and, on the tensor's first step under
+    ``first_step='current'``, the current scale from that slot written to ``scale`` /
+    ``scale_inv``: the state effect of the quantization, byte for byte (a few scalar operations in
+    jax.numpy on every backend). It stages the amax of an FP8 copy made earlier in the step (the
+    weight cache of :func:`fusedfp8.jax.fp8_dot`), whose data is reused instead of quantized again."""
+    state = _check_state(state, recipe)
+    cfg = _cfg("identity", "tanh", state, index, recipe, False, False)
+    amax = jnp.asarray(amax)
+    if amax.shape not in ((), (1,)) or amax.dtype != jnp.float32:
+        raise ValueError(f"amax must be a float32 scalar; got {amax.dtype} {amax.shape}")
+    _, hist, scale, scale_inv = _stage_jnp(cfg, lax.stop_gradient(amax.reshape(())), state.amax_history,
+                                           state.scale, state.scale_inv, state.updates)
+    return state.replace(amax_history=hist, scale=scale, scale_inv=scale_inv)
 
 
 # ---- update_scales ---------------------------------------------------------------------------

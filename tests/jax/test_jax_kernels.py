@@ -298,3 +298,74 @@ def test_flax_mlp_train_step_kernel_path_matches_jnp_path_and_bf16():
     hist = runs["auto"][0].params["_overwrite_with_gradient"]
     for layer in ("fc1", "fc2"):
         np.testing.assert_array_equal(np.asarray(hist[layer]["updates"]), [19, 19, 19])
+
+
+# ---- the weight cache for gradient accumulation (issue 19) ---------------------------------------
+def _quantizations(text: str, shape) -> int:
+    """Custom calls of a compiled program whose first result is a uint8 array of ``shape``: the
+    quantizations (callback or FFI) that write an FP8 array of that shape."""
+    head = re.escape(f"(u8[{','.join(map(str, shape))}]")
+    return sum(1 for ln in text.splitlines() if re.search(head + r"\{[^}]*\}", ln) and "custom-call(" in ln)
+
+
+@pytest.mark.fp8_gemm
+def test_weight_cache_quantizes_each_weight_once_per_step():
+    """Four micro-batches of a flax model (Dense with Fp8DotGeneral, then Fp8MLP) in one jitted
+    step, unrolled, on the kernel path: with ``quantize_weights`` the compiled program quantizes
+    each of the three weights once (without the cache: four times); XLA removes the rest of the
+    cache's forward (the inputs are quantized four times either way; 36 FP8 GEMMs either way);
+    the cached FP8 weights are the kernels' bytes; one optimizer step agrees with the uncached
+    one (the weights' staged amaxes and the model input's exactly, the rest to float32 rounding:
+    the two programs are fused differently around the same FP8 GEMMs)."""
+    import flax.linen as nn
+    import optax
+
+    from fusedfp8.jax.flax import (FP8_WEIGHTS, OVERWRITE_WITH_GRADIENT, Fp8DotGeneral, Fp8MLP, TrainState,
+                                   accumulate_gradients, quantize_weights)
+
+    recipe = fusedfp8.DelayedScaling(amax_history_len=16)
+    model = nn.Sequential([nn.Dense(384, dot_general_cls=lambda: Fp8DotGeneral(recipe=recipe)),
+                           Fp8MLP(512, recipe=recipe)])
+    micro = 4
+    xs = inputs((micro, 256, 128), "bfloat16", scale=1.0, special=False)
+    ys = inputs((micro, 256, 384), "float32", seed=1, scale=1.0, special=False)
+    variables = jax.jit(model.init)(jax.random.key(0), xs[0])
+    state = TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(1e-3))
+
+    def step(state, cache: bool):
+        fp8_weights = quantize_weights(state.apply_fn, state.params, xs[0]) if cache else None
+        total, losses = jax.tree.map(jnp.zeros_like, state.params), []
+        for i in range(micro):
+            def loss_fn(params):
+                v = params if fp8_weights is None else {**params, FP8_WEIGHTS: fp8_weights}
+                return jnp.mean((state.apply_fn(v, xs[i]).astype(jnp.float32) - ys[i]) ** 2)
+
+            loss, grads = jax.value_and_grad(loss_fn)(state.params)
+            total = accumulate_gradients(total, grads, 1 / micro)
+            losses.append(loss)
+        return state.apply_gradients(grads=total), jnp.stack(losses)
+
+    texts = {c: _compiled_text(functools.partial(step, cache=c), state) for c in (False, True)}
+    for shape in ((128, 384), (384, 512), (512, 384)):  # the three weights
+        assert _quantizations(texts[False], shape) == micro, shape
+        assert _quantizations(texts[True], shape) == 1, shape
+    for c, text in texts.items():
+        assert _quantizations(text, (256, 128)) == micro, c  # the inputs: the cache's forward is gone
+        assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 3 * 3 * micro, c
+    cache = jax.jit(lambda p: quantize_weights(model.apply, p, xs[0]))(state.params)
+    meta = tuple(variables[OVERWRITE_WITH_GRADIENT]["layers_0"]["Fp8DotGeneral_0"][k] for k in JM.META_FIELDS)
+    want = jax.jit(lambda w, m: F.quantize_weight(w, m, recipe, impl="jnp"))(variables["params"]["layers_0"]["kernel"],
+                                                                             meta)
+    got = cache["layers_0"]["Fp8DotGeneral_0"]
+    for name in ("data", "data_t", "amax", "scale_inv"):
+        np.testing.assert_array_equal(u8(got[name].reshape(-1)), u8(getattr(want, name).reshape(-1)), err_msg=name)
+    (s0, l0), (s1, l1) = (jax.jit(functools.partial(step, cache=c))(state) for c in (False, True))
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(s1.params["params"]), jax.tree.leaves(s0.params["params"])):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-5)
+    for path in (("layers_0", "Fp8DotGeneral_0"), ("layers_1", "fc1"), ("layers_1", "fc2")):
+        a, b = (s.params[OVERWRITE_WITH_GRADIENT][path[0]][path[1]] for s in (s1, s0))
+        exact = slice(0, 2) if path[0] == "layers_0" else slice(1, 2)  # x's and every weight's amax
+        np.testing.assert_array_equal(np.asarray(a["amax_history"])[0, exact], np.asarray(b["amax_history"])[0, exact])
+        np.testing.assert_allclose(np.asarray(a["amax_history"]), np.asarray(b["amax_history"]), rtol=1e-3)
+        np.testing.assert_array_equal(np.asarray(a["updates"]), np.asarray(b["updates"]))

@@ -279,18 +279,29 @@ def test_the_environment_variable_names_a_table(fake_gpu, monkeypatch, tmp_path)
 
 
 # ---- scripts/calibrate_policy.py and bench --calibrate ---------------------------------------
+def _load_script(name: str):
+    """scripts/<name>.py as a module (with scripts/ on sys.path while it loads and runs: it imports
+    _bench, as when run from scripts/)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="module")
-def script():
+def scripts_on_path():
     import sys
 
-    sys.path.insert(0, str(REPO / "scripts"))  # the script imports _bench, as when run from scripts/
+    sys.path.insert(0, str(REPO / "scripts"))
     try:
-        spec = importlib.util.spec_from_file_location("calibrate_policy", REPO / "scripts" / "calibrate_policy.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
+        yield
     finally:
         sys.path.remove(str(REPO / "scripts"))
+
+
+@pytest.fixture(scope="module")
+def script(scripts_on_path):
+    return _load_script("calibrate_policy")
 
 
 SMOKE = ["--device", "cpu", "--tokens", "16,32", "--features", "16,32", "--warmup", "0", "--calls", "1", "--reps", "2"]
@@ -377,3 +388,83 @@ def test_calibration_on_the_gpu_feeds_auto_by_the_gpus_name(script, tmp_path, mo
         fp8_ms, bf16_ms, _ = table.predict(1024, d.in_features, d.out_features)
         assert (d.fp8_ms, d.bf16_ms, d.fp8) == (fp8_ms, bf16_ms, fp8_ms < bf16_ms)
         assert type(model.get_submodule(d.name)) is (fp8.Fp8Linear if d.fp8 else nn.Linear)
+
+
+# ---- scripts/bench_policy_mixed.py ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mixed_bench(scripts_on_path):
+    return _load_script("bench_policy_mixed")
+
+
+MIXED_SMOKE = ["--device", "cpu", "--tokens", "64", "--small", "16", "--large", "64", "--blocks", "1", "--warmup", "1",
+               "--block", "1", "--reps", "2"]
+
+
+def test_mixed_benchmark_cpu_smoke(mixed_bench, table, tmp_path, capsys):
+    """The script end to end on the CPU reference (not a measurement): the synthetic table keeps
+    the 16-wide layers in bf16 and converts the 64 -> 256 -> 64 block; every mode timed, the
+    report and the ratios in the JSON."""
+    assert mixed_bench.main([*MIXED_SMOKE, "--policy-table", str(table.path), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "policy='auto' converted 2 of 6 linear layers: large.0.fc1, large.0.fc2" in out
+    data = json.loads((tmp_path / "bench_policy_mixed.json").read_text())
+    assert data["meta"]["smoke_test"] is True and data["meta"]["tokens"] == 64
+    res = data["results"][0]
+    conv = res["conversion"]
+    assert conv["converted"] == ["large.0.fc1", "large.0.fc2"]
+    assert conv["kept"] == ["small.0.fc1", "small.0.fc2", "up", "down"]
+    assert conv["rows"][0]["name"] == "small.0.fc1" and conv["rows"][0]["decision"] == "bf16"
+    assert "synthetic.json (Synthetic GPU" in conv["table"] and "| large.0.fc1 | 64 | 256 | fp8 |" in conv["text"]
+    assert res["correctness"]["ok"] and set(res["correctness"]["sqnr_db"]) == {"fp8_all", "fp8_auto"}
+    assert list(res["modes"]) == ["bf16_eager", "fp8_all_eager", "fp8_auto_eager"]
+    for row in res["modes"].values():
+        assert len(row["step_ms_all"]) == 2 and row["step_ms"] > 0 and "profile" not in row
+    s, ms = res["summary"], {m: r["step_ms"] for m, r in res["modes"].items()}
+    assert math.isclose(s["fp8_auto_eager_vs_bf16"], ms["bf16_eager"] / ms["fp8_auto_eager"])
+    assert math.isclose(s["fp8_auto_eager_vs_fp8_all"], ms["fp8_all_eager"] / ms["fp8_auto_eager"])
+    assert set(s["auto_not_slower_eager"]) == {"bf16", "fp8_all"}
+
+
+def test_mixed_benchmark_stops_before_timing_when_fp8_is_not_close(mixed_bench, table, tmp_path, monkeypatch,
+                                                                     capsys):
+    monkeypatch.setattr(mixed_bench, "SQNR_MIN_DB", 100.0)
+    assert mixed_bench.main([*MIXED_SMOKE, "--policy-table", str(table.path), "--out", str(tmp_path)]) == 1
+    assert "FAILED: an FP8 model is below the SQNR floor; nothing timed" in capsys.readouterr().out
+    res = json.loads((tmp_path / "bench_policy_mixed.json").read_text())["results"][0]
+    assert not res["correctness"]["ok"] and res["modes"] == {}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu"], "--device cpu needs --policy-table"),
+    (["--device", "cpu", "--policy-table", "/nonexistent.json"], "--policy-table must name a file"),
+    (["--device", "cpu", "--modes", "fp8_auto_graphed"], "graphed modes need a CUDA device"),
+    (["--modes", "fp8_eager"], "--modes: unknown ['fp8_eager']"),
+    (["--tokens", "0"], "--tokens must be >= 1; got 0"),
+], ids=["cpu-without-table", "missing-table", "cpu-graphed", "unknown-mode", "tokens"])
+def test_mixed_benchmark_refuses_bad_arguments(mixed_bench, argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        mixed_bench.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(FP8_GEMM_OK, reason="checks the refusal on a machine without a GPU with FP8 GEMMs")
+def test_mixed_benchmark_refuses_without_a_gpu(mixed_bench, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        mixed_bench.main(["--out", str(tmp_path)])
+    assert e.value.code == 2 and "the benchmark times FP8 GEMMs on the GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.gpu
+@pytest.mark.fp8_gemm
+def test_mixed_benchmark_on_the_gpu_writes_every_mode(mixed_bench, table, tmp_path):
+    """A small run on the GPU (synthetic table: not a measurement to keep): eager and graphed
+    modes, a profile of each, the summary's verdicts."""
+    argv = ["--tokens", "256", "--small", "256", "--large", "512", "--blocks", "1", "--warmup", "1", "--block", "2",
+            "--reps", "2", "--policy-table", str(table.path), "--out", str(tmp_path)]
+    assert mixed_bench.main(argv) == 0
+    res = json.loads((tmp_path / "bench_policy_mixed.json").read_text())["results"][0]
+    assert list(res["modes"]) == mixed_bench.MODES
+    for mode, row in res["modes"].items():
+        assert row["profile"].get("device_ms_total", 0) > 0, (mode, row["profile"])
+    assert {"auto_not_slower_eager", "auto_not_slower_graphed"} <= set(res["summary"])
