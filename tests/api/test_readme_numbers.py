@@ -14,7 +14,7 @@ A table's numbers are sourced by an HTML comment right below it (invisible on th
 their numbers are shapes, not measurements). A row line is a row's label (its label cells joined
 by ' | ', or the start of one where no label is exactly that), ``=>``, and one key per number of
 the row's other cells, left to right. A key is a path (``a.b[2].c``, ``[-1]`` from the end,
-``[k=v,k2.k3=v2]`` the one list element whose fields match), ``FILE:path`` for another file,
+``[k=v,k2.k3=v2]`` the one list element whose fields match, ``{a[b]}`` a field whose name has brackets), ``FILE:path`` for another file,
 ``A/B`` for a ratio of two keys; an ``@prefix`` token prefixes the keys after it. A ``.log`` file is read as the bench
 scripts print it: ``SHAPE.MODE.ms_per_step`` and ``SHAPE.MODE.kernels_per_step``.
 
@@ -82,8 +82,8 @@ def lookup(key: str, default_file: str) -> float:
     m = FILE_PREFIX.match(key)
     rel, path = (m.group(1), key[m.end():]) if m else (default_file, key)
     obj = load(rel)
-    for name, selector in re.findall(r"([^.\[\]]+)|\[([^\]]*)\]", path):
-        obj = obj[name] if name else _select(obj, selector)
+    for quoted, name, selector in re.findall(r"\{([^}]*)\}|([^.\[\]{}]+)|\[([^\]]*)\]", path):
+        obj = obj[quoted or name] if quoted or name else _select(obj, selector)
     assert isinstance(obj, (int, float)) and not isinstance(obj, bool), f"{key} is {obj!r}, not a number"
     return float(obj)
 
