@@ -436,20 +436,20 @@ def dgelu_quantize(dy, x, state: ScalingState, index: int, recipe: DelayedScalin
     return _run(cfg, dy, x, state, impl)
 
 
-def check_layernorm_params(weight, bias, cols: int):
+def check_layernorm_params(weight, bias, cols: int, names=("weight", "bias"), x_name: str = "x"):
     """(weight, bias) of a LayerNorm over ``cols`` columns as jax arrays (None stays None): each
-    (cols,) float32 / float16 / bfloat16, both of one dtype."""
+    (cols,) float32 / float16 / bfloat16, both of one dtype (``names``: theirs in messages)."""
     out = []
-    for p, name in ((weight, "weight"), (bias, "bias")):
+    for p, name in zip((weight, bias), names):
         if p is not None:
             p = jnp.asarray(p)
             if p.dtype.name not in FLOAT_INPUTS:
                 raise TypeError(f"{name} must be float32, float16 or bfloat16; got {p.dtype}")
             if p.shape != (cols,):
-                raise ValueError(f"{name} must have shape ({cols},) (the last dimension of x); got {p.shape}")
+                raise ValueError(f"{name} must have shape ({cols},) (the last dimension of {x_name}); got {p.shape}")
         out.append(p)
     if out[0] is not None and out[1] is not None and out[0].dtype != out[1].dtype:
-        raise TypeError(f"weight and bias must have the same dtype; got {out[0].dtype} and {out[1].dtype}")
+        raise TypeError(f"{names[0]} and {names[1]} must have the same dtype; got {out[0].dtype} and {out[1].dtype}")
     return tuple(out)
 
 
