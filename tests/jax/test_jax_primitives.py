@@ -359,6 +359,75 @@ def test_fp8_mlp_matches_the_unfused_composition(rng):
     assert abs(hist2[0, 0] / np.abs(np.asarray(jax.nn.gelu(z, approximate=True))).max() - 1) < 0.1
 
 
+def layernorm_f32(x, w, b, eps):
+    """LayerNorm in plain float32 jax ops (flax's and torch's formula, not the kernel's op order)."""
+    xf = x.astype(jnp.float32)
+    mu = xf.mean(-1, keepdims=True)
+    y = (xf - mu) * jax.lax.rsqrt(((xf - mu) ** 2).mean(-1, keepdims=True) + eps)
+    y = y * w.astype(jnp.float32) if w is not None else y
+    return y + b.astype(jnp.float32) if b is not None else y
+
+
+@pytest.mark.slow
+def test_fp8_mlp_fused_layernorm_matches_layernorm_then_fp8_mlp(rng):
+    """fp8_mlp(x, ..., ln_weight=, ln_eps=) against fp8_mlp(LayerNorm(x), ...): bf16 x, bf16
+    LayerNorm weight and no bias, ragged tokens (the kernel pads h), the LayerNorm's float32 output
+    handed on unrounded (out_dtype bf16): y, the gradients of x, the weights and the LayerNorm
+    weight (in their own dtypes) and the new metas agree."""
+    M, H, Fw, eps = 30, 32, 48, 1e-5
+    bf = jnp.bfloat16
+    x = jnp.asarray((rng.standard_normal((M, H)) * 2 + 0.5).astype(f32)).astype(bf)
+    lw = jnp.asarray((rng.standard_normal(H) * 0.3 + 1).astype(f32)).astype(bf)
+    w1 = jnp.asarray((rng.standard_normal((H, Fw)) / 6).astype(f32)).astype(bf)
+    w2 = jnp.asarray((rng.standard_normal((Fw, H)) / 7).astype(f32)).astype(bf)
+    b1, b2 = jnp.zeros(Fw, bf) + 0.1, jnp.zeros(H, bf) - 0.1
+    m1, m2 = JM.fresh_meta(RECIPE), JM.fresh_meta(RECIPE)
+
+    def fused(x, lw, w1, w2, m1, m2):
+        return F.fp8_mlp(x, w1, b1, w2, b2, m1, m2, RECIPE, ln_weight=lw, ln_eps=eps)
+
+    def unfused(x, lw, w1, w2, m1, m2):
+        return F.fp8_mlp(layernorm_f32(x, lw, None, eps), w1, b1, w2, b2, m1, m2, RECIPE, out_dtype=bf)
+
+    def run(fn):
+        def loss(*a):
+            return jnp.sum(fn(*a).astype(jnp.float32) ** 2)
+
+        return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=tuple(range(6)))(*a)))(x, lw, w1, w2, m1, m2)
+
+    (yf, gf), (yu, gu) = run(fused), run(unfused)
+    assert yf.shape == (M, H) and yf.dtype == bf
+
+    def err(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+    assert err(yf, yu) < 1e-2
+    for name, a, b in zip(("dx", "dln_weight", "dw1", "dw2"), gf[:4], gu[:4]):
+        assert a.dtype == b.dtype == bf, name
+        assert err(a, b) < 1e-2, (name, err(a, b))
+    hist_f, hist_u = np.asarray(gf[4][0]), np.asarray(gu[4][0])
+    np.testing.assert_allclose(hist_f[0], hist_u[0], rtol=1e-3)
+    assert hist_f[0, 0] == ref.amax(ln_ref.layernorm_f32(np.asarray(x), np.asarray(lw), None, eps)[0])
+
+
+def test_fp8_mlp_refuses_bad_layernorm_arguments_by_name():
+    h, w1, w2 = jnp.ones((4, 8)), jnp.ones((8, 16)), jnp.ones((16, 8))
+    b1, b2, m = jnp.zeros(16), jnp.zeros(8), JM.fresh_meta(RECIPE)
+    cases = [({"ln_weight": jnp.ones(8)}, ValueError, "ln_weight / ln_bias are the parameters of the fused LayerNorm, "
+              "which ln_eps turns on; got ln_eps=None"),
+             ({"ln_eps": -1.0}, ValueError, r"^ln_eps must be a finite number >= 0"),
+             ({"ln_eps": "1e-5"}, TypeError, r"^ln_eps must be a real number"),
+             ({"ln_eps": 1e-5, "ln_bias": jnp.ones(7)}, ValueError,
+              r"^ln_bias must have shape \(8,\) \(the last dimension of h\); got \(7,\)"),
+             ({"ln_eps": 1e-5, "ln_weight": jnp.ones(8), "ln_bias": jnp.ones(8, jnp.float16)}, TypeError,
+              "^ln_weight and ln_bias must have the same dtype; got float32 and float16"),
+             ({"out_dtype": jnp.int8}, TypeError, "out_dtype must be float32, float16 or bfloat16; got int8")]
+    for kwargs, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            F.fp8_mlp(h, w1, b1, w2, b2, m, m, RECIPE, **kwargs)
+
+
 # ---- what the jax.numpy path costs on the CPU ------------------------------------------------------
 def compiled_programs(fn) -> list[str]:
     """The names of the XLA programs compiled while ``fn()`` runs (jax's log_compiles messages)."""

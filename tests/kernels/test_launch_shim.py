@@ -426,6 +426,44 @@ def test_jax_quantize_lowers_to_the_ffi_custom_call_on_cuda(ffi_on_cuda):
     assert "fusedfp8_launch" not in _lowered(step, x, x, state, platform="cpu")  # jax.numpy there
 
 
+def test_jax_layernorm_quantize_lowers_to_the_ffi_custom_call_on_cuda(ffi_on_cuda):
+    """layernorm_quantize is one call of the same handler: x, weight, bias in; q, q_t, mean, rstd,
+    scale_inv_used and the state out (the state aliased); without weight and bias their slots are
+    null. The flax Fp8MLP's forward holds it and no flax LayerNorm (rsqrt)."""
+    import jax
+    import jax.numpy as jnp
+
+    import fusedfp8
+    from fusedfp8.jax.flax import Fp8MLP
+    from fusedfp8.state import ScalingState
+
+    JP = ffi_on_cuda
+    recipe = fusedfp8.DelayedScaling(amax_history_len=4)
+    state = ScalingState.create((False, False, True), recipe, like=jnp.zeros(1))
+
+    def step(x, w, b, s):
+        r1, s = JP.layernorm_quantize(x, w, b, 1e-5, s, 0, recipe, transpose=True)
+        r2, s = JP.layernorm_quantize(x, None, None, 1e-5, s, 1, recipe, pad_to=16)
+        return r1.quantized.data_t, r1.mean, r2.quantized.data, s
+
+    x, w = jnp.ones((48, 40), jnp.bfloat16), jnp.ones(40)
+    text = _lowered(step, x, w, w, state, platform="cuda")
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
+    assert len(calls) == 2 and all("@fusedfp8_launch" in c for c in calls)
+    # x, weight, bias -> args 0..2; q, q_t, mean, rstd, scale_inv_used, history, scale, scale_inv -> results 0..7
+    assert "slots = dense<[0, 1, 2, -2, -3, -4, -5, -8, -7, -8, -9, -6, 6]>" in calls[0]
+    assert "aliases = dense<[3, 5, 4, 6, 5, 7]>" in calls[0] and calls[0].count("output_operand_alias<") == 3
+    # x -> arg 0, no weight, bias or q_t; q (48, 48: padded), mean, rstd, scale_inv_used, state -> 0..6
+    assert "slots = dense<[0, -1, -1, -2, -1, -3, -4, -7, -6, -7, -8, -5, 4]>" in calls[1]
+    assert "tensor<48x48xui8>" in calls[1]
+    assert "fusedfp8_launch" not in _lowered(step, x, w, w, state, platform="cpu")  # jax.numpy there
+    model = Fp8MLP(64, recipe=recipe)
+    variables = jax.jit(model.init)(jax.random.key(0), x)  # (on the CPU: the jnp path)
+    text = _lowered(model.apply, variables, x, platform="cuda")
+    assert text.count("@fusedfp8_launch") == 6  # the two updates, then LayerNorm(x), w1, gelu(z), w2
+    assert "rsqrt" not in text
+
+
 # ---- torch: the C++ kernels of the custom ops ------------------------------------------------------
 TORCH_OPS = ("quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize")
 
@@ -706,6 +744,45 @@ def test_jax_ffi_matches_the_callback_path(dtype, shape, first, donate):
         fn = jax.jit(step, static_argnames="impl", donate_argnames=("s",) if donate else ())
         outs, s = fn(x, dy, state(), impl=impl)
         outs2, s2 = fn(x, dy, s, impl=impl)  # a second step from the first one's state
+        arrays = (*outs, *outs2, *(getattr(s2, f) for f in STATE_FIELDS))
+        results[impl] = [(a.dtype, a.shape, np.asarray(jax.device_get(a)).tobytes()) for a in arrays]
+    want = results["callback_no_cmdbuf"]
+    for impl, got in results.items():
+        assert got == want, impl
+
+
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+@pytest.mark.parametrize("donate", [False, True], ids=["", "donated"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later"])
+@pytest.mark.parametrize("shape", S.params("aligned-64x128", "ragged-303x300", "ragged-1x1", "ragged-0x16",
+                                           "ragged-3d-3x5x7"))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_ffi_layernorm_matches_the_callback_path(dtype, shape, first, donate):
+    """layernorm_quantize through the FFI handler, the callback with and without command buffers
+    and impl='auto', byte for byte over two steps (with and without weight and bias, padded)."""
+    import jax
+    import jax.numpy as jnp
+
+    from fusedfp8.jax import primitives as JP
+    from fusedfp8.state import STATE_FIELDS
+
+    recipe, x, _, state = _jax_case(shape, dtype, first)
+    w = jax.device_put(jnp.linspace(0.5, 1.5, shape[-1], dtype=jnp.float32), jax.devices("gpu")[0])
+
+    def step(x, w, s, impl):
+        r1, s = JP.layernorm_quantize(x, w, -w / 4, 1e-5, s, 0, recipe, transpose=True, impl=impl)
+        r2, s = JP.layernorm_quantize(x, None, None, 1e-2, s, 1, recipe, transpose=True, pad_to=16, impl=impl)
+        r3, s = JP.layernorm_quantize(x, w, None, 0.0, s, 0, recipe, impl=impl)  # a tensor used twice in a step
+        s = JP.update_scales(s, recipe, impl=impl)
+        return [r.quantized.data for r in (r1, r2, r3)] + [r1.quantized.data_t, r2.quantized.data_t, r1.mean,
+                                                            r2.rstd, r3.quantized.scale_inv], s
+
+    results = {}
+    for impl in ("callback_no_cmdbuf", "callback", "ffi", "auto"):
+        fn = jax.jit(step, static_argnames="impl", donate_argnames=("s",) if donate else ())
+        outs, s = fn(x, w, state(), impl=impl)
+        outs2, s2 = fn(x, w, s, impl=impl)
         arrays = (*outs, *outs2, *(getattr(s2, f) for f in STATE_FIELDS))
         results[impl] = [(a.dtype, a.shape, np.asarray(jax.device_get(a)).tobytes()) for a in arrays]
     want = results["callback_no_cmdbuf"]
