@@ -716,21 +716,7 @@ def _jax_case(shape, dtype, first, seed=0):
     return recipe, x, dy, state
 
 
-@pytest.mark.gpu
-@pytest.mark.jax_gpu
-@pytest.mark.parametrize("donate", [False, True], ids=["", "donated"])
-@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later"])
-@pytest.mark.parametrize("shape", S.params("aligned-64x128", "ragged-303x300", "ragged-1x1", "ragged-0x16",
-                                           "ragged-3d-3x5x7"))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_jax_ffi_matches_the_callback_path(dtype, shape, first, donate):
-    import jax
-
-    from fusedfp8.jax import primitives as JP
-    from fusedfp8.state import STATE_FIELDS
-
-    recipe, x, dy, state = _jax_case(shape, dtype, first)
-
+def _jax_quantize_step(JP, recipe):
     def step(x, dy, s, impl):
         r1, s = JP.quantize(x, s, 0, recipe, transpose=True, impl=impl)
         r2, s = JP.gelu_quantize(x, s, 1, recipe, approximate="none", impl=impl)
@@ -739,16 +725,23 @@ def test_jax_ffi_matches_the_callback_path(dtype, shape, first, donate):
         s = JP.update_scales(s, recipe, impl=impl)
         return [r1.data, r1.data_t, r1.scale_inv, r2.data, r3.data, r3.data_t, r3.dbias, r3.scale_inv, r4.data], s
 
-    results = {}
-    for impl in ("callback_no_cmdbuf", "callback", "ffi", "auto"):
-        fn = jax.jit(step, static_argnames="impl", donate_argnames=("s",) if donate else ())
-        outs, s = fn(x, dy, state(), impl=impl)
-        outs2, s2 = fn(x, dy, s, impl=impl)  # a second step from the first one's state
-        arrays = (*outs, *outs2, *(getattr(s2, f) for f in STATE_FIELDS))
-        results[impl] = [(a.dtype, a.shape, np.asarray(jax.device_get(a)).tobytes()) for a in arrays]
-    want = results["callback_no_cmdbuf"]
-    for impl, got in results.items():
-        assert got == want, impl
+    return step
+
+
+def _jax_layernorm_step(JP, recipe):
+    """layernorm_quantize with weight and bias, without them (padded), and with a weight alone."""
+    def step(x, dy, s, impl):
+        import jax.numpy as jnp
+
+        w = jnp.linspace(0.5, 1.5, x.shape[-1], dtype=jnp.float32)
+        r1, s = JP.layernorm_quantize(x, w, -w / 4, 1e-5, s, 0, recipe, transpose=True, impl=impl)
+        r2, s = JP.layernorm_quantize(dy, None, None, 1e-2, s, 1, recipe, transpose=True, pad_to=16, impl=impl)
+        r3, s = JP.layernorm_quantize(x, w, None, 0.0, s, 0, recipe, impl=impl)  # a tensor used twice in a step
+        s = JP.update_scales(s, recipe, impl=impl)
+        q1, q2, q3 = (r.quantized for r in (r1, r2, r3))
+        return [q1.data, q1.data_t, q2.data, q2.data_t, q3.data, r1.mean, r2.rstd, q3.scale_inv], s
+
+    return step
 
 
 @pytest.mark.gpu
@@ -758,31 +751,22 @@ def test_jax_ffi_matches_the_callback_path(dtype, shape, first, donate):
 @pytest.mark.parametrize("shape", S.params("aligned-64x128", "ragged-303x300", "ragged-1x1", "ragged-0x16",
                                            "ragged-3d-3x5x7"))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_jax_ffi_layernorm_matches_the_callback_path(dtype, shape, first, donate):
-    """layernorm_quantize through the FFI handler, the callback with and without command buffers
-    and impl='auto', byte for byte over two steps (with and without weight and bias, padded)."""
+@pytest.mark.parametrize("ops", ["quantize", "layernorm"])
+def test_jax_ffi_matches_the_callback_path(ops, dtype, shape, first, donate):
+    """The FFI handler, the callback with and without command buffers and impl='auto', byte for
+    byte over two steps: quantize / gelu / dgelu (+ dbias), or layernorm_quantize."""
     import jax
-    import jax.numpy as jnp
 
     from fusedfp8.jax import primitives as JP
     from fusedfp8.state import STATE_FIELDS
 
-    recipe, x, _, state = _jax_case(shape, dtype, first)
-    w = jax.device_put(jnp.linspace(0.5, 1.5, shape[-1], dtype=jnp.float32), jax.devices("gpu")[0])
-
-    def step(x, w, s, impl):
-        r1, s = JP.layernorm_quantize(x, w, -w / 4, 1e-5, s, 0, recipe, transpose=True, impl=impl)
-        r2, s = JP.layernorm_quantize(x, None, None, 1e-2, s, 1, recipe, transpose=True, pad_to=16, impl=impl)
-        r3, s = JP.layernorm_quantize(x, w, None, 0.0, s, 0, recipe, impl=impl)  # a tensor used twice in a step
-        s = JP.update_scales(s, recipe, impl=impl)
-        return [r.quantized.data for r in (r1, r2, r3)] + [r1.quantized.data_t, r2.quantized.data_t, r1.mean,
-                                                            r2.rstd, r3.quantized.scale_inv], s
-
+    recipe, x, dy, state = _jax_case(shape, dtype, first)
+    step = (_jax_quantize_step if ops == "quantize" else _jax_layernorm_step)(JP, recipe)
     results = {}
     for impl in ("callback_no_cmdbuf", "callback", "ffi", "auto"):
         fn = jax.jit(step, static_argnames="impl", donate_argnames=("s",) if donate else ())
-        outs, s = fn(x, w, state(), impl=impl)
-        outs2, s2 = fn(x, w, s, impl=impl)
+        outs, s = fn(x, dy, state(), impl=impl)
+        outs2, s2 = fn(x, dy, s, impl=impl)  # a second step from the first one's state
         arrays = (*outs, *outs2, *(getattr(s2, f) for f in STATE_FIELDS))
         results[impl] = [(a.dtype, a.shape, np.asarray(jax.device_get(a)).tobytes()) for a in arrays]
     want = results["callback_no_cmdbuf"]
