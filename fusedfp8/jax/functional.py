@@ -22,7 +22,8 @@ and the output gradient g (M, N):
 each ``dot_general(..., preferred_element_type=float32) * (scale_inv_a * scale_inv_b)``, the
 pattern XLA's GEMM rewriter turns into one ``__cublas$lt$matmul$f8`` call with the scales in
 its epilogue. Forward tensors use the recipe's forward format (E4M3), gradients E5M2 under
-'hybrid'. Only FP8 tensors are saved for the backward (and the MLP's pre-activation).
+'hybrid'. Only FP8 tensors are saved for the backward (and the MLP's pre-activation; with its
+LayerNorm fused, the block's input and the per-row mean and rstd).
 """
 from __future__ import annotations
 

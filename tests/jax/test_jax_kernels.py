@@ -138,37 +138,41 @@ def test_layernorm_quantize_kernels_match_the_reference(dtype, shape, pad_to):
     """Every kernel impl (FFI, callback with and without command buffers) and the jnp twin on the
     GPU, byte for byte against fusedfp8.numerics.layernorm (so against each other): FP8 bytes and
     transpose (padded), mean, rstd, scale_inv and the state; a first step (current scaling) and
-    a delayed one (a set scale, a staged amax to accumulate into). The input's first elements are
-    inf, -0, a denormal, 448 (a non-finite row); bf16 parameters with an f32 input and f32 ones
-    otherwise."""
+    a delayed one (a set scale, a staged amax to accumulate into); finite rows, then an input
+    whose first elements are inf, -0, a denormal, 448 (a non-finite row: amax NaN). bf16
+    parameters with an f32 input, f32 ones otherwise."""
     from fusedfp8.numerics import layernorm as ln
     from fusedfp8.numerics import reference as ref
 
-    x = inputs(shape, dtype, seed=3, scale=2.0)
     rng = np.random.default_rng(4)
     pdtype = "bfloat16" if dtype == "float32" else "float32"
     w = gpu(jnp.asarray((rng.standard_normal(shape[-1]) + 1).astype(np.float32)).astype(pdtype))
     b = gpu(jnp.asarray((rng.standard_normal(shape[-1]) / 4).astype(np.float32)).astype(pdtype))
-    xh, wh, bh = (np.asarray(jax.device_get(a)) for a in (x, w, b))
-    y, _, _ = ln.layernorm_f32(xh, wh, bh, 1e-5)
     fresh = fresh_state()
     delayed = fresh.replace(scale=gpu(jnp.asarray([0.75, 1.0, 1.0], jnp.float32)),
                             amax_history=fresh.amax_history.at[0, 0].set(2.5), updates=gpu(jnp.ones(3, jnp.int32)))
-    first_scale = ref.current_scale(ref.amax(y), "e4m3", RECIPE.margin_factor, np.float32(1.0)) if y.size else 1.0
-    for st, s in ((fresh, np.float32(first_scale)), (delayed, np.float32(0.75))):
-        want, mean, rstd = ln.layernorm_quantize(xh, wh, bh, 1e-5, s, "e4m3", transpose=True, pad_to=pad_to)
-        for impl in (*KERNEL_IMPLS, "jnp"):
-            what = f"{impl}, scale {s}"
-            r, new = jitted(functools.partial(_layernorm, pad_to=pad_to), impl)(x, w, b, st)
-            q = r.quantized
-            assert u8(q.data).tobytes() == want.data.view(np.uint8).tobytes(), what
-            assert u8(q.data_t).tobytes() == want.data_t.view(np.uint8).tobytes(), what
-            assert np.asarray(r.mean).tobytes() == mean.tobytes() and np.asarray(r.rstd).tobytes() == rstd.tobytes()
-            assert np.asarray(q.scale_inv).tobytes() == np.array([np.float32(1) / s], np.float32).tobytes(), what
-            assert float(np.asarray(new.scale)[0]) == s, what
-            staged = np.float32(np.asarray(new.amax_history)[0, 0])
-            expect = ref.amax(y) if st is fresh else max(np.float32(2.5), ref.amax(y))
-            assert (np.isnan(staged) and np.isnan(expect)) or staged == expect, what
+    fn = functools.partial(_layernorm, pad_to=pad_to)
+    for special in (False, True):
+        x = inputs(shape, dtype, seed=3, scale=2.0, special=special)
+        xh, wh, bh = (np.asarray(jax.device_get(a)) for a in (x, w, b))
+        y, _, _ = ln.layernorm_f32(xh, wh, bh, 1e-5)
+        a = ref.amax(y)
+        first = ref.current_scale(a, "e4m3", RECIPE.margin_factor, np.float32(1.0))
+        for st, s, staged in ((fresh, first, a), (delayed, np.float32(0.75), np.float32(np.nan) if np.isnan(a) else
+                                                  max(np.float32(2.5), a))):
+            want, mean, rstd = ln.layernorm_quantize(xh, wh, bh, 1e-5, s, "e4m3", transpose=True, pad_to=pad_to)
+            for impl in (*KERNEL_IMPLS, "jnp"):
+                what = f"{impl}, scale {s}, special values {special}"
+                r, new = jitted(fn, impl)(x, w, b, st)
+                q = r.quantized
+                assert u8(q.data).tobytes() == want.data.view(np.uint8).tobytes(), what
+                assert u8(q.data_t).tobytes() == want.data_t.view(np.uint8).tobytes(), what
+                assert np.asarray(r.mean).tobytes() == mean.tobytes(), what
+                assert np.asarray(r.rstd).tobytes() == rstd.tobytes(), what
+                assert np.asarray(q.scale_inv).tobytes() == np.array([np.float32(1) / s], np.float32).tobytes(), what
+                assert np.asarray(new.scale)[0] == s, what
+                got = np.asarray(new.amax_history)[0, 0]
+                assert got.tobytes() == np.float32(staged).tobytes() or (np.isnan(got) and np.isnan(staged)), what
 
 
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
