@@ -38,7 +38,7 @@ def test_the_face_of_fusedfp8_jax():
 
     assert sorted(fj.__all__) == sorted(["update_scales", "sync_staged", "fp8_dot", "fp8_mlp", "quantize_ste", "IMPLS"])
     assert fj.fp8_dot is F.fp8_dot and fj.update_scales is P.update_scales and fj.IMPLS == P.IMPLS
-    for name in ("quantize", "gelu_quantize", "dgelu_quantize", "dequantize"):  # in fusedfp8.jax.primitives
+    for name in ("quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize"):  # in primitives
         assert not hasattr(fj, name) and callable(getattr(P, name))
 
 
@@ -185,18 +185,23 @@ def test_layernorm_quantize_matches_reference(case, rng):
 
 
 def test_layernorm_quantize_eager_and_gradient_slot(rng):
-    """Outside jit (one compiled program) it gives the jitted bytes; the gradient slot of a
+    """Outside jit it is one compiled program and gives the jitted bytes; the gradient slot of a
     'hybrid' recipe quantizes to E5M2; without transpose no data_t; q keeps x's shape."""
     x, w, b, eps, _ = ln_inputs("64x128-bf16-f32params", rng)
+    x, w, b = jnp.asarray(x), jnp.asarray(w), jnp.asarray(b)
     st = fresh()
-    r, new = P.layernorm_quantize(x, w, b, eps, st, 2, RECIPE)
+    eager = []
+    assert compiled_programs(lambda: eager.append(P.layernorm_quantize(x, w, b, eps, st, 2, RECIPE)) or eager[0]) == [
+        "jit(_run_layernorm)"]
+    r, new = eager[0]
     rj, newj = jax.jit(lambda x, s: P.layernorm_quantize(x, w, b, eps, s, 2, RECIPE))(x, st)
     for a, c in zip(jax.tree.leaves((r, new)), jax.tree.leaves((rj, newj)), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(c).tobytes()
     assert r.quantized.data.dtype == jnp.float8_e5m2 and r.quantized.data_t is None and r.quantized.data.shape == x.shape
-    y, _, _ = ln_ref.layernorm_f32(x, w, b, eps)
+    y, _, _ = ln_ref.layernorm_f32(np.asarray(x), np.asarray(w), np.asarray(b), eps)
     s = ref.current_scale(ref.amax(y), E5M2, RECIPE.margin_factor, f32(1.0))
-    assert u8(r.quantized.data).tobytes() == u8(ln_ref.layernorm_quantize(x, w, b, eps, s, E5M2)[0].data).tobytes()
+    want = ln_ref.layernorm_quantize(np.asarray(x), np.asarray(w), np.asarray(b), eps, s, E5M2)[0]
+    assert u8(r.quantized.data).tobytes() == u8(want.data).tobytes()
 
 
 def test_layernorm_quantize_refuses_bad_arguments_by_name():
