@@ -66,6 +66,13 @@ def quantize_plans(dtype: str, fmt: str, op: str, rows: int, cols: int, transpos
             for dev in gpu_devices()}
 
 
+def layernorm_plans(dtype: str, param: str, fmt: str, rows: int, cols: int, transpose: bool, first: bool, eps: float,
+                    margin_factor: float, offset: int, pad_to: int) -> dict:
+    """CUDA ordinal -> :func:`fusedfp8._cuda.layernorm_plan` for every local GPU (compiles the module)."""
+    return {dev: _cuda.layernorm_plan(dev, dtype, param, fmt, rows, cols, transpose, first, eps, margin_factor, offset,
+                                      pad_to) for dev in gpu_devices()}
+
+
 def update_plans(n: int, L: int, margin_factor: float, algo_max: bool) -> dict:
     return {dev: _cuda.update_plan(dev, n, L, margin_factor, algo_max) for dev in gpu_devices()}
 

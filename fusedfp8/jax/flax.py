@@ -223,18 +223,39 @@ class _DenseParams(nn.Module):
         return _fp8_weight(self, w, stored, first, self.recipe, axis_name, impl)
 
 
+class _LayerNormParams(nn.Module):
+    """The parameters of :class:`Fp8MLP`'s fused LayerNorm, as ``nn.LayerNorm`` declares them."""
+
+    features: int
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self):
+        scale = self.param("scale", nn.initializers.ones, (self.features,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+        return scale, bias
+
+
+_FUSED_LN_MAX = 16384  # widest row the fused LayerNorm takes (as the torch Fp8MLP: the transposed tile fits)
+
+
 class Fp8MLP(nn.Module):
-    """LayerNorm -> Dense(ffn) -> gelu -> Dense(out) with FP8 GEMMs and the activation fused
-    into FP8 (:func:`fusedfp8.jax.fp8_mlp`): gelu(z) is never written in high precision.
+    """LayerNorm -> Dense(ffn) -> gelu -> Dense(out) with FP8 GEMMs, the LayerNorm and the
+    activation fused into FP8 (:func:`fusedfp8.jax.fp8_mlp`): neither LayerNorm(x) nor gelu(z) is
+    ever written in high precision. The LayerNorm's backward runs in JAX (float32) from the saved
+    input, mean and rstd.
 
     Parameters as ``nn.LayerNorm(name='norm')``, ``nn.Dense(ffn, name='fc1')``,
-    ``nn.Dense(out, name='fc2')`` would have them (so weights carry over from such a model);
-    the FP8 state of fc1 and fc2 in ``'_overwrite_with_gradient'``.
+    ``nn.Dense(out, name='fc2')`` would have them (so weights carry over from such a model, and
+    variables stored before the LayerNorm was fused load as they are); the FP8 state of fc1 and
+    fc2 in ``'_overwrite_with_gradient'``.
 
     Attributes: ``ffn`` (inner width), ``out_features`` (default: the input width), ``recipe``,
     ``approximate`` ('tanh' or 'none'), ``dtype`` (computation dtype, default the input's),
     ``param_dtype``, ``impl``, ``axis_name``, ``forward_fast_accum`` (as :class:`Fp8DotGeneral`;
-    one ``lax.pmax`` for both linears).
+    one ``lax.pmax`` for both linears), ``epsilon`` (the LayerNorm's, as ``nn.LayerNorm``),
+    ``fuse_layernorm`` (default True; False, or an input wider than 16384, runs ``nn.LayerNorm``
+    and quantizes its output written in ``dtype``).
 
     Under ``shard_map`` with ``axis_name``, carry the '_overwrite_with_gradient' collection as a
     per-device value (e.g. a leading device axis with ``P(axis_name)``): after a step, row 0 of
@@ -253,6 +274,8 @@ class Fp8MLP(nn.Module):
     impl: str = "auto"
     axis_name: str | tuple | None = None
     forward_fast_accum: bool = True
+    epsilon: float = 1e-6
+    fuse_layernorm: bool = True
 
     @nn.compact
     def __call__(self, x):
@@ -262,20 +285,24 @@ class Fp8MLP(nn.Module):
         hidden = x.shape[-1]
         out = self.out_features or hidden
         dtype = self.dtype or x.dtype
-        h = nn.LayerNorm(dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
+        if self.fuse_layernorm and hidden <= _FUSED_LN_MAX:  # x itself in, LayerNorm(x) straight to FP8
+            ln_w, ln_b = _LayerNormParams(hidden, self.param_dtype, name="norm")()
+            h, ln = x, {"ln_weight": ln_w, "ln_bias": ln_b, "ln_eps": self.epsilon}
+        else:
+            h = nn.LayerNorm(epsilon=self.epsilon, dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
+            h, ln = jnp.asarray(h, dtype), {}
         fc1 = _DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")
         fc2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")
         (w1, b1, stored1), (w2, b2, stored2) = fc1(), fc2()
         prev, first = _this_use(self, (*stored1, *stored2))
         meta1, meta2 = (stored1, stored2) if first else prev
-        h2 = jnp.asarray(h, dtype).reshape(-1, hidden)
         w1, w2 = w1.astype(dtype), w2.astype(dtype)
         q1 = fc1.fp8_weight(w1, stored1, first, self.axis_name, self.impl)
         q2 = fc2.fp8_weight(w2, stored2, first, self.axis_name, self.impl)
-        y, out1, out2 = F.fp8_mlp_use(h2, w1, b1.astype(dtype), w2, b2.astype(dtype), meta1, meta2, recipe,
-                                      approximate=self.approximate, axis_name=self.axis_name, impl=self.impl,
-                                      forward_fast_accum=self.forward_fast_accum, first=first,
-                                      fp8_weights=None if q1 is None else (q1, q2))
+        y, out1, out2 = F.fp8_mlp_use(h.reshape(-1, hidden), w1, b1.astype(dtype), w2, b2.astype(dtype), meta1, meta2,
+                                      recipe, approximate=self.approximate, axis_name=self.axis_name, impl=self.impl,
+                                      forward_fast_accum=self.forward_fast_accum, out_dtype=dtype, first=first,
+                                      fp8_weights=None if q1 is None else (q1, q2), **ln)
         _remember(self, (*stored1, *stored2), (out1, out2))
         return y.reshape(*x.shape[:-1], out)
 

@@ -22,7 +22,8 @@ and the output gradient g (M, N):
 each ``dot_general(..., preferred_element_type=float32) * (scale_inv_a * scale_inv_b)``, the
 pattern XLA's GEMM rewriter turns into one ``__cublas$lt$matmul$f8`` call with the scales in
 its epilogue. Forward tensors use the recipe's forward format (E4M3), gradients E5M2 under
-'hybrid'. Only FP8 tensors are saved for the backward (and the MLP's pre-activation).
+'hybrid'. Only FP8 tensors are saved for the backward (and the MLP's pre-activation; with its
+LayerNorm fused, the block's input and the per-row mean and rstd).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..ops import _check_eps
 from ..recipe import DelayedScaling
 from ..state import ScalingState
 from ..types import Quantized, check_approximate, check_recipe, gemm_pad_to
@@ -288,7 +290,7 @@ def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dt
     return _dot_call(x, w, tuple(meta), fp8_weight, cfg)
 
 
-# ---- the fused MLP core: Linear -> gelu -> Linear --------------------------------------------
+# ---- the fused MLP core: [LayerNorm ->] Linear -> gelu -> Linear ------------------------------
 class _MlpCfg(NamedTuple):
     recipe: DelayedScaling
     impl: str
@@ -296,11 +298,29 @@ class _MlpCfg(NamedTuple):
     axis_name: str | tuple | None = None
     forward_fast_accum: bool = True
     first: bool = True
+    dtype: str = "float32"  # of the GEMM outputs: z, y and the gradient GEMMs before the LayerNorm's backward
+    ln_eps: float | None = None  # a float: h is the block's input, normalised inside its quantization
 
 
-def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, cfg: _MlpCfg, training: bool = True):
+def _layernorm_bwd(dh, x, mean, rstd, w, b):
+    """(dx, dweight, dbias) of LayerNorm(x) (x (M, H)) from its saved (M,) float32 mean and rstd:
+    the standard formula in float32, each result cast to its primal's dtype (None for a missing
+    parameter)."""
+    g = dh.astype(jnp.float32)
+    xhat = (x.astype(jnp.float32) - mean[:, None]) * rstd[:, None]
+    dw = jnp.sum(g * xhat, axis=0).astype(w.dtype) if w is not None else None
+    db = jnp.sum(g, axis=0).astype(b.dtype) if b is not None else None
+    if w is not None:
+        g = g * w.astype(jnp.float32)
+    dx = rstd[:, None] * (g - jnp.mean(g, axis=-1, keepdims=True)
+                          - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), dw, db
+
+
+def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, training: bool = True):
     h, w1, b1, w2, b2 = map(_first_order, (h, w1, b1, w2, b2))
-    r, impl = cfg.recipe, cfg.impl
+    ln = jax.tree.map(_first_order, ln)
+    r, impl, dt = cfg.recipe, cfg.impl, jnp.dtype(cfg.dtype)
     if cfg.first:  # both linears' staged amaxes in one all-reduce, then the two (local) updates
         st1, st2 = P.sync_staged([meta_to_state(decode(meta1)), meta_to_state(decode(meta2))], cfg.axis_name)
         st1 = P.update_scales(st1, r, impl=impl)
@@ -309,35 +329,43 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, cfg: _MlpCfg, trainin
         st1, st2 = meta_to_state(meta1), meta_to_state(meta2)
     (m, hid), ffn, out = h.shape, w1.shape[1], w2.shape[1]
     p = gemm_pad_to(m, hid, ffn, out)  # ragged: padded FP8 operands, as fp8_dot
-    rh, st1 = P.quantize(h, st1, 0, r, transpose=training, impl=impl)
+    ln_saved = None
+    if cfg.ln_eps is None:
+        rh, st1 = P.quantize(h, st1, 0, r, transpose=training, impl=impl)
+        h_q, h_t = _padded(rh.data, p), _padded(rh.data_t, p) if training else None
+    else:  # LayerNorm(h) straight to FP8, written padded by the kernel itself
+        rn, st1 = P.layernorm_quantize(h, *ln, cfg.ln_eps, st1, 0, r, transpose=training, pad_to=p, impl=impl)
+        rh = rn.quantized
+        h_q, h_t = rh.data, rh.data_t
+        ln_saved = (h, rn.mean, rn.rstd, *ln) if training else None
     q1, q2 = fp8_weights or (None, None)
     rw1, st1 = _weight(w1, q1, st1, r, impl)
     fast = cfg.forward_fast_accum
-    z = gemm(_padded(rh.data, p), _padded(rw1.data_t, p), rh.scale_inv, rw1.scale_inv, h.dtype,
-             fast_accum=fast)[:m, :ffn] + b1.astype(h.dtype)
+    z = gemm(h_q, _padded(rw1.data_t, p), rh.scale_inv, rw1.scale_inv, dt, fast_accum=fast)[:m, :ffn] + b1.astype(dt)
     ra, st2 = P.gelu_quantize(z, st2, 0, r, approximate=cfg.approximate, transpose=training, impl=impl)
     rw2, st2 = _weight(w2, q2, st2, r, impl)
-    y = gemm(_padded(ra.data, p), _padded(rw2.data_t, p), ra.scale_inv, rw2.scale_inv, h.dtype,
-             fast_accum=fast)[:m, :out] + b2.astype(h.dtype)
+    y = gemm(_padded(ra.data, p), _padded(rw2.data_t, p), ra.scale_inv, rw2.scale_inv, dt,
+             fast_accum=fast)[:m, :out] + b2.astype(dt)
     # dtypes, and the real shapes of h, w1, w2 (zero-size arrays: static)
     dtypes = (jnp.zeros((0, m, hid), h.dtype), jnp.zeros((0, hid, ffn), w1.dtype), jnp.zeros((0,), b1.dtype),
               jnp.zeros((0, ffn, out), w2.dtype), jnp.zeros((0,), b2.dtype))
-    h_t, a_t = (_padded(rh.data_t, p), _padded(ra.data_t, p)) if training else (None, None)
+    a_t = _padded(ra.data_t, p) if training else None
     return (y, state_to_meta(st1), state_to_meta(st2)), (
         h_t, _padded(rw1.data, p), z, a_t, _padded(rw2.data, p), rh.scale_inv, rw1.scale_inv, ra.scale_inv,
-        rw2.scale_inv, st1, st2, dtypes, fp8_weights)
+        rw2.scale_inv, st1, st2, dtypes, fp8_weights, ln_saved)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _mlp(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, cfg: _MlpCfg):
-    """(y, fc1's meta after this use, fc2's): as :func:`_dot`."""
-    return _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, cfg, training=False)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _mlp(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg):
+    """(y, fc1's meta after this use, fc2's): as :func:`_dot`. ``ln``: None, or the LayerNorm's
+    (weight, bias) (either may be None) when ``cfg.ln_eps`` is set."""
+    return _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg, training=False)[0]
 
 
 def _mlp_bwd(cfg: _MlpCfg, res, cts):
     g, later1, later2 = cts
     g = _first_order(g)
-    h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z), fp8_weights = res
+    h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z), fp8_weights, ln_saved = res
     (_, m, hid), (_, ffn, out) = hz.shape, w2z.shape
     p = gemm_pad_to(m, hid, ffn, out)  # as the forward padded
     r, impl = cfg.recipe, cfg.impl
@@ -347,37 +375,54 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
     db2 = jnp.sum(g.reshape(-1, g.shape[-1]), axis=0, dtype=jnp.float32).astype(b2z.dtype)
     rdz, st1 = P.dgelu_quantize(da, z, st1, 2, r, approximate=cfg.approximate, transpose=True, dbias=True,
                                 impl=impl)
-    dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, hz.dtype)[:m, :hid]
     dw1 = gemm(h_t, _padded(rdz.data_t, p), sh, rdz.scale_inv, w1z.dtype)[:hid, :ffn]
+    dln = None
+    if ln_saved is None:
+        dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, hz.dtype)[:m, :hid]
+    else:  # the GEMM's dh is the LayerNorm output's gradient: through the LayerNorm's backward to x
+        dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, z.dtype)[:m, :hid]
+        dh, dlw, dlb = _layernorm_bwd(dh, *ln_saved)
+        dln = (dlw, dlb)
     return (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, combine(later1, state_to_meta(st1)),
-            combine(later2, state_to_meta(st2)), _zeros_like(fp8_weights))
+            combine(later2, state_to_meta(st2)), _zeros_like(fp8_weights), dln)
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
-_mlp_call = P.compiled_when_eager(8)(_mlp)
+_mlp_call = P.compiled_when_eager(9)(_mlp)
 
 
 def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
             approximate: str = "tanh", axis_name=None, impl: str = "auto", forward_fast_accum: bool = True,
-            fp8_weights=None):
+            out_dtype=None, ln_weight=None, ln_bias=None, ln_eps: float | None = None, fp8_weights=None):
     return fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe, approximate=approximate, axis_name=axis_name,
-                       impl=impl, forward_fast_accum=forward_fast_accum, fp8_weights=fp8_weights)[0]
+                       impl=impl, forward_fast_accum=forward_fast_accum, out_dtype=out_dtype, ln_weight=ln_weight,
+                       ln_bias=ln_bias, ln_eps=ln_eps, fp8_weights=fp8_weights)[0]
 
 
 def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
                 approximate: str = "tanh", axis_name=None, impl: str = "auto", forward_fast_accum: bool = True,
-                first: bool = True, fp8_weights=None):
+                out_dtype=None, ln_weight=None, ln_bias=None, ln_eps: float | None = None, first: bool = True,
+                fp8_weights=None):
     """``gelu(h @ w1 + b1) @ w2 + b2`` with FP8 GEMMs, the activation quantized (with its
     transpose) straight from the first GEMM's output by the fused gelu kernel, and the gelu
     backward (+ the first bias gradient) by the fused dgelu kernel.
 
     h (M, H); w1 (H, F), b1 (F,); w2 (F, H2), b2 (H2,); meta1 / meta2: the metas of fc1 (h,
-    w1, dz) and fc2 (gelu(z), w2, dy), whose VJPs are the new metas. Output (M, H2) in h's
-    dtype; the pre-activation z is saved for the backward in h's dtype, everything else saved
-    is FP8. ``axis_name``, ``impl``, ``forward_fast_accum``: as :func:`fp8_dot` (one ``lax.pmax``
-    for both metas). ``fp8_weights``: None, or ``(quantize_weight(w1, meta1, ...),
-    quantize_weight(w2, meta2, ...))`` of this step, reused as ``fp8_weight`` of :func:`fp8_dot`.
-    :func:`fp8_mlp_use`: as :func:`fp8_dot_use` (results: y, fc1's output meta, fc2's).
+    w1, dz) and fc2 (gelu(z), w2, dy), whose VJPs are the new metas. Output (M, H2) in
+    ``out_dtype`` (h's dtype by default); the pre-activation z is saved for the backward in that
+    dtype, everything else saved is FP8. ``axis_name``, ``impl``, ``forward_fast_accum``: as
+    :func:`fp8_dot` (one ``lax.pmax`` for both metas). ``fp8_weights``: None, or
+    ``(quantize_weight(w1, meta1, ...), quantize_weight(w2, meta2, ...))`` of this step, reused as
+    ``fp8_weight`` of :func:`fp8_dot`. :func:`fp8_mlp_use`: as :func:`fp8_dot_use` (results: y,
+    fc1's output meta, fc2's).
+
+    With ``ln_eps`` (a number >= 0) the block is ``LayerNorm -> Linear -> gelu -> Linear``: h is
+    the block's input x, and LayerNorm(x) (weight ``ln_weight``, bias ``ln_bias``: (H,) arrays of
+    one float dtype, or None) goes straight to FP8 in the fused layernorm_quantize kernel (with
+    its transpose, padded for ragged GEMMs by the kernel): the normalised h is never written in
+    16 or 32 bits. x, the per-row mean and rstd are saved; the LayerNorm's backward runs in JAX
+    (float32) from them, and the gradients of x, ``ln_weight`` and ``ln_bias`` come in their
+    dtypes.
     """
     h, w1, w2 = _check_operand(h, "h"), _check_operand(w1, "w1"), _check_operand(w2, "w2")
     if h.shape[1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
@@ -387,17 +432,34 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
         raise ValueError(f"b1 must have shape {(w1.shape[1],)} and b2 {(w2.shape[1],)}; got {b1.shape}, {b2.shape}")
     check_recipe(recipe)
     meta1, meta2 = _check_meta(meta1, 3, recipe, "meta1"), _check_meta(meta2, 3, recipe, "meta2")
+    out_name = jnp.dtype(out_dtype or h.dtype).name
+    if out_name not in ("float32", "float16", "bfloat16"):
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16; got {out_name}")
+    ln = None
+    if ln_eps is None:
+        if ln_weight is not None or ln_bias is not None:
+            raise ValueError("ln_weight / ln_bias are the parameters of the fused LayerNorm, which ln_eps turns on; "
+                             "got ln_eps=None")
+    else:
+        try:
+            ln_eps = _check_eps(ln_eps)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"ln_{e}") from None  # "ln_eps must be ..."
+        ln = P.check_layernorm_params(ln_weight, ln_bias, h.shape[1], ("ln_weight", "ln_bias"), "h")
     cfg = _MlpCfg(recipe, P._check_impl(impl), check_approximate(approximate), P._check_axis_name(axis_name),
-                  bool(forward_fast_accum), bool(first))
+                  bool(forward_fast_accum), bool(first), out_name, ln_eps)
     # inside shard_map, every operand varies over the mesh axes that any does (the implicit
     # broadcast that plain ops insert; its transpose sums a replicated weight's gradient)
-    h, w1, b1, w2, b2, *metas = P._as_varying_as((h, w1, b1, w2, b2, *meta1, *meta2),
-                                                 (h, w1, b1, w2, b2, *meta1, *meta2))
+    ops = (h, w1, b1, w2, b2, *meta1, *meta2, *(p for p in ln or () if p is not None))
+    h, w1, b1, w2, b2, *rest = P._as_varying_as(ops, ops)
+    k = len(meta1)
+    metas1, metas2, rest = tuple(rest[:k]), tuple(rest[k:2 * k]), rest[2 * k:]
+    if ln is not None:
+        ln = tuple(None if p is None else rest.pop(0) for p in ln)
     if fp8_weights is not None:
         if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
             raise TypeError(f"fp8_weights must be None or a pair (fc1's, fc2's) of quantize_weight results; got "
                             f"{type(fp8_weights).__name__}")
         fp8_weights = (_check_fp8_weight(fp8_weights[0], w1, recipe, "fp8_weights[0]"),
                        _check_fp8_weight(fp8_weights[1], w2, recipe, "fp8_weights[1]"))
-    k = len(meta1)
-    return _mlp_call(h, w1, b1, w2, b2, tuple(metas[:k]), tuple(metas[k:]), fp8_weights, cfg)
+    return _mlp_call(h, w1, b1, w2, b2, metas1, metas2, fp8_weights, ln, cfg)

@@ -6,6 +6,9 @@ XLA lowers the computation (``lax.platform_dependent``): on CUDA the fused kerne
 own buffers and stream (:mod:`fusedfp8.jax.callbacks`); everywhere else the same numerics run
 as ``jax.numpy`` (:mod:`fusedfp8.numerics.jnp`), byte for byte the reference's.
 
+``layernorm_quantize`` (LayerNorm fused with the quantization) is written in
+:mod:`fusedfp8.jax._layernorm` on the same checks, dispatch and staging, and exported here.
+
 ``impl`` picks the backend explicitly: ``'auto'`` (the default, as above; on CUDA the ``'ffi'``
 path where the compiled shim is available, else ``'callback'``: :func:`launch_path` says which
 and why), ``'jnp'`` (jax.numpy on every backend), ``'ffi'`` (the kernels through the XLA FFI
@@ -60,8 +63,8 @@ from ..state import STATE_FIELDS, ScalingState
 from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_recipe, kernel_op
 from . import callbacks
 
-__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "stage_amax", "update_scales", "sync_staged", "dequantize",
-           "IMPLS", "launch_path"]
+__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "stage_amax", "update_scales",
+           "sync_staged", "dequantize", "IMPLS", "launch_path"]
 
 IMPLS = ("auto", "jnp", "ffi", "callback", "callback_no_cmdbuf")
 _CUDA_IMPLS = ("ffi", "callback", "callback_no_cmdbuf")
@@ -197,21 +200,26 @@ def _stage_jnp(cfg: _QCfg, amax, hist, scale, scale_inv, updates):
     return s, hist.at[0, i].set(acc), scale, scale_inv
 
 
+def _stage_and_cast(cfg, y, hist, scale, scale_inv, updates):
+    """The float32 ``y`` quantized with tensor ``cfg.index`` of the state: (q codes, (1,) 1 / the
+    scale used, hist, scale, scale_inv), its amax staged as :func:`_stage_jnp` does."""
+    s, hist, scale, scale_inv = _stage_jnp(cfg, jn.amax(y), hist, scale, scale_inv, updates)
+    s = jn.computed_once(s)  # a scalar read by every element: not recomputed in each reader
+    q = jn.cast_to_fp8(jn.mul(y, s), cfg.fmt)
+    return q, jn.div_rn(1.0, s).reshape(1), hist, scale, scale_inv
+
+
 def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
     y = _activation(cfg, x, b)
     if cfg.op != "identity":  # computed once, not in each of the amax, cast, transpose, dbias
         y = jn.computed_once(y)
-    s, hist, scale, scale_inv = _stage_jnp(cfg, jn.amax(y), hist, scale, scale_inv, updates)
-    s = jn.computed_once(s)  # a scalar read by every element: not recomputed in each reader
-    v = jn.mul(y, s)
-    q = jn.cast_to_fp8(v, cfg.fmt)
+    q, si_used, hist, scale, scale_inv = _stage_and_cast(cfg, y, hist, scale, scale_inv, updates)
     rows, cols = _rows_cols(x.shape)
     outs = [q]
     if cfg.transpose:
         outs.append(q.reshape(rows, cols).T)
     if cfg.dbias:
         outs.append(jnp.sum(y.reshape(rows, cols), axis=0, dtype=jnp.float32))
-    si_used = jn.div_rn(1.0, s).reshape(1)
     return (*outs, si_used, hist, scale, scale_inv)
 
 
@@ -452,3 +460,6 @@ def _update(state: ScalingState, recipe: DelayedScaling, axis_name, impl: str) -
     new = _dispatch(impl, lambda *a: _update_jnp(recipe, *a), lambda be, *a: _update_kernel(recipe, be, *a),
                     *arrays, fmt_max)
     return state.replace(**dict(zip(STATE_FIELDS, new)))
+
+
+from ._layernorm import check_layernorm_params, layernorm_quantize  # noqa: E402  (uses the helpers above)

@@ -80,3 +80,38 @@ def test_flax_mlp_trains_and_matches_the_bf16_layout(rng):
     for layer in ("fc1", "fc2"):
         np.testing.assert_array_equal(last[layer]["updates"], [7, 7, 7])
         assert (last[layer]["amax_history"] > 0).all()  # the history filled and rolled
+
+
+@pytest.mark.slow
+def test_flax_mlp_fused_layernorm_matches_the_unfused_path(rng):
+    """The LayerNorm fused into the quantization of fc1's input (the default) against
+    ``fuse_layernorm=False`` (flax's nn.LayerNorm, its output quantized): the same variables
+    (names, shapes, init values: either model loads the other's), no flax LayerNorm in the fused
+    program, the output and every gradient (the LayerNorm's parameters included) close, the FP8
+    state's staged amaxes too. A 3-D ragged input: the kernel pads h for the GEMMs."""
+    recipe = fusedfp8.DelayedScaling(amax_history_len=4)
+    x = jnp.asarray((rng.standard_normal((2, 15, 24)) * 2 + 0.3).astype(f32))
+    y = jnp.asarray(rng.standard_normal((2, 15, 24)).astype(f32))
+    fused, unfused = Fp8MLP(40, recipe=recipe, impl="jnp"), Fp8MLP(40, recipe=recipe, impl="jnp", fuse_layernorm=False)
+    variables = jax.jit(fused.init)(jax.random.key(0), x)
+    other = jax.jit(unfused.init)(jax.random.key(0), x)
+    assert jax.tree.structure(variables) == jax.tree.structure(other)
+    for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(other), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert set(variables["params"]["norm"]) == {"scale", "bias"}
+    norm = variables["params"]["norm"]  # parameters away from their init, so their gradients mean something
+    variables["params"]["norm"] = {"scale": norm["scale"] + jnp.asarray(rng.standard_normal(24).astype(f32) / 5),
+                                   "bias": norm["bias"] + jnp.asarray(rng.standard_normal(24).astype(f32) / 10)}
+
+    def grads(model):
+        return jax.jit(jax.value_and_grad(lambda v: jnp.mean((model.apply(v, x) - y) ** 2)))(variables)
+
+    (lf, gf), (lu, gu) = grads(fused), grads(unfused)
+    np.testing.assert_allclose(float(lf), float(lu), rtol=1e-4)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(gf)[0], jax.tree.leaves(gu), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype, path
+        assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b), (jax.tree_util.keystr(path), a, b)
+    assert np.abs(np.asarray(gf["params"]["norm"]["scale"])).max() > 0
+    assert "rsqrt" in jax.jit(unfused.apply).lower(variables, x).as_text()  # flax's LayerNorm ...
+    assert "rsqrt" not in jax.jit(fused.apply).lower(variables, x).as_text()  # ... is not in the fused program

@@ -126,6 +126,55 @@ def test_activation_kernels_match_jnp(dtype, shape, approximate):
     assert_kernels_match_jnp(dgelu, (dy, x, st), "dgelu_quantize")
 
 
+def _layernorm(x, w, b, st, impl, pad_to):
+    return P.layernorm_quantize(x, w, b, 1e-5, st, 0, RECIPE, transpose=True, pad_to=pad_to, impl=impl)
+
+
+@pytest.mark.parametrize("pad_to", [1, 16])
+@pytest.mark.parametrize("shape", [*S.params("aligned-64x128", "ragged-303x300", "ragged-1x1", "ragged-0x16",
+                                             "ragged-3d-3x5x7", S.LARGE), pytest.param((4, 20000), id="wide-4x20000")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layernorm_quantize_kernels_match_the_reference(dtype, shape, pad_to):
+    """Every kernel impl (FFI, callback with and without command buffers) and the jnp twin on the
+    GPU, byte for byte against fusedfp8.numerics.layernorm (so against each other): FP8 bytes and
+    transpose (padded), mean, rstd, scale_inv and the state; a first step (current scaling) and
+    a delayed one (a set scale, a staged amax to accumulate into); finite rows, then an input
+    whose first elements are inf, -0, a denormal, 448 (a non-finite row: amax NaN). bf16
+    parameters with an f32 input, f32 ones otherwise."""
+    from fusedfp8.numerics import layernorm as ln
+    from fusedfp8.numerics import reference as ref
+
+    rng = np.random.default_rng(4)
+    pdtype = "bfloat16" if dtype == "float32" else "float32"
+    w = gpu(jnp.asarray((rng.standard_normal(shape[-1]) + 1).astype(np.float32)).astype(pdtype))
+    b = gpu(jnp.asarray((rng.standard_normal(shape[-1]) / 4).astype(np.float32)).astype(pdtype))
+    fresh = fresh_state()
+    delayed = fresh.replace(scale=gpu(jnp.asarray([0.75, 1.0, 1.0], jnp.float32)),
+                            amax_history=fresh.amax_history.at[0, 0].set(2.5), updates=gpu(jnp.ones(3, jnp.int32)))
+    fn = functools.partial(_layernorm, pad_to=pad_to)
+    for special in (False, True):
+        x = inputs(shape, dtype, seed=3, scale=2.0, special=special)
+        xh, wh, bh = (np.asarray(jax.device_get(a)) for a in (x, w, b))
+        y, _, _ = ln.layernorm_f32(xh, wh, bh, 1e-5)
+        a = ref.amax(y)
+        first = ref.current_scale(a, "e4m3", RECIPE.margin_factor, np.float32(1.0))
+        for st, s, staged in ((fresh, first, a), (delayed, np.float32(0.75), np.float32(np.nan) if np.isnan(a) else
+                                                  max(np.float32(2.5), a))):
+            want, mean, rstd = ln.layernorm_quantize(xh, wh, bh, 1e-5, s, "e4m3", transpose=True, pad_to=pad_to)
+            for impl in (*KERNEL_IMPLS, "jnp"):
+                what = f"{impl}, scale {s}, special values {special}"
+                r, new = jitted(fn, impl)(x, w, b, st)
+                q = r.quantized
+                assert u8(q.data).tobytes() == want.data.view(np.uint8).tobytes(), what
+                assert u8(q.data_t).tobytes() == want.data_t.view(np.uint8).tobytes(), what
+                assert np.asarray(r.mean).tobytes() == mean.tobytes(), what
+                assert np.asarray(r.rstd).tobytes() == rstd.tobytes(), what
+                assert np.asarray(q.scale_inv).tobytes() == np.array([np.float32(1) / s], np.float32).tobytes(), what
+                assert np.asarray(new.scale)[0] == s, what
+                got = np.asarray(new.amax_history)[0, 0]
+                assert got.tobytes() == np.float32(staged).tobytes() or (np.isnan(got) and np.isnan(staged)), what
+
+
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
 def test_state_machine_over_jitted_steps_matches_jnp(impl):
     """Six steps of quantize (3 tensors) + update_scales in one jitted step function, replayed
@@ -298,6 +347,39 @@ def test_flax_mlp_train_step_kernel_path_matches_jnp_path_and_bf16():
     hist = runs["auto"][0].params["_overwrite_with_gradient"]
     for layer in ("fc1", "fc2"):
         np.testing.assert_array_equal(np.asarray(hist[layer]["updates"]), [19, 19, 19])
+
+
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("tokens", [2048, 1000], ids=["aligned", "ragged"])
+def test_flax_mlp_layernorm_goes_straight_to_fp8(tokens):
+    """The flax Fp8MLP's train step on the GPU: the LayerNorm runs in the layernorm_quantize
+    kernel (no flax LayerNorm, no rsqrt, in the program) and all six GEMMs stay FP8, with ragged
+    tokens too (the kernel writes h padded); the kernel path's gradients agree with the jnp
+    path's (the same FP8 bytes into the same GEMMs), the LayerNorm's parameters included."""
+    from fusedfp8.jax.flax import Fp8MLP
+
+    hidden, ffn = 1024, 4096
+    x = inputs((tokens, hidden), "bfloat16", scale=1.0, special=False)
+    y = inputs((tokens, hidden), "bfloat16", seed=1, scale=1.0, special=False)
+    models = {impl: Fp8MLP(ffn, impl=impl, param_dtype=jnp.bfloat16) for impl in ("auto", "jnp")}
+    variables = models["auto"].init(jax.random.key(0), x)
+
+    def grad_fn(impl):
+        def loss(v):
+            return jnp.mean((models[impl].apply(v, x).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
+
+        return jax.grad(loss)
+
+    lowered = jax.jit(grad_fn("auto")).lower(variables)
+    assert "rsqrt" not in lowered.as_text()
+    if P.launch_path()[0] == "ffi":
+        assert "layernorm_quantize<" in lowered.as_text()  # the kernel names of the FFI call's plans
+    gemms = lowered.compile().as_text().count('custom_call_target="__cublas$lt$matmul$f8"')
+    assert gemms == 6, f"expected 6 FP8 GEMMs (2 forward, 4 backward); found {gemms}"
+    got, want = jax.jit(grad_fn("auto"))(variables), jax.jit(grad_fn("jnp"))(variables)
+    for (path, g), h in zip(jax.tree_util.tree_flatten_with_path(got["params"])[0], jax.tree.leaves(want["params"])):
+        g, h = np.asarray(g, np.float64), np.asarray(h, np.float64)
+        assert ((g - h) ** 2).sum() <= 1e-4 * (h ** 2).sum(), jax.tree_util.keystr(path)
 
 
 # ---- the weight cache for gradient accumulation (issue 19) ---------------------------------------

@@ -18,6 +18,7 @@ from fusedfp8.jax import functional as F
 from fusedfp8.jax import meta as JM
 from fusedfp8.jax import primitives as P
 from fusedfp8.numerics import jnp as jn
+from fusedfp8.numerics import layernorm as ln_ref
 from fusedfp8.numerics import reference as ref
 from fusedfp8.state import ScalingState, apply_update
 from support import shapes as S
@@ -38,7 +39,7 @@ def test_the_face_of_fusedfp8_jax():
     assert sorted(fj.__all__) == sorted(["update_scales", "sync_staged", "fp8_dot", "fp8_mlp", "quantize_weight",
                                          "quantize_ste", "IMPLS"])
     assert fj.fp8_dot is F.fp8_dot and fj.update_scales is P.update_scales and fj.IMPLS == P.IMPLS
-    for name in ("quantize", "gelu_quantize", "dgelu_quantize", "dequantize"):  # in fusedfp8.jax.primitives
+    for name in ("quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize"):  # in primitives
         assert not hasattr(fj, name) and callable(getattr(P, name))
 
 
@@ -121,6 +122,118 @@ def test_bad_arguments_are_refused_by_name():
         P.quantize(jnp.ones(3), st, 0, fusedfp8.DelayedScaling(amax_history_len=7))
     with pytest.raises(ValueError, match="approximate must be 'tanh' or 'none'; got 'erf'"):
         P.gelu_quantize(jnp.ones(3), st, 0, RECIPE, approximate="erf")
+
+
+# ---- layernorm_quantize -------------------------------------------------------------------------
+LN_CASES = {  # id: (shape, input dtype, param dtype or None, eps, pad_to)
+    "64x128-bf16-f32params": ((64, 128), "bf16", "f32", 1e-5, 1),
+    "33x17-f32-pad16": ((33, 17), "f32", "f32", 1e-6, 16),
+    "3x5x7-f16-no-params-pad16": ((3, 5, 7), "f16", None, 1e-2, 16),
+    "1x1-bf16-bf16params": ((1, 1), "bf16", "bf16", 1e-5, 1),
+    "0x16-f32": ((0, 16), "f32", "f32", 1e-5, 16),
+}
+
+
+def ln_inputs(case, rng):
+    shape, dtype, pdtype, eps, pad_to = LN_CASES[case]
+    x = (rng.standard_normal(shape) * 3 + 1).astype(f32).astype(DTYPES[dtype])
+    if x.size > 8:
+        x.reshape(-1, shape[-1])[1, 0] = np.nan  # one NaN row: mean, rstd NaN, the amax NaN
+    w = b = None
+    if pdtype:
+        w = (rng.standard_normal(shape[-1]) + 1).astype(f32).astype(DTYPES[pdtype])
+        b = (rng.standard_normal(shape[-1]) / 4).astype(f32).astype(DTYPES[pdtype])
+    return x, w, b, eps, pad_to
+
+
+def assert_ln_matches_reference(r, new, x, w, b, eps, pad_to, s, fmt, index):
+    """The primitive's LayerNormQuantized and state against the reference quantizing with scale ``s``."""
+    want, wmean, wrstd = ln_ref.layernorm_quantize(x, w, b, eps, s, fmt, transpose=True, pad_to=pad_to)
+    q = r.quantized
+    assert q.data.dtype == jnp.dtype(fmt.dtype_name) and q.data.shape == want.data.shape
+    assert u8(q.data).tobytes() == u8(want.data).tobytes()
+    assert u8(q.data_t).tobytes() == u8(want.data_t).tobytes()
+    assert np.asarray(r.mean).tobytes() == wmean.tobytes() and np.asarray(r.rstd).tobytes() == wrstd.tobytes()
+    assert np.asarray(q.scale_inv).tobytes() == np.array([f32(1.0) / s], f32).tobytes()
+    assert np.asarray(q.amax).tobytes() == np.asarray(new.amax_history)[0, index].tobytes()
+    return want
+
+
+@pytest.mark.parametrize("case", list(LN_CASES))
+def test_layernorm_quantize_matches_reference(case, rng):
+    """The jax.numpy impl under jit byte for byte against fusedfp8.numerics.layernorm: a fresh
+    state (the first step's current scale of amax(y)), then delayed scaling (a set scale and a
+    staged amax to accumulate into); padded and plain shapes, with and without parameters."""
+    x, w, b, eps, pad_to = ln_inputs(case, rng)
+    fn = jax.jit(lambda x, w, b, s: P.layernorm_quantize(x, w, b, eps, s, 0, RECIPE, transpose=True, pad_to=pad_to,
+                                                         impl="jnp"))
+    y, _, _ = ln_ref.layernorm_f32(x, w, b, eps)
+    a = ref.amax(y)
+    st = fresh()
+    r, new = fn(x, w, b, st)
+    s = ref.current_scale(a, E4M3, RECIPE.margin_factor, f32(1.0)) if x.size else f32(1.0)
+    assert_ln_matches_reference(r, new, x, w, b, eps, pad_to, s, E4M3, 0)
+    assert np.asarray(new.amax_history)[0, 0].tobytes() == np.float32(a).tobytes()
+    assert np.asarray(new.scale)[0] == s and np.asarray(new.scale_inv)[0] == f32(1.0) / s
+    # delayed scaling: the state's scale, the amax max-accumulated into the staged slot
+    st = fresh().replace(scale=jnp.asarray([0.75, 1, 1], jnp.float32), updates=jnp.ones(3, jnp.int32),
+                         amax_history=jnp.zeros((5, 3), jnp.float32).at[0, 0].set(2.5))
+    r, new = fn(x, w, b, st)
+    assert_ln_matches_reference(r, new, x, w, b, eps, pad_to, f32(0.75), E4M3, 0)
+    staged = np.asarray(new.amax_history)[0, 0]
+    assert (np.isnan(staged) and np.isnan(a)) or staged == max(f32(2.5), a)
+    assert (np.asarray(new.scale) == [0.75, 1, 1]).all() and (np.asarray(new.updates) == 1).all()
+
+
+def test_layernorm_quantize_eager_and_gradient_slot(rng):
+    """Outside jit it is one compiled program and gives the jitted bytes; the gradient slot of a
+    'hybrid' recipe quantizes to E5M2; without transpose no data_t; q keeps x's shape."""
+    x, w, b, eps, _ = ln_inputs("64x128-bf16-f32params", rng)
+    x, w, b = jnp.asarray(x), jnp.asarray(w), jnp.asarray(b)
+    st = fresh()
+    eager = []
+    assert compiled_programs(lambda: eager.append(P.layernorm_quantize(x, w, b, eps, st, 2, RECIPE)) or eager[0]) == [
+        "jit(_run_layernorm)"]
+    r, new = eager[0]
+    rj, newj = jax.jit(lambda x, s: P.layernorm_quantize(x, w, b, eps, s, 2, RECIPE))(x, st)
+    for a, c in zip(jax.tree.leaves((r, new)), jax.tree.leaves((rj, newj)), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(c).tobytes()
+    assert r.quantized.data.dtype == jnp.float8_e5m2 and r.quantized.data_t is None and r.quantized.data.shape == x.shape
+    y, _, _ = ln_ref.layernorm_f32(np.asarray(x), np.asarray(w), np.asarray(b), eps)
+    s = ref.current_scale(ref.amax(y), E5M2, RECIPE.margin_factor, f32(1.0))
+    want = ln_ref.layernorm_quantize(np.asarray(x), np.asarray(w), np.asarray(b), eps, s, E5M2)[0]
+    assert u8(r.quantized.data).tobytes() == u8(want.data).tobytes()
+
+
+def test_layernorm_quantize_refuses_bad_arguments_by_name():
+    st, x = fresh(), jnp.ones((4, 8))
+    cases = [
+        (lambda: P.layernorm_quantize(jnp.ones(()), None, None, 1e-5, st, 0, RECIPE), ValueError,
+         "x: layernorm_quantize needs an input of at least 1 dimension; got a scalar"),
+        (lambda: P.layernorm_quantize(jnp.ones((4, 0)), None, None, 1e-5, st, 0, RECIPE), ValueError,
+         r"x: layernorm_quantize normalises over the last dimension, which must not be empty; got shape \(4, 0\)"),
+        (lambda: P.layernorm_quantize(x.astype(jnp.int32), None, None, 1e-5, st, 0, RECIPE), TypeError,
+         "x must be float32, float16 or bfloat16; got int32"),
+        (lambda: P.layernorm_quantize(x, jnp.ones(7), None, 1e-5, st, 0, RECIPE), ValueError,
+         r"weight must have shape \(8,\) \(the last dimension of x\); got \(7,\)"),
+        (lambda: P.layernorm_quantize(x, None, jnp.ones(8, jnp.int8), 1e-5, st, 0, RECIPE), TypeError,
+         "bias must be float32, float16 or bfloat16; got int8"),
+        (lambda: P.layernorm_quantize(x, jnp.ones(8), jnp.ones(8, jnp.bfloat16), 1e-5, st, 0, RECIPE), TypeError,
+         "weight and bias must have the same dtype; got float32 and bfloat16"),
+        (lambda: P.layernorm_quantize(x, None, None, -1.0, st, 0, RECIPE), ValueError,
+         r"eps must be a finite number >= 0 \(and finite as float32\); got -1.0"),
+        (lambda: P.layernorm_quantize(x, None, None, jnp.float32(1e-5), st, 0, RECIPE), TypeError,
+         "eps must be a real number"),
+        (lambda: P.layernorm_quantize(x, None, None, 1e-5, st, 0, RECIPE, pad_to=0), ValueError,
+         "pad_to must be a positive int"),
+        (lambda: P.layernorm_quantize(x, None, None, 1e-5, st, 3, RECIPE), IndexError,
+         r"index must be in \[0, 3\); got 3"),
+        (lambda: P.layernorm_quantize(x, None, None, 1e-5, st, 0, RECIPE, impl="cuda"), ValueError,
+         "impl must be one of"),
+    ]
+    for call, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            call()
 
 
 def test_vmap_quantizes_each_example_on_its_own(rng):
@@ -250,6 +363,75 @@ def test_fp8_mlp_matches_the_unfused_composition(rng):
     assert (hist1[0] > 0).all() and (hist2[0] > 0).all()  # all six tensors staged an amax
     z = np.asarray(h @ w1 + b1)  # fc2's input amax is of gelu(z) (up to the FP8 GEMM's error)
     assert abs(hist2[0, 0] / np.abs(np.asarray(jax.nn.gelu(z, approximate=True))).max() - 1) < 0.1
+
+
+def layernorm_f32(x, w, b, eps):
+    """LayerNorm in plain float32 jax ops (flax's and torch's formula, not the kernel's op order)."""
+    xf = x.astype(jnp.float32)
+    mu = xf.mean(-1, keepdims=True)
+    y = (xf - mu) * jax.lax.rsqrt(((xf - mu) ** 2).mean(-1, keepdims=True) + eps)
+    y = y * w.astype(jnp.float32) if w is not None else y
+    return y + b.astype(jnp.float32) if b is not None else y
+
+
+@pytest.mark.slow
+def test_fp8_mlp_fused_layernorm_matches_layernorm_then_fp8_mlp(rng):
+    """fp8_mlp(x, ..., ln_weight=, ln_eps=) against fp8_mlp(LayerNorm(x), ...): bf16 x, bf16
+    LayerNorm weight and no bias, ragged tokens (the kernel pads h), the LayerNorm's float32 output
+    handed on unrounded (out_dtype bf16): y, the gradients of x, the weights and the LayerNorm
+    weight (in their own dtypes) and the new metas agree."""
+    M, H, Fw, eps = 30, 32, 48, 1e-5
+    bf = jnp.bfloat16
+    x = jnp.asarray((rng.standard_normal((M, H)) * 2 + 0.5).astype(f32)).astype(bf)
+    lw = jnp.asarray((rng.standard_normal(H) * 0.3 + 1).astype(f32)).astype(bf)
+    w1 = jnp.asarray((rng.standard_normal((H, Fw)) / 6).astype(f32)).astype(bf)
+    w2 = jnp.asarray((rng.standard_normal((Fw, H)) / 7).astype(f32)).astype(bf)
+    b1, b2 = jnp.zeros(Fw, bf) + 0.1, jnp.zeros(H, bf) - 0.1
+    m1, m2 = JM.fresh_meta(RECIPE), JM.fresh_meta(RECIPE)
+
+    def fused(x, lw, w1, w2, m1, m2):
+        return F.fp8_mlp(x, w1, b1, w2, b2, m1, m2, RECIPE, ln_weight=lw, ln_eps=eps)
+
+    def unfused(x, lw, w1, w2, m1, m2):
+        return F.fp8_mlp(layernorm_f32(x, lw, None, eps), w1, b1, w2, b2, m1, m2, RECIPE, out_dtype=bf)
+
+    def run(fn):
+        def loss(*a):
+            return jnp.sum(fn(*a).astype(jnp.float32) ** 2)
+
+        return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=tuple(range(6)))(*a)))(x, lw, w1, w2, m1, m2)
+
+    (yf, gf), (yu, gu) = run(fused), run(unfused)
+    assert yf.shape == (M, H) and yf.dtype == bf
+
+    def err(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+    assert err(yf, yu) < 1e-2
+    for name, a, b in zip(("dx", "dln_weight", "dw1", "dw2"), gf[:4], gu[:4]):
+        assert a.dtype == b.dtype == bf, name
+        assert err(a, b) < 1e-2, (name, err(a, b))
+    hist_f, hist_u = np.asarray(gf[4][0]), np.asarray(gu[4][0])
+    np.testing.assert_allclose(hist_f[0], hist_u[0], rtol=1e-3)
+    assert hist_f[0, 0] == ref.amax(ln_ref.layernorm_f32(np.asarray(x), np.asarray(lw), None, eps)[0])
+
+
+def test_fp8_mlp_refuses_bad_layernorm_arguments_by_name():
+    h, w1, w2 = jnp.ones((4, 8)), jnp.ones((8, 16)), jnp.ones((16, 8))
+    b1, b2, m = jnp.zeros(16), jnp.zeros(8), JM.fresh_meta(RECIPE)
+    cases = [({"ln_weight": jnp.ones(8)}, ValueError, "ln_weight / ln_bias are the parameters of the fused LayerNorm, "
+              "which ln_eps turns on; got ln_eps=None"),
+             ({"ln_eps": -1.0}, ValueError, r"^ln_eps must be a finite number >= 0"),
+             ({"ln_eps": "1e-5"}, TypeError, r"^ln_eps must be a real number"),
+             ({"ln_eps": 1e-5, "ln_bias": jnp.ones(7)}, ValueError,
+              r"^ln_bias must have shape \(8,\) \(the last dimension of h\); got \(7,\)"),
+             ({"ln_eps": 1e-5, "ln_weight": jnp.ones(8), "ln_bias": jnp.ones(8, jnp.float16)}, TypeError,
+              "^ln_weight and ln_bias must have the same dtype; got float32 and float16"),
+             ({"out_dtype": jnp.int8}, TypeError, "out_dtype must be float32, float16 or bfloat16; got int8")]
+    for kwargs, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            F.fp8_mlp(h, w1, b1, w2, b2, m, m, RECIPE, **kwargs)
 
 
 # ---- what the jax.numpy path costs on the CPU ------------------------------------------------------

@@ -426,6 +426,44 @@ def test_jax_quantize_lowers_to_the_ffi_custom_call_on_cuda(ffi_on_cuda):
     assert "fusedfp8_launch" not in _lowered(step, x, x, state, platform="cpu")  # jax.numpy there
 
 
+def test_jax_layernorm_quantize_lowers_to_the_ffi_custom_call_on_cuda(ffi_on_cuda):
+    """layernorm_quantize is one call of the same handler: x, weight, bias in; q, q_t, mean, rstd,
+    scale_inv_used and the state out (the state aliased); without weight and bias their slots are
+    null. The flax Fp8MLP's forward holds it and no flax LayerNorm (rsqrt)."""
+    import jax
+    import jax.numpy as jnp
+
+    import fusedfp8
+    from fusedfp8.jax.flax import Fp8MLP
+    from fusedfp8.state import ScalingState
+
+    JP = ffi_on_cuda
+    recipe = fusedfp8.DelayedScaling(amax_history_len=4)
+    state = ScalingState.create((False, False, True), recipe, like=jnp.zeros(1))
+
+    def step(x, w, b, s):
+        r1, s = JP.layernorm_quantize(x, w, b, 1e-5, s, 0, recipe, transpose=True)
+        r2, s = JP.layernorm_quantize(x, None, None, 1e-5, s, 1, recipe, pad_to=16)
+        return r1.quantized.data_t, r1.mean, r2.quantized.data, s
+
+    x, w = jnp.ones((48, 40), jnp.bfloat16), jnp.ones(40)
+    text = _lowered(step, x, w, w, state, platform="cuda")
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
+    assert len(calls) == 2 and all("@fusedfp8_launch" in c for c in calls)
+    # x, weight, bias -> args 0..2; q, q_t, mean, rstd, scale_inv_used, history, scale, scale_inv -> results 0..7
+    assert "slots = dense<[0, 1, 2, -2, -3, -4, -5, -8, -7, -8, -9, -6, 6]>" in calls[0]
+    assert "aliases = dense<[3, 5, 4, 6, 5, 7]>" in calls[0] and calls[0].count("output_operand_alias<") == 3
+    # x -> arg 0, no weight, bias or q_t; q (48, 48: padded), mean, rstd, scale_inv_used, state -> 0..6
+    assert "slots = dense<[0, -1, -1, -2, -1, -3, -4, -7, -6, -7, -8, -5, 4]>" in calls[1]
+    assert "tensor<48x48xui8>" in calls[1]
+    assert "fusedfp8_launch" not in _lowered(step, x, w, w, state, platform="cpu")  # jax.numpy there
+    model = Fp8MLP(64, recipe=recipe)
+    variables = jax.jit(model.init)(jax.random.key(0), x)  # (on the CPU: the jnp path)
+    text = _lowered(model.apply, variables, x, platform="cuda")
+    assert text.count("@fusedfp8_launch") == 6  # the two updates, then LayerNorm(x), w1, gelu(z), w2
+    assert "rsqrt" not in text
+
+
 # ---- torch: the C++ kernels of the custom ops ------------------------------------------------------
 TORCH_OPS = ("quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "dequantize")
 
@@ -746,21 +784,7 @@ def _jax_case(shape, dtype, first, seed=0):
     return recipe, x, dy, state
 
 
-@pytest.mark.gpu
-@pytest.mark.jax_gpu
-@pytest.mark.parametrize("donate", [False, True], ids=["", "donated"])
-@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later"])
-@pytest.mark.parametrize("shape", S.params("aligned-64x128", "ragged-303x300", "ragged-1x1", "ragged-0x16",
-                                           "ragged-3d-3x5x7"))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_jax_ffi_matches_the_callback_path(dtype, shape, first, donate):
-    import jax
-
-    from fusedfp8.jax import primitives as JP
-    from fusedfp8.state import STATE_FIELDS
-
-    recipe, x, dy, state = _jax_case(shape, dtype, first)
-
+def _jax_quantize_step(JP, recipe):
     def step(x, dy, s, impl):
         r1, s = JP.quantize(x, s, 0, recipe, transpose=True, impl=impl)
         r2, s = JP.gelu_quantize(x, s, 1, recipe, approximate="none", impl=impl)
@@ -769,6 +793,43 @@ def test_jax_ffi_matches_the_callback_path(dtype, shape, first, donate):
         s = JP.update_scales(s, recipe, impl=impl)
         return [r1.data, r1.data_t, r1.scale_inv, r2.data, r3.data, r3.data_t, r3.dbias, r3.scale_inv, r4.data], s
 
+    return step
+
+
+def _jax_layernorm_step(JP, recipe):
+    """layernorm_quantize with weight and bias, without them (padded), and with a weight alone."""
+    def step(x, dy, s, impl):
+        import jax.numpy as jnp
+
+        w = jnp.linspace(0.5, 1.5, x.shape[-1], dtype=jnp.float32)
+        r1, s = JP.layernorm_quantize(x, w, -w / 4, 1e-5, s, 0, recipe, transpose=True, impl=impl)
+        r2, s = JP.layernorm_quantize(dy, None, None, 1e-2, s, 1, recipe, transpose=True, pad_to=16, impl=impl)
+        r3, s = JP.layernorm_quantize(x, w, None, 0.0, s, 0, recipe, impl=impl)  # a tensor used twice in a step
+        s = JP.update_scales(s, recipe, impl=impl)
+        q1, q2, q3 = (r.quantized for r in (r1, r2, r3))
+        return [q1.data, q1.data_t, q2.data, q2.data_t, q3.data, r1.mean, r2.rstd, q3.scale_inv], s
+
+    return step
+
+
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+@pytest.mark.parametrize("donate", [False, True], ids=["", "donated"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later"])
+@pytest.mark.parametrize("shape", S.params("aligned-64x128", "ragged-303x300", "ragged-1x1", "ragged-0x16",
+                                           "ragged-3d-3x5x7"))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ops", ["quantize", "layernorm"])
+def test_jax_ffi_matches_the_callback_path(ops, dtype, shape, first, donate):
+    """The FFI handler, the callback with and without command buffers and impl='auto', byte for
+    byte over two steps: quantize / gelu / dgelu (+ dbias), or layernorm_quantize."""
+    import jax
+
+    from fusedfp8.jax import primitives as JP
+    from fusedfp8.state import STATE_FIELDS
+
+    recipe, x, dy, state = _jax_case(shape, dtype, first)
+    step = (_jax_quantize_step if ops == "quantize" else _jax_layernorm_step)(JP, recipe)
     results = {}
     for impl in ("callback_no_cmdbuf", "callback", "ffi", "auto"):
         fn = jax.jit(step, static_argnames="impl", donate_argnames=("s",) if donate else ())

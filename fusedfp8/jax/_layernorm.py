@@ -1,0 +1,168 @@
+"""layernorm_quantize as a traceable JAX function, state in and state out: LayerNorm over the last
+dimension fused with its FP8 quantization (the numerics of :mod:`fusedfp8.numerics.layernorm`),
+on the backends of :mod:`fusedfp8.jax.primitives` (which re-exports it, and whose checks,
+dispatch and staging it uses): the jax.numpy twin, or the layernorm_quantize kernels (padded
+variant included) through the XLA FFI handler or a buffer_callback, on XLA's buffers and stream.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import _cuda
+from ..formats import Format
+from ..numerics import jnp as jn
+from ..ops import _check_eps
+from ..recipe import DelayedScaling
+from ..state import ScalingState
+from ..types import FLOAT_INPUTS, LayerNormQuantized, Quantized
+from . import callbacks
+from . import primitives as P
+
+__all__ = ["layernorm_quantize", "check_layernorm_params"]
+
+
+class _LnCfg(NamedTuple):
+    """Static configuration of one layernorm_quantize primitive."""
+
+    index: int
+    fmt: Format
+    transpose: bool
+    margin_factor: float
+    current_first: bool
+    eps: float  # as float32 (ops._check_eps)
+    pad_to: int
+    has_weight: bool
+    has_bias: bool
+
+
+def _layernorm_jnp(cfg: _LnCfg, x, w, b, hist, scale, scale_inv, updates):
+    w, b = (None if p is None else P._as_f32(p) for p in (w, b))
+    y, mean, rstd = jn.layernorm_f32(P._as_f32(x), w, b, cfg.eps)
+    y = jn.computed_once(y)  # read by the amax, the cast and the transpose
+    q, si_used, hist, scale, scale_inv = P._stage_and_cast(cfg, y, hist, scale, scale_inv, updates)
+    rows, cols = P._rows_cols(x.shape)
+    prows, pcols = _cuda.padded(rows, cols, cfg.pad_to)
+    q2 = q.reshape(rows, cols)
+    outs = [q if cfg.pad_to == 1 else jnp.pad(q2, ((0, prows - rows), (0, pcols - cols)))]  # FP8 zeros in the pad
+    if cfg.transpose:
+        outs.append(jnp.pad(q2.T, ((0, pcols - cols), (0, prows - rows))))
+    return (*outs, mean, rstd, si_used, hist, scale, scale_inv)
+
+
+def _layernorm_kernel(cfg: _LnCfg, backend: str, x, *rest):
+    """``rest``: weight and bias (those present), then hist, scale, scale_inv, updates."""
+    params, (hist, scale, scale_inv, updates) = rest[:-4], rest[-4:]
+    rows, cols = P._rows_cols(x.shape)
+    prows, pcols = _cuda.padded(rows, cols, cfg.pad_to)
+    param = params[0].dtype.name if params else "float32"
+    plans = callbacks.layernorm_plans(x.dtype.name, param, cfg.fmt.name, rows, cols, cfg.transpose, cfg.current_first,
+                                      cfg.eps, cfg.margin_factor, 4 * cfg.index, cfg.pad_to)
+    u8, f4 = jnp.uint8, jnp.float32
+    shapes = [jax.ShapeDtypeStruct(x.shape if cfg.pad_to == 1 else (prows, pcols), u8)]
+    if cfg.transpose:
+        shapes.append(jax.ShapeDtypeStruct((pcols, prows), u8))
+    shapes += [jax.ShapeDtypeStruct((rows,), f4), jax.ShapeDtypeStruct((rows,), f4), jax.ShapeDtypeStruct((1,), f4)]
+    shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (hist, scale, scale_inv)]
+    ins = (x, *params, hist, scale, scale_inv, updates)
+    first_state = 1 + len(params)
+    n_out = len(shapes)
+    aliases = {first_state + k: n_out - 3 + k for k in range(3)}  # hist, scale, scale_inv: updated in place
+
+    def out(k):
+        return ("out", k)
+
+    at_mean = 1 + cfg.transpose
+    si_used, hist_o, scale_o, scale_inv_o = (out(k) for k in range(n_out - 4, n_out))
+    # the buffer of each slot of _cuda.LAYERNORM_SLOTS: x, weight, bias, q, q_t, mean, rstd, scale, amax (row 0
+    # of the history), scale_out, scale_inv_out, scale_inv_used, updates
+    sources = (("in", 0), ("in", 1) if cfg.has_weight else None, ("in", 1 + cfg.has_weight) if cfg.has_bias else None,
+               out(0), out(1) if cfg.transpose else None, out(at_mean), out(at_mean + 1),
+               scale_o, hist_o, scale_o, scale_inv_o, si_used, ("in", first_state + 3))
+    return tuple(callbacks.run(backend, plans, shapes, ins, sources, aliases))
+
+
+@P.compiled_when_eager(0, 5)
+def _run_layernorm(cfg: _LnCfg, x, w, b, state: ScalingState, impl: str) -> tuple[LayerNormQuantized, ScalingState]:
+    x, w, b, state = lax.stop_gradient((x, w, b, state))
+    params = tuple(p for p in (w, b) if p is not None)  # platform_dependent passes arrays only
+
+    def jnp_fn(x, *rest):
+        w_ = rest[0] if cfg.has_weight else None
+        b_ = rest[int(cfg.has_weight)] if cfg.has_bias else None
+        return _layernorm_jnp(cfg, x, w_, b_, *rest[-4:])
+
+    outs = list(P._dispatch(impl, jnp_fn, lambda be, *a: _layernorm_kernel(cfg, be, *a), x, *params,
+                          state.amax_history, state.scale, state.scale_inv, state.updates))
+    fp8 = jnp.dtype(cfg.fmt.dtype_name)
+    q = lax.bitcast_convert_type(outs.pop(0), fp8)
+    q_t = lax.bitcast_convert_type(outs.pop(0), fp8) if cfg.transpose else None
+    mean, rstd, si_used, hist, scale, scale_inv = outs
+    new = state.replace(amax_history=hist, scale=scale, scale_inv=scale_inv)
+    return LayerNormQuantized(Quantized(q, hist[0, cfg.index], q_t, None, si_used), mean, rstd), new
+
+
+def check_layernorm_params(weight, bias, cols: int, names=("weight", "bias"), x_name: str = "x"):
+    """(weight, bias) of a LayerNorm over ``cols`` columns as jax arrays (None stays None): each
+    (cols,) float32 / float16 / bfloat16, both of one dtype (``names``: theirs in messages)."""
+    out = []
+    for p, name in zip((weight, bias), names):
+        if p is not None:
+            p = jnp.asarray(p)
+            if p.dtype.name not in FLOAT_INPUTS:
+                raise TypeError(f"{name} must be float32, float16 or bfloat16; got {p.dtype}")
+            if p.shape != (cols,):
+                raise ValueError(f"{name} must have shape ({cols},) (the last dimension of {x_name}); got {p.shape}")
+        out.append(p)
+    if out[0] is not None and out[1] is not None and out[0].dtype != out[1].dtype:
+        raise TypeError(f"{names[0]} and {names[1]} must have the same dtype; got {out[0].dtype} and {out[1].dtype}")
+    return tuple(out)
+
+
+def layernorm_quantize(x, weight, bias, eps: float, state: ScalingState, index: int, recipe: DelayedScaling, *,
+                       transpose: bool = False, pad_to: int = 1,
+                       impl: str = "auto") -> tuple[LayerNormQuantized, ScalingState]:
+    """LayerNorm over the last dimension of ``x``, quantized with tensor ``index`` of ``state`` in
+    the same pass (:func:`fusedfp8.layernorm_quantize`'s numerics: the normalised output is never
+    written in 16 or 32 bits; the amax staged is of that output).
+
+    Parameters
+    ----------
+    x : float32 / float16 / bfloat16 array, at least 1-D, last dimension >= 1
+    weight, bias : (cols,) arrays of one float dtype, or None (1 and 0)
+    eps : number >= 0, added to the variance (as float32)
+    state, index, recipe, transpose, impl : as :func:`quantize`
+    pad_to : 1 (``data`` has x's shape), or ``data`` is the (rows, cols) view rounded up to
+        multiples of ``pad_to`` (``data_t`` its transpose), FP8 zeros in the pad, outside the amax
+        (what an FP8 GEMM of ragged shape needs; written by the same kernel)
+
+    Returns
+    -------
+    (LayerNormQuantized, ScalingState)
+        ``quantized`` as :func:`quantize` returns it, ``mean`` and ``rstd`` ((rows,) float32, NaN
+        canonical: ``xhat = (x - mean) * rstd`` for the backward), and the new state.
+
+    On the CUDA backends ``transpose=True`` takes at most as many columns as a tile of 4 rows of
+    FP8 bytes fits in a block's shared memory (57600 on an H200); more raises ValueError when
+    the call is traced.
+    """
+    P._check_impl(impl)
+    state = P._check_state(state, recipe)
+    x = P._check_x(x, "x", False)
+    if x.ndim < 1:
+        raise ValueError("x: layernorm_quantize needs an input of at least 1 dimension; got a scalar")
+    if x.shape[-1] == 0:
+        raise ValueError(f"x: layernorm_quantize normalises over the last dimension, which must not be empty; "
+                         f"got shape {x.shape}")
+    if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to < 1:
+        raise ValueError(f"pad_to must be a positive int (1: no padding; 16: what FP8 GEMMs need); got {pad_to!r}")
+    eps = _check_eps(eps)
+    weight, bias = check_layernorm_params(weight, bias, x.shape[-1])
+    i = state.check_index(index)
+    cfg = _LnCfg(i, state.format_of(i, recipe), bool(transpose), float(recipe.margin_factor),
+                 recipe.first_step == "current", eps, int(pad_to), weight is not None, bias is not None)
+    return _run_layernorm(cfg, x, weight, bias, state, impl)
