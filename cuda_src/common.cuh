@@ -281,25 +281,6 @@ template <int OP> __device__ __forceinline__ float apply_op(float a, float b) {
     return fmul(a, dgelu_erf(b));
 }
 
-// ---- vector loads ------------------------------------------------------------------------
-// Load 8 consecutive elements (16 bytes for 2-byte types, 32 for float32) as floats.
-template <typename T> __device__ __forceinline__ void load8(const T* p, float* v);
-template <> __device__ __forceinline__ void load8<float>(const float* p, float* v) {
-    float4 a = __ldg(reinterpret_cast<const float4*>(p));
-    float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-template <typename T> __device__ __forceinline__ void load8_16bit(const T* p, float* v) {
-    uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
-    const T* h = reinterpret_cast<const T*>(&a);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = to_f32(h[j]);
-}
-template <> __device__ __forceinline__ void load8<__half>(const __half* p, float* v) { load8_16bit(p, v); }
-template <> __device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* p, float* v) {
-    load8_16bit(p, v);
-}
-
 // Quantize 8 floats (already multiplied by the scale) into 8 bytes.
 template <int FMT> __device__ __forceinline__ u64 cvt8(const float* v) {
     u64 r = 0;

@@ -35,14 +35,8 @@ from .csrc.plan import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, NULLPTR, QUANTIZE_SLO
 from .numerics import layernorm as _ln
 
 THREADS = 256  # -DFF8_THREADS for the element-wise kernels
-TILE_R, TILE_C = 128, 64  # the tiled kernels' tile (rows, columns), fixed in quantize.cu
-TILED_BLOCK = 256  # the tiled kernels' block (their __launch_bounds__)
-# The quantize kernels' variants: 'v2' = quantize_tiled and quantize_flat of issue 18 (the default) and 'v1' =
-# quantize_tiled_v1 and quantize_flat_v1, the kernels before it, kept for A/B benchmarks
-# (scripts/bench_kernels.py --variants) in a module of their own (ModuleKey param 'v1'), compiled only when
-# asked for. Same roles, parameters, bytes and launch configuration.
-QUANTIZE_VARIANTS = ("v2", "v1")
-_quantize_variant = "v2"
+TILE_R, TILE_C = 128, 64  # the tiled kernel's tile (rows, columns), fixed in quantize.cu
+TILED_BLOCK = 256  # the tiled kernel's block (its __launch_bounds__)
 LN_THREADS = _ln.MAX_THREADS_PER_ROW  # the layernorm kernel's largest block (LN_THREADS in layernorm_quantize.cu)
 LN_BLOCK = 256  # its block when a row takes fewer threads (blockDim / threads-per-row rows per pass)
 # the layernorm kernel's transposed tile: (rows per tile, most shared bytes), first that fits wins
@@ -114,7 +108,7 @@ class ModuleKey(NamedTuple):
     dtype: str = ""  # input dtype of quantize / layernorm_quantize, output dtype of dequantize
     fmt: str = ""
     op: str = ""
-    param: str = ""  # layernorm_quantize: the dtype of weight and bias; quantize: '' or 'v1' (the kernels before issue 18)
+    param: str = ""  # layernorm_quantize: the dtype of weight and bias
 
 
 def name_expressions(key: ModuleKey) -> dict[str, str]:
@@ -122,10 +116,9 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
     parameter layout in SIGNATURES."""
     if key.family == "quantize":
         t, f, o = CPP_TYPES[key.dtype], FMT_IDS[key.fmt], OPS[key.op]
-        v1 = "_v1" if key.param == "v1" else ""  # the kernels before issue 18 (A/B benchmarks)
-        names = {f"flat_vec{int(v)}_store{int(s)}": f"quantize_flat{v1}<{t}, {f}, {o}, {str(v).lower()}, {str(s).lower()}>"
+        names = {f"flat_vec{int(v)}_store{int(s)}": f"quantize_flat<{t}, {f}, {o}, {str(v).lower()}, {str(s).lower()}>"
                  for v in (True, False) for s in (True, False)}
-        names["tiled"] = f"quantize_tiled{v1}<{t}, {f}, {o}>"
+        names["tiled"] = f"quantize_tiled<{t}, {f}, {o}>"
         return names
     if key.family == "layernorm_quantize":
         t, p, f = CPP_TYPES[key.dtype], CPP_TYPES[key.param], FMT_IDS[key.fmt]
@@ -323,21 +316,8 @@ def _flat_grid(ref: KernelRef, sms: int, n: int) -> int:
     return max(1, min(-(-n // (16 * THREADS)), ref.per_sm * sms))
 
 
-def use_quantize_variant(variant: str) -> str:
-    """Make ``variant`` (one of :data:`QUANTIZE_VARIANTS`) the module whose kernels (flat and tiled) the
-    quantize plans built from now on launch; returns the previous one. For A/B benchmarks and tests in
-    one process (scripts/bench_kernels.py --variants): :func:`quantize_plan`'s cache is emptied; plans
-    a front end keeps (the torch custom ops' per-signature cache) keep the kernels they were built with."""
-    global _quantize_variant
-    if variant not in QUANTIZE_VARIANTS:
-        raise ValueError(f"quantize kernel variant must be one of {QUANTIZE_VARIANTS}; got {variant!r}")
-    previous, _quantize_variant = _quantize_variant, variant
-    quantize_plan.cache_clear()
-    return previous
-
-
 def _tiled_grid(ref: KernelRef, sms: int, rows: int, cols: int) -> int:
-    """One resident wave of tiles (grid-stride beyond): the tiled kernels pipeline a block's tiles."""
+    """One resident wave of tiles (grid-stride beyond): the tiled kernel pipelines a block's tiles."""
     return max(1, min(-(-rows // TILE_R) * -(-cols // TILE_C), ref.per_sm * sms))
 
 
@@ -507,11 +487,9 @@ def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max
 def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: int, transpose: bool = False,
                   dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0,
                   pad_to: int = 1) -> Plan:
-    """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device`` (the kernels of
-    :func:`use_quantize_variant`)."""
-    key = ModuleKey("quantize", dtype, fmt, op, "" if _quantize_variant == "v2" else _quantize_variant)
-    return build_quantize_plan(kernel_refs(key, device), sm_count(device), rows, cols, transpose, dbias, first,
-                               margin_factor, offset, pad_to)
+    """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device``."""
+    return build_quantize_plan(kernel_refs(ModuleKey("quantize", dtype, fmt, op), device), sm_count(device), rows,
+                               cols, transpose, dbias, first, margin_factor, offset, pad_to)
 
 
 @functools.lru_cache(maxsize=4096)

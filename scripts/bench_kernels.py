@@ -10,12 +10,8 @@ of a large device-to-device copy measured in the same run. Also: the host cost o
 fusedfp8.quantize call from torch at 1024x1024 (pipelined calls, no sync).
 
 Usage: python scripts/bench_kernels.py [--out DIR] [--sizes 1024x1024,4096x4096] [--jobs quantize,gelu_t,...]
-       [--peers eager,compile,xla | --peers none] [--variants v2,v1]
+       [--peers eager,compile,xla | --peers none]
 Writes DIR/bench_kernels.json and DIR/bench_kernels.png.
---variants times fusedfp8 once per variant of the quantize kernels (fusedfp8._cuda.QUANTIZE_VARIANTS: v2
-the current flat and tiled kernels, v1 those before issue 18), alternately in the order A B B A, each
-checked byte for byte first; fusedfp8_us is the first variant's best, fusedfp8[v]_us each variant's.
-The layernorm jobs (another kernel) are timed once.
 """
 from __future__ import annotations
 
@@ -33,7 +29,6 @@ import torch  # noqa: E402
 
 import _bench  # noqa: E402
 import fusedfp8  # noqa: E402
-from fusedfp8 import _cuda  # noqa: E402
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 SIZES = [(1024, 1024), (4096, 4096), (8192, 4096), (8192, 16384)]
@@ -230,16 +225,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES), help="MxN list")
     ap.add_argument("--jobs", default=",".join(JOBS), help="jobs to run")
     ap.add_argument("--peers", default="eager,compile,xla", help="peers to run ('none': fusedfp8 alone)")
-    ap.add_argument("--variants", default=_cuda.QUANTIZE_VARIANTS[0],
-                    help=f"quantize-kernel variants to time, A/B in one run (of {','.join(_cuda.QUANTIZE_VARIANTS)})")
     args = ap.parse_args(argv)
     sizes = _bench.parse_sizes(args.sizes, 2, "--sizes", ap.error)
     jobs = args.jobs.split(",")
     peers = [] if args.peers == "none" else args.peers.split(",")
-    variants = args.variants.split(",")
-    if set(variants) - set(_cuda.QUANTIZE_VARIANTS) or not variants:
-        ap.error(f"--variants: unknown {sorted(set(variants) - set(_cuda.QUANTIZE_VARIANTS))}; choose from "
-                 f"{list(_cuda.QUANTIZE_VARIANTS)}")
     if set(jobs) - set(JOBS):
         ap.error(f"--jobs: unknown {sorted(set(jobs) - set(JOBS))}; choose from {JOBS}")
     if set(peers) - {"eager", "compile", "xla"}:
@@ -279,23 +268,9 @@ def main(argv=None) -> int:
         amax = torch.zeros(1, device="cuda")
         for job in jobs:
             row = {"job": job, "size": size, "bytes": job_bytes(job, m, n)}
+            row["fusedfp8_correct"] = check_fused(job, xs[0], bs[0], m, n)
             inputs = [(x, b, scale, amax) for x, b in zip(xs, bs)]
-            ab = not job.startswith("layernorm") and len(variants) > 1
-            order = variants + variants[::-1] if ab else variants[:1]
-            times: dict = {}
-            correct = True
-            for v in order:
-                _cuda.use_quantize_variant(v)
-                if v not in times:
-                    correct &= check_fused(job, xs[0], bs[0], m, n)
-                times.setdefault(v, []).append(_bench.graph_us(lambda *a: fused(job, *a), inputs))
-            _cuda.use_quantize_variant(variants[0])
-            row["fusedfp8_correct"] = correct
-            row["fusedfp8_us"] = min(times[variants[0]])
-            if len(times) > 1:
-                for v, us in times.items():
-                    row[f"fusedfp8[{v}]_us"] = min(us)
-                    row[f"fusedfp8[{v}]_frac"] = row["bytes"] / (min(us) * 1e-6) / 1e12 / ceiling
+            row["fusedfp8_us"] = _bench.graph_us(lambda *a: fused(job, *a), inputs)
             q_f = fused(job, xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
             if "eager" in peers:
                 q_e = torch_job(job, xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
@@ -329,16 +304,13 @@ def main(argv=None) -> int:
             results.append(row)
             cells = "  ".join(f"{p} {row[p + '_us']:8.1f}us ({row[p + '_frac']:.2f})" for p in
                               ("fusedfp8", "eager", "compile", "xla") if f"{p}_us" in row)
-            ab = "  ".join(f"{v} {row[f'fusedfp8[{v}]_us']:.1f}us ({row[f'fusedfp8[{v}]_frac']:.2f})" for v in variants
-                           if f"fusedfp8[{v}]_us" in row)
-            print(f"{size:>11} {job:<14} ok={row['fusedfp8_correct']}  {cells}" + (f"  [A/B: {ab}]" if ab else ""),
-                  flush=True)
+            print(f"{size:>11} {job:<14} ok={row['fusedfp8_correct']}  {cells}", flush=True)
         del xs, bs
         torch.cuda.empty_cache()
     host = host_cost_us()
     print(f"host cost per fusedfp8.quantize call from torch, 1024x1024: {host:.1f} us")
     meta = _bench.run_meta(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_ceiling_TBps=ceiling,
-                           host_cost_us_1024x1024=host, tiled_variants=variants)
+                           host_cost_us_1024x1024=host)
     try:
         import jax
 

@@ -43,8 +43,8 @@ def cubin(source: str, names: list[str], options: list[str]) -> tuple[bytes, dic
     return buf, {n: nvrtc.nvrtcGetLoweredName(prog, n.encode())[1].decode() for n in names}
 
 
-def count(cuobjdump: str, dtype: str, fmt: str, op: str, variant: str = "v2") -> dict:
-    key = _cuda.ModuleKey("quantize", dtype, fmt, op, param="" if variant == "v2" else variant)
+def count(cuobjdump: str, dtype: str, fmt: str, op: str) -> dict:
+    key = _cuda.ModuleKey("quantize", dtype, fmt, op)
     names = _cuda.name_expressions(key)
     opts = list(_cuda.COMPILE_OPTIONS) + [f"-I{d}" for d in _cuda.cuda_include_dirs()]
     binary, lowered = cubin(_cuda.family_source("quantize"), list(names.values()), opts)
@@ -68,13 +68,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=list(_cuda.CPP_TYPES))
     ap.add_argument("--fmt", default="e4m3", choices=list(_cuda.FMT_IDS))
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump"), help="path to cuobjdump")
-    ap.add_argument("--variant", default="v2", choices=list(_cuda.QUANTIZE_VARIANTS),
-                    help="v1: count the kernels before issue 18 (quantize_flat_v1, quantize_tiled_v1)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if not args.cuobjdump:
         ap.error("no cuobjdump on PATH: pass --cuobjdump (Triton's wheel carries one)")
-    res = {op: count(args.cuobjdump, args.dtype, args.fmt, op, args.variant) for op in args.ops}
+    res = {op: count(args.cuobjdump, args.dtype, args.fmt, op) for op in args.ops}
     for op, roles in res.items():
         for role, r in roles.items():
             print(f"{op:12s} {role:18s} {r['instructions']:6d}  {r['top']}")
