@@ -163,3 +163,18 @@ def test_modules_refuse_a_recipe_that_is_not_one():
         fp8.Fp8Linear(16, 16, recipe=ff.CurrentScaling)
     with pytest.raises(ValueError, match=r"^CurrentScaling\.fp8_format must be one of"):
         fp8.Fp8MLP(16, 32, ff.CurrentScaling("e5m2"))
+
+
+def test_convert_to_fp8_and_one_model_update_under_current_scaling():
+    model = fp8.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)),
+                               R)
+    mods = fp8.fp8_modules(model)
+    assert len(mods) == 2 and all(m.recipe == R and m.amax_history.shape == (2, 3) for m in mods)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, dy = inputs(16, 16, seed=4), inputs(16, 16, seed=5)
+    step(model, x, dy, opt)
+    staged = torch.cat([m.amax_history[0] for m in mods])
+    finish(model, opt)
+    assert same_bytes(torch.cat([m.amax_history[1] for m in mods]), staged)
+    assert all(m.updates.tolist() == [0, 0, 0] and m.amax_history[0].tolist() == [0.0] * 3 for m in mods)
+    assert mods[0].scale[0].item() == want_scale(ref.amax(np_of(x)), 448.0)
