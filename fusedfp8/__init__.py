@@ -3,9 +3,10 @@
 The face of the package (framework-agnostic, eager): the formats, the recipes
 :class:`DelayedScaling` and :class:`CurrentScaling`, :class:`ScalingState` (and its per-tensor
 :class:`Slot`), :class:`Quantized`, and the six functions ``quantize``, ``gelu_quantize``,
-``dgelu_quantize``, ``layernorm_quantize``, ``dequantize`` and ``update_scales``. Framework glue lives in :mod:`fusedfp8.pytorch` (modules, autograd, the
-model-level ``update_model_scales``) and :mod:`fusedfp8.jax` (the same functions traceable inside
-``jax.jit``, and flax modules). README.md lists what each exports.
+``dgelu_quantize``, ``layernorm_quantize``, ``dequantize`` and ``update_scales``. Framework glue
+lives in :mod:`fusedfp8.pytorch` (modules, autograd, the model-level ``update_model_scales``) and
+:mod:`fusedfp8.jax` (the same functions traceable inside ``jax.jit``, and flax modules).
+README.md lists what each exports.
 """
 from .formats import E4M3, E5M2, Format
 from .ops import dequantize, dgelu_quantize, gelu_quantize, layernorm_quantize, quantize, update_scales

@@ -507,8 +507,8 @@ def update_scales(state: ScalingState, recipe: DelayedScaling | CurrentScaling) 
     (numpy, torch CPU and jax on the CPU run the rule through their own array namespace). Under
     :class:`~fusedfp8.CurrentScaling` it closes the step instead
     (:func:`fusedfp8.numerics.scaling.close_step`: overflows counted, the last amax kept, the
-    staging row cleared, no scale changed), through the arrays' own namespace on every device. numpy /
-    torch / cupy states are updated in place and returned (and their ``on_update`` is called);
+    staging row cleared, no scale changed), through the arrays' own namespace on every device.
+    numpy / torch / cupy states are updated in place and returned (and their ``on_update`` is called);
     jax states are immutable and a new state is returned. Always use the return value.
     """
     if not isinstance(state, ScalingState):

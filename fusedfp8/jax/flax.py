@@ -114,9 +114,9 @@ class Fp8DotGeneral(nn.Module):
     do; ``precision`` is ignored (FP8); the output dtype is ``preferred_element_type`` or the
     kernel dtype.
 
-    Attributes: ``recipe`` (DelayedScaling or CurrentScaling), ``impl`` (see :data:`fusedfp8.jax.IMPLS`),
-    ``axis_name`` (None, or the mesh axis name(s) inside ``shard_map`` over which the staged
-    amaxes are MAX-reduced before each update: ``functools.partial(Fp8DotGeneral,
+    Attributes: ``recipe`` (DelayedScaling or CurrentScaling), ``impl`` (see
+    :data:`fusedfp8.jax.IMPLS`), ``axis_name`` (None, or the mesh axis name(s) inside ``shard_map``
+    over which the staged amaxes are MAX-reduced before each update: ``functools.partial(Fp8DotGeneral,
     axis_name='data')``), ``forward_fast_accum`` (the forward GEMM with cuBLASLt's fast
     accumulation; the gradient GEMMs always split).
     """

@@ -1,5 +1,5 @@
-"""The delayed-scaling rule, the current-scaling step close and the scale formula, written once over an array namespace
-(:mod:`fusedfp8.numerics.xp`).
+"""The delayed-scaling rule, the current-scaling step close and the scale formula, written once
+over an array namespace (:mod:`fusedfp8.numerics.xp`).
 
 The same functions run on numpy (the reference and the CPU backend), cupy, torch and
 jax.numpy (traced inside ``jax.jit``); the CUDA kernels (``update_scales.cu`` and the first-step

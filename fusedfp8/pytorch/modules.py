@@ -167,8 +167,8 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     Raises
     ------
     TypeError
-        At construction, on a recipe that is not a DelayedScaling or a CurrentScaling; in forward (before anything
-        runs or is written), on a non-float input or weight.
+        At construction, on a recipe that is not a DelayedScaling or a CurrentScaling; in forward
+        (before anything runs or is written), on a non-float input or weight.
     ValueError
         At construction, on a bad ``missed_update``; in forward, on a wrong feature count, input
         and weight on different devices, or (CUDA only) a GEMM dimension that is not a multiple

@@ -61,7 +61,8 @@ def test_recipe_defaults_fields_and_what_the_state_reads():
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    ({"fp8_format": "e5m2"}, ValueError, r"^CurrentScaling\.fp8_format must be one of \('hybrid', 'e4m3'\); got 'e5m2'"),
+    ({"fp8_format": "e5m2"}, ValueError,
+     r"^CurrentScaling\.fp8_format must be one of \('hybrid', 'e4m3'\); got 'e5m2'"),
     ({"fp8_format": 1}, TypeError, r"^CurrentScaling\.fp8_format must be a str, one of \('hybrid', 'e4m3'\); got int"),
     ({"margin": -1}, ValueError, r"^CurrentScaling\.margin must be a finite number >= 0; got -1"),
     ({"margin": float("nan")}, ValueError, r"^CurrentScaling\.margin must be a finite number >= 0; got nan"),
