@@ -193,16 +193,35 @@ def test_flax_a_non_finite_input_is_counted_and_keeps_the_scale():
     assert st[2]["amax_history"][1, 0] == ref.amax(x_of(0)[0])  # the last finite amax
 
 
+def _close(got, want, what: str) -> None:
+    """float32 noise only: the quantized operands are the same bytes on both paths, but XLA fuses
+    what lies around them (LayerNorm's backward, the bias gradients) differently."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert ((got - want) ** 2).sum() <= 1e-8 * max((want ** 2).sum(), 1e-30), what
+
+
 @pytest.mark.parametrize("impl", [pytest.param(i, marks=GPU) for i in KERNEL_IMPLS])
 @pytest.mark.parametrize("model_of", [_dense, _mlp], ids=["dense", "mlp"])
-def test_flax_modules_kernels_match_jnp_on_the_gpu(model_of, impl):
+def test_flax_modules_kernels_on_the_gpu(model_of, impl):
+    """Every step of the kernel path quantizes with the scales of that step's own staged amaxes
+    (updates stay 0), and agrees with the jax.numpy path: the first step's FP8 state byte for byte,
+    outputs and gradients to float32 noise."""
     gpu = jax.devices("gpu")[0]
     x_of = _xs(16 if model_of is _dense else 32)
     got, want = _train(model_of, impl, x_of, 4, gpu), _train(model_of, "jnp", x_of, 4, gpu)
-    for k, (a, b) in enumerate(zip(got, want)):
-        jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u).view(np.uint8),
-                                                                np.asarray(v).view(np.uint8), err_msg=f"step {k}"),
-                     a, b)
+    is_state = lambda d: isinstance(d, dict) and "updates" in d  # noqa: E731
+    for k, ((og, gg, mg), (ow, gw, mw)) in enumerate(zip(got, want)):
+        for layer in jax.tree.leaves(mg, is_leaf=is_state):
+            assert layer["updates"].tolist() == [0, 0, 0], k
+            staged = layer["amax_history"][0]
+            assert layer["scale"].tolist() == [want_scale(staged[0], 448.0), want_scale(staged[1], 448.0),
+                                               want_scale(staged[2], 57344.0)], k
+        if k == 0:
+            for a, b in zip(jax.tree.leaves(mg, is_leaf=is_state), jax.tree.leaves(mw, is_leaf=is_state)):
+                for name in STATE_FIELDS:
+                    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+        _close(og, ow, f"step {k}: output")
+        jax.tree.map(lambda a, b: _close(a, b, f"step {k}: gradient"), gg, gw)
 
 
 def test_flax_meta_and_bad_recipes():
