@@ -12,10 +12,11 @@ All arguments are checked before anything is launched or written: a rejected cal
 state.
 
 Scales. ``scale`` is a Python float, a 1-element float32 array on the input's device (stateless
-use), or a :class:`fusedfp8.state.Slot` from ``ScalingState.slot(i, recipe)`` (delayed scaling):
-then the format comes from the recipe, the amax is max-accumulated into the state's staging row,
-and a tensor's first step uses current scaling when the recipe says so (decided on the device
-from the state's ``updates``, never by the host).
+use), or a :class:`fusedfp8.state.Slot` from ``ScalingState.slot(i, recipe)`` (delayed or current
+scaling): then the format comes from the recipe, the amax is max-accumulated into the state's
+staging row, and a tensor's first step uses current scaling when the recipe says so (decided on
+the device from the state's ``updates``, never by the host). Under ``CurrentScaling`` every step
+is a first step (its ``updates`` stay 0).
 
 Inputs must be contiguous (row-major); a non-contiguous view is refused rather than silently
 copied (call ``.contiguous()`` / ``np.ascontiguousarray`` first).
@@ -32,7 +33,7 @@ from . import _interop as io
 from .formats import Format, get_format
 from .numerics import layernorm as ln
 from .numerics import reference as ref
-from .recipe import DelayedScaling
+from .recipe import CurrentScaling, DelayedScaling
 from .state import STATE_FIELDS, ScalingState, Slot, apply_update
 from .types import (FLOAT_INPUTS, FP8_DTYPES, LayerNormQuantized, Quantized, check_approximate, check_recipe,
                     kernel_op)
@@ -499,12 +500,15 @@ def _fmt_max_device(state: ScalingState, recipe: DelayedScaling, like: io.ArrayI
     return found
 
 
-def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
+def update_scales(state: ScalingState, recipe: DelayedScaling | CurrentScaling) -> ScalingState:
     """Turn this step's staged amaxes into the next step's scales, for every tensor at once.
 
     The rule is :func:`fusedfp8.numerics.scaling.update_rule`. On a GPU it is one kernel launch
-    (numpy, torch CPU and jax on the CPU run the rule through their own array namespace). numpy /
-    torch / cupy states are updated in place and returned (and their ``on_update`` is called);
+    (numpy, torch CPU and jax on the CPU run the rule through their own array namespace). Under
+    :class:`~fusedfp8.CurrentScaling` it closes the step instead
+    (:func:`fusedfp8.numerics.scaling.close_step`: overflows counted, the last amax kept, the
+    staging row cleared, no scale changed), through the arrays' own namespace on every device.
+    numpy / torch / cupy states are updated in place and returned (and their ``on_update`` is called);
     jax states are immutable and a new state is returned. Always use the return value.
     """
     if not isinstance(state, ScalingState):
@@ -513,7 +517,7 @@ def update_scales(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
     state.validate(recipe)
     infos = _check_state_arrays(state)
     hi = infos[0]
-    if not hi.is_gpu:
+    if not hi.is_gpu or recipe.current:  # current scaling closes the step with a few elementwise ops
         new = apply_update(state, recipe)
         if new is state and state.on_update is not None:
             state.on_update()

@@ -1,4 +1,8 @@
-"""The delayed-scaling recipe: a frozen, validated dataclass."""
+"""The scaling recipes: frozen, validated dataclasses.
+
+:class:`DelayedScaling` derives each scale from past amaxes; :class:`CurrentScaling` from the
+tensor's own amax, on the same kernels (the first-step path of delayed scaling, on every step).
+"""
 from __future__ import annotations
 
 import math
@@ -11,11 +15,24 @@ MAX_MARGIN = 64  # 2**margin stays exact and every scale normal for amaxes below
 FIRST_STEPS = ("current", "unit")
 
 
-def _choice(name: str, value, allowed) -> None:
+CURRENT_HISTORY_LEN = 2  # a CurrentScaling state: row 0 stages this step's amax, row 1 keeps the last one
+
+
+def _choice(name: str, value, allowed, owner: str = "DelayedScaling") -> None:
     if not isinstance(value, str):
-        raise TypeError(f"DelayedScaling.{name} must be a str, one of {allowed}; got {type(value).__name__}")
+        raise TypeError(f"{owner}.{name} must be a str, one of {allowed}; got {type(value).__name__}")
     if value not in allowed:
-        raise ValueError(f"DelayedScaling.{name} must be one of {allowed}; got {value!r}")
+        raise ValueError(f"{owner}.{name} must be one of {allowed}; got {value!r}")
+
+
+def _check_margin(margin, owner: str) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+        raise TypeError(f"{owner}.margin must be a number >= 0; got {type(margin).__name__}")
+    if not math.isfinite(margin) or margin < 0:
+        raise ValueError(f"{owner}.margin must be a finite number >= 0; got {margin!r}")
+    if margin > MAX_MARGIN:
+        raise ValueError(f"{owner}.margin must be in [0, {MAX_MARGIN}] (scale = fmt_max / amax / "
+                         f"2**margin; a larger margin underflows the scale); got {margin!r}")
 
 
 @dataclass(frozen=True)
@@ -49,14 +66,10 @@ class DelayedScaling:
     fp8_format: str = "hybrid"
     first_step: str = "current"
 
+    current = False  # not a field: whether the recipe is current scaling (CurrentScaling)
+
     def __post_init__(self):
-        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)):
-            raise TypeError(f"DelayedScaling.margin must be a number >= 0; got {type(self.margin).__name__}")
-        if not math.isfinite(self.margin) or self.margin < 0:
-            raise ValueError(f"DelayedScaling.margin must be a finite number >= 0; got {self.margin!r}")
-        if self.margin > MAX_MARGIN:
-            raise ValueError(f"DelayedScaling.margin must be in [0, {MAX_MARGIN}] (scale = fmt_max / amax / "
-                             f"2**margin; a larger margin underflows the scale); got {self.margin!r}")
+        _check_margin(self.margin, "DelayedScaling")
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
             raise TypeError(
                 f"DelayedScaling.amax_history_len must be an int >= 1; got {type(self.amax_history_len).__name__}")
@@ -74,3 +87,54 @@ class DelayedScaling:
     def margin_factor(self) -> float:
         """``2**margin`` as the float32 divisor the update rule uses."""
         return float(2.0 ** self.margin)
+
+
+@dataclass(frozen=True)
+class CurrentScaling:
+    """Current scaling: every quantization takes its scale from the amax of the tensor's own values.
+
+    ``scale = (fmt_max / amax) / 2**margin`` (FLT_MAX where that is inf, i.e. a tiny amax); an amax
+    of 0 or a non-finite one keeps the state's scale (1 until a finite amax has been seen) and a
+    non-finite one counts as an overflow. It runs the kernels of :class:`DelayedScaling`'s first
+    step on every step (an amax pre-pass, then the cast: two launches): the state's ``updates``
+    stay 0, so every step is a first step. The state keeps no history: row 0 stages the step's
+    amax, row 1 holds the last one (:data:`CURRENT_HISTORY_LEN` rows); ``update_scales`` closes the
+    step (:func:`fusedfp8.numerics.scaling.close_step`) and never changes a scale.
+
+    Parameters
+    ----------
+    fp8_format : {'hybrid', 'e4m3'}
+        'hybrid': E4M3 for forward tensors, E5M2 for gradients; 'e4m3': E4M3 for both.
+    margin : int or float, 0 <= margin <= 64
+        As :class:`DelayedScaling`'s.
+
+    Raises
+    ------
+    TypeError, ValueError
+        On a field of the wrong type or value; the message names the field.
+    """
+
+    fp8_format: str = "hybrid"
+    margin: float = 0
+
+    # what the state, the kernels and the front ends read of a recipe (not fields)
+    current = True
+    amax_history_len = CURRENT_HISTORY_LEN
+    amax_compute_algo = "most_recent"
+    first_step = "current"
+
+    def __post_init__(self):
+        _choice("fp8_format", self.fp8_format, tuple(RECIPE_FORMATS), "CurrentScaling")
+        _check_margin(self.margin, "CurrentScaling")
+
+    def format_for(self, grad: bool) -> Format:
+        """The FP8 format of a forward tensor (``grad=False``) or of a gradient."""
+        return RECIPE_FORMATS[self.fp8_format][1 if grad else 0]
+
+    @property
+    def margin_factor(self) -> float:
+        """``2**margin`` as the float32 divisor of the scale formula."""
+        return float(2.0 ** self.margin)
+
+
+RECIPES = (DelayedScaling, CurrentScaling)

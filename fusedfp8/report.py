@@ -80,7 +80,8 @@ def state_rows(state, recipe=None, names=None) -> list[dict]:
     past = hist[1:] if hist.shape[0] > 1 else hist[:0]
     rows = []
     for i in range(n):
-        last = float(past[-1, i]) if past.shape[0] and updates[i] > 0 else math.nan
+        # the newest past amax; none before the first update (a current-scaling state keeps updates at 0)
+        last = float(past[-1, i]) if past.shape[0] and (updates[i] > 0 or past[-1, i] != 0) else math.nan
         rows.append({
             "tensor": names[i],
             "role": "gradient" if state.grad[i] else "forward",

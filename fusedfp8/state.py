@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _interop as io
 from .formats import Format
-from .numerics.scaling import update_rule
+from .numerics.scaling import close_step, update_rule
 from .recipe import DelayedScaling
 from .types import check_recipe
 
@@ -91,8 +91,8 @@ class ScalingState:
         grad : int or sequence of bool
             Either the number of (forward) tensors, or one flag per tensor saying whether it is
             a gradient.
-        recipe : DelayedScaling
-            Gives the history length.
+        recipe : DelayedScaling or CurrentScaling
+            Gives the history length (2 rows under CurrentScaling: the staged and the last amax).
         like : array, optional
             The state is allocated with this array's framework and device (numpy by default).
         """
@@ -227,7 +227,9 @@ class ScalingState:
 
 
 def apply_update(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
-    """The update rule on ``state`` through its own array namespace (no custom kernel).
+    """The update rule on ``state`` through its own array namespace (no custom kernel); under a
+    :class:`~fusedfp8.recipe.CurrentScaling` recipe the step close of
+    :func:`~fusedfp8.numerics.scaling.close_step`.
 
     Mutable arrays (numpy, torch, cupy) are updated in place and the same state is returned;
     jax arrays are immutable, so a new state is returned. Callers always use the return value.
@@ -238,10 +240,13 @@ def apply_update(state: ScalingState, recipe: DelayedScaling) -> ScalingState:
         if isinstance(a, np.ndarray) and not a.flags.writeable:
             raise ValueError(f"ScalingState.{name} is a read-only numpy array; the update writes the state in place")
     xp = io.namespace(state.amax_history)
-    fmt_max = xp.asarray(state.fmt_max(recipe), xp.float32, state.amax_history)
-    margin = xp.asarray(recipe.margin_factor, xp.float32, state.amax_history)
-    new = update_rule(xp, state.amax_history, state.scale, state.overflows, state.updates,
-                      fmt_max, margin, recipe.amax_compute_algo)
+    if recipe.current:
+        new = close_step(xp, state.amax_history, state.scale, state.scale_inv, state.overflows, state.updates)
+    else:
+        fmt_max = xp.asarray(state.fmt_max(recipe), xp.float32, state.amax_history)
+        margin = xp.asarray(recipe.margin_factor, xp.float32, state.amax_history)
+        new = update_rule(xp, state.amax_history, state.scale, state.overflows, state.updates,
+                          fmt_max, margin, recipe.amax_compute_algo)
     if not io.is_mutable(state.amax_history):
         return state.replace(**dict(zip(STATE_FIELDS, new)))
     for name, value in zip(STATE_FIELDS, new):

@@ -69,9 +69,11 @@ def kernel_op(op: str, approximate: str = "tanh") -> str:
 
 
 def check_recipe(recipe, argname: str = "recipe"):
-    """``recipe`` if it is a :class:`fusedfp8.DelayedScaling`; TypeError naming ``argname`` otherwise."""
-    from .recipe import DelayedScaling
+    """``recipe`` if it is a :class:`fusedfp8.DelayedScaling` or a :class:`fusedfp8.CurrentScaling`;
+    TypeError naming ``argname`` otherwise."""
+    from .recipe import RECIPES
 
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"{argname} must be a fusedfp8.DelayedScaling; got {type(recipe).__name__}")
+    if not isinstance(recipe, RECIPES):
+        raise TypeError(f"{argname} must be a fusedfp8.DelayedScaling or a fusedfp8.CurrentScaling; got "
+                        f"{type(recipe).__name__}")
     return recipe

@@ -23,7 +23,10 @@ The "gradient" of that collection is the new state (see :mod:`fusedfp8.jax.funct
 ``TrainState.apply_gradients`` stores as it does for flax's ``Fp8DotGeneralOp``. The previous
 step's staged amaxes become scales at the start of the next forward (one fused update per
 module per step). Variables converted to flax's ``fp32_max_grad`` dtype (as pipelined
-``nn.scan`` users do) accumulate the staged amaxes of several uses with max.
+``nn.scan`` users do) accumulate the staged amaxes of several uses with max. With a
+:class:`fusedfp8.CurrentScaling` recipe the history has 2 rows (staged, last amax), ``updates``
+stays 0 (every step is a first step: each tensor is quantized with the scale of its own amax),
+and the update at the start of the forward only closes the previous step.
 
 Gradient accumulation. The micro-batches of one step add their gradients with
 :func:`accumulate_gradients` (their new FP8 states combine by max; a sum would restart them).
@@ -111,9 +114,9 @@ class Fp8DotGeneral(nn.Module):
     do; ``precision`` is ignored (FP8); the output dtype is ``preferred_element_type`` or the
     kernel dtype.
 
-    Attributes: ``recipe`` (DelayedScaling), ``impl`` (see :data:`fusedfp8.jax.IMPLS`),
-    ``axis_name`` (None, or the mesh axis name(s) inside ``shard_map`` over which the staged
-    amaxes are MAX-reduced before each update: ``functools.partial(Fp8DotGeneral,
+    Attributes: ``recipe`` (DelayedScaling or CurrentScaling), ``impl`` (see
+    :data:`fusedfp8.jax.IMPLS`), ``axis_name`` (None, or the mesh axis name(s) inside ``shard_map``
+    over which the staged amaxes are MAX-reduced before each update: ``functools.partial(Fp8DotGeneral,
     axis_name='data')``), ``forward_fast_accum`` (the forward GEMM with cuBLASLt's fast
     accumulation; the gradient GEMMs always split).
     """

@@ -57,7 +57,7 @@ from .. import _interop as io
 from .. import csrc as _shim
 from ..formats import Format
 from ..numerics import jnp as jn
-from ..numerics.scaling import update_rule
+from ..numerics.scaling import close_step, update_rule
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_recipe, kernel_op
@@ -442,7 +442,8 @@ def update_scales(state: ScalingState, recipe: DelayedScaling, *, axis_name=None
                   impl: str = "auto") -> ScalingState:
     """Turn the staged amaxes into the next step's scales for every tensor of ``state`` (one
     kernel launch on CUDA; the rule of :func:`fusedfp8.numerics.scaling.update_rule`). Returns the new
-    state.
+    state. Under :class:`fusedfp8.CurrentScaling` it closes the step instead
+    (:func:`fusedfp8.numerics.scaling.close_step`: no scale changes).
 
     ``axis_name`` (str or tuple of str, inside ``shard_map`` / ``pmap``): first MAX-reduce the
     staged amaxes over that mesh axis (:func:`sync_staged`: one ``lax.pmax`` for the whole
@@ -455,8 +456,10 @@ def update_scales(state: ScalingState, recipe: DelayedScaling, *, axis_name=None
 @compiled_when_eager(1, 2, 3)
 def _update(state: ScalingState, recipe: DelayedScaling, axis_name, impl: str) -> ScalingState:
     (state,) = sync_staged([state], axis_name)
-    fmt_max = jnp.asarray(state.fmt_max(recipe))
     arrays = (state.amax_history, state.scale, state.scale_inv, state.overflows, state.updates)
+    if recipe.current:  # a few scalar selects per tensor: jax.numpy on every backend (XLA fuses them)
+        return state.replace(**dict(zip(STATE_FIELDS, close_step(jn.JnpNamespace(), *arrays))))
+    fmt_max = jnp.asarray(state.fmt_max(recipe))
     new = _dispatch(impl, lambda *a: _update_jnp(recipe, *a), lambda be, *a: _update_kernel(recipe, be, *a),
                     *arrays, fmt_max)
     return state.replace(**dict(zip(STATE_FIELDS, new)))

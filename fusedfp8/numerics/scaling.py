@@ -1,5 +1,5 @@
-"""The delayed-scaling rule and the scale formula, written once over an array namespace
-(:mod:`fusedfp8.numerics.xp`).
+"""The delayed-scaling rule, the current-scaling step close and the scale formula, written once
+over an array namespace (:mod:`fusedfp8.numerics.xp`).
 
 The same functions run on numpy (the reference and the CPU backend), cupy, torch and
 jax.numpy (traced inside ``jax.jit``); the CUDA kernels (``update_scales.cu`` and the first-step
@@ -59,3 +59,24 @@ def update_rule(xp, amax_history, scale, overflows, updates, fmt_max, margin_fac
     new_overflows = overflows + xp.astype(~finite, xp.int32)
     new_updates = updates + xp.astype(ok, xp.int32)
     return new_history, new_scale, new_scale_inv, new_overflows, new_updates
+
+
+def close_step(xp, amax_history, scale, scale_inv, overflows, updates):
+    """The update of a current-scaling state (2 rows): close the step, change no scale.
+
+    Per column, with ``a = amax_history[0]`` (the staged amax of this step):
+      a NaN/inf -> overflow: overflows += 1, slot cleared;
+      a == 0    -> (+0 or -0) not quantized this step: nothing changes;
+      otherwise -> row 1 (the last amax) = a, slot cleared.
+    ``scale`` / ``scale_inv`` (the last scale the quantizations used, which they wrote) and
+    ``updates`` (0: every step is a first step) are returned as they came. Returns
+    (amax_history, scale, scale_inv, overflows, updates).
+    """
+    a = amax_history[0]
+    finite = xp.isfinite(a)
+    ok = seen(xp, a)
+    staged = xp.where(ok | ~finite, xp.zeros_like(a), a)
+    last = xp.where(ok, a, amax_history[1])
+    new_history = xp.concatenate([staged[None], last[None]], axis=0)
+    new_overflows = overflows + xp.astype(~finite, xp.int32)
+    return new_history, scale, scale_inv, new_overflows, updates

@@ -135,7 +135,8 @@ def quantize_ste(x: Tensor, state: ScalingState, index: int, recipe: DelayedScal
     x : tensor, float32 / float16 / bfloat16, any shape
     state : ScalingState of torch tensors on x's device
     index : int, the tensor's column in the state
-    recipe : DelayedScaling; gives the format (``state.grad[index]`` picks E4M3 or E5M2) and margin.
+    recipe : DelayedScaling or CurrentScaling; gives the format (``state.grad[index]`` picks E4M3 or
+        E5M2) and margin.
 
     Returns
     -------

@@ -85,7 +85,7 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
     Parameters
     ----------
     model : nn.Module
-    recipe : DelayedScaling, shared by every converted module
+    recipe : DelayedScaling or CurrentScaling, shared by every converted module
     filter_fn : callable(fqn, linear) -> bool, optional
         Convert only the modules for which it returns True (``fqn`` is the module's name in
         ``model.named_modules()``). It is asked first; ``policy`` decides among the rest.

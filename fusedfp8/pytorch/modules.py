@@ -27,6 +27,12 @@ First step. With ``first_step='current'`` every tensor decides on the device, fr
 own current amax): a tensor whose first amax was 0 (a zero-initialised weight) or non-finite
 stays on its first step until an update sees a real amax. Forward passes also stage amaxes in
 eval mode and under ``torch.no_grad()``.
+
+Current scaling. With a :class:`fusedfp8.CurrentScaling` recipe every step is a first step (the
+``updates`` stay 0, the history has 2 rows: the staged and the last amax); the update, still
+once per optimizer step, only closes the step (overflows counted, the last amax kept, the
+staging row cleared), so the missed-update check applies as well: without it the staged amax
+of the next step would start from this one's.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..recipe import DelayedScaling
+from ..recipe import CurrentScaling, DelayedScaling
 from ..types import check_approximate, check_recipe
 from ..state import STATE_FIELDS, ScalingState
 from . import autograd as F8
@@ -149,7 +155,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     ----------
     in_features, out_features : int
     bias : bool
-    recipe : DelayedScaling
+    recipe : DelayedScaling or CurrentScaling
     device, dtype : as for ``nn.Linear`` (the parameters; the state is always float32/int32).
     missed_update : {'raise', 'warn', 'ignore'}
         What happens when the module goes through an optimizer step without
@@ -161,14 +167,14 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     Raises
     ------
     TypeError
-        At construction, on a recipe that is not a DelayedScaling; in forward (before anything
-        runs or is written), on a non-float input or weight.
+        At construction, on a recipe that is not a DelayedScaling or a CurrentScaling; in forward
+        (before anything runs or is written), on a non-float input or weight.
     ValueError
         At construction, on a bad ``missed_update``; in forward, on a wrong feature count, input
         and weight on different devices, or (CUDA only) a GEMM dimension that is not a multiple
         of 16: in_features, out_features, and the number of tokens when the weight gradient is
         needed (padding is left to the caller: it would copy the input). On load, on a state
-        whose history length differs from the recipe's.
+        whose history length differs from the recipe's, or (CurrentScaling) with completed updates.
     MissedScaleUpdateError
         In backward, see ``missed_update``.
     """
@@ -215,7 +221,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         self._pending_version = 0  # the weight's version counter at that backward
 
     @property
-    def recipe(self) -> DelayedScaling:
+    def recipe(self) -> DelayedScaling | CurrentScaling:
         return self._recipe
 
     @property
@@ -265,6 +271,12 @@ class Fp8Linear(_StrictLoad, nn.Linear):
                 f"{type(self).__name__}.load_state_dict: '{key}' has shape {tuple(hist.shape)} but this module's "
                 f"recipe has amax_history_len={want[0]}, so the state must be {want}; build the module with "
                 f"DelayedScaling(amax_history_len={hist.shape[0]}) to load this state")
+        updates = state_dict.get(prefix + "updates")
+        if self._recipe.current and updates is not None and bool((updates != 0).any()):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: '{prefix}updates' is {updates.tolist()}, but under "
+                f"CurrentScaling every step is a first step (updates all 0); this state was saved under "
+                f"DelayedScaling: build the module with that recipe to load it")
         missing = [prefix + name for name in STATE_FIELDS if prefix + name not in state_dict]
         if missing and _load_strict():
             raise ValueError(
@@ -368,7 +380,7 @@ class Fp8MLP(_StrictLoad, nn.Module):
     ----------
     hidden, ffn : int
         Input/output width and the inner width (fc1: hidden -> ffn, fc2: ffn -> hidden).
-    recipe : DelayedScaling
+    recipe : DelayedScaling or CurrentScaling
     approximate : {'tanh', 'none'}
         The gelu (as ``torch.nn.functional.gelu``).
     bias : bool

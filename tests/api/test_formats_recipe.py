@@ -46,14 +46,15 @@ def test_the_face_exports_formats_recipe_state_and_the_six_functions():
     import fusedfp8.state
     import fusedfp8.types
 
-    assert sorted(fusedfp8.__all__) == sorted(["E4M3", "E5M2", "Format", "DelayedScaling", "ScalingState", "Slot",
-                                               "Quantized", "LayerNormQuantized", "quantize", "gelu_quantize",
+    assert sorted(fusedfp8.__all__) == sorted(["E4M3", "E5M2", "Format", "DelayedScaling", "CurrentScaling",
+                                               "ScalingState", "Slot", "Quantized", "LayerNormQuantized", "quantize", "gelu_quantize",
                                                "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"])
     for name in ("quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"):
         assert getattr(fusedfp8, name) is getattr(fusedfp8.ops, name)
     assert fusedfp8.ScalingState is fusedfp8.state.ScalingState and fusedfp8.Slot is fusedfp8.state.Slot
     assert fusedfp8.Quantized is fusedfp8.types.Quantized and fusedfp8.DelayedScaling is DelayedScaling
     assert fusedfp8.LayerNormQuantized is fusedfp8.types.LayerNormQuantized
+    assert fusedfp8.CurrentScaling is fusedfp8.recipe.CurrentScaling
     for gone in ("HYBRID", "FORMATS", "get_format", "slot"):
         assert not hasattr(fusedfp8, gone), gone
 

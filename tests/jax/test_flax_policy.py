@@ -63,7 +63,8 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(TypeError, match=r"^options must be fields of Fp8DotGeneral \('recipe', 'impl', 'axis_name', "
                                         r"'forward_fast_accum'\); got \['features'\]"):
         dot_general_cls_for(256, 256, 256, table=table, features=3)
-    with pytest.raises(TypeError, match=r"^recipe must be a fusedfp8\.DelayedScaling; got str"):
+    with pytest.raises(TypeError,
+                       match=r"^recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; got str"):
         dot_general_cls_for(256, 256, 256, table=table, recipe="hybrid")
     with pytest.raises(ValueError, match=r"^policy must be one of 'all', 'auto'; got None"):
         dot_general_cls_for(256, 256, 256, None, table=table)

@@ -88,7 +88,7 @@ JAX_CASES = [
     ("jax-dot-w-1d", lambda w: lambda: JF.fp8_dot(w.x, w.w[0], w.meta, R, impl="jnp"),
      ValueError, r"^w must be 2-D; got shape \(16,\)"),
     ("jax-dot-recipe-a-string", lambda w: lambda: JF.fp8_dot(w.x, w.w, w.meta, "hybrid", impl="jnp"),
-     TypeError, r"^recipe must be a fusedfp8\.DelayedScaling; got str"),
+     TypeError, r"^recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; got str"),
     ("jax-dot-meta-history-of-another-recipe", lambda w: lambda: JF.fp8_dot(w.x, w.w, w.meta, R_OTHER, impl="jnp"),
      ValueError, r"^meta\.amax_history must be float32 of shape \(16, 3\) \(recipe\.amax_history_len=16\); got "
                  r"float32 \(8, 3\)"),
@@ -120,7 +120,7 @@ JAX_CASES = [
         lambda i: JP.quantize(w.x, JM.meta_to_state(w.meta), i, R, impl="jnp"))(jnp.arange(3)),
      TypeError, r"^index must be an int; got .*Tracer"),
     ("jax-update-scales-recipe-a-string", lambda w: lambda: JP.update_scales(JM.meta_to_state(w.meta), "hybrid"),
-     TypeError, r"^recipe must be a fusedfp8\.DelayedScaling; got str"),
+     TypeError, r"^recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; got str"),
     ("jax-dgelu-shapes-differ", lambda w: lambda: JP.dgelu_quantize(
         w.x, w.x[:, :8], JM.meta_to_state(w.meta), 2, R, impl="jnp"),
      ValueError, r"^dy and x must have the same shape and dtype; got \(4, 16\) float32 and \(4, 8\) float32"),
@@ -138,7 +138,7 @@ JAX_CASES = [
      TypeError, r"^Fp8DotGeneral: variable 'updates' must be float32 \(or flax's fp32_max_grad\); got int32"),
     ("flax-dense-recipe-a-string", lambda w: lambda: fnn.Dense(16, dot_general_cls=lambda: Fp8DotGeneral(
         recipe="hybrid")).apply(w.dense_vars, w.x, mutable=[OWG]),
-     TypeError, r"^Fp8DotGeneral\.recipe must be a fusedfp8\.DelayedScaling; got str"),
+     TypeError, r"^Fp8DotGeneral\.recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; got str"),
     ("flax-dense-unknown-impl", lambda w: lambda: fnn.Dense(16, dot_general_cls=lambda: Fp8DotGeneral(
         recipe=R, impl="cuda")).apply(w.dense_vars, w.x, mutable=[OWG]),
      ValueError, r"^impl must be one of .*; got 'cuda'"),
@@ -156,7 +156,7 @@ JAX_CASES = [
         w.mlp_vars, w.x, mutable=[OWG]),
      ValueError, r"^_DenseParams: variable 'amax_history' has shape \(8, 3\) but the recipe \(amax_history_len=16\)"),
     ("flax-mlp-recipe-none", lambda w: lambda: Fp8MLP(32, recipe=None).apply(w.mlp_vars, w.x, mutable=[OWG]),
-     TypeError, r"^Fp8MLP\.recipe must be a fusedfp8\.DelayedScaling; got NoneType"),
+     TypeError, r"^Fp8MLP\.recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; got NoneType"),
     ("flax-mlp-approximate-unknown", lambda w: lambda: Fp8MLP(32, recipe=R, approximate="erf", impl="jnp").apply(
         w.mlp_vars, w.x, mutable=[OWG]),
      ValueError, r"^approximate must be 'tanh' or 'none'; got 'erf'"),
