@@ -118,19 +118,9 @@ def _padded(a, pad: int):
     every dimension a multiple of 16, and XLA does not pad them: with a ragged dimension its GEMM
     rewriter falls back to a GEMM in high precision). One copy of the FP8 bytes; the quantize
     kernels' own pad_to is not wired into the JAX primitives yet."""
-    if pad == 1 or all(d % pad == 0 for d in a.shape):
+    if pad == 1:
         return a
-    # behind a barrier: XLA's simplifier otherwise folds the pad and the result's slice back into
-    # a dot of the ragged operands (on the H200 0 or 2 of 3 FP8 GEMMs remained with the pad alone)
-    return lax.optimization_barrier(jnp.pad(a, [(0, -d % pad) for d in a.shape]))
-
-
-def _sliced(y, rows: int, cols: int):
-    """The (rows, cols) corner of a GEMM result over padded operands, the slice behind a barrier
-    (see :func:`_padded`)."""
-    if y.shape == (rows, cols):
-        return y
-    return lax.optimization_barrier(y)[:rows, :cols]
+    return jnp.pad(a, [(0, -d % pad) for d in a.shape])
 
 
 def _weight(w, fp8_weight, st: ScalingState, recipe: DelayedScaling, impl: str):
@@ -149,8 +139,8 @@ def _dot_fwd(x, w, meta, fp8_weight, cfg: _Cfg, training: bool = True):
     st = _advance(meta, cfg)
     rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=training, impl=cfg.impl)
     rw, st = _weight(w, fp8_weight, st, cfg.recipe, cfg.impl)
-    y = _sliced(gemm(_padded(rx.data, pad), _padded(rw.data_t, pad), rx.scale_inv, rw.scale_inv, cfg.out_dtype,
-                     fast_accum=cfg.forward_fast_accum), m, n)
+    y = gemm(_padded(rx.data, pad), _padded(rw.data_t, pad), rx.scale_inv, rw.scale_inv, cfg.out_dtype,
+             fast_accum=cfg.forward_fast_accum)[:m, :n]
     dtypes = (jnp.zeros((0, m, k), x.dtype), jnp.zeros((0, k, n), w.dtype))  # dtypes and real shapes
     x_t = _padded(rx.data_t, pad) if training else None
     res = (x_t, _padded(rw.data, pad), rx.scale_inv, rw.scale_inv, st, dtypes, fp8_weight)
@@ -178,8 +168,8 @@ def _dot_bwd(cfg: _Cfg, res, cts):
     (_, m, k), n = xz.shape, wz.shape[2]
     pad = gemm_pad_to(m, k, n)  # as the forward padded
     rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, impl=cfg.impl)
-    dx = _sliced(gemm(_padded(rg.data, pad), w_q, rg.scale_inv, sw, xz.dtype), m, k)
-    dw = _sliced(gemm(x_t, _padded(rg.data_t, pad), sx, rg.scale_inv, wz.dtype), k, n)
+    dx = gemm(_padded(rg.data, pad), w_q, rg.scale_inv, sw, xz.dtype)[:m, :k]
+    dw = gemm(x_t, _padded(rg.data_t, pad), sx, rg.scale_inv, wz.dtype)[:k, :n]
     return dx, dw, combine(later, state_to_meta(st)), _zeros_like(fp8_weight)
 
 
@@ -351,12 +341,11 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
     q1, q2 = fp8_weights or (None, None)
     rw1, st1 = _weight(w1, q1, st1, r, impl)
     fast = cfg.forward_fast_accum
-    z = _sliced(gemm(h_q, _padded(rw1.data_t, p), rh.scale_inv, rw1.scale_inv, dt, fast_accum=fast), m, ffn)
-    z = z + b1.astype(dt)
+    z = gemm(h_q, _padded(rw1.data_t, p), rh.scale_inv, rw1.scale_inv, dt, fast_accum=fast)[:m, :ffn] + b1.astype(dt)
     ra, st2 = P.gelu_quantize(z, st2, 0, r, approximate=cfg.approximate, transpose=training, impl=impl)
     rw2, st2 = _weight(w2, q2, st2, r, impl)
-    y = _sliced(gemm(_padded(ra.data, p), _padded(rw2.data_t, p), ra.scale_inv, rw2.scale_inv, dt,
-                     fast_accum=fast), m, out) + b2.astype(dt)
+    y = gemm(_padded(ra.data, p), _padded(rw2.data_t, p), ra.scale_inv, rw2.scale_inv, dt,
+             fast_accum=fast)[:m, :out] + b2.astype(dt)
     # dtypes, and the real shapes of h, w1, w2 (zero-size arrays: static)
     dtypes = (jnp.zeros((0, m, hid), h.dtype), jnp.zeros((0, hid, ffn), w1.dtype), jnp.zeros((0,), b1.dtype),
               jnp.zeros((0, ffn, out), w2.dtype), jnp.zeros((0,), b2.dtype))
@@ -381,17 +370,17 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
     p = gemm_pad_to(m, hid, ffn, out)  # as the forward padded
     r, impl = cfg.recipe, cfg.impl
     rg, st2 = P.quantize(g, st2, 2, r, transpose=True, impl=impl)
-    da = _sliced(gemm(_padded(rg.data, p), w2_q, rg.scale_inv, sw2, z.dtype), m, ffn)
-    dw2 = _sliced(gemm(a_t, _padded(rg.data_t, p), sa, rg.scale_inv, w2z.dtype), ffn, out)
+    da = gemm(_padded(rg.data, p), w2_q, rg.scale_inv, sw2, z.dtype)[:m, :ffn]
+    dw2 = gemm(a_t, _padded(rg.data_t, p), sa, rg.scale_inv, w2z.dtype)[:ffn, :out]
     db2 = jnp.sum(g.reshape(-1, g.shape[-1]), axis=0, dtype=jnp.float32).astype(b2z.dtype)
     rdz, st1 = P.dgelu_quantize(da, z, st1, 2, r, approximate=cfg.approximate, transpose=True, dbias=True,
                                 impl=impl)
-    dw1 = _sliced(gemm(h_t, _padded(rdz.data_t, p), sh, rdz.scale_inv, w1z.dtype), hid, ffn)
+    dw1 = gemm(h_t, _padded(rdz.data_t, p), sh, rdz.scale_inv, w1z.dtype)[:hid, :ffn]
     dln = None
     if ln_saved is None:
-        dh = _sliced(gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, hz.dtype), m, hid)
+        dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, hz.dtype)[:m, :hid]
     else:  # the GEMM's dh is the LayerNorm output's gradient: through the LayerNorm's backward to x
-        dh = _sliced(gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, z.dtype), m, hid)
+        dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, z.dtype)[:m, :hid]
         dh, dlw, dlb = _layernorm_bwd(dh, *ln_saved)
         dln = (dlw, dlb)
     return (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, combine(later1, state_to_meta(st1)),
