@@ -38,6 +38,7 @@ from ..ops import _check_eps
 from ..recipe import DelayedScaling
 from ..state import ScalingState
 from ..types import Quantized, check_approximate, check_recipe, gemm_pad_to
+from . import layernorm as LN
 from . import primitives as P
 from .meta import LINEAR_GRAD, combine, decode, meta_to_state, state_to_meta
 from .meta import check_meta as _check_meta
@@ -334,7 +335,7 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
         rh, st1 = P.quantize(h, st1, 0, r, transpose=training, impl=impl)
         h_q, h_t = _padded(rh.data, p), _padded(rh.data_t, p) if training else None
     else:  # LayerNorm(h) straight to FP8, written padded by the kernel itself
-        rn, st1 = P.layernorm_quantize(h, *ln, cfg.ln_eps, st1, 0, r, transpose=training, pad_to=p, impl=impl)
+        rn, st1 = LN.layernorm_quantize(h, *ln, cfg.ln_eps, st1, 0, r, transpose=training, pad_to=p, impl=impl)
         rh = rn.quantized
         h_q, h_t = rh.data, rh.data_t
         ln_saved = (h, rn.mean, rn.rstd, *ln) if training else None
@@ -445,7 +446,7 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
             ln_eps = _check_eps(ln_eps)
         except (TypeError, ValueError) as e:
             raise type(e)(f"ln_{e}") from None  # "ln_eps must be ..."
-        ln = P.check_layernorm_params(ln_weight, ln_bias, h.shape[1], ("ln_weight", "ln_bias"), "h")
+        ln = LN.check_layernorm_params(ln_weight, ln_bias, h.shape[1], ("ln_weight", "ln_bias"), "h")
     cfg = _MlpCfg(recipe, P._check_impl(impl), check_approximate(approximate), P._check_axis_name(axis_name),
                   bool(forward_fast_accum), bool(first), out_name, ln_eps)
     # inside shard_map, every operand varies over the mesh axes that any does (the implicit

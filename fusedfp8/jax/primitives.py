@@ -6,8 +6,8 @@ XLA lowers the computation (``lax.platform_dependent``): on CUDA the fused kerne
 own buffers and stream (:mod:`fusedfp8.jax.callbacks`); everywhere else the same numerics run
 as ``jax.numpy`` (:mod:`fusedfp8.numerics.jnp`), byte for byte the reference's.
 
-``layernorm_quantize`` (LayerNorm fused with the quantization) is written in
-:mod:`fusedfp8.jax._layernorm` on the same checks, dispatch and staging, and exported here.
+``layernorm_quantize`` (LayerNorm fused with the quantization) is :mod:`fusedfp8.jax.layernorm`,
+written on the same checks, dispatch and staging (it imports this module, not the reverse).
 
 ``impl`` picks the backend explicitly: ``'auto'`` (the default, as above; on CUDA the ``'ffi'``
 path where the compiled shim is available, else ``'callback'``: :func:`launch_path` says which
@@ -63,8 +63,8 @@ from ..state import STATE_FIELDS, ScalingState
 from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_recipe, kernel_op
 from . import callbacks
 
-__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "stage_amax", "update_scales",
-           "sync_staged", "dequantize", "IMPLS", "launch_path"]
+__all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "stage_amax", "update_scales", "sync_staged", "dequantize",
+           "IMPLS", "launch_path"]
 
 IMPLS = ("auto", "jnp", "ffi", "callback", "callback_no_cmdbuf")
 _CUDA_IMPLS = ("ffi", "callback", "callback_no_cmdbuf")
@@ -463,6 +463,3 @@ def _update(state: ScalingState, recipe: DelayedScaling, axis_name, impl: str) -
     new = _dispatch(impl, lambda *a: _update_jnp(recipe, *a), lambda be, *a: _update_kernel(recipe, be, *a),
                     *arrays, fmt_max)
     return state.replace(**dict(zip(STATE_FIELDS, new)))
-
-
-from ._layernorm import check_layernorm_params, layernorm_quantize  # noqa: E402  (uses the helpers above)

@@ -16,6 +16,7 @@ import fusedfp8
 from fusedfp8.formats import E4M3, E5M2
 from fusedfp8.jax import functional as F
 from fusedfp8.jax import meta as JM
+from fusedfp8.jax import layernorm as JLN
 from fusedfp8.jax import primitives as P
 from fusedfp8.numerics import jnp as jn
 from fusedfp8.numerics import layernorm as ln_ref
@@ -39,8 +40,9 @@ def test_the_face_of_fusedfp8_jax():
     assert sorted(fj.__all__) == sorted(["update_scales", "sync_staged", "fp8_dot", "fp8_mlp", "quantize_weight",
                                          "quantize_ste", "IMPLS"])
     assert fj.fp8_dot is F.fp8_dot and fj.update_scales is P.update_scales and fj.IMPLS == P.IMPLS
-    for name in ("quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize"):  # in primitives
+    for name in ("quantize", "gelu_quantize", "dgelu_quantize", "dequantize"):  # in primitives
         assert not hasattr(fj, name) and callable(getattr(P, name))
+    assert not hasattr(fj, "layernorm_quantize") and callable(JLN.layernorm_quantize)  # fusedfp8.jax.layernorm
 
 
 # ---- primitives: byte-exact against the reference (fresh state, current first step) ------------
@@ -165,7 +167,7 @@ def test_layernorm_quantize_matches_reference(case, rng):
     state (the first step's current scale of amax(y)), then delayed scaling (a set scale and a
     staged amax to accumulate into); padded and plain shapes, with and without parameters."""
     x, w, b, eps, pad_to = ln_inputs(case, rng)
-    fn = jax.jit(lambda x, w, b, s: P.layernorm_quantize(x, w, b, eps, s, 0, RECIPE, transpose=True, pad_to=pad_to,
+    fn = jax.jit(lambda x, w, b, s: JLN.layernorm_quantize(x, w, b, eps, s, 0, RECIPE, transpose=True, pad_to=pad_to,
                                                          impl="jnp"))
     y, _, _ = ln_ref.layernorm_f32(x, w, b, eps)
     a = ref.amax(y)
@@ -192,10 +194,10 @@ def test_layernorm_quantize_eager_and_gradient_slot(rng):
     x, w, b = jnp.asarray(x), jnp.asarray(w), jnp.asarray(b)
     st = fresh()
     eager = []
-    assert compiled_programs(lambda: eager.append(P.layernorm_quantize(x, w, b, eps, st, 2, RECIPE)) or eager[0]) == [
+    assert compiled_programs(lambda: eager.append(JLN.layernorm_quantize(x, w, b, eps, st, 2, RECIPE)) or eager[0]) == [
         "jit(_run_layernorm)"]
     r, new = eager[0]
-    rj, newj = jax.jit(lambda x, s: P.layernorm_quantize(x, w, b, eps, s, 2, RECIPE))(x, st)
+    rj, newj = jax.jit(lambda x, s: JLN.layernorm_quantize(x, w, b, eps, s, 2, RECIPE))(x, st)
     for a, c in zip(jax.tree.leaves((r, new)), jax.tree.leaves((rj, newj)), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(c).tobytes()
     assert r.quantized.data.dtype == jnp.float8_e5m2 and r.quantized.data_t is None and r.quantized.data.shape == x.shape
@@ -208,27 +210,27 @@ def test_layernorm_quantize_eager_and_gradient_slot(rng):
 def test_layernorm_quantize_refuses_bad_arguments_by_name():
     st, x = fresh(), jnp.ones((4, 8))
     cases = [
-        (lambda: P.layernorm_quantize(jnp.ones(()), None, None, 1e-5, st, 0, RECIPE), ValueError,
+        (lambda: JLN.layernorm_quantize(jnp.ones(()), None, None, 1e-5, st, 0, RECIPE), ValueError,
          "x: layernorm_quantize needs an input of at least 1 dimension; got a scalar"),
-        (lambda: P.layernorm_quantize(jnp.ones((4, 0)), None, None, 1e-5, st, 0, RECIPE), ValueError,
+        (lambda: JLN.layernorm_quantize(jnp.ones((4, 0)), None, None, 1e-5, st, 0, RECIPE), ValueError,
          r"x: layernorm_quantize normalises over the last dimension, which must not be empty; got shape \(4, 0\)"),
-        (lambda: P.layernorm_quantize(x.astype(jnp.int32), None, None, 1e-5, st, 0, RECIPE), TypeError,
+        (lambda: JLN.layernorm_quantize(x.astype(jnp.int32), None, None, 1e-5, st, 0, RECIPE), TypeError,
          "x must be float32, float16 or bfloat16; got int32"),
-        (lambda: P.layernorm_quantize(x, jnp.ones(7), None, 1e-5, st, 0, RECIPE), ValueError,
+        (lambda: JLN.layernorm_quantize(x, jnp.ones(7), None, 1e-5, st, 0, RECIPE), ValueError,
          r"weight must have shape \(8,\) \(the last dimension of x\); got \(7,\)"),
-        (lambda: P.layernorm_quantize(x, None, jnp.ones(8, jnp.int8), 1e-5, st, 0, RECIPE), TypeError,
+        (lambda: JLN.layernorm_quantize(x, None, jnp.ones(8, jnp.int8), 1e-5, st, 0, RECIPE), TypeError,
          "bias must be float32, float16 or bfloat16; got int8"),
-        (lambda: P.layernorm_quantize(x, jnp.ones(8), jnp.ones(8, jnp.bfloat16), 1e-5, st, 0, RECIPE), TypeError,
+        (lambda: JLN.layernorm_quantize(x, jnp.ones(8), jnp.ones(8, jnp.bfloat16), 1e-5, st, 0, RECIPE), TypeError,
          "weight and bias must have the same dtype; got float32 and bfloat16"),
-        (lambda: P.layernorm_quantize(x, None, None, -1.0, st, 0, RECIPE), ValueError,
+        (lambda: JLN.layernorm_quantize(x, None, None, -1.0, st, 0, RECIPE), ValueError,
          r"eps must be a finite number >= 0 \(and finite as float32\); got -1.0"),
-        (lambda: P.layernorm_quantize(x, None, None, jnp.float32(1e-5), st, 0, RECIPE), TypeError,
+        (lambda: JLN.layernorm_quantize(x, None, None, jnp.float32(1e-5), st, 0, RECIPE), TypeError,
          "eps must be a real number"),
-        (lambda: P.layernorm_quantize(x, None, None, 1e-5, st, 0, RECIPE, pad_to=0), ValueError,
+        (lambda: JLN.layernorm_quantize(x, None, None, 1e-5, st, 0, RECIPE, pad_to=0), ValueError,
          "pad_to must be a positive int"),
-        (lambda: P.layernorm_quantize(x, None, None, 1e-5, st, 3, RECIPE), IndexError,
+        (lambda: JLN.layernorm_quantize(x, None, None, 1e-5, st, 3, RECIPE), IndexError,
          r"index must be in \[0, 3\); got 3"),
-        (lambda: P.layernorm_quantize(x, None, None, 1e-5, st, 0, RECIPE, impl="cuda"), ValueError,
+        (lambda: JLN.layernorm_quantize(x, None, None, 1e-5, st, 0, RECIPE, impl="cuda"), ValueError,
          "impl must be one of"),
     ]
     for call, exc, message in cases:

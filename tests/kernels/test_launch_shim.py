@@ -438,12 +438,13 @@ def test_jax_layernorm_quantize_lowers_to_the_ffi_custom_call_on_cuda(ffi_on_cud
     from fusedfp8.state import ScalingState
 
     JP = ffi_on_cuda
+    from fusedfp8.jax import layernorm as JLN  # on the primitives' backends (patched by the fixture)
     recipe = fusedfp8.DelayedScaling(amax_history_len=4)
     state = ScalingState.create((False, False, True), recipe, like=jnp.zeros(1))
 
     def step(x, w, b, s):
-        r1, s = JP.layernorm_quantize(x, w, b, 1e-5, s, 0, recipe, transpose=True)
-        r2, s = JP.layernorm_quantize(x, None, None, 1e-5, s, 1, recipe, pad_to=16)
+        r1, s = JLN.layernorm_quantize(x, w, b, 1e-5, s, 0, recipe, transpose=True)
+        r2, s = JLN.layernorm_quantize(x, None, None, 1e-5, s, 1, recipe, pad_to=16)
         return r1.quantized.data_t, r1.mean, r2.quantized.data, s
 
     x, w = jnp.ones((48, 40), jnp.bfloat16), jnp.ones(40)
@@ -801,10 +802,12 @@ def _jax_layernorm_step(JP, recipe):
     def step(x, dy, s, impl):
         import jax.numpy as jnp
 
+        from fusedfp8.jax import layernorm as JLN  # on the backends of JP
+
         w = jnp.linspace(0.5, 1.5, x.shape[-1], dtype=jnp.float32)
-        r1, s = JP.layernorm_quantize(x, w, -w / 4, 1e-5, s, 0, recipe, transpose=True, impl=impl)
-        r2, s = JP.layernorm_quantize(dy, None, None, 1e-2, s, 1, recipe, transpose=True, pad_to=16, impl=impl)
-        r3, s = JP.layernorm_quantize(x, w, None, 0.0, s, 0, recipe, impl=impl)  # a tensor used twice in a step
+        r1, s = JLN.layernorm_quantize(x, w, -w / 4, 1e-5, s, 0, recipe, transpose=True, impl=impl)
+        r2, s = JLN.layernorm_quantize(dy, None, None, 1e-2, s, 1, recipe, transpose=True, pad_to=16, impl=impl)
+        r3, s = JLN.layernorm_quantize(x, w, None, 0.0, s, 0, recipe, impl=impl)  # a tensor used twice in a step
         s = JP.update_scales(s, recipe, impl=impl)
         q1, q2, q3 = (r.quantized for r in (r1, r2, r3))
         return [q1.data, q1.data_t, q2.data, q2.data_t, q3.data, r1.mean, r2.rstd, q3.scale_inv], s

@@ -1,7 +1,7 @@
 """layernorm_quantize as a traceable JAX function, state in and state out: LayerNorm over the last
 dimension fused with its FP8 quantization (the numerics of :mod:`fusedfp8.numerics.layernorm`),
-on the backends of :mod:`fusedfp8.jax.primitives` (which re-exports it, and whose checks,
-dispatch and staging it uses): the jax.numpy twin, or the layernorm_quantize kernels (padded
+on the backends of :mod:`fusedfp8.jax.primitives` (whose checks, dispatch and staging it
+uses): the jax.numpy twin, or the layernorm_quantize kernels (padded
 variant included) through the XLA FFI handler or a buffer_callback, on XLA's buffers and stream.
 """
 from __future__ import annotations
