@@ -35,8 +35,21 @@ def _check_margin(margin, owner: str) -> None:
                          f"2**margin; a larger margin underflows the scale); got {margin!r}")
 
 
+class _Recipe:
+    """What both recipes derive from their ``fp8_format`` and ``margin`` fields."""
+
+    def format_for(self, grad: bool) -> Format:
+        """The FP8 format of a forward tensor (``grad=False``) or of a gradient."""
+        return RECIPE_FORMATS[self.fp8_format][1 if grad else 0]
+
+    @property
+    def margin_factor(self) -> float:
+        """``2**margin`` as the float32 divisor of the scale formula and the update rule."""
+        return float(2.0 ** self.margin)
+
+
 @dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(_Recipe):
     """How scales are derived from past amaxes.
 
     Parameters
@@ -79,18 +92,9 @@ class DelayedScaling:
         _choice("fp8_format", self.fp8_format, tuple(RECIPE_FORMATS))
         _choice("first_step", self.first_step, FIRST_STEPS)
 
-    def format_for(self, grad: bool) -> Format:
-        """The FP8 format of a forward tensor (``grad=False``) or of a gradient."""
-        return RECIPE_FORMATS[self.fp8_format][1 if grad else 0]
-
-    @property
-    def margin_factor(self) -> float:
-        """``2**margin`` as the float32 divisor the update rule uses."""
-        return float(2.0 ** self.margin)
-
 
 @dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(_Recipe):
     """Current scaling: every quantization takes its scale from the amax of the tensor's own values.
 
     ``scale = (fmt_max / amax) / 2**margin`` (FLT_MAX where that is inf, i.e. a tiny amax); an amax
@@ -126,15 +130,6 @@ class CurrentScaling:
     def __post_init__(self):
         _choice("fp8_format", self.fp8_format, tuple(RECIPE_FORMATS), "CurrentScaling")
         _check_margin(self.margin, "CurrentScaling")
-
-    def format_for(self, grad: bool) -> Format:
-        """The FP8 format of a forward tensor (``grad=False``) or of a gradient."""
-        return RECIPE_FORMATS[self.fp8_format][1 if grad else 0]
-
-    @property
-    def margin_factor(self) -> float:
-        """``2**margin`` as the float32 divisor of the scale formula."""
-        return float(2.0 ** self.margin)
 
 
 RECIPES = (DelayedScaling, CurrentScaling)

@@ -110,10 +110,9 @@ def main(argv=None) -> int:
             step()
             torch.cuda.synchronize()
         busy = count = 0
-        for evt in prof.key_averages():
-            if evt.device_type == torch.autograd.DeviceType.CUDA:
-                busy += evt.self_device_time_total / 1e3
-                count += evt.count if "quantize" in evt.key else 0
+        for key, ms, calls in B.device_events(prof):
+            busy += ms
+            count += calls if "quantize" in key else 0
         row[f"{name}_busy_ms"] = busy
         row[f"{name}_quantize_kernels"] = count
     same = all(torch.equal(a, b) for a, b in zip(cached.state_dict().values(), plain.state_dict().values()))
