@@ -97,6 +97,16 @@ template <> struct FormatMax<1> { static constexpr float value = 57344.0f; };
 // |x| as uint32 orders like the float for non-negative values, and every NaN sorts above inf, so
 // the running max of the magnitudes is the amax (NaN-propagating) with one instruction an element.
 __device__ __forceinline__ u32 abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+// The running amax of a thread, as the bits of max |y|. For an activation (OP > 0) a float max.NaN(m, |y|):
+// one FMNMX.NAN, |y| an operand modifier, where the bits take two (LOP3, VIMNMX); for the identity the
+// bits (the mask folds into the bf16 / half unpacking and ptxas pairs the maxima into VIMNMX3). Exact,
+// denormals kept, a NaN sticks (possibly with the sign bit: every NaN pattern sorts above inf as bits).
+template <int OP> __device__ __forceinline__ u32 amax_update(u32 m, float y) {
+    if (OP == 0) return max(m, abs_bits(y));
+    float r;
+    asm("{ .reg .f32 a; abs.f32 a, %2; max.NaN.f32 %0, %1, a; }" : "=f"(r) : "f"(__uint_as_float(m)), "f"(y));
+    return __float_as_uint(r);
+}
 
 // Max over the block, then ONE atomicMax into dst (a float32 slot viewed as uint32). A NaN is
 // canonicalised (0x7fc00000) once here, so the stored amax is one fixed pattern. A slot that holds
@@ -112,7 +122,7 @@ template <int THREADS> __device__ __forceinline__ void block_amax_atomic(u32 v, 
     if (warp == 0) {
         v = lane < warps ? warp_max[lane] : 0u;
         for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-        if (v > 0x7f800000u) v = 0x7fc00000u;
+        if (v > 0x7f800000u) v = 0x7fc00000u;  // (any NaN, also one with the sign bit)
         if (lane == 0) {
             u32* slot = reinterpret_cast<u32*>(dst);
             atomicCAS(slot, 0x80000000u, 0u);  // a slot holding -0 holds 0 (its bits would outrank every amax),

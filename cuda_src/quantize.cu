@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
         fresh = launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, &s);
         if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
     }
-    u32 m = 0;
+    u32 m = 0;  // the running amax (amax_update)
     if (VEC) {
         for (i64 i = tid; i < nvec; i += nthreads) {
             if (i != tid) load(xc, bc, i);  // (the first step's were issued before the scale)
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 float y = apply_op<OP>(raw_elem<T>(xc, j), OP >= 3 ? raw_elem<T>(bc, j) : 0.0f);
-                m = max(m, abs_bits(y));
+                m = amax_update<OP>(m, y);
                 v[j] = fmul(y, s);
             }
             if (STORE) {
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
     }
     for (i64 i = nvec * 16 + tid; i < n; i += nthreads) {
         float y = apply_op<OP>(to_f32(x[i]), OP >= 3 ? to_f32(b[i]) : 0.0f);
-        m = max(m, abs_bits(y));
+        m = amax_update<OP>(m, y);
         if (STORE) q[i] = cvt1<FMT>(fmul(y, s));
     }
     if (!fresh) block_amax_atomic<FF8_THREADS>(m, amax);  // on a first step the pre-pass already did it
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
     float s;
     const bool fresh = launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, &s);
     if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
-    u32 m = 0;
+    u32 m = 0;  // the running amax (amax_update)
     int buf = 0;
     for (i64 id = blockIdx.x; id < ntiles; id += gridDim.x) {
         const i64 r0 = (i64)tr * TILE_R, c0 = (i64)tc * TILE_C;
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                     for (int j = 0; j < 16; ++j) {
                         float y = apply_op<OP>(raw_elem<T>(xc + p * PER_ROW, j),
                                                OP >= 3 ? raw_elem<T>(bc + p * PER_ROW, j) : 0.0f);
-                        m = max(m, abs_bits(y));
+                        m = amax_update<OP>(m, y);
                         if (DB) cs[j] = p == 0 ? y : fadd(cs[j], y);
                         v[j] = fmul(y, s);
                     }
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                     if (gr < rows && gc < cols) {
                         const i64 off = gr * cols + gc;
                         float y = apply_op<OP>(to_f32(x[off]), OP >= 3 ? to_f32(b[off]) : 0.0f);
-                        m = max(m, abs_bits(y));
+                        m = amax_update<OP>(m, y);
                         if (dbias != nullptr) colsum[lr][c] = fadd(colsum[lr][c], y);
                         byte = cvt1<FMT>(fmul(y, s));
                         q[gr * pcols + gc] = byte;
