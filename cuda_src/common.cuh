@@ -8,7 +8,9 @@
 //     reference emulates fma.rn exactly: reference.fma_f32);
 //  2. comparisons that could see a denormal are done on the bit pattern;
 //  3. the activation uses the library's own exp / erfc (the same op sequence as the reference),
-//     never libdevice's tanhf / erff / expf.
+//     never libdevice's tanhf / erff / expf. The one hardware approximation used, rcp.approx in
+//     rcp_f32, is followed by the Newton step that makes the result the correctly rounded 1 / d
+//     (rcp.rn.f32's own fast path), so no approximate bits reach a result.
 // Tunables (-D on the command line): FF8_THREADS (threads per block).
 #pragma once
 #include <cuda_bf16.h>
