@@ -178,7 +178,7 @@ __device__ __forceinline__ void publish_scale(bool fresh, float s, float* scale_
 #define FF8_GELU_KC1 -0x1.a5a7d0p-4f
 #define FF8_GELU_M0 0x1.988454p+0f
 #define FF8_GELU_M3 0x1.b6676cp-3f
-#define FF8_INV_SQRT2 0x1.6a09e6p-1f
+#define FF8_ERFC_T_SCALE 0x1.6a09e6p-2f
 #define FF8_INV_SQRT_2PI 0x1.988454p-2f
 
 // min / max that keep a NaN operand (max.NaN: one FMNMX.NAN), and those that drop it (FMNMX: the
@@ -237,25 +237,25 @@ template <bool HALF = false> __device__ __forceinline__ float exp_f32(float a) {
     return y;
 }
 
-// erfc(z), Numerical Recipes' Chebyshev fit: t exp(-a^2 + Q(t)), a = |z|, t = 1 / (1 + a/2), Q(t) =
-// t P(t) - 1.26551223 in one Horner chain; z < 0 (sign bit) through 2 - erfc(|z|). |z| is capped at 20
-// (erfc is 0 in float32 from about 10 on; a NaN stays NaN), so 1 + a/2 is in [1, 11].
-__device__ __forceinline__ float erfc_f32(float z) {
-    const float a = fmin_nan(fabs_bits(z), 20.0f);
-    const float t = rcp_f32(ffma(0.5f, a, 1.0f));
-    float p = 0x1.5df28ap-3f;
-    p = ffma(p, t, -0x1.a4f124p-1f);
-    p = ffma(p, t, 0x1.7d0f6p+0f);
-    p = ffma(p, t, -0x1.229cbap+0f);
-    p = ffma(p, t, 0x1.1d8f98p-2f);
-    p = ffma(p, t, -0x1.7d8498p-3f);
-    p = ffma(p, t, 0x1.8c6d92p-4f);
-    p = ffma(p, t, 0x1.7f11f6p-2f);
-    p = ffma(p, t, 0x1.00018ep+0f);
-    p = ffma(p, t, -0x1.43f89cp+0f);
-    const float e = fmul(t, exp_f32(ffma(-a, a, p)));
-    return sign_bit(z) ? fsub(2.0f, e) : e;
+// erfc(|x| / sqrt 2) = t R(t) exp(-x^2 / 2) for ax = |x| <= 40 (the caller caps it; a NaN stays NaN), with
+// t = 1 / (1 + ax / (2 sqrt 2)) in [0.066, 1] and R of degree 8, a relative minimax fit of erfcx(a) / t, a =
+// ax / sqrt 2 (4.3e-8 on t >= 0.16, where erfc is a normal float; R(1) = 1 exactly); E = exp(-x^2 / 2) comes
+// from the caller (the erf gelu' shares it with the pdf).
+__device__ __forceinline__ float erfc_of_abs(float ax, float E) {
+    const float t = rcp_f32(ffma(ax, FF8_ERFC_T_SCALE, 1.0f));
+    float p = -0x1.e4e962p-5f;
+    p = ffma(p, t, 0x1.240704p-2f);
+    p = ffma(p, t, -0x1.f42f34p-2f);
+    p = ffma(p, t, 0x1.1e38aep-2f);
+    p = ffma(p, t, -0x1.c4968ap-6f);
+    p = ffma(p, t, 0x1.9ff82cp-3f);
+    p = ffma(p, t, 0x1.f1a830p-3f);
+    p = ffma(p, t, 0x1.212adcp-2f);
+    p = ffma(p, t, 0x1.20db0ap-2f);
+    return fmul(fmul(t, p), E);
 }
+// erfc(-x / sqrt 2) = 2 erf cdf: 2 - erfc(|x| / sqrt 2) for x >= 0 (sign bit clear), erfc(|x| / sqrt 2) otherwise
+__device__ __forceinline__ float erfc_neg(float x, float e) { return sign_bit(x) ? e : fsub(2.0f, e); }
 
 __device__ __forceinline__ float clamp_keep_nan(float x, float lim) { return fmax_nan(fmin_nan(x, lim), -lim); }
 
@@ -273,8 +273,10 @@ __device__ __forceinline__ SigmoidParts sigmoid_parts(float xc, float x) {
 }
 // x r, xc = min(x, X_MAX) (a NaN x gives a number there and NaN through x)
 __device__ __forceinline__ float gelu_tanh(float x) { return fmul(x, sigmoid_parts(fmin_num(x, FF8_GELU_X_MAX), x).r); }
+// 0.5 x erfc(-x / sqrt 2), |x| capped at 40 inside erfc (exp(-x^2 / 2) is 0 from 18.7 on)
 __device__ __forceinline__ float gelu_erf(float x) {
-    return fmul(fmul(0.5f, x), erfc_f32(fmul(-x, FF8_INV_SQRT2)));
+    const float e = erfc_of_abs(fmin_nan(fabs_bits(x), 40.0f), exp_f32<true>(fmul(x, x)));
+    return fmul(fmul(0.5f, x), erfc_neg(x, e));
 }
 // d/dx = r + x (2 E r^2) du/dx = r (1 + (x M) (E r)), M = 2 du/dx = M0 + M3 x^2 (0.5 (1 - tanh^2 u) = 2 E r^2);
 // x clamped to +-X_MAX (NaN kept), where the float32 result is 1, or 0 by the select.
@@ -285,8 +287,8 @@ __device__ __forceinline__ float dgelu_tanh(float x) {
 }
 __device__ __forceinline__ float dgelu_erf(float x) {
     const float xc = clamp_keep_nan(x, 40.0f);
-    const float pdf = fmul(exp_f32<true>(fmul(xc, xc)), FF8_INV_SQRT_2PI);
-    return ffma(xc, pdf, fmul(0.5f, erfc_f32(fmul(-xc, FF8_INV_SQRT2))));
+    const float E = exp_f32<true>(fmul(xc, xc));
+    return ffma(xc, fmul(E, FF8_INV_SQRT_2PI), fmul(0.5f, erfc_neg(xc, erfc_of_abs(fabs_bits(xc), E))));
 }
 
 // The elementwise operation before quantization. OP: 0 identity, 1 gelu (tanh), 2 gelu (erf),

@@ -31,11 +31,12 @@ GELU_K2 = _hex("-0x1.26aec2p+1")  # -2 sqrt(2/pi) / ln 2
 GELU_KC1 = _hex("-0x1.a5a7d0p-4")  # -2 sqrt(2/pi) 0.044715 / ln 2
 GELU_M0 = _hex("0x1.988454p+0")  # 2 sqrt(2/pi)
 GELU_M3 = _hex("0x1.b6676cp-3")  # 2 sqrt(2/pi) 3 0.044715
-INV_SQRT2 = _hex("0x1.6a09e6p-1")
 INV_SQRT_2PI = _hex("0x1.988454p-2")
-# erfc(a) = t exp(-a^2 + Q(t)), t = 1 / (1 + a/2), Q(t) = t P(t) - 1.26551223 (Numerical Recipes'
-# Chebyshev fit, P of degree 8): the coefficients of P, then the constant, highest first
-ERFC_POLY = tuple(_hex(h) for h in ("0x1.5df28ap-3", "-0x1.a4f124p-1", "0x1.7d0f6p+0", "-0x1.229cbap+0",
-                                     "0x1.1d8f98p-2", "-0x1.7d8498p-3", "0x1.8c6d92p-4", "0x1.7f11f6p-2",
-                                     "0x1.00018ep+0", "-0x1.43f89cp+0"))
-ERFC_MAX_ARG = f32(20.0)  # erfc(|z| >= 20) is 0 in float32 (from about 10 on): |z| is capped there
+# erfc(|x| / sqrt 2) = t R(t) exp(-x^2 / 2), t = 1 / (1 + |x| T_SCALE): R of degree 8, a relative minimax fit
+# of erfcx(a) / t (a = |x| / sqrt 2 = 2 (1 - t) / t) on t in [0.16, 1] (4.3e-8), its float32 coefficients
+# tuned so that the Horner evaluation gives R(1) = 1 exactly, highest first
+ERFC_POLY = tuple(_hex(h) for h in ("-0x1.e4e962p-5", "0x1.240704p-2", "-0x1.f42f34p-2", "0x1.1e38aep-2",
+                                     "-0x1.c4968ap-6", "0x1.9ff82cp-3", "0x1.f1a830p-3", "0x1.212adcp-2",
+                                     "0x1.20db0ap-2"))
+ERFC_T_SCALE = _hex("0x1.6a09e6p-2")  # 1 / (2 sqrt 2)
+ERFC_MAX_ARG = f32(40.0)  # |x| is capped there (exp(-x^2 / 2) is 0 in float32 from 18.7 on)

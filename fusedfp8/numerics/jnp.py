@@ -283,16 +283,17 @@ def rcp_f32(d) -> jax.Array:
     return div_rn(_c(1.0), d)
 
 
-def erfc_f32(z) -> jax.Array:
-    z = jnp.asarray(z, f32)
-    a = jnp.abs(z)
-    a = jnp.where(a > _c(C.ERFC_MAX_ARG), _c(C.ERFC_MAX_ARG), a)
-    t = rcp_f32(fma_f32(_c(0.5), a, _c(1.0), tiny_products=False))
-    q = _c(C.ERFC_POLY[0])
+def erfc_of_abs(ax, e) -> jax.Array:
+    """erfc(ax / sqrt 2), as :func:`fusedfp8.numerics.reference.erfc_of_abs`."""
+    t = rcp_f32(fma_f32(ax, _c(C.ERFC_T_SCALE), _c(1.0), tiny_products=False))
+    p = _c(C.ERFC_POLY[0])
     for coef in C.ERFC_POLY[1:]:
-        q = fma_f32(q, t, _c(coef), tiny_products=False)
-    e = _mul(t, exp_f32(fma_f32(-a, a, q)))
-    return jnp.where(jnp.signbit(z), _c(2.0) - e, e)
+        p = fma_f32(p, t, _c(coef), tiny_products=False)
+    return _mul(_mul(t, p), e)
+
+
+def erfc_neg(x, e) -> jax.Array:
+    return jnp.where(jnp.signbit(x), e, _c(2.0) - e)
 
 
 def _clamp(x, lim):
@@ -317,7 +318,9 @@ def gelu_f32(x, approximate: str) -> jax.Array:
     if approximate == "tanh":
         _, _, r = _sigmoid_parts(jnp.fmin(x, _c(C.GELU_X_MAX)), x)
         return _nan_where_nan(x, _mul(x, r))
-    return _nan_where_nan(x, _mul(_mul(_c(0.5), x), erfc_f32(_mul(-x, _c(C.INV_SQRT2)))))
+    ax = jnp.where(jnp.abs(x) > _c(C.ERFC_MAX_ARG), _c(C.ERFC_MAX_ARG), jnp.abs(x))
+    e = erfc_of_abs(ax, exp_f32(_mul(x, x), half=True))
+    return _nan_where_nan(x, _mul(_mul(_c(0.5), x), erfc_neg(x, e)))
 
 
 def dgelu_f32(x, approximate: str) -> jax.Array:
@@ -329,8 +332,9 @@ def dgelu_f32(x, approximate: str) -> jax.Array:
         m = fma_f32(x2, _c(C.GELU_M3), _c(C.GELU_M0), tiny_products=False)
         return _nan_where_nan(x, _mul(fma_f32(_mul(xc, m), _mul(e, r), _c(1.0), tiny_products=False), r))
     xc = _clamp(x, 40.0)
-    pdf = _mul(exp_f32(_mul(xc, xc), half=True), _c(C.INV_SQRT_2PI))
-    return _nan_where_nan(x, fma_f32(xc, pdf, _mul(_c(0.5), erfc_f32(_mul(-xc, _c(C.INV_SQRT2))))))
+    e = exp_f32(_mul(xc, xc), half=True)
+    half_cdf = _mul(_c(0.5), erfc_neg(xc, erfc_of_abs(jnp.abs(xc), e)))
+    return _nan_where_nan(x, fma_f32(xc, _mul(e, _c(C.INV_SQRT_2PI)), half_cdf))
 
 
 # ---- amax, scaling, the FP8 cast ------------------------------------------------------------------

@@ -14,8 +14,8 @@ from ..formats import Format, get_format
 from ..types import Quantized, check_approximate
 
 from . import scaling
-from .constants import (ERFC_MAX_ARG, ERFC_POLY, EXP2_POLY, EXP_HALF_MAX_ARG, EXP_MIN_ARG, EXP_SHIFTER, GELU_K2,
-                        GELU_KC1, GELU_M0, GELU_M3, GELU_X_MAX, INV_SQRT2, INV_SQRT_2PI, LOG2E, LOG2E_LO)
+from .constants import (ERFC_MAX_ARG, ERFC_POLY, ERFC_T_SCALE, EXP2_POLY, EXP_HALF_MAX_ARG, EXP_MIN_ARG, EXP_SHIFTER,
+                        GELU_K2, GELU_KC1, GELU_M0, GELU_M3, GELU_X_MAX, INV_SQRT_2PI, LOG2E, LOG2E_LO)
 from .xp import NumpyNamespace
 
 f32 = np.float32
@@ -166,20 +166,21 @@ def rcp_f32(d: np.ndarray) -> np.ndarray:
         return np.asarray(f32(1.0) / np.asarray(d, np.float32), np.float32)
 
 
-def erfc_f32(z: np.ndarray) -> np.ndarray:
-    """erfc(z), Numerical Recipes' Chebyshev fit (fractional error < 1.2e-7): t exp(-a^2 + Q(t)) with
-    t = 1 / (1 + a/2), a = |z|, Q(t) = t P(t) - 1.26551223 in one Horner chain; z < 0 (sign bit)
-    through 2 - erfc(|z|); |z| capped at 20 (erfc is 0 in float32 from about 10 on)."""
-    z = np.asarray(z, np.float32)
-    a = np.abs(z)
-    a = _where(a > ERFC_MAX_ARG, ERFC_MAX_ARG, a)
+def erfc_of_abs(ax: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """erfc(ax / sqrt 2) = t R(t) exp(-x^2 / 2) for ax = |x| <= 40, t = 1 / (1 + ax / (2 sqrt 2)), R the
+    degree-8 fit of erfcx / t; ``e`` = exp(-x^2 / 2) from the caller (the erf gelu' shares it)."""
     with np.errstate(all="ignore"):
-        t = rcp_f32(fma_f32(f32(0.5), a, f32(1.0)))
-        q = ERFC_POLY[0]
+        t = rcp_f32(fma_f32(ax, ERFC_T_SCALE, f32(1.0)))
+        p = ERFC_POLY[0]
         for c in ERFC_POLY[1:]:
-            q = fma_f32(q, t, c)
-        e = t * exp_f32(fma_f32(-a, a, q))
-    return _where(np.signbit(z), f32(2.0) - e, e)
+            p = fma_f32(p, t, c)
+        return np.asarray((t * p) * e, np.float32)
+
+
+def erfc_neg(x: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """erfc(-x / sqrt 2) from e = erfc(|x| / sqrt 2): 2 - e for x >= 0 (sign bit clear), else e."""
+    with np.errstate(all="ignore"):
+        return _where(np.signbit(x), e, f32(2.0) - e)
 
 
 def _clamp(x, lim):
@@ -213,7 +214,9 @@ def gelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
         if approximate == "tanh":
             _, _, r = _sigmoid_parts(np.fmin(x, GELU_X_MAX), x)  # (fmin: a NaN x gives X_MAX there)
             return _nan_where_nan(x, x * r)
-        return _nan_where_nan(x, (f32(0.5) * x) * erfc_f32(-x * INV_SQRT2))
+        ax = _where(np.abs(x) > ERFC_MAX_ARG, ERFC_MAX_ARG, np.abs(x))  # (NaN kept)
+        e = erfc_of_abs(ax, exp_f32(x * x, half=True))
+        return _nan_where_nan(x, (f32(0.5) * x) * erfc_neg(x, e))
 
 
 def dgelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
@@ -228,8 +231,8 @@ def dgelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
             g = fma_f32(xc * fma_f32(x2, GELU_M3, GELU_M0), e * r, f32(1.0)) * r
         else:
             xc = _clamp(x, 40.0)
-            pdf = exp_f32(xc * xc, half=True) * INV_SQRT_2PI
-            g = fma_f32(xc, pdf, f32(0.5) * erfc_f32(-xc * INV_SQRT2))
+            e = exp_f32(xc * xc, half=True)  # shared by the pdf and erfc
+            g = fma_f32(xc, e * INV_SQRT_2PI, f32(0.5) * erfc_neg(xc, erfc_of_abs(np.abs(xc), e)))
     return _nan_where_nan(x, g)
 
 

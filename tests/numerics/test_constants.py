@@ -102,7 +102,7 @@ def test_every_float_define_of_the_header_is_in_constants_py():
     assert set(cuh_defines()) <= set(SCALARS), set(cuh_defines()) - set(SCALARS)
 
 
-@pytest.mark.parametrize("name, function", [("EXP2_POLY", "pow2_poly"), ("ERFC_POLY", "erfc_f32")])
+@pytest.mark.parametrize("name, function", [("EXP2_POLY", "pow2_poly"), ("ERFC_POLY", "erfc_of_abs")])
 def test_polynomial_is_the_same_literals_in_the_same_order(name, function):
     py, cu = PY_LITERALS[name], cuh_polynomial(function)
     assert len(py) == len(cu), (py, cu)
@@ -114,7 +114,7 @@ def test_polynomial_is_the_same_literals_in_the_same_order(name, function):
 INLINE = {  # constants written inline in a common.cuh function: (function, pattern of the literal)
     "EXP_MIN_ARG": ("exp_f32", rf"if \(HALF \? a > {FLOAT} : a < ({FLOAT})\) return 0\.0f;"),
     "EXP_HALF_MAX_ARG": ("exp_f32", rf"if \(HALF \? a > ({FLOAT}) : a < {FLOAT}\) return 0\.0f;"),
-    "ERFC_MAX_ARG": ("erfc_f32", rf"fmin_nan\(fabs_bits\(z\), ({FLOAT})\);"),
+    "ERFC_MAX_ARG": ("gelu_erf", rf"fmin_nan\(fabs_bits\(x\), ({FLOAT})\)"),
 }
 
 
@@ -153,7 +153,7 @@ DERIVED = {  # each constant is the float32 rounding of this float64 value
     "GELU_KC1": -2 * S64 * 0.044715 * LOG2E64,
     "GELU_M0": 2 * S64,
     "GELU_M3": 2 * S64 * 3 * 0.044715,
-    "INV_SQRT2": 1 / math.sqrt(2),
+    "ERFC_T_SCALE": 1 / (2 * math.sqrt(2)),
     "INV_SQRT_2PI": 1 / math.sqrt(2 * math.pi),
 }
 
@@ -169,11 +169,14 @@ def test_log2e_split():
     assert abs(float(constants.LOG2E) + float(constants.LOG2E_LO) - LOG2E64) < 2.0 ** -49
 
 
-def test_erfc_polynomial_is_numerical_recipes():
-    """Numerical Recipes' erfc coefficients (P highest first, then the constant -1.26551223)."""
-    nr = [0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806, 0.09678418, 0.37409196,
-          1.00002368, -1.26551223]
-    assert [v.tobytes() for v in constants.ERFC_POLY] == [np.float32(c).tobytes() for c in nr]
+def test_erfc_polynomial_is_one_at_t_one():
+    """R(1) = 1 exactly in the float32 Horner evaluation, so erfc(0) = 1 and gelu'(0) = 0.5 exactly."""
+    from fusedfp8.numerics.reference import fma_f32
+
+    p = constants.ERFC_POLY[0]
+    for c in constants.ERFC_POLY[1:]:
+        p = fma_f32(p, np.float32(1.0), c)
+    assert p == 1
 
 
 def test_gelu_x_max_keeps_the_exponent_in_range():
