@@ -170,7 +170,7 @@ class Layer:
         return y
 
     def results(self, y: torch.Tensor) -> dict:
-        return {"output": y, "input_grad": self.x.grad, "weight_grad": self.module.weight.grad}
+        return {"output": y.detach(), "input_grad": self.x.grad, "weight_grad": self.module.weight.grad}
 
     def timed_ms(self, step, clock: _bench.Clock, warmup: int, calls: int, reps: int) -> list[float]:
         for _ in range(warmup):
@@ -287,6 +287,20 @@ def run(grids: dict, args, device, clock: _bench.Clock) -> tuple[dict, float] | 
     return points, time.perf_counter() - t0
 
 
+def make_table(name: str, grids: dict, points: dict, args, wall: float, device) -> PolicyTable:
+    """The table of a run: its measured modes' points, the others written as missing."""
+    meta = _bench.run_meta(
+        clock="CUDA events" if device.type == "cuda" else "time.perf_counter (CPU smoke test: not a measurement)",
+        smoke_test=device.type != "cuda", recipe=str(RECIPE), warmup=args.warmup, calls=args.calls, reps=args.reps,
+        sqnr_min_db=_bench.SQNR_MIN_DB, launch_path=" / ".join(fp8.custom_ops.launch_path()), wall_s=wall)
+    date = meta.pop("date")
+    versions = {"fusedfp8": fusedfp8.__version__, "torch": torch.__version__, "cuda": torch.version.cuda}
+    modes = {m: {"points": points[m], "meta": {"measure": MEASURE[m], "tokens": list(grids[m][0]),
+                                               "features": list(grids[m][1])}} if m in grids else
+             {"missing": f"not measured: calibrate_policy.py --modes {','.join(grids)}"} for m in TABLE_MODES}
+    return PolicyTable(name, modes, date=date, versions=versions, meta=meta)
+
+
 def main(argv=None) -> int:
     args, grids, ap = arguments(argv)
     device = torch.device(args.device)
@@ -308,16 +322,7 @@ def main(argv=None) -> int:
     if measured is None:
         return 1
     points, wall = measured
-    meta = _bench.run_meta(
-        clock="CUDA events" if device.type == "cuda" else "time.perf_counter (CPU smoke test: not a measurement)",
-        smoke_test=device.type != "cuda", recipe=str(RECIPE), warmup=args.warmup, calls=args.calls, reps=args.reps,
-        sqnr_min_db=_bench.SQNR_MIN_DB, launch_path=" / ".join(fp8.custom_ops.launch_path()), wall_s=wall)
-    date = meta.pop("date")
-    versions = {"fusedfp8": fusedfp8.__version__, "torch": torch.__version__, "cuda": torch.version.cuda}
-    modes = {m: {"points": points[m], "meta": {"measure": MEASURE[m], "tokens": list(grids[m][0]),
-                                               "features": list(grids[m][1])}} if m in grids else
-             {"missing": f"not measured: calibrate_policy.py --modes {','.join(grids)}"} for m in TABLE_MODES}
-    table = PolicyTable(name, modes, date=date, versions=versions, meta=meta)
+    table = make_table(name, grids, points, args, wall, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     table.save(path)
     PolicyTable.load(path)  # what convert_to_fp8 will read
@@ -327,7 +332,7 @@ def main(argv=None) -> int:
     print()
     for m in grids:
         print(f"{m}: FP8 faster at {sum(p['speedup'] > 1 for p in points[m])} of {len(points[m])} points")
-    print(f"{wall:.0f} s")
+    print(f"{wall:.0f} s in all ({', '.join(grids)})")
     print(f"use it: fusedfp8.pytorch.convert_to_fp8(model, policy='auto', tokens=N, mode='eager' (or 'graphed', "
           f"'compiled'), policy_table='{path}'), or export {TABLE_ENV}={path}"
           + (f"; copied to fusedfp8/data/{table_file_name(name)}, it is found by the GPU's name"
