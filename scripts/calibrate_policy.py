@@ -113,7 +113,8 @@ def arguments(argv=None):
     ap.add_argument("--budget-s", type=float, default=BUDGET_S,
                     help=f"abort, writing nothing, once the run has taken longer (default {BUDGET_S:.0f}; 0: no limit)")
     ap.add_argument("--device", default="cuda", help="'cuda' (the measurement) or 'cpu' (a smoke test of the script)")
-    ap.add_argument("--dry-run", action="store_true", help="list the grids and where the table would go; measure nothing")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="list the grids and where the table would go; measure nothing")
     args = ap.parse_args(argv)
     if args.device not in ("cuda", "cpu"):
         ap.error(f"--device must be 'cuda' or 'cpu'; got {args.device!r}")

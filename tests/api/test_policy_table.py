@@ -51,8 +51,10 @@ def test_table_round_trips_through_json(tmp_path):
     back = P.PolicyTable.load(path)
     assert back.to_dict() == table.to_dict() and back.path == path and back.modes == ("eager", "graphed")
     assert back.grid("eager").axes == ((16, 64, 256),) * 3
-    assert back.grid("graphed").axes == ((16, 64, 256), (16, 256), (16, 256)) and back.grid("compiled").mode == "graphed"
-    assert back.describe().startswith("t.json (Synthetic GPU") and "fusedfp8 test; eager, graphed steps)" in back.describe()
+    assert back.grid("graphed").axes == ((16, 64, 256), (16, 256), (16, 256))
+    assert back.grid("compiled").mode == "graphed"
+    assert back.describe().startswith("t.json (Synthetic GPU")
+    assert back.describe().endswith("fusedfp8 test; eager, graphed steps)")
     eager_only = synthetic_table(tmp_path / "e.json", graphed=False)
     data = json.loads((tmp_path / "e.json").read_text())
     assert data["modes"]["graphed"] == {"missing": "synthetic table without graphed steps"}
