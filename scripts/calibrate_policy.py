@@ -65,7 +65,7 @@ import _bench
 import fusedfp8
 import fusedfp8.pytorch as fp8
 from fusedfp8 import _cuda
-from fusedfp8.policy import TABLE_ENV, TABLE_MODES, PolicyTable, table_file_name
+from fusedfp8.policy import MEASURED_AS, MODES, TABLE_ENV, TABLE_MODES, PolicyTable, table_file_name
 
 TOKENS = (512, 1024, 2048, 4096, 8192)
 FEATURES = (256, 512, 1024, 2048, 4096, 8192, 16384)  # in_features and out_features alike
@@ -334,8 +334,9 @@ def main(argv=None) -> int:
     for m in grids:
         print(f"{m}: FP8 faster at {sum(p['speedup'] > 1 for p in points[m])} of {len(points[m])} points")
     print(f"{wall:.0f} s in all ({', '.join(grids)})")
-    print(f"use it: fusedfp8.pytorch.convert_to_fp8(model, policy='auto', tokens=N, mode='eager' (or 'graphed', "
-          f"'compiled'), policy_table='{path}'), or export {TABLE_ENV}={path}"
+    usable = [m for m in MODES if MEASURED_AS[m] in grids]
+    print(f"use it: fusedfp8.pytorch.convert_to_fp8(model, policy='auto', tokens=N, mode={' | '.join(map(repr, usable))}, "
+          f"policy_table='{path}'), or export {TABLE_ENV}={path}"
           + (f"; copied to fusedfp8/data/{table_file_name(name)}, it is found by the GPU's name"
              if device.type == "cuda" else ""))
     print(f"wrote {path}")
