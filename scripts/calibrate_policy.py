@@ -335,8 +335,8 @@ def main(argv=None) -> int:
         print(f"{m}: FP8 faster at {sum(p['speedup'] > 1 for p in points[m])} of {len(points[m])} points")
     print(f"{wall:.0f} s in all ({', '.join(grids)})")
     usable = [m for m in MODES if MEASURED_AS[m] in grids]
-    print(f"use it: fusedfp8.pytorch.convert_to_fp8(model, policy='auto', tokens=N, mode={' | '.join(map(repr, usable))}, "
-          f"policy_table='{path}'), or export {TABLE_ENV}={path}"
+    print(f"use it: fusedfp8.pytorch.convert_to_fp8(model, policy='auto', tokens=N, "
+          f"mode={' | '.join(map(repr, usable))}, policy_table='{path}'), or export {TABLE_ENV}={path}"
           + (f"; copied to fusedfp8/data/{table_file_name(name)}, it is found by the GPU's name"
              if device.type == "cuda" else ""))
     print(f"wrote {path}")
