@@ -50,9 +50,9 @@ from pathlib import Path
 
 from .policy_report import ConversionReport, Decision
 
-__all__ = ["PolicyTable", "Decision", "ConversionReport", "MissingTableError", "MissingModeError", "find_table",
-           "decide", "table_file_name", "shipped_tables", "POLICIES", "MODES", "TABLE_MODES", "TABLE_ENV",
-           "CALIBRATE_COMMAND"]
+__all__ = ["PolicyTable", "Grid", "Decision", "ConversionReport", "MissingTableError", "MissingModeError",
+           "find_table", "decide", "table_file_name", "shipped_tables", "POLICIES", "MODES", "TABLE_MODES",
+           "MEASURED_AS", "TABLE_ENV", "CALIBRATE_COMMAND"]
 
 POLICIES = ("all", "auto")
 MODES = ("eager", "graphed", "compiled")  # how a model runs: what a decision is for
