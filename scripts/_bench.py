@@ -393,7 +393,7 @@ def summarize(shape, res: dict, steps: int, targets: dict) -> None:
             s[f"{m}_loss_within_2pct"] = abs(rel) <= LOSS_TOLERANCE
     for kind in ("bf16", "fp8"):
         eager = modes.get(f"{kind}_eager")
-        for how in ("compiled", "graphed"):
+        for how in ("compiled", "reduceoverhead", "graphed"):
             other = modes.get(f"{kind}_{how}")
             if eager and other:
                 d = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(eager["loss"], other["loss"]))
