@@ -52,8 +52,10 @@ QUANTIZE_CASES = [(r, c, t, d, f, m, o) for (r, c) in [(256, 1024), (303, 300), 
 
 
 def quantize_plans():
-    refs = fake_refs(QKEY)
-    return [(case, _cuda.build_quantize_plan(refs, SMS, *case)) for case in QUANTIZE_CASES]
+    refs = fake_refs(QKEY)  # (a first step: the one-launch plan, and the two-pass one beside it)
+    return ([(case, _cuda.build_quantize_plan(refs, SMS, *case)) for case in QUANTIZE_CASES]
+            + [((*case, "two-pass"), _cuda.build_quantize_plan(refs, SMS, *case, 1, False)) for case in QUANTIZE_CASES
+               if case[4]])
 
 
 def other_plans():
