@@ -15,7 +15,9 @@
 // (fusedfp8.csrc.plan: the launch step's `coop`).
 // On chip: each thread's first 16-element vector (flat) or each block's first tile (tiled, 2 rows x 16
 // columns a thread) is loaded once, into registers, before the barrier and cast from there after it;
-// the rest of a block's share is read twice, the second time mostly from L2 (50 MB on an H200).
+// the rest of a block's share is read twice, the second time mostly from L2 (50 MB on an H200). The
+// amax pass walks a block's share backwards, so that the cast, which walks it forwards, first reads
+// what was read last (a tensor near the L2's size is not evicted just ahead of its second read).
 // Barrier: the driver's grid workspace that a cooperative launch provides (what cooperative_groups'
 // grid.sync() uses; its headers need libcu++, which NVRTC does not find here): a self-resetting
 // arrive counter whose top bit flips once every block has arrived. No workspace of ours, no memset.
@@ -82,9 +84,9 @@ struct GridAmax {
         const i64 tid = (i64)blockIdx.x * FF8_THREADS + threadIdx.x, nthreads = (i64)gridDim.x * FF8_THREADS;
         const i64 nvec = VEC ? n / 16 : 0;
         u32 m = 0;
-        if (VEC) {
-            if (tid < nvec) m = vec_amax<T, OP>(xc, bc, m);
-            for (i64 i = tid + nthreads; i < nvec; i += nthreads) {
+        if (VEC && tid < nvec) {
+            m = vec_amax<T, OP>(xc, bc, m);
+            for (i64 i = tid + (nvec - 1 - tid) / nthreads * nthreads; i > tid; i -= nthreads) {  // backwards
                 uint4 xr[LOADS], br[OP >= 3 ? LOADS : 1];
 #pragma unroll
                 for (int k = 0; k < LOADS; ++k) {
@@ -112,7 +114,8 @@ struct GridAmax {
         const int lr = threadIdx.x >> 2, lc = (threadIdx.x & 3) * 16;
         const i64 tiles_c = (pcols + TILE_C - 1) / TILE_C, ntiles = (prows + TILE_R - 1) / TILE_R * tiles_c;
         u32 m = 0;
-        for (i64 id = blockIdx.x; id < ntiles; id += gridDim.x) {
+        const i64 last = blockIdx.x + (ntiles - 1 - blockIdx.x) / gridDim.x * gridDim.x;  // (grid <= ntiles)
+        for (i64 id = last; id >= (i64)blockIdx.x; id -= gridDim.x) {  // backwards
             const i64 r0 = id / tiles_c * TILE_R, c0 = id % tiles_c * TILE_C;
             if (id == blockIdx.x && fast) {
 #pragma unroll
