@@ -382,7 +382,9 @@ def test_the_jax_plan_table_holds_each_devices_plan(xla_lib):
     (lambda d: np.concatenate([d[:3], [0, 40, 16]]), "malformed memset"),
     (lambda d: np.concatenate([d[:3], [0, 1, 6]]), "malformed memset"),
     (lambda d: np.concatenate([d[:3], [7]]), "malformed step"),
-], ids=["truncated", "version", "short", "variants", "memset-slot", "memset-bytes", "kind"])
+    (lambda d: np.concatenate([d[:3], [P.COOP_LAUNCH, 1, 0, 256, 0, 65, 1, 1] + [P.I64, 0, 0, 0] * 65]),
+     "malformed launch step"),
+], ids=["truncated", "version", "short", "variants", "memset-slot", "memset-bytes", "kind", "coop-params"])
 def test_cxx_interpreter_refuses_a_malformed_plan(xla_lib, bad, message):
     data, _ = _cuda.build_quantize_plan(fake_refs(QKEY), SMS, 64, 64, True, True, True, 1.0, 0).encode()
     with pytest.raises(ValueError, match=message):
