@@ -223,6 +223,12 @@ def test_one_kernel_per_tensor(transpose):
     dstate = ff.ScalingState.create(1, delayed, like=torch.empty(0, device="cuda"))
     names = _kernels(lambda: ff.quantize(x, dstate.slot(0, delayed), transpose=transpose))
     assert len(names) == 1, names  # the delayed recipe's first-step path is the same one launch
+    from fusedfp8.pytorch import custom_ops as fops  # the torch op (the C++ shim's plan when it is built)
+
+    op = fops.quantize_t if transpose else fops.quantize
+    args = (state.amax_history, state.scale, state.scale_inv, state.updates, 0, "e4m3", 1.0, True)
+    names = _kernels(lambda: fops.call(op, x, *args))
+    assert len(names) == 1 and "GridAmax" in names[0], names
 
 
 def test_torch_ops_eager_graphed_and_the_python_path_agree():
