@@ -40,7 +40,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TARGETS = ("xla", "torch")
-_SOURCES = {"xla": ("plan.h", "xla_ffi.cc"), "torch": ("plan.h", "torch_ops.cc")}
+_SOURCES = {"xla": ("plan.h", "gemm.h", "xla_ffi.cc"), "torch": ("plan.h", "torch_ops.cc")}
 _WHAT = {"xla": "JAX (XLA FFI)", "torch": "torch"}
 TIMEOUT = 900  # seconds a compile may take
 
@@ -231,6 +231,31 @@ def _find(target: str):
         return _open(target, cached), f"compiled on first use: {cached}"
     except (OSError, ImportError) as e:
         return None, f"{stale}{cached} does not load: {e}"
+
+
+_CUBLASLT = (("cu13", "libcublasLt.so.13"), ("cublas", "libcublasLt.so.12"))  # nvidia wheel folder, library
+
+
+def cublaslt_path() -> str:
+    """Where the FP8 GEMM of the shim (gemm.h) loads cuBLASLt from when the process has none
+    loaded yet: a libcublasLt already mapped into this process (the copy XLA or torch use), else
+    the nvidia cuBLAS wheel that jax / torch install (``nvidia/cu13/lib``, ``nvidia/cublas/lib``),
+    else "" (the shim then tries the sonames on the loader's search path)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if os.path.basename(path).startswith("libcublasLt.so"):
+                    return path
+    except OSError:
+        pass
+    spec = importlib.util.find_spec("nvidia") if "nvidia" not in sys.modules else sys.modules["nvidia"].__spec__
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        for folder, name in _CUBLASLT:
+            path = os.path.join(root, folder, "lib", name)
+            if os.path.isfile(path):
+                return path
+    return ""
 
 
 def default_on() -> tuple[bool, str]:
