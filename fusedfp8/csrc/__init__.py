@@ -157,6 +157,10 @@ def _open(target: str, path: Path):
         lib.ff8_dry_run.restype = ctypes.c_int64
         lib.ff8_dry_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64]
+        i64, vp, cp = ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p  # the FP8 GEMM's (gemm.h)
+        for name, args, res in (("ff8_gemm_set_library", [cp], None), ("ff8_gemm_load", [cp, i64], i64),
+                                ("ff8_gemm_check", [vp, cp, i64], i64), ("ff8_gemm_prepare", [i64, vp, cp, i64], i64)):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, res
         version = lib.ff8_plan_version()
     else:
         import torch  # noqa: F401  (its libraries first)
