@@ -23,8 +23,8 @@ each one :func:`fusedfp8.jax.gemm.fp8_gemm`: on CUDA one ``cublasLtMatmul`` call
 XLA FFI handler (``fusedfp8_fp8_gemm``), the scales in its epilogue and the output written in
 its final dtype; elsewhere (and for impl 'jnp' / 'callback') ``dot_general(...,
 preferred_element_type=float32) * (scale_inv_a * scale_inv_b)``, which XLA's GEMM rewriter
-turns into its own ``__cublas$lt$matmul$f8`` call (float32 out, then a conversion kernel). Forward tensors use the recipe's forward format (E4M3), gradients E5M2 under
-'hybrid'. Only FP8 tensors are saved for the backward (and the MLP's pre-activation; with its
+turns into its own ``__cublas$lt$matmul$f8`` call (float32 out, then a conversion kernel).
+Forward tensors use the recipe's forward format (E4M3), gradients E5M2 under 'hybrid'. Only FP8 tensors are saved for the backward (and the MLP's pre-activation; with its
 LayerNorm fused, the block's input and the per-row mean and rstd).
 """
 from __future__ import annotations
