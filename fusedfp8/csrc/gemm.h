@@ -35,6 +35,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -66,7 +67,8 @@ enum : int32_t { kCompute32F = 68 };   // cublasComputeType_t CUBLAS_COMPUTE_32F
 enum : int32_t { kOpN = 0, kOpT = 1 };  // cublasOperation_t
 // cublasLtMatmulDescAttributes_t
 enum : int32_t { kDescTransA = 3, kDescTransB = 4, kDescAScalePointer = 17, kDescBScalePointer = 18, kDescFastAccum = 25 };
-enum : int32_t { kPrefMaxWorkspaceBytes = 1 };  // cublasLtMatmulPreferenceAttributes_t
+// cublasLtMatmulPreferenceAttributes_t
+enum : int32_t { kPrefMaxWorkspaceBytes = 1, kPrefMinAlignA = 5, kPrefMinAlignB = 6, kPrefMinAlignC = 7, kPrefMinAlignD = 8 };
 
 struct Api {
   Status (*create)(Handle*) = nullptr;
@@ -223,14 +225,27 @@ struct ShapeHash {
   }
 };
 
+// The heuristic assumes 256-byte aligned buffers unless told otherwise, and may pick an algorithm
+// that needs them; the key carries the alignment the algorithm was chosen for: the smallest of
+// the three pointers' (a power of two, 16..256). prepare() assumes 256 (XLA's own buffers).
 struct Key {
   int device;
+  uint32_t align;
   Shape shape;
-  bool operator==(const Key& o) const { return device == o.device && shape == o.shape; }
+  bool operator==(const Key& o) const { return device == o.device && align == o.align && shape == o.shape; }
 };
 struct KeyHash {
-  size_t operator()(const Key& k) const { return ShapeHash()(k.shape) * 31 + static_cast<size_t>(k.device); }
+  size_t operator()(const Key& k) const {
+    return (ShapeHash()(k.shape) * 31 + static_cast<size_t>(k.device)) * 31 + k.align;
+  }
 };
+
+inline uint32_t alignment(std::initializer_list<const void*> ptrs) {
+  uint32_t a = 256;
+  for (const void* p : ptrs)
+    while (a > 16 && reinterpret_cast<uintptr_t>(p) % a) a /= 2;
+  return a;
+}
 
 inline std::unordered_map<int, Handle>& handles() {
   static std::unordered_map<int, Handle> h;
@@ -242,7 +257,7 @@ inline std::unordered_map<Key, std::unique_ptr<Entry>, KeyHash>& entries() {
 }
 
 // Builds the descriptor, layouts and algorithm of `s` for `device` (whose context is current).
-inline std::string build(Handle h, const Shape& s, Entry& e) {
+inline std::string build(Handle h, const Shape& s, uint32_t align, Entry& e) {
   const Api& a = api();
   Status st = 0;
   auto fail = [&](const char* what) { return "fusedfp8 FP8 GEMM: " + std::string(what) + " failed: " + status_text(st); };
@@ -265,6 +280,8 @@ inline std::string build(Handle h, const Shape& s, Entry& e) {
   HeuristicResult res{};
   int found = 0;
   st = a.pref_set(pref, kPrefMaxWorkspaceBytes, &ws, sizeof ws);
+  for (int32_t attr : {kPrefMinAlignA, kPrefMinAlignB, kPrefMinAlignC, kPrefMinAlignD})
+    if (st == 0) st = a.pref_set(pref, attr, &align, sizeof align);
   if (st == 0) st = a.heuristic(h, e.desc, e.la, e.lb, e.ld, e.ld, pref, 1, &res, &found);
   a.pref_destroy(pref);
   if (st) return fail("cublasLtMatmulAlgoGetHeuristic");
@@ -278,14 +295,14 @@ inline std::string build(Handle h, const Shape& s, Entry& e) {
 }
 
 // The cached entry of (device, s), made on first use. The device's context must be current.
-inline std::string entry(int device, const Shape& s, Entry** out) {
+inline std::string entry(int device, const Shape& s, uint32_t align, Entry** out) {
   const Api& a = api();
   if (!a.why.empty()) return "fusedfp8 FP8 GEMM: " + a.why;
   std::string bad = check_shape(s);
   if (!bad.empty()) return bad;
   std::lock_guard<std::mutex> g(lock());
   auto& map = entries();
-  auto it = map.find(Key{device, s});
+  auto it = map.find(Key{device, align, s});
   if (it != map.end()) {
     *out = it->second.get();
     return "";
@@ -298,7 +315,7 @@ inline std::string entry(int device, const Shape& s, Entry** out) {
     }
   }
   auto e = std::make_unique<Entry>();
-  std::string err = build(h, s, *e);
+  std::string err = build(h, s, align, *e);
   if (!err.empty()) {  // nothing cached: the descriptors of a failed build are dropped
     if (e->desc) a.desc_destroy(e->desc);
     for (Layout l : {e->la, e->lb, e->ld})
@@ -306,7 +323,7 @@ inline std::string entry(int device, const Shape& s, Entry** out) {
     return err;
   }
   *out = e.get();
-  map.emplace(Key{device, s}, std::move(e));
+  map.emplace(Key{device, align, s}, std::move(e));
   return "";
 }
 
@@ -317,7 +334,7 @@ inline std::string run(int device, const Shape& s, const void* a, const void* b,
     if (reinterpret_cast<uintptr_t>(p) % 16)
       return "fusedfp8 FP8 GEMM: the operands and the output must be 16-byte aligned (cuBLASLt FP8)";
   Entry* e = nullptr;
-  std::string err = entry(device, s, &e);
+  std::string err = entry(device, s, alignment({a, b, out}), &e);
   if (!err.empty()) return err;
   Handle h;
   {

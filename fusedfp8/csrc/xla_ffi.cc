@@ -246,7 +246,7 @@ int64_t ff8_gemm_prepare(int64_t device, const int64_t* v, char* err, int64_t er
   const ff8::lt::Shape s = gemm_shape(v);
   std::string why = ff8::lt::on_device(static_cast<int>(device), [&] {
     ff8::lt::Entry* e = nullptr;
-    return ff8::lt::entry(static_cast<int>(device), s, &e);
+    return ff8::lt::entry(static_cast<int>(device), s, 256, &e);  // XLA's buffers: 256-byte aligned
   });
   return put_error(why, err, errcap);
 }
