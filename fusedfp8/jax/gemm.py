@@ -39,7 +39,7 @@ from ..types import FP8_DTYPES, GEMM_MULTIPLE
 from . import callbacks
 from . import primitives as P
 
-__all__ = ["fp8_gemm", "gemm_target", "output_cols", "TARGET", "WORKSPACE_BYTES"]
+__all__ = ["fp8_gemm", "gemm_target", "gemm_path", "output_cols", "TARGET", "WORKSPACE_BYTES"]
 
 TARGET = "fusedfp8_fp8_gemm"  # command-buffer compatible
 TARGET_NO_CMDBUF = "fusedfp8_fp8_gemm_no_cmdbuf"  # the same handler, run outside XLA's command buffers
@@ -90,6 +90,19 @@ def gemm_target() -> tuple[bool, str]:
     except Exception as e:  # noqa: BLE001 - say why and keep XLA's dot
         return False, f"registering the FP8 GEMM's XLA FFI target failed ({type(e).__name__}: {e})"
     return True, f"cuBLASLt {version} ({err.value.decode(errors='replace')})"
+
+
+def gemm_path() -> tuple[str, str]:
+    """(backend, why) of impl='auto''s FP8 GEMM on CUDA, without building or loading anything:
+    'fusedfp8_fp8_gemm' (cuBLASLt called by the shim) or "XLA's dot"."""
+    if gemm_target.cache_info().currsize:  # decided in this process already
+        ok, why = gemm_target()
+        return (TARGET, why) if ok else ("XLA's dot", why)
+    path, why = P.launch_path()
+    if path != "ffi":
+        return "XLA's dot", f"the shim is not in use: {why}"
+    where = _shim.cublaslt_path() or "libcublasLt.so.13 / .so.12 on the loader's path"
+    return TARGET, f"from the first CUDA trace on, cuBLASLt from {where} (or the copy already loaded)"
 
 
 def check_shape(m, n, k, lda, ldb, ldd, ta, tb, td, fast=False, workspace=WORKSPACE_BYTES) -> str:

@@ -554,7 +554,7 @@ def test_info_reports_the_launch_paths(capsys):
 
     assert info(False, progress=False) == 0
     out = capsys.readouterr().out
-    assert "JAX launch" in out and "torch launch" in out
+    assert "JAX launch" in out and "torch launch" in out and "JAX FP8 GEMM" in out
 
 
 # ---- on the GPU: the shim path against the Python path, byte for byte ------------------------------
