@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -173,7 +174,10 @@ def _auto_uses_ffi(a, b, out_name: str, m: int, n: int, fast_accum: bool) -> boo
     an algorithm for the shape on every local GPU (decided at trace time), else XLA's dot."""
     if not (_shim.default_on()[0] and callbacks.gpu_devices() and gemm_target()[0]):
         return False
-    return not _prepared(_ffi_operands(a, b, out_name, m, n, fast_accum)[3])
+    why = _prepared(_ffi_operands(a, b, out_name, m, n, fast_accum)[3])
+    if why:
+        warnings.warn(f"fusedfp8: the FP8 GEMM (m={m}, n={n}, k={a.shape[1]}) runs as XLA's dot: {why}", stacklevel=2)
+    return not why
 
 
 # ---- the public function ---------------------------------------------------------------------
