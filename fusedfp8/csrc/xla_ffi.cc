@@ -145,28 +145,21 @@ ffi::Error Fp8Gemm(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuf
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm, Fp8Gemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fast_accum"),
-                              {ffi::Traits::kCmdBufferCompatible});
+// a, b, scale_inv_a, scale_inv_b -> out, workspace; the two targets differ in the trait only
+auto gemm_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<void*>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("fast_accum");
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm_no_cmdbuf, Fp8Gemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("fast_accum"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm, Fp8Gemm, gemm_binding(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm_no_cmdbuf, Fp8Gemm, gemm_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_launch, Launch,
                               ffi::Ffi::Bind()
