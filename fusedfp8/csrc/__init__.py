@@ -40,7 +40,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TARGETS = ("xla", "torch")
-_SOURCES = {"xla": ("plan.h", "gemm.h", "xla_ffi.cc"), "torch": ("plan.h", "torch_ops.cc")}
+_SOURCES = {"xla": ("plan.h", "gemm.h", "xla_ffi.cc"), "torch": ("plan.h", "gemm.h", "torch_gemm.h", "torch_ops.cc")}
 _WHAT = {"xla": "JAX (XLA FFI)", "torch": "torch"}
 TIMEOUT = 900  # seconds a compile may take
 
