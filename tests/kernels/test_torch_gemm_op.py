@@ -93,7 +93,8 @@ def test_fp8_gemm_lt_matches_float64_and_scaled_mm(op, mnk, pair, out):
                       ("_scaled_mm", torch._scaled_mm(a, b.t(), scale_a=s[0], scale_b=s[1], out_dtype=out))):
         assert got.shape == (m, n) and got.dtype == out, name
         err = np.abs(got.double().cpu().numpy() - ref)
-        assert np.all(err <= eps * np.abs(ref) + 2.0 ** -11 * absref + 1e-30), (name, float(err.max()))
+        # the split accumulator's error allowance of tests/jax/test_jax_gemm.py
+        assert np.all(err <= eps * np.abs(ref) + 2.0 ** -9 * absref + 1e-30), (name, float(err.max()))
 
 
 @pytest.mark.gpu
