@@ -162,9 +162,10 @@ def test_the_xla_dot_path_is_the_old_formula(mkn, impl):
     bitwise."""
     m, k, n = mkn
     rng = np.random.default_rng(0)
-    a = jnp.asarray(rng.standard_normal((m, k)) * 4, jnp.float32).astype(jnp.float8_e4m3fn)
-    b = jnp.asarray(rng.standard_normal((n, k)) * 4, jnp.float32).astype(jnp.float8_e5m2)
-    sa, sb = jnp.asarray([0.5], jnp.float32), jnp.asarray([0.125], jnp.float32)
+    cpu = jax.devices("cpu")[0]  # (on a GPU machine too: impl='auto' takes the FFI GEMM there)
+    a = jax.device_put(jnp.asarray(rng.standard_normal((m, k)) * 4, jnp.float32).astype(jnp.float8_e4m3fn), cpu)
+    b = jax.device_put(jnp.asarray(rng.standard_normal((n, k)) * 4, jnp.float32).astype(jnp.float8_e5m2), cpu)
+    sa, sb = (jax.device_put(jnp.asarray([v], jnp.float32), cpu) for v in (0.5, 0.125))
     for fast in (False, True):
         got = jax.jit(lambda *o: G.fp8_gemm(*o, jnp.bfloat16, fast_accum=fast, impl=impl))(a, b, sa, sb)
 
