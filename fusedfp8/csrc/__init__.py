@@ -162,6 +162,7 @@ def _open(target: str, path: Path):
                                 ("ff8_gemm_check", [vp, cp, i64], i64), ("ff8_gemm_prepare", [i64, vp, cp, i64], i64)):
             getattr(lib, name).argtypes, getattr(lib, name).restype = args, res
         version = lib.ff8_plan_version()
+        lib.ff8_gemm_set_library(cublaslt_path().encode())  # (read at the FP8 GEMM's first use)
     else:
         import torch  # noqa: F401  (its libraries first)
 
@@ -171,6 +172,7 @@ def _open(target: str, path: Path):
         lib = importlib.util.module_from_spec(spec)
         loader.exec_module(lib)
         version = lib.plan_version()
+        lib.gemm_set_library(cublaslt_path())
     if version != PLAN_VERSION:
         raise ImportError(f"{path} reads launch plans of version {version}, this package writes {PLAN_VERSION}")
     return lib

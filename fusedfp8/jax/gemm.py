@@ -79,8 +79,7 @@ def gemm_target() -> tuple[bool, str]:
     ok, why = callbacks.ffi_target()
     if not ok:
         return False, why
-    lib, _ = _shim.library("xla")
-    lib.ff8_gemm_set_library(_shim.cublaslt_path().encode())
+    lib, _ = _shim.library("xla")  # (loading it told the shim where cuBLASLt is: csrc.cublaslt_path)
     err = ctypes.create_string_buffer(1024)
     version = lib.ff8_gemm_load(err, len(err))
     if version < 0:

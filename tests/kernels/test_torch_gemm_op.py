@@ -23,9 +23,6 @@ def op():
         if shim.compiler() is None:
             pytest.skip(f"no C++ compiler: {why}")
         pytest.fail(f"the torch shim is not available: {why}")
-    path = shim.cublaslt_path()
-    if path:
-        lib.gemm_set_library(path)
     return torch.ops.fusedfp8.fp8_gemm_lt
 
 
