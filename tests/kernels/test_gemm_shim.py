@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from fusedfp8 import csrc as shim
+from support.shim import built as built_shim
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -79,12 +80,7 @@ def test_gemm_check_fails_on_a_wrong_value(tmp_path):
 # ---- the shim's shape check ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def xla_lib():
-    lib, why = shim.library("xla")
-    if lib is None:
-        if shim.compiler() is None:
-            pytest.skip(f"no C++ compiler: {why}")
-        pytest.fail(f"the xla shim is not available: {why}")
-    return lib
+    return built_shim("xla")
 
 
 E4, E5, BF = "float8_e4m3fn", "float8_e5m2", "bfloat16"
