@@ -99,6 +99,13 @@ def info(compile_all: bool, progress: bool = True) -> int:
             print(f"{label:<18}not available ({type(e).__name__}: {e})")
             continue
         print(f"{label:<18}{path}: {why}" + ("" if ok else " [no usable GPU here: CPU arrays take the CPU path]"))
+    try:
+        from .jax.gemm import gemm_path
+
+        path, why = gemm_path()
+        print(f"{'JAX FP8 GEMM':<18}{path}: {why}")
+    except ImportError as e:
+        print(f"{'JAX FP8 GEMM':<18}not available ({type(e).__name__}: {e})")
     if compile_all:
         return compile_kernels(ok, reason, progress)
     return 0

@@ -19,6 +19,7 @@ from fusedfp8 import csrc as shim
 from fusedfp8.csrc import plan as P
 from support import nvrtc as N
 from support import shapes as S
+from support.shim import built as built_shim
 
 SMS = 132
 THREADS = _cuda.THREADS
@@ -296,25 +297,17 @@ def test_encode_layout():
 
 
 # ---- the compiled shim ---------------------------------------------------------------------------
-def _library(target):
-    lib, why = shim.library(target)
-    if lib is None:
-        if shim.compiler() is None:
-            pytest.skip(f"no C++ compiler: {why}")
-        pytest.fail(f"the {target} shim is not available: {why}")
-    return lib
-
 
 @pytest.fixture(scope="module")
 def xla_lib():
     pytest.importorskip("jax")
-    return _library("xla")
+    return built_shim("xla")
 
 
 @pytest.fixture(scope="module")
 def torch_lib():
     pytest.importorskip("torch")
-    return _library("torch")
+    return built_shim("torch")
 
 
 def test_the_shim_builds_with_its_stamp(tmp_path):
@@ -626,7 +619,7 @@ def test_info_reports_the_launch_paths(capsys):
 
     assert info(False, progress=False) == 0
     out = capsys.readouterr().out
-    assert "JAX launch" in out and "torch launch" in out
+    assert "JAX launch" in out and "torch launch" in out and "JAX FP8 GEMM" in out
 
 
 # ---- on the GPU: the shim path against the Python path, byte for byte ------------------------------
