@@ -54,12 +54,12 @@ template <typename T, int OP>
 __device__ __forceinline__ u32 vec_amax(const uint4* xc, const uint4* bc, u32 m) {
 #pragma unroll
     for (int j = 0; j < 16; ++j)
-        m = max(m, abs_bits(apply_op<OP>(raw_elem<T>(xc, j), OP >= 3 ? raw_elem<T>(bc, j) : 0.0f)));
+        m = amax_update<OP>(m, apply_op<OP>(raw_elem<T>(xc, j), OP >= 3 ? raw_elem<T>(bc, j) : 0.0f));
     return m;
 }
 template <typename T, int OP>
 __device__ __forceinline__ u32 elem_amax(const T* x, const T* b, i64 i, u32 m) {
-    return max(m, abs_bits(apply_op<OP>(to_f32(x[i]), OP >= 3 ? to_f32(b[i]) : 0.0f)));
+    return amax_update<OP>(m, apply_op<OP>(to_f32(x[i]), OP >= 3 ? to_f32(b[i]) : 0.0f));
 }
 
 // Stage the block's amax in the slot, wait for every block, and take the scale from the slot.
