@@ -330,6 +330,12 @@ def _tiled_grid(ref: KernelRef, sms: int, rows: int, cols: int) -> int:
     return max(1, min(-(-rows // TILE_R) * -(-cols // TILE_C), ref.per_sm * sms))
 
 
+def _resident(ref: KernelRef, sms: int, grid: int) -> int:
+    """A cooperative launch's grid: every block resident at once (the driver refuses more), whatever
+    the grid rule asked for (the kernels' grid-stride loops cover the rest)."""
+    return max(1, min(grid, ref.per_sm * sms))
+
+
 def _launch(variants, select: int, block: int, params: tuple, shared: int = 0, coop: bool = False) -> Launch:
     """A Launch whose parameter layout is checked against SIGNATURES for every variant's kernel
     (``coop``: a cooperative launch, whose grid must not exceed the resident blocks)."""
@@ -409,13 +415,17 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
         r = refs["coop_tiled" if coop else "tiled"]
         opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((QT, transpose), (DB, dbias), (PART, dbias),
                                                                     (CNT, dbias))}
-        steps.append(_launch([(r, _tiled_grid(r, sms, prows, pcols))], 0, TILED_BLOCK, (
+        grid = _tiled_grid(r, sms, prows, pcols)
+        steps.append(_launch([(r, _resident(r, sms, grid) if coop else grid)], 0, TILED_BLOCK, (
             ptr(X), ptr(B), ptr(Q), opt[QT], opt[DB], opt[PART], opt[CNT], st(S), st(A), so, sio, ptr(SIU), u,
             imm64(rows), imm64(cols), imm64(prows), imm64(pcols), flag(vec, 16, cols % 8 == 0 and pcols % 8 == 0),
             flag((QT,), 8, transpose and prows % 8 == 0), mf), coop=coop))
     else:
-        main = [(refs[f"coop_flat_vec{v}"], _flat_grid(refs[f"coop_flat_vec{v}"], sms, n)) for v in (1, 0)] if coop \
-            else flat(1)
+        if coop:
+            coop_refs = [refs[f"coop_flat_vec{v}"] for v in (1, 0)]
+            main = [(r, _resident(r, sms, _flat_grid(r, sms, n))) for r in coop_refs]
+        else:
+            main = flat(1)
         steps.append(_launch(main, _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), so, sio, ptr(SIU), u,
                                                          imm64(n), mf), coop=coop))
     return _plan(QUANTIZE_SLOTS, steps)

@@ -194,10 +194,14 @@ def test_flax_a_non_finite_input_is_counted_and_keeps_the_scale():
 
 
 def _close(got, want, what: str) -> None:
-    """float32 noise only: the quantized operands are the same bytes on both paths, but XLA fuses
-    what lies around them (LayerNorm's backward, the bias gradients) differently."""
+    """The quantized operands are the same bytes on both paths, but their FP8 GEMMs are not the
+    same call: on CUDA the kernel path runs the shim's cuBLASLt GEMM (fast accumulation in the
+    forward, bf16 written with the scales applied) and the jnp path XLA's dot (its autotuner's
+    choice of cuBLASLt or Triton, float32 out, then scaled and rounded): on the H200 the outputs
+    differed by 2e-7 of the output's squared norm (2026-12-03), so the bound is 1e-5; a wrong
+    operand, scale or layout is off by O(1)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert ((got - want) ** 2).sum() <= 1e-8 * max((want ** 2).sum(), 1e-30), what
+    assert ((got - want) ** 2).sum() <= 1e-5 * max((want ** 2).sum(), 1e-30), what
 
 
 @pytest.mark.parametrize("impl", [pytest.param(i, marks=GPU) for i in KERNEL_IMPLS])
@@ -206,10 +210,9 @@ def test_flax_modules_kernels_on_the_gpu(model_of, impl):
     """Every step of the kernel path quantizes with the scales of that step's own staged amaxes
     (updates stay 0, bitwise), and agrees with the jax.numpy path: the first step's FP8 state
     (counters exactly; amaxes and scales to 1e-3: in the MLP the amax of gelu(z) and of the
-    gradients come from FP8 GEMM outputs, and the two paths are compiled and autotuned separately,
-    so their GEMMs may run different algorithms (cuBLASLt or Triton, fast accumulation): on the H200
-    one staged amax differed by 1 ulp on the callback impls in one run and by 6e-5 relative on the
-    FFI impl in another), outputs and gradients to float32 noise."""
+    gradients come from FP8 GEMM outputs, and the two paths' GEMMs are different calls (_close): on
+    the H200 one staged amax differed by 1 ulp on the callback impls in one run and by 6e-5
+    relative on the FFI impl in another), outputs and gradients as _close says."""
     gpu = jax.devices("gpu")[0]
     x_of = _xs(16 if model_of is _dense else 32)
     got, want = _train(model_of, impl, x_of, 4, gpu), _train(model_of, "jnp", x_of, 4, gpu)

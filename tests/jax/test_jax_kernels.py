@@ -366,7 +366,10 @@ def test_flax_mlp_layernorm_goes_straight_to_fp8(tokens):
     """The flax Fp8MLP's train step on the GPU: the LayerNorm runs in the layernorm_quantize
     kernel (no flax LayerNorm, no rsqrt, in the program) and all six GEMMs stay FP8, with ragged
     tokens too (the kernel writes h padded); the kernel path's gradients agree with the jnp
-    path's (the same FP8 bytes into the same GEMMs), the LayerNorm's parameters included."""
+    path's, the LayerNorm's parameters included, to 2e-3 of their squared norm: the two paths'
+    GEMMs are different calls (the shim's cuBLASLt GEMM against XLA's dot, fast accumulation in
+    the forward), and their small differences flip some FP8 roundings downstream (on the H200,
+    2026-12-03: 6e-4 for fc1's kernel with 1000 tokens; a wrong operand or pad is off by O(1))."""
     from fusedfp8.jax.flax import Fp8MLP
 
     hidden, ffn = 1024, 4096
@@ -390,7 +393,7 @@ def test_flax_mlp_layernorm_goes_straight_to_fp8(tokens):
     got, want = jax.jit(grad_fn("auto"))(variables), jax.jit(grad_fn("jnp"))(variables)
     for (path, g), h in zip(jax.tree_util.tree_flatten_with_path(got["params"])[0], jax.tree.leaves(want["params"])):
         g, h = np.asarray(g, np.float64), np.asarray(h, np.float64)
-        assert ((g - h) ** 2).sum() <= 1e-4 * (h ** 2).sum(), jax.tree_util.keystr(path)
+        assert ((g - h) ** 2).sum() <= 2e-3 * (h ** 2).sum(), jax.tree_util.keystr(path)
 
 
 # ---- the weight cache for gradient accumulation (issue 19) ---------------------------------------
@@ -406,7 +409,8 @@ def test_weight_cache_quantizes_each_weight_once_per_step():
     """Four micro-batches of a flax model (Dense with Fp8DotGeneral, then Fp8MLP) in one jitted
     step, unrolled, on the kernel path: with ``quantize_weights`` the compiled program quantizes
     each of the three weights once (without the cache: four times); XLA removes the rest of the
-    cache's forward (the inputs are quantized four times either way; 36 FP8 GEMMs either way);
+    cache's forward (the inputs are quantized four times either way; 8 or 9 FP8 GEMMs a
+    micro-batch either way, none in high precision);
     the cached FP8 weights are the kernels' bytes; one optimizer step agrees with the uncached
     one (the weights' staged amaxes and the model input's exactly, the rest to float32 rounding:
     the two programs are fused differently around the same FP8 GEMMs)."""
@@ -444,7 +448,9 @@ def test_weight_cache_quantizes_each_weight_once_per_step():
         assert _quantizations(texts[True], shape) == 1, shape
     for c, text in texts.items():
         assert _quantizations(text, (256, 128)) == micro, c  # the inputs: the cache's forward is gone
-        assert fp8_gemms(text) == 3 * 3 * micro, c
+        # 3 layers x (forward, dgrad, wgrad) a micro-batch, but the first Dense's input gradient is
+        # dead: XLA drops that GEMM when it is the shim's custom call (H200, 2026-12-03: 32 of 36)
+        assert fp8_gemms(text) in (8 * micro, 9 * micro) and other_gemms(text) == 0, (c, fp8_gemm_counts(text))
     cache = jax.jit(lambda p: quantize_weights(model.apply, p, xs[0]))(state.params)
     meta = tuple(variables[OVERWRITE_WITH_GRADIENT]["layers_0"]["Fp8DotGeneral_0"][k] for k in JM.META_FIELDS)
     want = jax.jit(lambda w, m: F.quantize_weight(w, m, recipe, impl="jnp"))(variables["params"]["layers_0"]["kernel"],

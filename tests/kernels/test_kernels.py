@@ -505,26 +505,27 @@ def test_first_step_is_decided_per_tensor_from_updates(device):
 
 
 @pytest.mark.gpu
-def test_first_step_pre_pass_runs_on_every_current_quantization_and_decides_on_the_device():
-    """With first_step='current' every quantization into a slot launches the pre-pass (the host
-    keeps no first-step mirror): it exits at once for a tensor past its first step, whose result
-    is then the delayed-scaling one; with 'unit' there is no pre-pass."""
+def test_first_step_current_is_one_launch_that_decides_on_the_device():
+    """With first_step='current' every quantization into a slot is ONE launch of the cooperative
+    current_quantize kernel (the host keeps no first-step mirror): for a tensor past its first step
+    it skips the amax pass and the grid barrier, and its result is the delayed-scaling one; with
+    'unit' it is the plain quantize kernel."""
     x = torch.full((256, 256), 3.0, device="cuda")
 
     def launches(st, r):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             q = fusedfp8.quantize(x, st.slot(0, r)).data
             torch.cuda.synchronize()
-        return len([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]), q
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA], q
 
-    for first, per_call in (("current", 2), ("unit", 1)):
+    for first, cooperative in (("current", True), ("unit", False)):
         r = DelayedScaling(amax_history_len=4, first_step=first)
         st = ScalingState.create([False], r, like=torch.zeros(1, device="cuda"))
         fusedfp8.quantize(x, st.slot(0, r))  # compiles
         fusedfp8.update_scales(st, r)
         st.scale.fill_(2.0)
-        n, q = launches(st, r)  # past the first step: the stored scale
-        assert n == per_call, (first, n)
+        names, q = launches(st, r)  # past the first step: the stored scale
+        assert len(names) == 1 and ("GridAmax" in names[0]) == cooperative, (first, names)
         assert bytes_of(q) == ref.quantize(np.full((256, 256), 3.0, np.float32), np.float32(2.0), "e4m3").data.tobytes()
 
 
