@@ -193,15 +193,15 @@ def test_flax_a_non_finite_input_is_counted_and_keeps_the_scale():
     assert st[2]["amax_history"][1, 0] == ref.amax(x_of(0)[0])  # the last finite amax
 
 
-def _close(got, want, what: str) -> None:
+def _close(got, want, what: str, bound: float = 1e-5) -> None:
     """The quantized operands are the same bytes on both paths, but their FP8 GEMMs are not the
     same call: on CUDA the kernel path runs the shim's cuBLASLt GEMM (fast accumulation in the
     forward, bf16 written with the scales applied) and the jnp path XLA's dot (its autotuner's
     choice of cuBLASLt or Triton, float32 out, then scaled and rounded): on the H200 the outputs
-    differed by 2e-7 of the output's squared norm (2026-12-03), so the bound is 1e-5; a wrong
-    operand, scale or layout is off by O(1)."""
+    differed by 2e-7 of the output's squared norm (2026-12-03), so the bound is 1e-5 by default; a
+    wrong operand, scale or layout is off by O(1)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert ((got - want) ** 2).sum() <= 1e-5 * max((want ** 2).sum(), 1e-30), what
+    assert ((got - want) ** 2).sum() <= bound * max((want ** 2).sum(), 1e-30), what
 
 
 @pytest.mark.parametrize("impl", [pytest.param(i, marks=GPU) for i in KERNEL_IMPLS])
@@ -230,8 +230,12 @@ def test_flax_modules_kernels_on_the_gpu(model_of, impl):
                         np.testing.assert_allclose(a[name], b[name], rtol=1e-3, atol=0, err_msg=name)
                     else:
                         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-        _close(og, ow, f"step {k}: output")
-        jax.tree.map(lambda a, b: _close(a, b, f"step {k}: gradient"), gg, gw)
+        # from step 1 on the weights differ: Adam's first updates are lr * sign(g), so a float-noise
+        # difference of a near-zero gradient moves a weight by 2 lr (H200, 2026-12-03: step 1's
+        # MLP output 5e-5, step 2's gradient 4e-4): later steps are checked for O(1) errors only
+        bound = 1e-5 if k == 0 else 1e-2
+        _close(og, ow, f"step {k}: output", bound)
+        jax.tree.map(lambda a, b: _close(a, b, f"step {k}: gradient", bound), gg, gw)
 
 
 def test_flax_meta_and_bad_recipes():
