@@ -12,6 +12,7 @@ the job. Its files go to a folder of its own (``JobResult.out``).
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,11 +82,21 @@ class JobResult:
 
 
 class Runner:
-    """Runs queued jobs one at a time on a daemon thread."""
+    """Runs queued jobs one at a time on a daemon thread.
 
-    def __init__(self, root: Path):
+    Several pytest processes (pytest-xdist's workers) can share one ``root``: each job runs once,
+    in the process that claims it first (``mkdir root/<job>``), which writes ``result.json``
+    there when it ends; another process asking for that job waits for the file. ``shared``: other
+    processes may wait on this one's jobs, so :meth:`close` lets them finish instead of killing
+    them."""
+
+    POLL = 0.5  # seconds between looks for another process's result.json
+
+    def __init__(self, root: Path, shared: bool = False):
         self.root = root
+        self.shared = shared
         self.jobs: dict[str, JobResult] = {}
+        self._owned: set[str] = set()
         self._queue: list[str] = []
         self._cv = threading.Condition()
         self._proc = None
@@ -100,8 +111,12 @@ class Runner:
                     if name not in JOBS:
                         raise KeyError(f"unknown background job {name!r}; known: {sorted(JOBS)}")
                     out = self.root / name
-                    out.mkdir(parents=True, exist_ok=True)
                     self.jobs[name] = JobResult(name, out)
+                    try:
+                        out.mkdir(parents=True)
+                    except FileExistsError:
+                        continue  # claimed by another process: result() reads its result.json
+                    self._owned.add(name)
                     self._queue.append(name)
             self._cv.notify()
 
@@ -109,10 +124,22 @@ class Runner:
         """The job's result, waiting for it (and starting it if nothing did)."""
         self.start([name])
         job = self.jobs[name]
-        assert job.done.wait(TIMEOUT + 60), f"background job {name!r} did not finish"
+        if name in self._owned:
+            assert job.done.wait(TIMEOUT + 60), f"background job {name!r} did not finish"
+            return job
+        path, t0 = job.out / "result.json", time.monotonic()
+        while not path.exists():
+            assert time.monotonic() - t0 < TIMEOUT + 60, f"background job {name!r} (run by another process) did not finish"
+            time.sleep(self.POLL)
+        saved = json.loads(path.read_text())
+        job.returncode, job.log, job.seconds = saved["returncode"], saved["log"], saved["seconds"]
+        job.done.set()
         return job
 
     def close(self) -> None:
+        if self.shared:  # another process may be waiting for a job of this one's
+            for name in list(self._owned):
+                self.jobs[name].done.wait(TIMEOUT + 60)
         with self._cv:
             self._closed = True
             self._queue.clear()
@@ -128,8 +155,13 @@ class Runner:
                 if self._closed:
                     return
                 job = self.jobs[self._queue.pop(0)]
-            self._run(job)
-            job.done.set()
+            try:
+                self._run(job)
+            finally:
+                tmp = job.out / "result.json.tmp"
+                tmp.write_text(json.dumps({"returncode": job.returncode, "log": job.log, "seconds": job.seconds}))
+                tmp.replace(job.out / "result.json")
+                job.done.set()
 
     def _run(self, job: JobResult) -> None:
         t0 = time.monotonic()
