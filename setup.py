@@ -41,7 +41,6 @@ def _union(*groups):
 _DEMO = _union(_TORCH, _PLOTS)
 _TEST = _union([
     "pytest>=8",
-    "pytest-xdist>=3",  # pytest.ini runs the suite on 2 workers (-n 2)
     "hypothesis>=6",
     "ml_dtypes>=0.5",
     "nvidia-cuda-nvrtc",
