@@ -8,7 +8,9 @@
 //     reference emulates fma.rn exactly: reference.fma_f32);
 //  2. comparisons that could see a denormal are done on the bit pattern;
 //  3. the activation uses the library's own exp / erfc (the same op sequence as the reference),
-//     never libdevice's tanhf / erff / expf.
+//     never libdevice's tanhf / erff / expf. The one hardware approximation used, rcp.approx in
+//     rcp_f32, is followed by the Newton step that makes the result the correctly rounded 1 / d
+//     (rcp.rn.f32's own fast path), so no approximate bits reach a result.
 // Tunables (-D on the command line): FF8_THREADS (threads per block).
 #pragma once
 #include <cuda_bf16.h>
@@ -97,6 +99,16 @@ template <> struct FormatMax<1> { static constexpr float value = 57344.0f; };
 // |x| as uint32 orders like the float for non-negative values, and every NaN sorts above inf, so
 // the running max of the magnitudes is the amax (NaN-propagating) with one instruction an element.
 __device__ __forceinline__ u32 abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+// The running amax of a thread, as the bits of max |y|. For an activation (OP > 0) a float max.NaN(m, |y|):
+// one FMNMX.NAN, |y| an operand modifier, where the bits take two (LOP3, VIMNMX); for the identity the
+// bits (the mask folds into the bf16 / half unpacking and ptxas pairs the maxima into VIMNMX3). Exact,
+// denormals kept, a NaN sticks (possibly with the sign bit: every NaN pattern sorts above inf as bits).
+template <int OP> __device__ __forceinline__ u32 amax_update(u32 m, float y) {
+    if (OP == 0) return max(m, abs_bits(y));
+    float r;
+    asm("{ .reg .f32 a; abs.f32 a, %2; max.NaN.f32 %0, %1, a; }" : "=f"(r) : "f"(__uint_as_float(m)), "f"(y));
+    return __float_as_uint(r);
+}
 
 // Max over the block, then ONE atomicMax into dst (a float32 slot viewed as uint32). A NaN is
 // canonicalised (0x7fc00000) once here, so the stored amax is one fixed pattern. A slot that holds
@@ -112,7 +124,7 @@ template <int THREADS> __device__ __forceinline__ void block_amax_atomic(u32 v, 
     if (warp == 0) {
         v = lane < warps ? warp_max[lane] : 0u;
         for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-        if (v > 0x7f800000u) v = 0x7fc00000u;
+        if (v > 0x7f800000u) v = 0x7fc00000u;  // (any NaN, also one with the sign bit)
         if (lane == 0) {
             u32* slot = reinterpret_cast<u32*>(dst);
             atomicCAS(slot, 0x80000000u, 0u);  // a slot holding -0 holds 0 (its bits would outrank every amax),
@@ -159,116 +171,124 @@ __device__ __forceinline__ void publish_scale(bool fresh, float s, float* scale_
 
 // ---- the library's own exp / erfc / gelu (op for op as in reference.py) --------------------
 #define FF8_LOG2E 0x1.715476p+0f
-#define FF8_LN2_HI 0x1.62e4p-1f
-#define FF8_LN2_LO 0x1.7f7d1cp-20f
-#define FF8_SQRT_2_OVER_PI 0x1.988454p-1f
-#define FF8_GELU_C1 0x1.6e4e26p-5f
-#define FF8_GELU_C3 0x1.12ba9ep-3f
-#define FF8_INV_SQRT2 0x1.6a09e6p-1f
-#define FF8_INV_SQRT_2PI 0x1.988454p-2f
-#define FF8_ERFC_C0 0x1.43f89cp+0f
+#define FF8_LOG2E_LO 0x1.4ae0c0p-26f
 #define FF8_EXP_SHIFTER 0x1.8p+23f
-#define FF8_TWO_M64 0x1p-64f
-#define FF8_GELU_K -0x1.988454p+0f
-#define FF8_RCP_C0 0x1.69696ap+0f
-#define FF8_RCP_C1 0x1.e1e1e2p-2f
-#define FF8_RCP_MAGIC 0x7EF311C7u
+#define FF8_GELU_X_MAX 0x1.3cp+3f
+#define FF8_GELU_K2 -0x1.26aec2p+1f
+#define FF8_GELU_KC1 -0x1.a5a7d0p-4f
+#define FF8_GELU_M0 0x1.988454p+0f
+#define FF8_GELU_M3 0x1.b6676cp-3f
+#define FF8_ERFC_T_SCALE 0x1.6a09e6p-2f
+#define FF8_INV_SQRT_2PI 0x1.988454p-2f
 
-// e**a for a <= 0 (a few ulp above 0 also fine), branch-free: k = round(a log2 e) from one FMA with
-// the shifter 1.5 * 2**23 (t holds k in its low bits, and t << 23 is k << 23), Cody-Waite reduction
-// with FMA, degree-6 polynomial p, then p * 2**(k + 64) built from the bits (exact: a normal float
-// for every k >= -126) times 2**-64 (one rounding, so a denormal result is right); 0 below -87.
-__device__ __forceinline__ float exp_f32(float a) {
-    const float t = ffma(a, FF8_LOG2E, FF8_EXP_SHIFTER);
-    const float k = fsub(t, FF8_EXP_SHIFTER);
-    float r = ffma(k, -FF8_LN2_HI, a);
-    r = ffma(k, -FF8_LN2_LO, r);
-    float p = 0x1.6c16c2p-10f;
-    p = ffma(p, r, 0x1.111112p-7f);
-    p = ffma(p, r, 0x1.555556p-5f);
-    p = ffma(p, r, 0x1.555556p-3f);
-    p = ffma(p, r, 0x1p-1f);
-    p = ffma(p, r, 0x1p+0f);
-    p = ffma(p, r, 0x1p+0f);
-    const float y = fmul(__uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23) + (64u << 23)), FF8_TWO_M64);
-    if (a < -87.0f) return 0.0f;  // (a select, after the arithmetic: no branch)
+// min / max that keep a NaN operand (max.NaN: one FMNMX.NAN), and those that drop it (FMNMX: the
+// other operand), no flush-to-zero either way.
+__device__ __forceinline__ float fmin_nan(float a, float b) {
+    float r; asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+    float r; asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float fmin_num(float a, float b) {
+    float r; asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float fmax_num(float a, float b) {
+    float r; asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+
+// 1 / d correctly rounded for d in [1, 2**126): the hardware seed (rcp.approx) and one Newton step.
+// This is rcp.rn.f32's own fast path on sm_90 (ptxas emits MUFU.RCP, FFMA, FFMA behind a range check
+// that every such d passes), so the bits are IEEE's and NumPy's f32(1) / d; without the check and its
+// out-of-line slow path it is 3 instructions instead of about 10 (tests/kernels: every d checked).
+__device__ __forceinline__ float rcp_f32(float d) {
+    float y; asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d));
+    return ffma(y, ffma(-d, y, 1.0f), y);
+}
+
+// p(f) ~ 2**f for |f| <= 1/2 (degree-5 minimax, 1.94 ulp), times 2**k: t is the shifter sum that
+// holds k in its low bits, so (t << 23) is k << 23, added to the bits of p (one LEA; exact while the
+// result is a normal float).
+__device__ __forceinline__ float pow2_poly(float f, float t) {
+    float p = 0x1.5bba0cp-10f;
+    p = ffma(p, f, 0x1.3cea88p-7f);
+    p = ffma(p, f, 0x1.c6b74ap-5f);
+    p = ffma(p, f, 0x1.ebf9c6p-3f);
+    p = ffma(p, f, 0x1.62e42ap-1f);
+    p = ffma(p, f, 0x1p+0f);
+    return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
+}
+
+// 2**(q x) for q x in [-125, 125] (the product unrounded), branch-free: t = fma(q, x, 1.5 * 2**23) rounds
+// q x to an integer k (in t's low bits), f = fma(q, x, -k) in [-1/2, 1/2]; outside the range the bits
+// mean nothing.
+__device__ __forceinline__ float exp2_product(float q, float x) {
+    const float t = ffma(q, x, FF8_EXP_SHIFTER);
+    return pow2_poly(ffma(q, x, -fsub(t, FF8_EXP_SHIFTER)), t);
+}
+
+// e**(s a) for s a <= 0 (a few ulp above 0 also fine), s = 1 or -1/2 (HALF; folded exactly into the
+// constants), as 2**(s a log2 e): k from one FMA with the shifter, f = s a log2 e - k from two FMAs
+// with log2 e split in two floats (error below 2**-25); 0 where s a < -87 (above, a normal float).
+template <bool HALF = false> __device__ __forceinline__ float exp_f32(float a) {
+    constexpr float s = HALF ? -0.5f : 1.0f;
+    const float t = ffma(a, s * FF8_LOG2E, FF8_EXP_SHIFTER);
+    const float y = pow2_poly(ffma(a, s * FF8_LOG2E_LO, ffma(a, s * FF8_LOG2E, -fsub(t, FF8_EXP_SHIFTER))), t);
+    if (HALF ? a > 174.0f : a < -87.0f) return 0.0f;  // (a select, after the arithmetic: no branch)
     return y;
 }
 
-// 1 / d for d in [1, 2]: the linear seed 24/17 - 8/17 d (within 1/17) and three Newton steps,
-// FMA only (no division, no branch); within an ulp of the correctly rounded quotient.
-__device__ __forceinline__ float rcp_1_2(float d) {
-    float r = ffma(d, -FF8_RCP_C1, FF8_RCP_C0);
-    float e = ffma(-d, r, 1.0f);
-    r = ffma(r, e, r);
-    e = ffma(-d, r, 1.0f);
-    r = ffma(r, e, r);
-    e = ffma(-d, r, 1.0f);
-    return ffma(r, e, r);
+// erfc(|x| / sqrt 2) = t R(t) exp(-x^2 / 2) for ax = |x| <= 40 (the caller caps it; a NaN stays NaN), with
+// t = 1 / (1 + ax / (2 sqrt 2)) in [0.066, 1] and R of degree 8, a relative minimax fit of erfcx(a) / t, a =
+// ax / sqrt 2 (4.3e-8 on t >= 0.16, where erfc is a normal float; R(1) = 1 exactly); E = exp(-x^2 / 2) comes
+// from the caller (the erf gelu' shares it with the pdf).
+__device__ __forceinline__ float erfc_of_abs(float ax, float E) {
+    const float t = rcp_f32(ffma(ax, FF8_ERFC_T_SCALE, 1.0f));
+    float p = -0x1.e4e962p-5f;
+    p = ffma(p, t, 0x1.240704p-2f);
+    p = ffma(p, t, -0x1.f42f34p-2f);
+    p = ffma(p, t, 0x1.1e38aep-2f);
+    p = ffma(p, t, -0x1.c4968ap-6f);
+    p = ffma(p, t, 0x1.9ff82cp-3f);
+    p = ffma(p, t, 0x1.f1a830p-3f);
+    p = ffma(p, t, 0x1.212adcp-2f);
+    p = ffma(p, t, 0x1.20db0ap-2f);
+    return fmul(fmul(t, p), E);
 }
+// erfc(-x / sqrt 2) = 2 erf cdf: 2 - erfc(|x| / sqrt 2) for x >= 0 (sign bit clear), erfc(|x| / sqrt 2) otherwise
+__device__ __forceinline__ float erfc_neg(float x, float e) { return sign_bit(x) ? e : fsub(2.0f, e); }
 
-// 1 / d for d in [1, 16): the integer seed 0x7EF311C7 - bits(d) (within 13%) and four Newton steps.
-__device__ __forceinline__ float rcp_1_16(float d) {
-    float r = __uint_as_float(FF8_RCP_MAGIC - __float_as_uint(d));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r = ffma(r, ffma(-d, r, 1.0f), r);
-    return r;
-}
+__device__ __forceinline__ float clamp_keep_nan(float x, float lim) { return fmax_nan(fmin_nan(x, lim), -lim); }
 
-// erfc(z), Numerical Recipes' Chebyshev fit; z < 0 (sign bit) through 2 - erfc(|z|). |z| is capped
-// at 20 (erfc is 0 in float32 from about 10 on), so t = 1 / (1 + |z| / 2) needs no division.
-__device__ __forceinline__ float erfc_f32(float z) {
-    float a = fabs_bits(z);
-    a = a > 20.0f ? 20.0f : a;
-    float t = rcp_1_16(ffma(0.5f, a, 1.0f));
-    float p = 0x1.5df28ap-3f;
-    p = ffma(p, t, -0x1.a4f124p-1f);
-    p = ffma(p, t, 0x1.7d0f6p+0f);
-    p = ffma(p, t, -0x1.229cbap+0f);
-    p = ffma(p, t, 0x1.1d8f98p-2f);
-    p = ffma(p, t, -0x1.7d8498p-3f);
-    p = ffma(p, t, 0x1.8c6d92p-4f);
-    p = ffma(p, t, 0x1.7f11f6p-2f);
-    p = ffma(p, t, 0x1.00018ep+0f);
-    float e = fmul(t, exp_f32(fadd(ffma(-a, a, -FF8_ERFC_C0), fmul(p, t))));
-    return sign_bit(z) ? fsub(2.0f, e) : e;
-}
-
-__device__ __forceinline__ float clamp_keep_nan(float x, float lim) {
-    return x > lim ? lim : (x < -lim ? -lim : x);
-}
-
-// u = sqrt(2/pi) w with w = x + 0.044715 x^3, e = exp(-2|u|) (-2|u| = K|w|, K = -2 sqrt(2/pi):
-// the same float as -2 * (sqrt(2/pi) w) rounded, one multiply less), d = 1 + e in [1, 2], r = 1 / d:
-// 0.5 (1 + tanh u) = sel r with sel = (u >= 0 ? 1 : e); 0.5 (1 - tanh^2 u) = 2 e r^2.
-struct SigmoidParts { float x2, e, r, sel; };
-__device__ __forceinline__ SigmoidParts sigmoid_parts(float x) {
+// 0.5 (1 + tanh u) = r = 1 / (1 + E), E = 2**(q xc), q = K2 + KC1 xc^2: q xc = -2 u log2 e for u = sqrt(2/pi)
+// (xc + 0.044715 xc^3). xc is x clamped (by the caller) to at most X_MAX = 9.875, where E < 2**-121 and r
+// is 1 (and above -X_MAX where x is not: E stays below 2**122); r is 0 for x < -X_MAX (below 2**-121).
+struct SigmoidParts { float x2, e, r; };
+__device__ __forceinline__ SigmoidParts sigmoid_parts(float xc, float x) {
     SigmoidParts p;
-    p.x2 = fmul(x, x);
-    const float w = ffma(FF8_GELU_C1, fmul(p.x2, x), x);
-    p.e = exp_f32(fmul(FF8_GELU_K, fabs_bits(w)));
-    p.r = rcp_1_2(fadd(1.0f, p.e));
-    p.sel = sign_bit(w) ? p.e : 1.0f;
+    p.x2 = fmul(xc, xc);
+    p.e = exp2_product(ffma(p.x2, FF8_GELU_KC1, FF8_GELU_K2), xc);
+    const float r = rcp_f32(fadd(1.0f, p.e));
+    p.r = x < -FF8_GELU_X_MAX ? 0.0f : r;
     return p;
 }
-__device__ __forceinline__ float gelu_tanh(float x) {
-    SigmoidParts p = sigmoid_parts(x);
-    return fmul(fmul(x, p.sel), p.r);
-}
+// x r, xc = min(x, X_MAX) (a NaN x gives a number there and NaN through x)
+__device__ __forceinline__ float gelu_tanh(float x) { return fmul(x, sigmoid_parts(fmin_num(x, FF8_GELU_X_MAX), x).r); }
+// 0.5 x erfc(-x / sqrt 2), |x| capped at 40 inside erfc (exp(-x^2 / 2) is 0 from 18.7 on)
 __device__ __forceinline__ float gelu_erf(float x) {
-    return fmul(fmul(0.5f, x), erfc_f32(fmul(-x, FF8_INV_SQRT2)));
+    const float e = erfc_of_abs(fmin_nan(fabs_bits(x), 40.0f), exp_f32<true>(fmul(x, x)));
+    return fmul(fmul(0.5f, x), erfc_neg(x, e));
 }
+// d/dx = r + x (2 E r^2) du/dx = r (1 + (x M) (E r)), M = 2 du/dx = M0 + M3 x^2 (0.5 (1 - tanh^2 u) = 2 E r^2);
+// x clamped to +-X_MAX (NaN kept), where the float32 result is 1, or 0 by the select.
 __device__ __forceinline__ float dgelu_tanh(float x) {
-    float xc = clamp_keep_nan(x, 20.0f);
-    SigmoidParts p = sigmoid_parts(xc);
-    float rd = p.r;
-    float dudx = fmul(FF8_SQRT_2_OVER_PI, ffma(FF8_GELU_C3, p.x2, 1.0f));
-    return ffma(fmul(fmul(fmul(fmul(2.0f, xc), p.e), rd), rd), dudx, fmul(p.sel, rd));
+    const float xc = clamp_keep_nan(x, FF8_GELU_X_MAX);
+    const SigmoidParts p = sigmoid_parts(xc, x);
+    return fmul(ffma(fmul(xc, ffma(p.x2, FF8_GELU_M3, FF8_GELU_M0)), fmul(p.e, p.r), 1.0f), p.r);
 }
 __device__ __forceinline__ float dgelu_erf(float x) {
-    float xc = clamp_keep_nan(x, 40.0f);
-    float pdf = fmul(exp_f32(fmul(-0.5f, fmul(xc, xc))), FF8_INV_SQRT_2PI);
-    return ffma(xc, pdf, fmul(0.5f, erfc_f32(fmul(-xc, FF8_INV_SQRT2))));
+    const float xc = clamp_keep_nan(x, 40.0f);
+    const float E = exp_f32<true>(fmul(xc, xc));
+    return ffma(xc, fmul(E, FF8_INV_SQRT_2PI), fmul(0.5f, erfc_neg(xc, erfc_of_abs(fabs_bits(xc), E))));
 }
 
 // The elementwise operation before quantization. OP: 0 identity, 1 gelu (tanh), 2 gelu (erf),

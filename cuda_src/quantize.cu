@@ -47,6 +47,25 @@ __device__ __forceinline__ int tile_at(int r, int c) {
 
 template <bool V> struct Flag { static constexpr bool value = V; };
 
+// Where a launch's amax and scale come from (the kernels' Pre policy, called once per thread after the
+// thread's first loads, with those loads; returns whether first-step mode applied, see launch_scale).
+// StagedAmax: launch_scale() as it stands: on a first step a separate pre-pass launch has already
+// staged the tensor's amax in *amax. (GridAmax in current_quantize.cu stages it in the same launch,
+// behind a grid-wide barrier.)
+struct StagedAmax {
+    template <typename T, int FMT, int OP, bool VEC>
+    static __device__ __forceinline__ bool flat(const T*, const T*, i64, const uint4*, const uint4*, const float* scale,
+                                                float* amax, const int* updates, float margin_factor, float* s) {
+        return launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, s);
+    }
+    template <typename T, int FMT, int OP>
+    static __device__ __forceinline__ bool tiled(const T*, const T*, i64, i64, i64, i64, int, const uint4*, const uint4*,
+                                                 bool, const float* scale, float* amax, const int* updates,
+                                                 float margin_factor, float* s) {
+        return launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, s);
+    }
+};
+
 // ---------------------------------------------------------------------------------------------
 // quantize_flat: any shape, seen as n contiguous elements.
 // Grid: 1-D, min(ceil(n / (16 * FF8_THREADS)), resident blocks) blocks of FF8_THREADS threads, grid-
@@ -60,7 +79,7 @@ template <bool V> struct Flag { static constexpr bool value = V; };
 // STORE=false is the first-step pre-pass: amax only, and only if *updates == 0.
 // One atomicMax per block.
 // ---------------------------------------------------------------------------------------------
-template <typename T, int FMT, int OP, bool VEC, bool STORE>
+template <typename T, int FMT, int OP, bool VEC, bool STORE, class Pre = StagedAmax>
 __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
     const T* __restrict__ x,          // [n] input (dy for OP 3/4)
     const T* __restrict__ b,          // [n] second input (x for OP 3/4), else null
@@ -91,10 +110,10 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
     float s = 1.0f;
     bool fresh = false;
     if (STORE) {
-        fresh = launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, &s);
+        fresh = Pre::template flat<T, FMT, OP, VEC>(x, b, n, xc, bc, scale, amax, updates, margin_factor, &s);
         if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
     }
-    u32 m = 0;
+    u32 m = 0;  // the running amax (amax_update)
     if (VEC) {
         for (i64 i = tid; i < nvec; i += nthreads) {
             if (i != tid) load(xc, bc, i);  // (the first step's were issued before the scale)
@@ -102,7 +121,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 float y = apply_op<OP>(raw_elem<T>(xc, j), OP >= 3 ? raw_elem<T>(bc, j) : 0.0f);
-                m = max(m, abs_bits(y));
+                m = amax_update<OP>(m, y);
                 v[j] = fmul(y, s);
             }
             if (STORE) {
@@ -113,7 +132,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
     }
     for (i64 i = nvec * 16 + tid; i < n; i += nthreads) {
         float y = apply_op<OP>(to_f32(x[i]), OP >= 3 ? to_f32(b[i]) : 0.0f);
-        m = max(m, abs_bits(y));
+        m = amax_update<OP>(m, y);
         if (STORE) q[i] = cvt1<FMT>(fmul(y, s));
     }
     if (!fresh) block_amax_atomic<FF8_THREADS>(m, amax);  // on a first step the pre-pass already did it
@@ -158,7 +177,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 #define TILE_C 64
 #define T2_LOADS (2 * (int)sizeof(T))  // 16-byte loads per thread, tile and input (2 rows x 16 columns)
 
-template <typename T, int FMT, int OP>
+template <typename T, int FMT, int OP, class Pre = StagedAmax>
 __global__ void __launch_bounds__(256) quantize_tiled(
     const T* __restrict__ x,          // [rows, cols] input (dy for OP 3/4)
     const T* __restrict__ b,          // [rows, cols] second input (x for OP 3/4), else null
@@ -219,9 +238,10 @@ __global__ void __launch_bounds__(256) quantize_tiled(
     if (fast) load(xc, bc, tr, tc);  // before the scale: the first loads wait on nothing
 
     float s;
-    const bool fresh = launch_scale(scale, amax, updates, FormatMax<FMT>::value, margin_factor, &s);
+    const bool fresh = Pre::template tiled<T, FMT, OP>(x, b, rows, cols, prows, pcols, vec, xc, bc, fast, scale, amax,
+                                                        updates, margin_factor, &s);
     if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
-    u32 m = 0;
+    u32 m = 0;  // the running amax (amax_update)
     int buf = 0;
     for (i64 id = blockIdx.x; id < ntiles; id += gridDim.x) {
         const i64 r0 = (i64)tr * TILE_R, c0 = (i64)tc * TILE_C;
@@ -243,7 +263,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                     for (int j = 0; j < 16; ++j) {
                         float y = apply_op<OP>(raw_elem<T>(xc + p * PER_ROW, j),
                                                OP >= 3 ? raw_elem<T>(bc + p * PER_ROW, j) : 0.0f);
-                        m = max(m, abs_bits(y));
+                        m = amax_update<OP>(m, y);
                         if (DB) cs[j] = p == 0 ? y : fadd(cs[j], y);
                         v[j] = fmul(y, s);
                     }
@@ -285,7 +305,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                     if (gr < rows && gc < cols) {
                         const i64 off = gr * cols + gc;
                         float y = apply_op<OP>(to_f32(x[off]), OP >= 3 ? to_f32(b[off]) : 0.0f);
-                        m = max(m, abs_bits(y));
+                        m = amax_update<OP>(m, y);
                         if (dbias != nullptr) colsum[lr][c] = fadd(colsum[lr][c], y);
                         byte = cvt1<FMT>(fmul(y, s));
                         q[gr * pcols + gc] = byte;

@@ -120,6 +120,12 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
                  for v in (True, False) for s in (True, False)}
         names["tiled"] = f"quantize_tiled<{t}, {f}, {o}>"
         return names
+    if key.family == "current_quantize":  # the same kernels with the first step's amax in the launch
+        t, f, o = CPP_TYPES[key.dtype], FMT_IDS[key.fmt], OPS[key.op]
+        names = {f"coop_flat_vec{int(v)}": f"quantize_flat<{t}, {f}, {o}, {str(v).lower()}, true, GridAmax>"
+                 for v in (True, False)}
+        names["coop_tiled"] = f"quantize_tiled<{t}, {f}, {o}, GridAmax>"
+        return names
     if key.family == "layernorm_quantize":
         t, p, f = CPP_TYPES[key.dtype], CPP_TYPES[key.param], FMT_IDS[key.fmt]
         return {"layernorm_store1": f"layernorm_quantize<{t}, {p}, {f}, true, false>",
@@ -135,7 +141,8 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
 
 
 def all_module_keys() -> list[ModuleKey]:
-    keys = [ModuleKey("quantize", d, f, o) for d in CPP_TYPES for f in FMT_IDS for o in OPS]
+    keys = [ModuleKey(fam, d, f, o) for fam in ("quantize", "current_quantize") for d in CPP_TYPES for f in FMT_IDS
+            for o in OPS]
     keys += [ModuleKey("layernorm_quantize", d, f, param=p) for d in CPP_TYPES for f in FMT_IDS for p in CPP_TYPES]
     keys += [ModuleKey("dequantize", d, f) for d in CPP_TYPES for f in FMT_IDS]
     keys.append(ModuleKey("update_scales"))
@@ -159,6 +166,8 @@ SIGNATURES = {
     "flat": "@9Pqf",         # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                              #                updates, n, margin
     "tiled": "@13Pqqqqiif",  # quantize_tiled: 13 pointers, rows, cols, prows, pcols, vec, vec_t, margin
+    "coop_flat": "@9Pqf",    # the same two kernels of current_quantize.cu (GridAmax), cooperative launches
+    "coop_tiled": "@13Pqqqqiif",
     "layernorm": "@13Pqq4i2f",  # layernorm_quantize: 13 pointers, rows, cols, tpr, tile_rows, vec, vec_t, eps,
                                 #                     margin
     "padded_layernorm": "@13Pqqqq4i2f",  # layernorm_quantize_padded: 13 pointers, rows, cols, prows, pcols, tpr,
@@ -307,7 +316,7 @@ class KernelRef(NamedTuple):
 
 def kernel_refs(key: ModuleKey, device_id: int) -> dict:
     """Role -> :class:`KernelRef` of module ``key`` on ``device_id`` (compiles it on first use)."""
-    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if role == "tiled" else THREADS))
+    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if role.endswith("tiled") else THREADS))
             for role, k in kernels(key, device_id).items()}
 
 
@@ -321,9 +330,11 @@ def _tiled_grid(ref: KernelRef, sms: int, rows: int, cols: int) -> int:
     return max(1, min(-(-rows // TILE_R) * -(-cols // TILE_C), ref.per_sm * sms))
 
 
-def _launch(variants, select: int, block: int, params: tuple, shared: int = 0) -> Launch:
-    """A Launch whose parameter layout is checked against SIGNATURES for every variant's kernel."""
-    step = Launch(tuple(Variant(r.func, grid, r.name) for r, grid in variants), select, block, tuple(params), shared)
+def _launch(variants, select: int, block: int, params: tuple, shared: int = 0, coop: bool = False) -> Launch:
+    """A Launch whose parameter layout is checked against SIGNATURES for every variant's kernel
+    (``coop``: a cooperative launch, whose grid must not exceed the resident blocks)."""
+    step = Launch(tuple(Variant(r.func, grid, r.name) for r, grid in variants), select, block, tuple(params), shared,
+                  coop)
     for r, _ in variants:
         if step.layout != signature(r.role):
             raise RuntimeError(f"fusedfp8: the plan lays out {r.name}'s parameters as {step.layout}, but its "
@@ -350,11 +361,16 @@ def dbias_workspace(rows: int, cols: int, pad_to: int = 1) -> tuple[tuple[int, i
 
 
 def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, dbias: bool = False,
-                        first: bool = False, margin_factor: float = 1.0, offset: int = 0, pad_to: int = 1) -> Plan:
+                        first: bool = False, margin_factor: float = 1.0, offset: int = 0, pad_to: int = 1,
+                        coop: bool = True) -> Plan:
     """The plan of one quantize call over :data:`QUANTIZE_SLOTS` (``refs``: role -> KernelRef of the
-    module, ``sms``: the device's multiprocessors). ``offset``: the byte offset of the tensor's
-    entry in the scale / amax / scale_out / scale_inv_out / updates slots (4 * index for a state).
-    ``first``: launch the first-step pre-pass, and let the main kernel write the scale it used.
+    module, and with ``first`` and ``coop`` of its current_quantize twin; ``sms``: the device's
+    multiprocessors). ``offset``: the byte offset of the tensor's entry in the scale / amax /
+    scale_out / scale_inv_out / updates slots (4 * index for a state).
+    ``first``: the first step (the tensor's ``updates`` is 0; every step under CurrentScaling)
+    quantizes with the scale of its own amax, and the kernel writes the scale it used. With ``coop``
+    (default) that is ONE cooperative launch of the current_quantize kernels (the amax, a grid-wide
+    barrier, the cast); without, the two-pass path: an amax pre-pass launch, then the cast.
     ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
     pad; a padded shape always takes the tiled kernel."""
     X, B, Q, QT, DB, PART, CNT, S, A, SO, SIO, SIU, U = range(len(QUANTIZE_SLOTS))
@@ -384,21 +400,24 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
         return [(refs[f"flat_vec{v}_store{store}"], min(_flat_grid(refs[f"flat_vec{v}_store{store}"], sms, n),
                                                         sms if store == 0 else n)) for v in (1, 0)]
 
-    if first:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
+    coop = coop and first
+    if first and not coop:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
         steps.append(_launch(flat(0), _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
                                                             NULLPTR, st(U), imm64(n), mf)))
     so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
     if transpose or dbias or (prows, pcols) != (rows, cols):
-        r = refs["tiled"]
+        r = refs["coop_tiled" if coop else "tiled"]
         opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((QT, transpose), (DB, dbias), (PART, dbias),
                                                                     (CNT, dbias))}
         steps.append(_launch([(r, _tiled_grid(r, sms, prows, pcols))], 0, TILED_BLOCK, (
             ptr(X), ptr(B), ptr(Q), opt[QT], opt[DB], opt[PART], opt[CNT], st(S), st(A), so, sio, ptr(SIU), u,
             imm64(rows), imm64(cols), imm64(prows), imm64(pcols), flag(vec, 16, cols % 8 == 0 and pcols % 8 == 0),
-            flag((QT,), 8, transpose and prows % 8 == 0), mf)))
+            flag((QT,), 8, transpose and prows % 8 == 0), mf), coop=coop))
     else:
-        steps.append(_launch(flat(1), _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), so, sio, ptr(SIU),
-                                                            u, imm64(n), mf)))
+        main = [(refs[f"coop_flat_vec{v}"], _flat_grid(refs[f"coop_flat_vec{v}"], sms, n)) for v in (1, 0)] if coop \
+            else flat(1)
+        steps.append(_launch(main, _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), so, sio, ptr(SIU), u,
+                                                         imm64(n), mf), coop=coop))
     return _plan(QUANTIZE_SLOTS, steps)
 
 
@@ -486,10 +505,14 @@ def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max
 @functools.lru_cache(maxsize=4096)
 def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: int, transpose: bool = False,
                   dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0,
-                  pad_to: int = 1) -> Plan:
-    """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device``."""
-    return build_quantize_plan(kernel_refs(ModuleKey("quantize", dtype, fmt, op), device), sm_count(device), rows,
-                               cols, transpose, dbias, first, margin_factor, offset, pad_to)
+                  pad_to: int = 1, coop: bool = True) -> Plan:
+    """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device`` (and, for a first step
+    in one launch, its current_quantize twin)."""
+    refs = kernel_refs(ModuleKey("quantize", dtype, fmt, op), device)
+    if first and coop:
+        refs = {**refs, **kernel_refs(ModuleKey("current_quantize", dtype, fmt, op), device)}
+    return build_quantize_plan(refs, sm_count(device), rows, cols, transpose, dbias, first, margin_factor, offset,
+                               pad_to, coop)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -523,7 +546,8 @@ def update_plan(device: int, n: int, L: int, margin_factor: float, algo_max: boo
 def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, x: int, b: int, q: int,
                     scale: int, amax: int, rows: int, cols: int, q_t: int = 0, dbias: int = 0, partial: int = 0,
                     counters: int = 0, scale_inv_used: int = 0, first: bool = False, updates: int = 0,
-                    scale_out: int = 0, scale_inv_out: int = 0, margin_factor: float = 1.0, pad_to: int = 1) -> None:
+                    scale_out: int = 0, scale_inv_out: int = 0, margin_factor: float = 1.0, pad_to: int = 1,
+                    coop: bool = True) -> None:
     """Launch the quantize kernels on raw device pointers (:func:`quantize_plan`, then :func:`execute`).
 
     Parameters
@@ -539,8 +563,11 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
         and zeroes dbias itself when rows * cols is 0).
     scale_inv_used : (1,) float32 receiving ``1 / scale`` as used (written even when rows*cols
         is 0), or 0.
-    first : launch the first-step pre-pass; then ``updates`` (int32 flag, 0 = first step),
-        ``scale_out`` and ``scale_inv_out`` (the state's entries, written on a first step) are set.
+    first : a first step is possible (current scaling, or delayed scaling's ``first_step='current'``);
+        then ``updates`` (int32 flag, 0 = first step), ``scale_out`` and ``scale_inv_out`` (the
+        state's entries, written on a first step) are set.
+    coop : with ``first``, the amax and the cast in one cooperative launch (default); False: the
+        two-pass path (an amax pre-pass launch, then the cast). The same bytes either way.
     margin_factor : 2**margin, for the first-step scale.
     pad_to : q is (rows, cols) rounded up to multiples of it, q_t its transpose, zeros in the pad
         (:func:`padded`; the dbias workspace too).
@@ -548,7 +575,7 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
     if rows * cols == 0 and not scale_inv_used:
         return
     plan = quantize_plan(device, dtype, fmt, op, rows, cols, bool(q_t), bool(dbias or partial or counters),
-                         bool(first), float(margin_factor), 0, int(pad_to))
+                         bool(first), float(margin_factor), 0, int(pad_to), bool(coop))
     execute(plan, (x, b, q, q_t, dbias, partial, counters, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                    updates), stream)
 

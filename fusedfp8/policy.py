@@ -8,7 +8,23 @@ The decision is read from a table measured on the GPU by ``scripts/calibrate_pol
 the median time of one forward + backward (input and weight gradients) of a bf16 ``nn.Linear``
 and of an ``Fp8Linear`` (its quantizations and its scale update included).
 
-Prediction. The grid is a product of its axes (every tokens x in x out of the listed values). A
+Execution modes. How much the host's launch time counts depends on how the model runs, so the
+table holds one grid per measured mode (:data:`TABLE_MODES`) and every decision is for one
+execution mode (:data:`MODES`):
+
+- ``'eager'``: steps timed as a plain PyTorch loop runs them, launch time included (the default
+  of ``convert_to_fp8``);
+- ``'graphed'``: steps captured once in a CUDA graph and replayed (``torch.cuda.graphs``), which
+  removes nearly all host time: FP8 wins on smaller layers than eagerly;
+- ``'compiled'`` (``torch.compile``, ``jax.jit``; the default of the flax helper): decided from the
+  graphed figures. That is an approximation: a compiled step keeps some launch time (unless it
+  is also graphed, as ``torch.compile(mode='reduce-overhead')`` does) and the compiler may fuse
+  the bf16 side differently; no compiled step is timed.
+
+A table without the grid a mode needs (one measured before graphed steps were timed) raises
+:class:`MissingModeError`, which says how to measure it.
+
+Prediction. A grid is a product of its axes (every tokens x in x out of the listed values). A
 layer's bf16 and fp8 times are interpolated trilinearly in (log2 tokens, log2 in, log2 out),
 each as the log of its time, so the predicted speed-up (bf16 ms / fp8 ms) is the same
 interpolation of the log of the measured speed-ups. Where the layer lies outside the grid on an
@@ -30,15 +46,21 @@ import math
 import numbers
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PolicyTable", "Decision", "ConversionReport", "MissingTableError", "find_table", "decide",
-           "table_file_name", "shipped_tables", "POLICIES", "TABLE_ENV", "CALIBRATE_COMMAND"]
+from .policy_report import ConversionReport, Decision
+
+__all__ = ["PolicyTable", "Grid", "Decision", "ConversionReport", "MissingTableError", "MissingModeError",
+           "find_table", "decide", "table_file_name", "shipped_tables", "POLICIES", "MODES", "TABLE_MODES",
+           "MEASURED_AS", "TABLE_ENV", "CALIBRATE_COMMAND"]
 
 POLICIES = ("all", "auto")
+MODES = ("eager", "graphed", "compiled")  # how a model runs: what a decision is for
+TABLE_MODES = ("eager", "graphed")  # how the calibration times a step: the grids of a table
+MEASURED_AS = {"eager": "eager", "graphed": "graphed", "compiled": "graphed"}  # execution mode -> its grid
 TABLE_ENV = "FUSEDFP8_POLICY_TABLE"
-TABLE_FORMAT = "fusedfp8-policy-table/1"
+TABLE_FORMAT = "fusedfp8-policy-table/2"
+EAGER_ONLY_FORMAT = "fusedfp8-policy-table/1"  # still read: one grid of eager steps at the top level
 CALIBRATE_COMMAND = "python -m fusedfp8 bench --calibrate"
 DATA_DIR = Path(__file__).resolve().parent / "data"
 AXES = ("tokens", "in_features", "out_features")
@@ -46,6 +68,11 @@ AXES = ("tokens", "in_features", "out_features")
 
 class MissingTableError(LookupError):
     """No calibration table for this GPU (measure one with ``python -m fusedfp8 bench --calibrate``)."""
+
+
+class MissingModeError(MissingTableError):
+    """The table has no grid for the execution mode asked for (e.g. an eager-only table and
+    ``mode='graphed'``); ``python -m fusedfp8 bench --calibrate`` measures every mode."""
 
 
 def device_slug(device: str) -> str:
@@ -85,91 +112,12 @@ def check_policy(policy, allow_none: bool = True) -> str:
     return policy
 
 
-# ---- decisions and the report ----------------------------------------------------------------
-@dataclass(frozen=True)
-class Decision:
-    """What a policy decided for one linear layer.
-
-    ``name`` (the module's name, '' for a lone layer), ``tokens`` (None when the policy does not
-    use it), ``in_features``, ``out_features``, ``fp8`` (True: converted), ``reason`` (why, in
-    words), ``fp8_ms`` / ``bf16_ms`` (the predicted forward + backward times, None when no table
-    was consulted) and ``source`` (where the figures come from: the table and whether they were
-    measured, interpolated or taken at the grid's edge)."""
-
-    name: str
-    tokens: int | None
-    in_features: int
-    out_features: int
-    fp8: bool
-    reason: str
-    fp8_ms: float | None = None
-    bf16_ms: float | None = None
-    source: str = ""
-
-    @property
-    def speedup(self) -> float | None:
-        """Predicted bf16 time / fp8 time (None without figures)."""
-        return None if self.fp8_ms is None else self.bf16_ms / self.fp8_ms
-
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v:.4f}"
-
-
-@dataclass(frozen=True)
-class ConversionReport:
-    """The decisions of one conversion, one :class:`Decision` per linear layer considered, in
-    module order. ``policy``, ``tokens`` and ``table`` (a description of the table used, or '')
-    are the conversion's settings; ``str(report)`` is a markdown table; :meth:`rows` gives
-    (name, in, out, decision, fp8 ms, bf16 ms, source) tuples."""
-
-    policy: str
-    tokens: int | None
-    table: str
-    decisions: tuple
-
-    @property
-    def converted(self) -> list[str]:
-        """Names of the layers converted to FP8."""
-        return [d.name for d in self.decisions if d.fp8]
-
-    @property
-    def kept(self) -> list[str]:
-        """Names of the layers left in high precision."""
-        return [d.name for d in self.decisions if not d.fp8]
-
-    def __iter__(self):
-        return iter(self.decisions)
-
-    def __len__(self) -> int:
-        return len(self.decisions)
-
-    def __getitem__(self, name: str) -> Decision:
-        """The decision of the layer called ``name``."""
-        for d in self.decisions:
-            if d.name == name:
-                return d
-        raise KeyError(name)
-
-    def rows(self) -> list[tuple]:
-        return [(d.name, d.in_features, d.out_features, "fp8" if d.fp8 else "bf16", d.fp8_ms, d.bf16_ms,
-                 d.source) for d in self.decisions]
-
-    def __str__(self) -> str:
-        head = f"fusedfp8 conversion: policy={self.policy!r}"
-        if self.tokens is not None:
-            head += f", tokens={self.tokens}"
-        if self.table:
-            head += f", table {self.table}"
-        head += f"; {len(self.converted)} of {len(self.decisions)} linear layers converted to FP8"
-        lines = [head, "", "| layer | in | out | decision | reason | fp8 ms | bf16 ms | speed-up | source |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for d in self.decisions:
-            sp = "-" if d.speedup is None else f"{d.speedup:.2f}x"
-            lines.append(f"| {d.name or '(model)'} | {d.in_features} | {d.out_features} | "
-                         f"{'fp8' if d.fp8 else 'bf16'} | {d.reason} | {_ms(d.fp8_ms)} | {_ms(d.bf16_ms)} | {sp} | "
-                         f"{d.source or '-'} |")
-        return "\n".join(lines)
+def check_mode(mode) -> str:
+    """``mode`` if it is one of :data:`MODES`; ValueError otherwise."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))} (how the model's steps run: eagerly, "
+                         f"replayed from CUDA graphs, or compiled by torch.compile / jax.jit); got {mode!r}")
+    return mode
 
 
 # ---- the table -------------------------------------------------------------------------------
@@ -187,32 +135,33 @@ def _bracket(axis: tuple, v: int) -> tuple[list[tuple[int, float]], str]:
     return [(lo, 1.0 - w), (hi, w)], ""
 
 
-class PolicyTable:
-    """A calibration table: per (tokens, in_features, out_features) of a product grid, the median
-    ms of one forward + backward in bf16 and in fp8 on ``device``.
+def _check_point(where: str, i: int, p) -> dict:
+    if not isinstance(p, dict):
+        raise ValueError(f"{where}: points[{i}] must be an object; got {type(p).__name__}")
+    for a in AXES:
+        v = p.get(a)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where}: points[{i}].{a} must be a positive int; got {v!r}")
+    for k in ("bf16_ms", "fp8_ms"):
+        v = p.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{where}: points[{i}].{k} must be a positive finite number of ms; got {v!r}")
+    return dict(p)
 
-    JSON form (what ``scripts/calibrate_policy.py`` writes)::
 
-        {"format": "fusedfp8-policy-table/1", "device": "NVIDIA H200", "date": "2026-12-05",
-         "versions": {"fusedfp8": ..., "torch": ..., "cuda": ...}, "meta": {...how it was measured},
-         "points": [{"tokens": 512, "in_features": 256, "out_features": 256,
-                     "bf16_ms": 0.041, "fp8_ms": 0.113, ...more fields are kept}, ...]}
+class Grid:
+    """The measurements of one mode of a :class:`PolicyTable` (``mode``: 'eager' or 'graphed'):
+    ``points`` (a full product grid of (tokens, in_features, out_features), each with ``bf16_ms``
+    and ``fp8_ms``), ``axes`` (the sorted values on each axis) and ``meta`` (how it was measured).
+    ``where`` prefixes every error ('policy table PATH: modes.graphed')."""
 
-    Raises ValueError (naming the file and the field) on anything else, and when the points do
-    not cover the whole product of their axes.
-    """
-
-    def __init__(self, device: str, points: list, *, date: str = "", versions: dict | None = None,
-                 meta: dict | None = None, path: str | os.PathLike | None = None):
-        self.path = None if path is None else Path(path)
-        where = f"policy table {self.path}" if self.path else "policy table"
-        if not isinstance(device, str) or not device:
-            raise ValueError(f"{where}: 'device' must be the GPU's name (a non-empty str); got {device!r}")
+    def __init__(self, mode: str, points, meta=None, where: str = "policy table"):
         if not isinstance(points, list) or not points:
             raise ValueError(f"{where}: 'points' must be a non-empty list; got {type(points).__name__}")
-        self.device, self.date = device, str(date)
-        self.versions, self.meta = dict(versions or {}), dict(meta or {})
-        self.points = [self._check_point(where, i, p) for i, p in enumerate(points)]
+        if meta is not None and not isinstance(meta, dict):
+            raise ValueError(f"{where}: 'meta' must be an object; got {type(meta).__name__}")
+        self.mode, self.meta = mode, dict(meta or {})
+        self.points = [_check_point(where, i, p) for i, p in enumerate(points)]
         self.axes = tuple(tuple(sorted({p[a] for p in self.points})) for a in AXES)
         self._ms = {}
         for p in self.points:
@@ -230,62 +179,9 @@ class PolicyTable:
                              f"{len(self._ms)}, missing e.g. tokens={missing[0]}, in_features={missing[1]}, "
                              f"out_features={missing[2]}")
 
-    @staticmethod
-    def _check_point(where: str, i: int, p) -> dict:
-        if not isinstance(p, dict):
-            raise ValueError(f"{where}: points[{i}] must be an object; got {type(p).__name__}")
-        for a in AXES:
-            v = p.get(a)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{where}: points[{i}].{a} must be a positive int; got {v!r}")
-        for k in ("bf16_ms", "fp8_ms"):
-            v = p.get(k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{where}: points[{i}].{k} must be a positive finite number of ms; got {v!r}")
-        return dict(p)
-
-    # -- JSON ------------------------------------------------------------------------------------
-    @classmethod
-    def from_dict(cls, data, path=None) -> "PolicyTable":
-        where = f"policy table {path}" if path else "policy table"
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}: must be a JSON object; got {type(data).__name__}")
-        if data.get("format") != TABLE_FORMAT:
-            raise ValueError(f"{where}: 'format' must be {TABLE_FORMAT!r}; got {data.get('format')!r}")
-        return cls(data.get("device"), data.get("points"), date=data.get("date", ""),
-                   versions=data.get("versions"), meta=data.get("meta"), path=path)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "PolicyTable":
-        """Read a table from a JSON file (FileNotFoundError when there is none)."""
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"policy table {path}: not valid JSON ({e})") from None
-        return cls.from_dict(data, path)
-
     def to_dict(self) -> dict:
-        return {"format": TABLE_FORMAT, "device": self.device, "date": self.date, "versions": self.versions,
-                "meta": self.meta, "points": self.points}
+        return {"meta": self.meta, "points": self.points}
 
-    def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        self.path = path
-        return path
-
-    def describe(self) -> str:
-        """'policy_nvidia_h200.json (NVIDIA H200, 2026-12-05, fusedfp8 0.1.0)'."""
-        what = ", ".join(x for x in (self.device, self.date, f"fusedfp8 {self.versions['fusedfp8']}"
-                                     if "fusedfp8" in self.versions else "") if x)
-        return f"{self.path.name if self.path else '(in memory)'} ({what})"
-
-    def __repr__(self) -> str:
-        return (f"PolicyTable({self.describe()}, tokens {list(self.axes[0])} x in {list(self.axes[1])} x out "
-                f"{list(self.axes[2])})")
-
-    # -- prediction ------------------------------------------------------------------------------
     def predict(self, tokens: int, in_features: int, out_features: int) -> tuple[float, float, str]:
         """(fp8 ms, bf16 ms, how): 'measured' at a grid point, 'interpolated' between grid points,
         or 'grid edge (...)' naming the axes on which the layer lies outside the grid."""
@@ -304,14 +200,150 @@ class PolicyTable:
         how = (f"grid edge ({', '.join(outside)})" if outside else "measured" if exact else "interpolated")
         return math.exp(log_fp8), math.exp(log_bf16), how
 
-    def decide(self, tokens: int, in_features: int, out_features: int, name: str = "") -> Decision:
-        """FP8 when the predicted fp8 time is below the bf16 time."""
-        fp8_ms, bf16_ms, how = self.predict(tokens, in_features, out_features)
+    def __repr__(self) -> str:
+        return (f"Grid({self.mode!r}, tokens {list(self.axes[0])} x in {list(self.axes[1])} x out "
+                f"{list(self.axes[2])})")
+
+
+class PolicyTable:
+    """A calibration table measured on ``device``: per measured mode (:data:`TABLE_MODES`), a
+    :class:`Grid` of the median ms of one forward + backward in bf16 and in fp8.
+
+    ``modes`` maps 'eager' and 'graphed' each to ``{"points": [...], "meta": {...}}`` (measured),
+    to ``{"missing": "why"}`` (not measured; a mode left out counts as missing too). At least one
+    mode must be measured. JSON form (what ``scripts/calibrate_policy.py`` writes)::
+
+        {"format": "fusedfp8-policy-table/2", "device": "NVIDIA H200", "date": "2026-12-05",
+         "versions": {"fusedfp8": ..., "torch": ..., "cuda": ...}, "meta": {...how it was measured},
+         "modes": {"eager": {"meta": {...}, "points": [{"tokens": 512, "in_features": 256,
+                                                        "out_features": 256, "bf16_ms": 0.041,
+                                                        "fp8_ms": 0.113, ...more fields are kept}]},
+                   "graphed": {"meta": {...}, "points": [...]} or {"missing": "why"}}}
+
+    A file of the format "fusedfp8-policy-table/1" (one list of eager ``points`` at the top
+    level, before graphed steps were measured) is read as a table whose graphed mode is missing.
+    Raises ValueError (naming the file, the mode and the field) on anything else, and when a
+    mode's points do not cover the whole product of their axes.
+    """
+
+    def __init__(self, device: str, modes: dict, *, date: str = "", versions: dict | None = None,
+                 meta: dict | None = None, path: str | os.PathLike | None = None):
+        self.path = None if path is None else Path(path)
+        where = f"policy table {self.path}" if self.path else "policy table"
+        if not isinstance(device, str) or not device:
+            raise ValueError(f"{where}: 'device' must be the GPU's name (a non-empty str); got {device!r}")
+        if not isinstance(modes, dict):
+            raise ValueError(f"{where}: 'modes' must be an object with the keys {list(TABLE_MODES)}; got "
+                             f"{type(modes).__name__}")
+        unknown = sorted(set(modes) - set(TABLE_MODES), key=str)
+        if unknown:
+            raise ValueError(f"{where}: 'modes' may only hold {list(TABLE_MODES)}; got {unknown}")
+        self.device, self.date = device, str(date)
+        self.versions, self.meta = dict(versions or {}), dict(meta or {})
+        self.grids, self.missing = {}, {}
+        for m in TABLE_MODES:
+            section = modes.get(m, {"missing": "not in the table"})
+            if not isinstance(section, dict):
+                raise ValueError(f"{where}: modes.{m} must be an object; got {type(section).__name__}")
+            if "missing" in section:
+                why = section["missing"]
+                if not isinstance(why, str) or not why or set(section) != {"missing"}:
+                    raise ValueError(f"{where}: modes.{m} must be either measured ({{'points', 'meta'}}) or "
+                                     f"{{'missing': 'why'}} (a non-empty str, nothing else); got {section!r:.200}")
+                self.missing[m] = why
+            else:
+                self.grids[m] = Grid(m, section.get("points"), section.get("meta"), f"{where}: modes.{m}")
+        if not self.grids:
+            raise ValueError(f"{where}: no mode is measured (every one of {list(TABLE_MODES)} is missing)")
+
+    @property
+    def modes(self) -> tuple:
+        """The measured modes, in :data:`TABLE_MODES` order."""
+        return tuple(m for m in TABLE_MODES if m in self.grids)
+
+    def grid(self, mode: str = "eager") -> Grid:
+        """The :class:`Grid` that decides for the execution mode ``mode`` (see :data:`MODES`;
+        'compiled' reads the graphed grid). Raises :class:`MissingModeError` if the table lacks it."""
+        measured = MEASURED_AS[check_mode(mode)]
+        if measured in self.grids:
+            return self.grids[measured]
+        stand_in = " (compiled steps are decided from graphed ones)" if mode != measured else ""
+        raise MissingModeError(
+            f"policy table {self.describe()} has no {measured} measurements ({self.missing[measured]}), which "
+            f"mode={mode!r} needs{stand_in}; it measured {', '.join(self.modes)} steps only. Measure every mode "
+            f"on this GPU with `{CALIBRATE_COMMAND}` (it says where it wrote the table) and pass that table "
+            f"(policy_table=PATH, or set {TABLE_ENV}=PATH); or decide with mode='eager' (the eager figures keep "
+            "layers in bf16 that would gain under CUDA graphs or compilation)")
+
+    # -- JSON ------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data, path=None) -> "PolicyTable":
+        where = f"policy table {path}" if path else "policy table"
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: must be a JSON object; got {type(data).__name__}")
+        fmt = data.get("format")
+        if fmt == TABLE_FORMAT:
+            modes = data.get("modes")
+        elif fmt == EAGER_ONLY_FORMAT:
+            modes = {"eager": {"points": data.get("points")},
+                     "graphed": {"missing": f"a {EAGER_ONLY_FORMAT} table holds eager steps only"}}
+        else:
+            raise ValueError(f"{where}: 'format' must be {TABLE_FORMAT!r} (or the eager-only {EAGER_ONLY_FORMAT!r}); "
+                             f"got {fmt!r}")
+        return cls(data.get("device"), modes, date=data.get("date", ""), versions=data.get("versions"),
+                   meta=data.get("meta"), path=path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "PolicyTable":
+        """Read a table from a JSON file (FileNotFoundError when there is none)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"policy table {path}: not valid JSON ({e})") from None
+        return cls.from_dict(data, path)
+
+    def to_dict(self) -> dict:
+        """The JSON form, always of :data:`TABLE_FORMAT` (an eager-only table read from the old
+        format is written with its graphed mode missing)."""
+        modes = {m: self.grids[m].to_dict() if m in self.grids else {"missing": self.missing[m]} for m in TABLE_MODES}
+        return {"format": TABLE_FORMAT, "device": self.device, "date": self.date, "versions": self.versions,
+                "meta": self.meta, "modes": modes}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        self.path = path
+        return path
+
+    def describe(self) -> str:
+        """'policy_nvidia_h200.json (NVIDIA H200, 2026-12-05, fusedfp8 0.1.0; eager, graphed steps)'."""
+        what = ", ".join(x for x in (self.device, self.date, f"fusedfp8 {self.versions['fusedfp8']}"
+                                     if "fusedfp8" in self.versions else "") if x)
+        return f"{self.path.name if self.path else '(in memory)'} ({what}; {', '.join(self.modes)} steps)"
+
+    def __repr__(self) -> str:
+        return f"PolicyTable({self.describe()}, {', '.join(map(repr, self.grids.values()))})"
+
+    # -- prediction ------------------------------------------------------------------------------
+    def predict(self, tokens: int, in_features: int, out_features: int, mode: str = "eager"
+                ) -> tuple[float, float, str]:
+        """(fp8 ms, bf16 ms, how) of a layer run in the execution mode ``mode``, from its grid
+        (:meth:`grid`, :meth:`Grid.predict`)."""
+        return self.grid(mode).predict(tokens, in_features, out_features)
+
+    def decide(self, tokens: int, in_features: int, out_features: int, name: str = "", mode: str = "eager"
+               ) -> Decision:
+        """FP8 when the predicted fp8 time in the execution mode ``mode`` is below the bf16 time."""
+        grid = self.grid(mode)
+        fp8_ms, bf16_ms, how = grid.predict(tokens, in_features, out_features)
         fp8 = fp8_ms < bf16_ms
-        reason = (f"auto: fp8 predicted {bf16_ms / fp8_ms:.2f}x faster" if fp8 else
-                  f"auto: fp8 predicted slower ({bf16_ms / fp8_ms:.2f}x)")
-        src = f"{self.path.name if self.path else 'table'}: {how}"
-        return Decision(name, int(tokens), int(in_features), int(out_features), fp8, reason, fp8_ms, bf16_ms, src)
+        reason = (f"auto, {mode}: fp8 predicted {bf16_ms / fp8_ms:.2f}x faster" if fp8 else
+                  f"auto, {mode}: fp8 predicted slower ({bf16_ms / fp8_ms:.2f}x)")
+        steps = f"{grid.mode} steps" + ("" if grid.mode == mode else f" (approximating {mode})")
+        src = f"{self.path.name if self.path else 'table'}, {steps}: {how}"
+        return Decision(name, int(tokens), int(in_features), int(out_features), fp8, reason, fp8_ms, bf16_ms, src,
+                        mode)
 
 
 # ---- finding the table -----------------------------------------------------------------------
@@ -360,12 +392,15 @@ def find_table(device: str | None = None, table=None) -> PolicyTable:
     return found
 
 
-def decide(tokens: int, in_features: int, out_features: int, *, policy: str = "auto", device: str | None = None,
-           table=None, name: str = "") -> Decision:
-    """The :class:`Decision` of ``policy`` ('auto' or 'all') for one layer (see :func:`find_table`
-    for ``device`` and ``table``; 'all' consults no table)."""
+def decide(tokens: int, in_features: int, out_features: int, *, policy: str = "auto", mode: str = "eager",
+           device: str | None = None, table=None, name: str = "") -> Decision:
+    """The :class:`Decision` of ``policy`` ('auto' or 'all') for one layer run in the execution
+    mode ``mode`` ('eager', 'graphed' or 'compiled': see the module's docstring); see
+    :func:`find_table` for ``device`` and ``table``; 'all' consults no table. Raises as
+    :func:`find_table`, and :class:`MissingModeError` when the table lacks the mode's grid."""
     policy = check_policy(policy, allow_none=False)
+    mode = check_mode(mode)
     dims = check_dims(tokens, in_features, out_features)
     if policy == "all":
         return Decision(name, dims[0], dims[1], dims[2], True, "policy='all'")
-    return find_table(device, table).decide(*dims, name=name)
+    return find_table(device, table).decide(*dims, name=name, mode=mode)

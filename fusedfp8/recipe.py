@@ -99,10 +99,12 @@ class CurrentScaling(_Recipe):
 
     ``scale = (fmt_max / amax) / 2**margin`` (FLT_MAX where that is inf, i.e. a tiny amax); an amax
     of 0 or a non-finite one keeps the state's scale (1 until a finite amax has been seen) and a
-    non-finite one counts as an overflow. It runs the kernels of :class:`DelayedScaling`'s first
-    step on every step (an amax pre-pass, then the cast: two launches): the state's ``updates``
-    stay 0, so every step is a first step. The state keeps no history: row 0 stages the step's
-    amax, row 1 holds the last one (:data:`CURRENT_HISTORY_LEN` rows); ``update_scales`` closes the
+    non-finite one counts as an overflow. It runs the first-step path of :class:`DelayedScaling`
+    on every step (the state's ``updates`` stay 0, so every step is a first step): on a GPU ONE
+    cooperative launch per tensor that computes the amax, waits at a grid-wide barrier and casts
+    (cuda_src/current_quantize.cu), bit-identical to an amax pre-pass followed by the cast
+    (layernorm_quantize still takes the two launches). The state keeps no history: row 0 stages
+    the step's amax, row 1 holds the last one (:data:`CURRENT_HISTORY_LEN` rows); ``update_scales`` closes the
     step (:func:`fusedfp8.numerics.scaling.close_step`) and never changes a scale.
 
     Parameters

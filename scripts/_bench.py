@@ -245,8 +245,10 @@ def _torch_profile(step, clock: Clock, steps: int, warmup: int) -> dict:
         ms /= steps
         cats[kernel_category(key)] += ms
         kernels[key[:120]] = kernels.get(key[:120], 0.0) + ms
-    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
-    return {"device_ms_per_step": cats, "device_ms_total": sum(cats.values()), "top_kernels_ms": top}
+    ranked = dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
+    top = dict(list(ranked.items())[:12])
+    return {"device_ms_per_step": cats, "device_ms_total": sum(cats.values()), "top_kernels_ms": top,
+            "all_kernels_ms": ranked}
 
 
 # ---- numbers ---------------------------------------------------------------------------------
@@ -391,7 +393,7 @@ def summarize(shape, res: dict, steps: int, targets: dict) -> None:
             s[f"{m}_loss_within_2pct"] = abs(rel) <= LOSS_TOLERANCE
     for kind in ("bf16", "fp8"):
         eager = modes.get(f"{kind}_eager")
-        for how in ("compiled", "graphed"):
+        for how in ("compiled", "reduceoverhead", "graphed"):
             other = modes.get(f"{kind}_{how}")
             if eager and other:
                 d = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(eager["loss"], other["loss"]))

@@ -12,6 +12,10 @@ fusedfp8.quantize call from torch at 1024x1024 (pipelined calls, no sync).
 Usage: python scripts/bench_kernels.py [--out DIR] [--sizes 1024x1024,4096x4096] [--jobs quantize,gelu_t,...]
        [--peers eager,compile,xla | --peers none]
 Writes DIR/bench_kernels.json and DIR/bench_kernels.png.
+
+       python scripts/bench_kernels.py --recipe current [--sizes ...] [--jobs quantize,quantize_t,...]
+Current scaling (scripts/_bench_current.py): the one-launch kernel beside the delayed kernel and
+the two-pass path, same run, correctness first; writes DIR/bench_kernels_current.json.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax shares th
 import torch  # noqa: E402
 
 import _bench  # noqa: E402
+import _bench_current  # noqa: E402
 import fusedfp8  # noqa: E402
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -222,12 +227,20 @@ def mismatch_fraction(a, b):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder")
-    ap.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES), help="MxN list")
-    ap.add_argument("--jobs", default=",".join(JOBS), help="jobs to run")
+    ap.add_argument("--sizes", default=None, help="MxN list")
+    ap.add_argument("--jobs", default=None, help="jobs to run")
     ap.add_argument("--peers", default="eager,compile,xla", help="peers to run ('none': fusedfp8 alone)")
+    ap.add_argument("--recipe", default="delayed", choices=("delayed", "current"),
+                    help="current: one-launch current scaling against the delayed kernel and the two-pass path")
     args = ap.parse_args(argv)
-    sizes = _bench.parse_sizes(args.sizes, 2, "--sizes", ap.error)
-    jobs = args.jobs.split(",")
+    current = args.recipe == "current"
+    own_jobs, own_sizes = (_bench_current.JOBS, _bench_current.SIZES) if current else (JOBS, SIZES)
+    sizes = _bench.parse_sizes(args.sizes or ",".join(f"{m}x{n}" for m, n in own_sizes), 2, "--sizes", ap.error)
+    jobs = (args.jobs or ",".join(own_jobs)).split(",")
+    if current:
+        if set(jobs) - set(own_jobs):
+            ap.error(f"--jobs: unknown with --recipe current {sorted(set(jobs) - set(own_jobs))}; choose from {own_jobs}")
+        return run_current(args, sizes, jobs)
     peers = [] if args.peers == "none" else args.peers.split(",")
     if set(jobs) - set(JOBS):
         ap.error(f"--jobs: unknown {sorted(set(jobs) - set(JOBS))}; choose from {JOBS}")
@@ -321,6 +334,20 @@ def main(argv=None) -> int:
     plot(results, out / "bench_kernels.png", meta)
     print_table(results)
     return 0 if all(r["fusedfp8_correct"] for r in results) else 1
+
+
+def run_current(args, sizes, jobs) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU that runs the fused kernels (this machine has none)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ceiling = _bench.copy_ceiling_tbps()
+    print(f"copy ceiling: {ceiling:.3f} TB/s (read + write)", flush=True)
+    results = _bench_current.run(sizes, jobs, ceiling, job_bytes)
+    meta = _bench.run_meta(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_ceiling_TBps=ceiling)
+    _bench.write_json(out / "bench_kernels_current.json", meta, results)
+    _bench_current.print_table(results)
+    return 0 if all(r["correct"] for r in results) else 1
 
 
 def print_table(results):

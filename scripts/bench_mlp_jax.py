@@ -73,7 +73,8 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
 def count_kernels(hlo: str) -> dict:
     """Instructions of a compiled HLO module that launch GPU work, outside fusion bodies and
     command-buffer wrappers' bookkeeping: fusions, custom calls (cuBLAS, fusedfp8 callbacks),
-    copies, ... Also the FP8 cuBLASLt GEMMs and the fusedfp8 callbacks on their own."""
+    copies, ... Also the FP8 cuBLASLt GEMMs (XLA's and the shim's fusedfp8_fp8_gemm) and the
+    fusedfp8 callbacks on their own."""
     comps = re.split(r"\n(?=(?:ENTRY )?%?[\w.\-]+ [(\[{])", hlo)
     fused = set(re.findall(r"fusion\(.*?calls=%?([\w.\-]+)", hlo))
     total = 0
@@ -82,8 +83,9 @@ def count_kernels(hlo: str) -> dict:
         if name is None or name.group(1) in fused:
             continue
         total += sum(1 for op in _HLO_INSTR.findall(comp) if op not in _NOT_KERNELS)
-    return {"kernels_per_step": total, "fp8_gemms": hlo.count('"__cublas$lt$matmul$f8"'),
-            "gemms": len(re.findall(r'custom_call_target="__cublas\$', hlo)),
+    ours = len(re.findall(r'custom_call_target="fusedfp8_fp8_gemm', hlo))  # the shim's cuBLASLt FP8 GEMM
+    return {"kernels_per_step": total, "fp8_gemms": hlo.count('"__cublas$lt$matmul$f8"') + ours,
+            "gemms": len(re.findall(r'custom_call_target="__cublas\$', hlo)) + ours,
             "fusedfp8_callbacks": len(re.findall(r'custom_call_target="xla_buffer_python_gpu_callback', hlo))}
 
 

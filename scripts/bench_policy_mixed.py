@@ -1,6 +1,6 @@
 """Train step of a model of mixed layer sizes in bf16, with every linear layer in FP8, and with
-``convert_to_fp8(policy='auto')`` (issue 19: a model converted with policy='auto' is never slower
-than bf16 and never slower than converting every layer).
+``convert_to_fp8(policy='auto', mode=...)`` (issue 19: a model converted with policy='auto' for the
+way it runs is never slower than bf16 and never slower than converting every layer).
 
 The model (``MixedModel``): ``--blocks`` residual MLP blocks of width ``--small`` (x + fc2(gelu(
 fc1(LayerNorm(x)))), ffn ``--ffn-mult`` x the width), a linear ``up`` to ``--large``, as many
@@ -11,27 +11,33 @@ blocks of width ``--large``, a linear ``down`` back to ``--small``; every linear
 it even where the policy kept every layer in bf16).
 
 Models, from the same initial weights: ``bf16``; ``fp8_all`` (``convert_to_fp8(model)``: every
-nn.Linear); ``fp8_auto`` (``convert_to_fp8(model, policy='auto', tokens=--tokens,
-policy_table=--policy-table)``; without ``--policy-table`` the table that convert_to_fp8 finds:
-$FUSEDFP8_POLICY_TABLE, else the one shipped for this GPU). Each runs eager and CUDA-graphed
-(the whole step captured after three eager warm-up steps on a side stream, as
-bench_mlp_torch.py does): modes ``<model>_<eager|graphed>``.
+nn.Linear); ``fp8_auto`` (``convert_to_fp8(model, policy='auto', tokens=--tokens, mode=<how it
+runs>, policy_table=--policy-table)``: the eager modes use the model converted with
+mode='eager', the graphed ones the model converted with mode='graphed'; without
+``--policy-table`` the table that convert_to_fp8 finds: $FUSEDFP8_POLICY_TABLE, else the one
+shipped for this GPU, which must hold graphed measurements for the graphed modes). Each runs
+eager and CUDA-graphed (the whole step captured after three eager warm-up steps on a side stream,
+as bench_mlp_torch.py does): modes ``<model>_<eager|graphed>``.
 
 In this order:
 1. correctness: one forward / backward of each model on the same batch; the SQNR of the output
-   and of every parameter gradient of fp8_all and fp8_auto against bf16 must be >= SQNR_MIN_DB
-   (15 dB: see there), else exit 1 before any timing;
+   and of every parameter gradient of fp8_all and of each fp8_auto model against bf16 must be
+   >= SQNR_MIN_DB (15 dB: see there), else exit 1 before any timing;
 2. per mode: ``--warmup`` steps, then ``--reps`` blocks of ``--block`` back-to-back steps between
-   CUDA events; the median per step (``step_ms``), every block (``step_ms_all``);
+   CUDA events; the median per step (``step_ms``), every block (``step_ms_all``); then as many
+   blocks timed on the host's clock, each ended by a synchronize: the wall time per step
+   (``wall_ms``, ``wall_ms_all``: what a user waits, launch time and the last sync included);
 3. per mode (``--no-profile`` skips it): a torch profiler trace of 3 steps: GPU busy time per
-   step (``profile.device_ms_total``) and per kernel category.
+   step (``profile.device_ms_total``: kernels and copies only, ``_bench.device_events`` leaves
+   out the optimizer's ``record_function`` annotation) and per kernel category.
 
 The JSON (DIR/bench_policy_mixed.json) holds per mode the times, the profile and the peak
-memory; what the policy converted (``conversion``: the report's rows and its table, as
-``print(model.fp8_conversion_report)`` shows it); and ``summary``: per way of running (eager,
-graphed) the ratios bf16 / mode and fp8_all / mode (above 1: the mode is faster), and whether
-auto is no slower than bf16 and than fp8_all (``auto_not_slower``, within ``TOLERANCE`` of
-their median step time: 1%).
+memory; what the policy converted for each way of running (``conversion``: {eager, graphed}: the
+report's mode, rows and its table, as ``print(model.fp8_conversion_report)`` shows it); and
+``summary``: per way of running (eager, graphed) the ratios bf16 / mode and fp8_all / mode (above
+1: the mode is faster), and whether auto is no slower than bf16 and than fp8_all
+(``auto_not_slower_<how>``, within ``TOLERANCE`` of their median step time: 1%); the same on the
+wall times (keys ending in ``_wall``).
 
 Usage:
   python scripts/bench_policy_mixed.py [--out DIR] [--policy-table PATH] [--tokens 2048]
@@ -173,13 +179,54 @@ def arguments(argv=None):
     return args, modes, ap
 
 
-def build_models(args, device) -> dict:
-    """The three models from the same initial weights (bf16 parameters, the FP8 states float32)."""
+def model_key(mode: str) -> str:
+    """The model a mode runs: 'fp8_auto_graphed' -> the auto model converted with mode='graphed'."""
+    kind, how = mode.rsplit("_", 1)
+    return f"fp8_auto_{how}" if kind == "fp8_auto" else kind
+
+
+def build_models(args, device, modes: list) -> dict:
+    """bf16, fp8_all and an fp8_auto model per way of running among ``modes`` (converted with that
+    mode), from the same initial weights (bf16 parameters, the FP8 states float32)."""
     torch.manual_seed(0)
     base = MixedModel(args.small, args.large, args.ffn_mult, args.blocks).to(device=device, dtype=torch.bfloat16)
-    auto = fp8.convert_to_fp8(copy.deepcopy(base), RECIPE, policy="auto", tokens=args.tokens,
-                              policy_table=args.policy_table)
-    return {"bf16": base, "fp8_all": fp8.convert_to_fp8(copy.deepcopy(base), RECIPE), "fp8_auto": auto}
+    models = {"bf16": base, "fp8_all": fp8.convert_to_fp8(copy.deepcopy(base), RECIPE)}
+    for key in dict.fromkeys(model_key(m) for m in modes if m.startswith("fp8_auto_")):
+        models[key] = fp8.convert_to_fp8(copy.deepcopy(base), RECIPE, policy="auto", tokens=args.tokens,
+                                         policy_table=args.policy_table, mode=key.rsplit("_", 1)[1])
+    return models
+
+
+def conversion(report) -> dict:
+    """A ConversionReport as JSON."""
+    return {"mode": report.mode, "table": report.table, "converted": report.converted, "kept": report.kept,
+            "text": str(report), "rows": [dict(zip(("name", "in_features", "out_features", "decision", "fp8_ms",
+                                                    "bf16_ms", "source"), r)) for r in report.rows()]}
+
+
+def time_mode(mode: str, model: nn.Module, x, y, args, device, clock: _bench.Clock) -> dict:
+    """Warm-up, the CUDA-event timing, the wall-clock timing and the profile of one mode."""
+    t0 = time.perf_counter()
+    runner = Runner(mode, copy.deepcopy(model), x, y, device)
+    for _ in range(max(args.warmup, GRAPH_WARMUP + 1 if runner.how == "graphed" else 0)):
+        runner.step()
+    clock.sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = clock.per_call_ms(runner.step, args.block, args.reps)
+    wall = _bench.host_block_ms(runner.step, args.block, args.reps, wait=lambda _: clock.sync())
+    row = {"step_ms": statistics.median(times), "step_ms_all": times, "wall_ms": statistics.median(wall),
+           "wall_ms_all": wall}
+    if device.type == "cuda":
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if not args.no_profile:
+            row["profile"] = _bench.torch_profile(runner.step, clock)
+    row["wall_s"] = time.perf_counter() - t0
+    runner.close()
+    del runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
 def check_correctness(models: dict, x, y) -> dict:
@@ -199,16 +246,20 @@ def check_correctness(models: dict, x, y) -> dict:
 
 
 def summarize(modes: dict) -> dict:
+    """Per way of running, the ratios and verdicts on the CUDA-event step times, and the same on
+    the wall times (keys ending in '_wall')."""
     s = {"tolerance": TOLERANCE}
     for how in HOWS:
-        ms = {k: modes[f"{k}_{how}"]["step_ms"] for k in MODELS if f"{k}_{how}" in modes}
-        for kind, t in ms.items():
-            if kind != "bf16" and "bf16" in ms:
-                s[f"{kind}_{how}_vs_bf16"] = ms["bf16"] / t
-            if kind == "fp8_auto" and "fp8_all" in ms:
-                s[f"fp8_auto_{how}_vs_fp8_all"] = ms["fp8_all"] / t
-        if "fp8_auto" in ms and len(ms) == 3:
-            s[f"auto_not_slower_{how}"] = {k: ms["fp8_auto"] <= ms[k] * (1 + TOLERANCE) for k in ("bf16", "fp8_all")}
+        for clock, suffix in (("step_ms", ""), ("wall_ms", "_wall")):
+            ms = {k: modes[f"{k}_{how}"][clock] for k in MODELS if f"{k}_{how}" in modes}
+            for kind, t in ms.items():
+                if kind != "bf16" and "bf16" in ms:
+                    s[f"{kind}_{how}_vs_bf16{suffix}"] = ms["bf16"] / t
+                if kind == "fp8_auto" and "fp8_all" in ms:
+                    s[f"fp8_auto_{how}_vs_fp8_all{suffix}"] = ms["fp8_all"] / t
+            if len(ms) == 3:
+                s[f"auto_not_slower_{how}{suffix}"] = {k: ms["fp8_auto"] <= ms[k] * (1 + TOLERANCE)
+                                                       for k in ("bf16", "fp8_all")}
     return s
 
 
@@ -221,11 +272,12 @@ def main(argv=None) -> int:
             ap.error(f"the benchmark times FP8 GEMMs on the GPU, and this machine has none usable: {reason} "
                      "(--device cpu runs a smoke test of the script)")
     try:
-        models = build_models(args, device)
-    except MissingTableError as e:
-        ap.error(f"policy='auto' has no table: {e}")
-    report = models["fp8_auto"].fp8_conversion_report
-    print(report, flush=True)
+        models = build_models(args, device, modes)
+    except MissingTableError as e:  # MissingModeError too: a table without graphed measurements
+        ap.error(f"policy='auto' cannot decide: {e}")
+    reports = {k.rsplit("_", 1)[1]: m.fp8_conversion_report for k, m in models.items() if k.startswith("fp8_auto_")}
+    for report in reports.values():
+        print(report, end="\n\n", flush=True)
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(args.tokens, args.small, device=device, dtype=torch.bfloat16, generator=g)
     y = torch.randn(args.tokens, args.small, device=device, dtype=torch.bfloat16, generator=g)
@@ -240,40 +292,20 @@ def main(argv=None) -> int:
         device=name, torch=torch.__version__, fusedfp8=fusedfp8.__version__, recipe=str(RECIPE), lr=_bench.LR,
         model={"small": args.small, "large": args.large, "ffn_mult": args.ffn_mult, "blocks": args.blocks},
         tokens=args.tokens, clock="CUDA events" if device.type == "cuda" else "time.perf_counter (CPU smoke test)",
+        wall_clock="time.perf_counter around blocks of steps, each block ended by a synchronize",
         smoke_test=device.type != "cuda", launch_path=" / ".join(fp8.custom_ops.launch_path()))
-    conversion = {"table": report.table, "converted": report.converted, "kept": report.kept, "text": str(report),
-                  "rows": [dict(zip(("name", "in_features", "out_features", "decision", "fp8_ms", "bf16_ms",
-                                     "source"), r)) for r in report.rows()]}
-    result = {"conversion": conversion, "correctness": correctness, "modes": {}}
+    result = {"conversion": {how: conversion(r) for how, r in reports.items()}, "correctness": correctness,
+              "modes": {}}
     if not correctness["ok"]:
         print("FAILED: an FP8 model is below the SQNR floor; nothing timed")
         _bench.write_json(out / "bench_policy_mixed.json", meta, [result])
         return 1
     clock = _bench.Clock(device)
     for mode in modes:
-        t0 = time.perf_counter()
-        kind = mode.rsplit("_", 1)[0]
-        runner = Runner(mode, copy.deepcopy(models[kind]), x, y, device)
-        for _ in range(max(args.warmup, GRAPH_WARMUP + 1 if runner.how == "graphed" else 0)):
-            runner.step()
-        clock.sync()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        times = clock.per_call_ms(runner.step, args.block, args.reps)
-        row = {"step_ms": statistics.median(times), "step_ms_all": times}
-        if device.type == "cuda":
-            row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            if not args.no_profile:
-                row["profile"] = _bench.torch_profile(runner.step, clock)
-        row["wall_s"] = time.perf_counter() - t0
-        runner.close()
-        del runner
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        result["modes"][mode] = row
+        row = result["modes"][mode] = time_mode(mode, models[model_key(mode)], x, y, args, device, clock)
         busy = row.get("profile", {}).get("device_ms_total")
-        print(f"{mode:<18} {row['step_ms']:9.3f} ms/step" + (f"  GPU busy {busy:.3f} ms" if busy else "")
-              + f"  ({row['wall_s']:.0f} s)", flush=True)
+        print(f"{mode:<18} {row['step_ms']:9.3f} ms/step  wall {row['wall_ms']:9.3f} ms/step"
+              + (f"  GPU busy {busy:.3f} ms" if busy else "") + f"  ({row['wall_s']:.0f} s)", flush=True)
     result["summary"] = summarize(result["modes"])
     _bench.write_json(out / "bench_policy_mixed.json", meta, [result])
     rows = []
@@ -281,17 +313,21 @@ def main(argv=None) -> int:
         kind, how = mode.rsplit("_", 1)
         s = result["summary"]
         busy = row.get("profile", {}).get("device_ms_total")
-        rows.append([mode, f"{row['step_ms']:.3f}", "-" if busy is None else f"{busy:.3f}",
+        rows.append([mode, f"{row['step_ms']:.3f}", f"{row['wall_ms']:.3f}", "-" if busy is None else f"{busy:.3f}",
                      f"{s[f'{kind}_{how}_vs_bf16']:.2f}x" if f"{kind}_{how}_vs_bf16" in s else "-",
                      f"{s[f'fp8_auto_{how}_vs_fp8_all']:.2f}x" if kind == "fp8_auto" and
                      f"fp8_auto_{how}_vs_fp8_all" in s else "-"])
-    _bench.print_table(["mode", "step ms (median)", "GPU busy ms", "bf16 / mode", "fp8_all / mode"], rows)
-    print(f"\npolicy='auto' converted {len(report.converted)} of {len(report.decisions)} linear layers: "
-          f"{', '.join(report.converted) or 'none'}")
+    _bench.print_table(["mode", "step ms (median)", "wall ms", "GPU busy ms", "bf16 / mode", "fp8_all / mode"], rows)
+    print()
+    for how, report in reports.items():
+        print(f"policy='auto', mode={how!r} converted {len(report.converted)} of {len(report.decisions)} linear "
+              f"layers: {', '.join(report.converted) or 'none'}")
     for how in HOWS:
-        verdict = result["summary"].get(f"auto_not_slower_{how}")
-        if verdict is not None:
-            print(f"{how}: auto no slower than bf16: {verdict['bf16']}, than fp8_all: {verdict['fp8_all']}")
+        for suffix, clock in (("", "step time"), ("_wall", "wall time")):
+            verdict = result["summary"].get(f"auto_not_slower_{how}{suffix}")
+            if verdict is not None:
+                print(f"{how}, {clock}: auto no slower than bf16: {verdict['bf16']}, than fp8_all: "
+                      f"{verdict['fp8_all']}")
     return 0
 
 

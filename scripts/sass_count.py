@@ -5,9 +5,12 @@ triton/backends/nvidia/bin/):
     python scripts/sass_count.py --cuobjdump /path/to/cuobjdump --dtype bfloat16 --fmt e4m3 gelu_tanh dgelu_tanh
 
 Prints, per op and kernel role, the instruction count and the most frequent opcodes; ``--json``
-writes them. The flat vector kernel handles 16 elements per loop iteration (plus an element-wise
-tail with the same operation inlined again), so its count over 17 approximates the instructions
-per element.
+writes them. The count that matters for speed is that of the straight-line fast path, printed as
+"per element": every basic block that quantizes (its F2FP instructions pack two elements each: 16 or
+32 elements a block) divided by its element count, for each such block (the tiled kernel has one
+for each row of a thread, or copies of it for its store variants). It counts the block's share of
+the loads, stores and shared-memory writes, not the per-tile work outside it (loop control, the
+transposed store, the dbias sums).
 """
 from __future__ import annotations
 
@@ -43,6 +46,41 @@ def cubin(source: str, names: list[str], options: list[str]) -> tuple[bytes, dic
     return buf, {n: nvrtc.nvrtcGetLoweredName(prog, n.encode())[1].decode() for n in names}
 
 
+def basic_blocks(ins: list[tuple[int, str]]) -> list[list[str]]:
+    """The instructions ``(address, text)`` split into basic blocks: at each branch target, after
+    each branch, exit, return, call or reconvergence point."""
+    targets = {int(t, 16) for _, text in ins
+               for t in re.findall(r"\b(?:BRA|CALL\.REL\.NOINC|BSSY\s+B\d+,)\s*(?:!?U?P\d+,\s*)?(0x[0-9a-f]+)", text)}
+    out, cur = [], []
+    for addr, text in ins:
+        if addr in targets and cur:
+            out.append(cur)
+            cur = []
+        cur.append(text)
+        if opcode(text) in ("BRA", "EXIT", "RET", "CALL", "BSYNC", "WARPSYNC"):
+            out.append(cur)
+            cur = []
+    return out + ([cur] if cur else [])
+
+
+def opcode(text: str) -> str:
+    return (text.split()[1] if text.startswith("@") else text.split()[0]).split(".")[0]
+
+
+def per_element(ins: list[tuple[int, str]]) -> list[float]:
+    """Instructions per element of each run of basic blocks that quantizes a multiple of 16 elements
+    (a block that packs part of a row is joined with the blocks after it until the row is whole)."""
+    out, size, elements = [], 0, 0
+    for block in basic_blocks(ins):
+        n = 2 * sum(opcode(t) == "F2FP" for t in block)
+        if n or elements:
+            size, elements = size + len(block), elements + n
+        if elements and elements % 16 == 0:
+            out.append(round(size / elements, 1))
+            size, elements = 0, 0
+    return out
+
+
 def count(cuobjdump: str, dtype: str, fmt: str, op: str) -> dict:
     key = _cuda.ModuleKey("quantize", dtype, fmt, op)
     names = _cuda.name_expressions(key)
@@ -56,9 +94,9 @@ def count(cuobjdump: str, dtype: str, fmt: str, op: str) -> dict:
     out = {}
     for role, expr in names.items():
         body = next((fn for fn in functions if fn.startswith(lowered[expr])), "")
-        ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", body)  # (addresses past 0xfff0 have 5+ digits)
-        opcodes = Counter((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in ins)
-        out[role] = {"instructions": len(ins), "top": opcodes.most_common(12)}
+        ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", body)]  # (5+ digits past 0xfff0)
+        opcodes = Counter(opcode(t) for _, t in ins)
+        out[role] = {"instructions": len(ins), "per_element": per_element(ins), "top": opcodes.most_common(12)}
     return out
 
 
@@ -75,7 +113,7 @@ def main(argv=None) -> int:
     res = {op: count(args.cuobjdump, args.dtype, args.fmt, op) for op in args.ops}
     for op, roles in res.items():
         for role, r in roles.items():
-            print(f"{op:12s} {role:18s} {r['instructions']:6d}  {r['top']}")
+            print(f"{op:12s} {role:18s} {r['instructions']:6d}  per element {r['per_element']}  {r['top'][:8]}")
     if args.json:
         args.json.write_text(json.dumps({"dtype": args.dtype, "fmt": args.fmt, "counts": res}, indent=1))
     return 0

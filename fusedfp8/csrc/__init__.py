@@ -40,7 +40,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TARGETS = ("xla", "torch")
-_SOURCES = {"xla": ("plan.h", "xla_ffi.cc"), "torch": ("plan.h", "torch_ops.cc")}
+_SOURCES = {"xla": ("plan.h", "gemm.h", "xla_ffi.cc"), "torch": ("plan.h", "gemm.h", "torch_gemm.h", "torch_ops.cc")}
 _WHAT = {"xla": "JAX (XLA FFI)", "torch": "torch"}
 TIMEOUT = 900  # seconds a compile may take
 
@@ -157,7 +157,12 @@ def _open(target: str, path: Path):
         lib.ff8_dry_run.restype = ctypes.c_int64
         lib.ff8_dry_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64]
+        i64, vp, cp = ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p  # the FP8 GEMM's (gemm.h)
+        for name, args, res in (("ff8_gemm_set_library", [cp], None), ("ff8_gemm_load", [cp, i64], i64),
+                                ("ff8_gemm_check", [vp, cp, i64], i64), ("ff8_gemm_prepare", [i64, vp, cp, i64], i64)):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, res
         version = lib.ff8_plan_version()
+        lib.ff8_gemm_set_library(cublaslt_path().encode())  # (read at the FP8 GEMM's first use)
     else:
         import torch  # noqa: F401  (its libraries first)
 
@@ -167,6 +172,7 @@ def _open(target: str, path: Path):
         lib = importlib.util.module_from_spec(spec)
         loader.exec_module(lib)
         version = lib.plan_version()
+        lib.gemm_set_library(cublaslt_path())
     if version != PLAN_VERSION:
         raise ImportError(f"{path} reads launch plans of version {version}, this package writes {PLAN_VERSION}")
     return lib
@@ -231,6 +237,31 @@ def _find(target: str):
         return _open(target, cached), f"compiled on first use: {cached}"
     except (OSError, ImportError) as e:
         return None, f"{stale}{cached} does not load: {e}"
+
+
+_CUBLASLT = (("cu13", "libcublasLt.so.13"), ("cublas", "libcublasLt.so.12"))  # nvidia wheel folder, library
+
+
+def cublaslt_path() -> str:
+    """Where the FP8 GEMM of the shim (gemm.h) loads cuBLASLt from when the process has none
+    loaded yet: a libcublasLt already mapped into this process (the copy XLA or torch use), else
+    the nvidia cuBLAS wheel that jax / torch install (``nvidia/cu13/lib``, ``nvidia/cublas/lib``),
+    else "" (the shim then tries the sonames on the loader's search path)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if os.path.basename(path).startswith("libcublasLt.so"):
+                    return path
+    except OSError:
+        pass
+    spec = importlib.util.find_spec("nvidia") if "nvidia" not in sys.modules else sys.modules["nvidia"].__spec__
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        for folder, name in _CUBLASLT:
+            path = os.path.join(root, folder, "lib", name)
+            if os.path.isfile(path):
+                return path
+    return ""
 
 
 def default_on() -> tuple[bool, str]:

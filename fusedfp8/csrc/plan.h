@@ -6,8 +6,10 @@
 //   [PLAN_VERSION, n_slots, n_steps, step...]
 //   memset step: [MEMSET, slot, nbytes]                     zero nbytes (cuMemsetD32Async); none
 //                                                           for a null slot
-//   launch step: [LAUNCH, n_variants, select, block, shared, n_params,
+//   launch step: [LAUNCH | COOP_LAUNCH, n_variants, select, block, shared, n_params,
 //                 (func, grid) * n_variants, (kind, a, b, c) * n_params]
+//     COOP_LAUNCH goes through cuLaunchCooperativeKernel (a pointer per parameter into the packed
+//     buffer), which guarantees every block resident (the kernels' grid-wide barrier).
 //     variant 0 runs when every slot in the bit mask `select` is 16-byte aligned, else variant 1.
 //     parameter kinds: I64 / I32 immediate a; F32 bits a; PTR slot a + b bytes (null if the slot
 //     is null); NULL; FLAG int32 (c != 0 and every slot in mask a aligned to b bytes).
@@ -28,10 +30,11 @@
 
 namespace ff8 {
 
-constexpr int64_t kPlanVersion = 1;
-enum : int64_t { kMemset = 0, kLaunch = 1 };
+constexpr int64_t kPlanVersion = 2;  // 2: the cooperative launch step
+enum : int64_t { kMemset = 0, kLaunch = 1, kCoopLaunch = 2 };
 enum : int64_t { kI64 = 1, kI32 = 2, kF32 = 3, kPtr = 4, kNull = 5, kFlag = 6 };
 constexpr size_t kMaxParamBytes = 4096;  // the driver's limit for kernel parameters
+constexpr int64_t kMaxCoopParams = 64;     // parameters of a cooperative launch (one pointer each)
 
 // ---- the driver ------------------------------------------------------------------------------
 using CUresult = int;
@@ -44,6 +47,8 @@ using CUdeviceptr = unsigned long long;
 struct Driver {
   CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                      void**, void**) = nullptr;
+  CUresult (*launch_coop)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                          void**) = nullptr;
   CUresult (*memset_d32_async)(CUdeviceptr, unsigned, size_t, CUstream) = nullptr;
   CUresult (*memcpy_dtod_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
   CUresult (*ctx_get_device)(int*) = nullptr;
@@ -70,6 +75,7 @@ inline const Driver& driver() {
       if (fn == nullptr && r.why.empty()) r.why = std::string("libcuda.so.1 has no ") + name;
     };
     sym("cuLaunchKernel", r.launch);
+    sym("cuLaunchCooperativeKernel", r.launch_coop);
     sym("cuMemsetD32Async", r.memset_d32_async);
     sym("cuMemcpyDtoDAsync_v2", r.memcpy_dtod_async);
     sym("cuCtxGetDevice", r.ctx_get_device);
@@ -139,7 +145,8 @@ inline std::string_view nth_name(std::string_view names, int64_t i) {
 
 // Walks the plan `p` (n int64s) over the device pointers `bufs` (nbuf, one per slot), calling
 //   sink.memset(ptr, nbytes) -> std::string (empty = ok)
-//   sink.launch(func, grid, block, shared, params, size, name_index) -> std::string
+//   sink.launch(func, grid, block, shared, params, size, name_index, coop_args) -> std::string
+//     (coop_args: null, or for a cooperative launch one pointer per parameter into params)
 // Returns "" or the first error (a malformed plan, or the sink's).
 template <class Sink>
 std::string walk(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, Sink& sink) {
@@ -152,6 +159,7 @@ std::string walk(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, 
   at = 3;
   int64_t name_base = 0;
   alignas(16) unsigned char params[kMaxParamBytes];
+  void* coop_args[kMaxCoopParams];
   for (int64_t s = 0; s < steps; ++s) {
     if (!need(1)) return "fusedfp8: truncated launch plan";
     const int64_t kind = p[at];
@@ -167,10 +175,11 @@ std::string walk(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, 
       }
       continue;
     }
-    if (kind != kLaunch || !need(6)) return "fusedfp8: malformed step in a launch plan";
+    if ((kind != kLaunch && kind != kCoopLaunch) || !need(6)) return "fusedfp8: malformed step in a launch plan";
+    const bool coop = kind == kCoopLaunch;
     const int64_t nvar = p[at + 1], select = p[at + 2], block = p[at + 3], shared = p[at + 4], ntok = p[at + 5];
     if (nvar < 1 || nvar > 2 || ntok < 0 || block < 1 || shared < 0 || select < 0 || (select >> nbuf) != 0 ||
-        !need(6 + 2 * nvar + 4 * ntok))
+        (coop && ntok > kMaxCoopParams) || !need(6 + 2 * nvar + 4 * ntok))
       return "fusedfp8: malformed launch step in a launch plan";
     at += 6;
     int64_t choice = 0;
@@ -188,6 +197,7 @@ std::string walk(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, 
       size = (size + width - 1) / width * width;
       if (size + width > kMaxParamBytes) return "fusedfp8: a launch plan's parameters exceed 4 KiB";
       unsigned char* dst = params + size;
+      if (coop) coop_args[t] = dst;
       size += width;
       switch (tk) {
         case kI64:
@@ -220,14 +230,16 @@ std::string walk(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, 
           return "fusedfp8: unknown parameter kind " + std::to_string(tk) + " in a launch plan";
       }
     }
-    std::string err = sink.launch(func, grid, block, shared, params, size, name_base + choice);
+    std::string err = sink.launch(func, grid, block, shared, params, size, name_base + choice,
+                                  coop ? coop_args : nullptr);
     if (!err.empty()) return err;
     name_base += nvar;
   }
   return "";
 }
 
-// The sink that runs the plan: cuLaunchKernel with the CU_LAUNCH_PARAM_BUFFER_POINTER form.
+// The sink that runs the plan: cuLaunchKernel with the CU_LAUNCH_PARAM_BUFFER_POINTER form, or
+// cuLaunchCooperativeKernel with a pointer per parameter (it takes no 'extra').
 struct DriverSink {
   CUstream stream;
   std::string_view names;
@@ -239,13 +251,19 @@ struct DriverSink {
   }
 
   std::string launch(const void* func, int64_t grid, int64_t block, int64_t shared, unsigned char* params,
-                     size_t size, int64_t name_index) {
+                     size_t size, int64_t name_index, void** coop_args) {
     void* extra[] = {reinterpret_cast<void*>(1), params, reinterpret_cast<void*>(2), &size, nullptr};
-    CUresult err = driver().launch(const_cast<void*>(func), static_cast<unsigned>(grid), 1, 1,
-                                   static_cast<unsigned>(block), 1, 1, static_cast<unsigned>(shared), stream, nullptr,
-                                   extra);
+    const Driver& d = driver();
+    if (coop_args != nullptr && d.launch_coop == nullptr)
+      return "fusedfp8: libcuda.so.1 has no cuLaunchCooperativeKernel";
+    CUresult err = coop_args != nullptr
+        ? d.launch_coop(const_cast<void*>(func), static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(block), 1, 1,
+                        static_cast<unsigned>(shared), stream, coop_args)
+        : d.launch(const_cast<void*>(func), static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(block), 1, 1,
+                   static_cast<unsigned>(shared), stream, nullptr, extra);
     if (err == 0) return "";
-    return "fusedfp8: launching " + std::string(nth_name(names, name_index)) + " failed: " + cuda_error(err);
+    return "fusedfp8: launching " + std::string(nth_name(names, name_index)) + (coop_args ? " (cooperative)" : "") +
+           " failed: " + cuda_error(err);
   }
 };
 
@@ -276,8 +294,8 @@ struct RecordSink {
     return put(head, sizeof head) ? "" : "fusedfp8: dry-run buffer too small";
   }
   std::string launch(const void* func, int64_t grid, int64_t block, int64_t shared, unsigned char* params,
-                     size_t size, int64_t) {
-    const int64_t head[6] = {kLaunch, static_cast<int64_t>(reinterpret_cast<uintptr_t>(func)), grid, block, shared,
+                     size_t size, int64_t, void** coop_args) {
+    const int64_t head[6] = {coop_args ? kCoopLaunch : kLaunch, static_cast<int64_t>(reinterpret_cast<uintptr_t>(func)), grid, block, shared,
                              static_cast<int64_t>(size)};
     const unsigned char zeros[8] = {0};
     if (!put(head, sizeof head) || !put(params, size) || !put(zeros, (8 - size % 8) % 8))

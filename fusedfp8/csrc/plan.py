@@ -2,7 +2,7 @@
 
 A plan is the pure-data description of one call's launches (see :mod:`fusedfp8._cuda`, which
 builds them once per signature and caches them). Two executors read it: :func:`execute` here
-(struct + ctypes, one cuLaunchKernel per step) and the compiled host shim beside this file
+(struct + ctypes, one cuLaunchKernel, or cuLaunchCooperativeKernel, per step) and the compiled host shim beside this file
 (``plan.h``: the XLA FFI handler and the torch C++ ops), which gets it as int64s
 (:meth:`Plan.encode`). Both hand the driver the same bytes (:func:`dry_run` and the shim's
 ``ff8_dry_run`` are compared in tests/kernels/test_launch_shim.py).
@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-PLAN_VERSION = 1
-MEMSET, LAUNCH = 0, 1  # step kinds
+PLAN_VERSION = 2  # 2: the cooperative launch step (COOP_LAUNCH)
+MEMSET, LAUNCH, COOP_LAUNCH = 0, 1, 2  # step kinds (COOP_LAUNCH: a LAUNCH through cuLaunchCooperativeKernel)
 I64, I32, F32, PTR, NULL, FLAG = 1, 2, 3, 4, 5, 6  # parameter (token) kinds
 _LAYOUT_CHAR = {I64: "q", I32: "i", F32: "f", PTR: "P", NULL: "P", FLAG: "i"}
 _PACK_CHAR = {I64: "q", I32: "i", F32: "I", PTR: "Q", NULL: "Q", FLAG: "i"}  # F32 goes in as its bits
@@ -88,13 +88,15 @@ class Launch(NamedTuple):
     """A kernel launch: ``variants[0]`` when the pointers of every slot in the bit mask ``select``
     are 16-byte aligned (always, for a mask of 0), else ``variants[1]``; ``block`` threads; the
     parameters laid out as the kernel declares them (natural alignment, no trailing padding);
-    ``shared`` bytes of dynamic shared memory."""
+    ``shared`` bytes of dynamic shared memory; ``coop``: a cooperative launch (all blocks resident
+    at once, the grid-wide barrier's workspace; the driver refuses a grid larger than resident)."""
 
     variants: tuple
     select: int
     block: int
     params: tuple
     shared: int = 0
+    coop: bool = False
 
     @property
     def layout(self) -> str:
@@ -115,16 +117,17 @@ class Plan(NamedTuple):
 
     def encode(self) -> tuple[np.ndarray, str]:
         """(int64 array, names) for the compiled shim: ``[PLAN_VERSION, n_slots, n_steps]``, then per
-        step ``[MEMSET, slot, nbytes]`` or ``[LAUNCH, n_variants, select, block, shared_bytes,
-        n_params, (func, grid) * n_variants, (kind, a, b, c) * n_params]``; names: the variants'
-        kernel names in the same order, joined by ';'."""
+        step ``[MEMSET, slot, nbytes]`` or ``[LAUNCH | COOP_LAUNCH, n_variants, select, block,
+        shared_bytes, n_params, (func, grid) * n_variants, (kind, a, b, c) * n_params]``; names: the
+        variants' kernel names in the same order, joined by ';'."""
         out = [PLAN_VERSION, len(self.slots), len(self.steps)]
         names = []
         for st in self.steps:
             if isinstance(st, Memset):
                 out += [MEMSET, st.slot, st.nbytes]
                 continue
-            out += [LAUNCH, len(st.variants), st.select, st.block, st.shared, len(st.params)]
+            out += [COOP_LAUNCH if st.coop else LAUNCH, len(st.variants), st.select, st.block, st.shared,
+                    len(st.params)]
             for v in st.variants:
                 out += [v.func, v.grid]
                 names.append(v.name)
@@ -172,8 +175,15 @@ def _plan(slots: tuple, steps) -> Plan:
         if st.shared < 0:
             raise ValueError(f"fusedfp8: a launch cannot ask for {st.shared} bytes of shared memory")
         fmt = "@" + "".join(_PACK_CHAR[t.kind] for t in st.params)
-        program.append((LAUNCH, st.variants, st.block, fmt, struct.calcsize(fmt), _packer(st, len(slots)), st.shared))
+        program.append((COOP_LAUNCH if st.coop else LAUNCH, st.variants, st.block, fmt, struct.calcsize(fmt),
+                        _packer(st, len(slots)), st.shared, _offsets(fmt) if st.coop else ()))
     return Plan(tuple(slots), tuple(steps), tuple(program))
+
+
+def _offsets(fmt: str) -> tuple:
+    """Byte offset of each parameter of the packed layout ``fmt`` ('@' + one character a parameter):
+    cuLaunchCooperativeKernel takes a pointer per parameter, not the packed buffer."""
+    return tuple(struct.calcsize(fmt[:i + 1]) - struct.calcsize(fmt[i]) for i in range(1, len(fmt)))
 
 
 def _walk(plan: Plan, ptrs, on_memset, on_launch) -> None:
@@ -186,26 +196,30 @@ def _walk(plan: Plan, ptrs, on_memset, on_launch) -> None:
             if p and step[2]:
                 on_memset(p, step[2])
             continue
-        _, variants, block, fmt, size, pack, shared = step
+        kind, variants, block, fmt, size, pack, shared, _ = step
         choice, values = pack(ptrs)
-        on_launch(variants[choice], block, shared, fmt, size, values)
+        on_launch(kind, variants[choice], block, shared, fmt, size, values)
 
 
 _tls = threading.local()
 
 
-def _param_buffer(size: int):
+def _param_buffer(size: int, offsets: tuple = ()):
     """This thread's parameter buffer of ``size`` bytes and the cuLaunchKernel 'extra' array pointing
-    at it (the driver copies the parameters at launch, so a buffer is reused call after call)."""
+    at it (the driver copies the parameters at launch, so a buffer is reused call after call); with
+    ``offsets`` (a cooperative launch) instead the array of pointers to each parameter in it."""
     bufs = getattr(_tls, "bufs", None)
     if bufs is None:
         bufs = _tls.bufs = {}
-    found = bufs.get(size)
+    found = bufs.get((size, offsets))
     if found is None:
         buf = ctypes.create_string_buffer(max(size, 1))
         nbytes = ctypes.c_size_t(size)
-        extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(nbytes), 0)
-        found = bufs[size] = (buf, nbytes, extra)
+        if offsets:
+            extra = (ctypes.c_void_p * len(offsets))(*(ctypes.addressof(buf) + o for o in offsets))
+        else:
+            extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(nbytes), 0)
+        found = bufs[(size, offsets)] = (buf, nbytes, extra)
     return found
 
 
@@ -231,27 +245,31 @@ def execute(plan: Plan, ptrs, stream: int) -> None:
                 if err:
                     _check(err, f"zeroing {step[2]} bytes at {p:#x}")
             continue
-        _, variants, block, fmt, size, pack, shared = step
+        kind, variants, block, fmt, size, pack, shared, offsets = step
         choice, values = pack(ptrs)
         v = variants[choice]
-        buf, _, extra = _param_buffer(size)
+        buf, _, extra = _param_buffer(size, offsets)
         struct.pack_into(fmt, buf, 0, *values)
-        err = drv.cuLaunchKernel(v.func, v.grid, 1, 1, block, 1, 1, shared, stream, None, extra)
+        if kind == COOP_LAUNCH:
+            err = drv.cuLaunchCooperativeKernel(v.func, v.grid, 1, 1, block, 1, 1, shared, stream, extra)
+        else:
+            err = drv.cuLaunchKernel(v.func, v.grid, 1, 1, block, 1, 1, shared, stream, None, extra)
         if err:
-            _check(err, f"launching {v.name}")
+            _check(err, f"launching {v.name}" + (" (cooperative)" if kind == COOP_LAUNCH else ""))
 
 
 def dry_run(plan: Plan, ptrs) -> bytes:
     """What :func:`execute` would hand the driver, as bytes (the compiled shim's ``ff8_dry_run``
     writes the same): per memset ``<q 0><Q ptr><q nbytes>``; per launch ``<q 1><Q func><q grid>
-    <q block><q shared><q size>`` then the packed parameters, zero-padded to 8 bytes."""
+    <q block><q shared><q size>`` (``<q 2>...`` for a cooperative one) then the packed parameters,
+    zero-padded to 8 bytes."""
     out = bytearray()
 
     def memset(p, nbytes):
         out.extend(struct.pack("<qQq", MEMSET, p, nbytes))
 
-    def launch(v, block, shared, fmt, size, values):
-        out.extend(struct.pack("<qQqqqq", LAUNCH, v.func, v.grid, block, shared, size))
+    def launch(kind, v, block, shared, fmt, size, values):
+        out.extend(struct.pack("<qQqqqq", kind, v.func, v.grid, block, shared, size))
         out.extend(struct.pack(fmt, *values))
         out.extend(bytes(-size % 8))
 
@@ -271,4 +289,6 @@ def driver():
     lib.cuLaunchKernel.restype = ctypes.c_int
     lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, u, sz, vp]
     lib.cuMemsetD32Async.restype = ctypes.c_int
+    lib.cuLaunchCooperativeKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, vp]
+    lib.cuLaunchCooperativeKernel.restype = ctypes.c_int
     return lib

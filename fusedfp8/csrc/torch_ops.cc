@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "plan.h"
+#include "torch_gemm.h"
 
 namespace {
 
@@ -582,6 +583,14 @@ PyObject* py_clear_cache(PyObject*, PyObject*) {
 
 PyObject* py_plan_version(PyObject*, PyObject*) { return PyLong_FromLongLong(ff8::kPlanVersion); }
 
+PyObject* py_gemm_set_library(PyObject*, PyObject* args) {
+  const char* path = nullptr;
+  if (!PyArg_ParseTuple(args, "s", &path)) return nullptr;
+  std::lock_guard<std::mutex> g(ff8::lt::lock());
+  ff8::lt::library_path() = path;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kMethods[] = {
     {"register", py_register, METH_VARARGS,
      "register(plan_fn, grad_fn): install the CUDA and AutogradCUDA kernels of the fusedfp8 ops"},
@@ -593,11 +602,21 @@ PyMethodDef kMethods[] = {
     {"cache_size", py_cache_size, METH_NOARGS, "signatures with a cached plan"},
     {"clear_cache", py_clear_cache, METH_NOARGS, "forget every cached plan"},
     {"plan_version", py_plan_version, METH_NOARGS, "the plan format this module reads"},
+    {"gemm_set_library", py_gemm_set_library, METH_VARARGS,
+     "gemm_set_library(path): where fusedfp8::fp8_gemm_lt loads cuBLASLt from when the process has none loaded"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ff8_torch", "fusedfp8's torch launch shim (C++)", -1, kMethods,
                        nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
+
+// the cuBLASLt FP8 GEMM (torch_gemm.h): defined here, with its CUDA and Meta kernels
+TORCH_LIBRARY_FRAGMENT(fusedfp8, m) {
+  m.def("fp8_gemm_lt(Tensor a, Tensor b, Tensor scale_inv_a, Tensor scale_inv_b, ScalarType out_dtype, "
+        "bool fast_accum=False) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(fusedfp8, CUDA, m) { m.impl("fp8_gemm_lt", &ff8::torch_gemm::cuda<&current_stream>); }
+TORCH_LIBRARY_IMPL(fusedfp8, Meta, m) { m.impl("fp8_gemm_lt", &ff8::torch_gemm::meta); }
 
 PyMODINIT_FUNC PyInit__ff8_torch(void) { return PyModule_Create(&kModule); }

@@ -15,12 +15,24 @@
 //   aliases  int64[]  (argument, result) pairs that XLA aliases (input_output_aliases): when the
 //                     two buffers differ the argument is copied into the result first
 //   names    string   the plans' kernel names (';'-separated), for error messages
+//
+// The FP8 GEMM (gemm.h) is a second handler, `ff8_xla_fp8_gemm`, registered by
+// fusedfp8/jax/gemm.py as "fusedfp8_fp8_gemm" (command-buffer compatible) and as
+// "fusedfp8_fp8_gemm_no_cmdbuf" (the same handler without the trait):
+//   operands  a (>= m, k) FP8, b (>= n, k) FP8, scale_inv_a (1,) f32, scale_inv_b (1,) f32
+//   results   out (m, n) bf16 / f16 / f32, workspace u8[bytes] (cuBLASLt's, buffer-assigned by XLA)
+//   attrs     fast_accum int64 (0 / 1)
+// out = scale_inv_a * scale_inv_b * (a[:m] @ b[:n].T). The workspace is a result rather than an
+// ffi::ScratchAllocator allocation: a scratch allocation is released when the handler returns,
+// and a CUDA graph recorded from the handler would keep its address; an XLA-assigned buffer is
+// what XLA's own cuBLASLt calls use, and stays valid for every replay.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <string_view>
 
+#include "gemm.h"
 #include "plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -92,7 +104,62 @@ ffi::Error Launch(void* stream, ffi::RemainingArgs args, ffi::RemainingRets rets
   return ffi::Error::Success();
 }
 
+int32_t lt_type(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F8E4M3FN: return ff8::lt::kR8F_E4M3;
+    case ffi::DataType::F8E5M2: return ff8::lt::kR8F_E5M2;
+    case ffi::DataType::BF16: return ff8::lt::kR16BF;
+    case ffi::DataType::F16: return ff8::lt::kR16F;
+    case ffi::DataType::F32: return ff8::lt::kR32F;
+    default: return -1;
+  }
+}
+
+ffi::Error Fp8Gemm(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> ws, int64_t fast_accum) {
+  const ff8::Driver& d = ff8::driver();
+  if (!d.why.empty()) return ffi::Error::Internal("fusedfp8: " + d.why);
+  auto da = a.dimensions(), db = b.dimensions(), dout = out->dimensions();
+  if (da.size() != 2 || db.size() != 2 || dout.size() != 2)
+    return ffi::Error::InvalidArgument("fusedfp8 FP8 GEMM: a, b and the output must be 2-D");
+  if (da[1] != db[1] || da[0] < dout[0] || db[0] < dout[1])
+    return ffi::Error::InvalidArgument("fusedfp8 FP8 GEMM: a (" + std::to_string(da[0]) + ", " + std::to_string(da[1]) +
+                                       ") and b (" + std::to_string(db[0]) + ", " + std::to_string(db[1]) +
+                                       ") do not give an output of (" + std::to_string(dout[0]) + ", " +
+                                       std::to_string(dout[1]) + ")");
+  for (const ffi::AnyBuffer* s : {&sa, &sb})
+    if (s->element_type() != ffi::DataType::F32 || s->element_count() < 1)
+      return ffi::Error::InvalidArgument("fusedfp8 FP8 GEMM: the scales must be float32 arrays of one element");
+  const ff8::lt::Shape shape{dout[0], dout[1], da[1], da[1], db[1], dout[1], lt_type(a.element_type()),
+                             lt_type(b.element_type()), lt_type(out->element_type()), static_cast<int32_t>(fast_accum),
+                             static_cast<int64_t>(ws->size_bytes())};
+  int dev = -1;
+  if (ff8::CUresult e = d.ctx_get_device(&dev))
+    return ffi::Error::Internal("fusedfp8: cuCtxGetDevice failed in the XLA FFI handler: " + ff8::cuda_error(e));
+  std::string err = ff8::lt::run(dev, shape, a.untyped_data(), b.untyped_data(), static_cast<const float*>(sa.untyped_data()),
+                                 static_cast<const float*>(sb.untyped_data()), out->untyped_data(), ws->untyped_data(),
+                                 stream);
+  if (!err.empty()) return ffi::Error::Internal(err);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+// a, b, scale_inv_a, scale_inv_b -> out, workspace; the two targets differ in the trait only
+auto gemm_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<void*>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("fast_accum");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm, Fp8Gemm, gemm_binding(), {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm_no_cmdbuf, Fp8Gemm, gemm_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_launch, Launch,
                               ffi::Ffi::Bind()
@@ -126,6 +193,55 @@ int64_t ff8_dry_run(const int64_t* plan, int64_t n, const uint64_t* bufs, int64_
     err[k] = '\0';
   }
   return -1;
+}
+
+namespace {
+int64_t put_error(const std::string& why, char* err, int64_t errcap) {
+  if (errcap > 0) {
+    size_t k = std::min(why.size(), static_cast<size_t>(errcap - 1));
+    std::memcpy(err, why.data(), k);
+    err[k] = '\0';
+  }
+  return why.empty() ? 0 : -1;
+}
+
+ff8::lt::Shape gemm_shape(const int64_t* v) {  // m, n, k, lda, ldb, ldd, ta, tb, td, fast_accum, workspace
+  return ff8::lt::Shape{v[0], v[1], v[2], v[3], v[4], v[5], static_cast<int32_t>(v[6]), static_cast<int32_t>(v[7]),
+                        static_cast<int32_t>(v[8]), static_cast<int32_t>(v[9]), v[10]};
+}
+}  // namespace
+
+// The FP8 GEMM's library: the path cuBLASLt is loaded from when the process has none loaded yet
+// (call before the first GEMM; later calls change nothing).
+void ff8_gemm_set_library(const char* path) {
+  std::lock_guard<std::mutex> g(ff8::lt::lock());
+  ff8::lt::library_path() = path ? path : "";
+}
+
+// Loads cuBLASLt now: its version (cublasLtGetVersion), or -1 with the reason in `err`.
+int64_t ff8_gemm_load(char* err, int64_t errcap) {
+  const ff8::lt::Api& a = ff8::lt::api();
+  if (!a.why.empty()) return put_error(a.why, err, errcap);
+  put_error(a.where, err, errcap);
+  return static_cast<int64_t>(a.version());
+}
+
+// 0 when cuBLASLt's FP8 GEMM takes the shape `v` (11 int64s: m, n, k, lda, ldb, ldd, a's, b's and
+// the output's cudaDataType, fast_accum, workspace bytes), else -1 with the reason. No GPU needed.
+int64_t ff8_gemm_check(const int64_t* v, char* err, int64_t errcap) {
+  return put_error(ff8::lt::check_shape(gemm_shape(v)), err, errcap);
+}
+
+// Makes (once) the descriptors and the heuristic's algorithm of the shape `v` (as ff8_gemm_check)
+// on CUDA device `device`: called at trace time so that no cuBLASLt set-up runs inside XLA's
+// stream capture. 0, or -1 with the reason.
+int64_t ff8_gemm_prepare(int64_t device, const int64_t* v, char* err, int64_t errcap) {
+  const ff8::lt::Shape s = gemm_shape(v);
+  std::string why = ff8::lt::on_device(static_cast<int>(device), [&] {
+    ff8::lt::Entry* e = nullptr;
+    return ff8::lt::entry(static_cast<int>(device), s, 256, &e);  // XLA's buffers: 256-byte aligned
+  });
+  return put_error(why, err, errcap);
 }
 
 }  // extern "C"

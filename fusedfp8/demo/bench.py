@@ -12,8 +12,9 @@ skipped ones too. The scripts run with this package's folder first on ``PYTHONPA
 they import the same fusedfp8.
 
 ``calibrate`` (``python -m fusedfp8 bench --calibrate``): runs ``scripts/calibrate_policy.py``
-instead, which measures the table of ``convert_to_fp8(policy='auto')`` on this GPU (a few
-minutes; with ``tiny`` a small grid, or without a GPU a CPU smoke test of the script) and writes
+instead, which measures the table of ``convert_to_fp8(policy='auto')`` on this GPU, eager and
+CUDA-graphed steps (meant to take under 90 s on an H200; with ``tiny`` a small grid, or without a
+GPU a CPU smoke test of the script, eager steps only) and writes
 it to the output folder; its progress is shown as it runs and kept in ``calibrate_policy.log``.
 Without a GPU with FP8 GEMMs (and without ``tiny``) it refuses with the probe's reason.
 """
@@ -31,7 +32,8 @@ from typing import Callable
 BENCHMARKS = ("bench_kernels", "bench_mlp_torch", "bench_mlp_jax")
 CALIBRATE = "calibrate_policy"
 _CALIBRATE_TINY = {
-    "gpu": ["--tokens", "512,2048", "--features", "256,1024", "--reps", "3"],
+    "gpu": ["--tokens", "512,2048", "--features", "256,1024", "--graphed-tokens", "512,2048", "--graphed-features",
+            "256,1024", "--reps", "3"],
     "cpu": ["--device", "cpu", "--tokens", "16,32", "--features", "16,32", "--warmup", "1", "--calls", "1", "--reps",
             "1"],
 }

@@ -166,8 +166,8 @@ def _device_name(device) -> str | None:
     return device.device_kind if device.platform == "gpu" else None
 
 
-def dot_general_cls_for(tokens: int, in_features: int, out_features: int, policy: str = "auto", *, table=None,
-                        device=None, **options):
+def dot_general_cls_for(tokens: int, in_features: int, out_features: int, policy: str = "auto", *,
+                        mode: str = "compiled", table=None, device=None, **options):
     """The ``dot_general_cls`` for one ``nn.Dense`` by the policy of
     ``fusedfp8.pytorch.convert_to_fp8`` (see :mod:`fusedfp8.policy`): :class:`Fp8DotGeneral`
     where FP8 is predicted faster than bf16 for a layer of ``in_features -> out_features`` that
@@ -182,6 +182,10 @@ def dot_general_cls_for(tokens: int, in_features: int, out_features: int, policy
     tokens, in_features, out_features : int
     policy : {'auto', 'all'}
         'auto' reads the calibration table; 'all' always returns the FP8 class.
+    mode : {'compiled', 'graphed', 'eager'}
+        How the step runs. 'compiled' (the default: a jitted step) decides from the table's
+        CUDA-graphed figures, which stand in for compiled ones (an approximation, see
+        :mod:`fusedfp8.policy`); a table without them raises MissingModeError.
     table : fusedfp8.policy.PolicyTable or path, optional
         By default ``$FUSEDFP8_POLICY_TABLE``, else the table shipped for the GPU.
     device : jax Device or its name, optional
@@ -189,9 +193,10 @@ def dot_general_cls_for(tokens: int, in_features: int, out_features: int, policy
     **options : ``recipe``, ``impl``, ``axis_name``, ``forward_fast_accum`` of :class:`Fp8DotGeneral`;
         given, the FP8 class comes back as ``functools.partial(Fp8DotGeneral, **options)``.
 
-    ``fusedfp8.policy.decide(tokens, in_features, out_features, device=..., table=...)`` gives the
-    figures behind the decision. Raises as :func:`fusedfp8.policy.decide` (MissingTableError
-    without a table for the GPU), and TypeError on an unknown option.
+    ``fusedfp8.policy.decide(tokens, in_features, out_features, mode='compiled', device=...,
+    table=...)`` gives the figures behind the decision. Raises as :func:`fusedfp8.policy.decide`
+    (MissingTableError without a table for the GPU, MissingModeError without the mode's figures,
+    ValueError on a bad mode), and TypeError on an unknown option.
     """
     unknown = sorted(set(options) - set(_DOT_GENERAL_OPTIONS))
     if unknown:
@@ -200,7 +205,7 @@ def dot_general_cls_for(tokens: int, in_features: int, out_features: int, policy
         check_recipe(options["recipe"])
     policy = _policy.check_policy(policy, allow_none=False)
     name = None if policy == "all" or table is not None else _device_name(device)
-    decision = _policy.decide(tokens, in_features, out_features, policy=policy, device=name, table=table)
+    decision = _policy.decide(tokens, in_features, out_features, policy=policy, mode=mode, device=name, table=table)
     if not decision.fp8:
         return None
     return functools.partial(Fp8DotGeneral, **options) if options else Fp8DotGeneral

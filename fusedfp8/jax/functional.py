@@ -19,10 +19,12 @@ and the output gradient g (M, N):
     dgrad    dx = g @ w.T   = dot(g_q (M, N),   w_q (K, N))
     wgrad    dw = x.T @ g   = dot(x_t_q (K, M), g_t_q (N, M))
 
-each ``dot_general(..., preferred_element_type=float32) * (scale_inv_a * scale_inv_b)``, the
-pattern XLA's GEMM rewriter turns into one ``__cublas$lt$matmul$f8`` call with the scales in
-its epilogue. Forward tensors use the recipe's forward format (E4M3), gradients E5M2 under
-'hybrid'. Only FP8 tensors are saved for the backward (and the MLP's pre-activation; with its
+each one :func:`fusedfp8.jax.gemm.fp8_gemm`: on CUDA one ``cublasLtMatmul`` called by the shim's
+XLA FFI handler (``fusedfp8_fp8_gemm``), the scales in its epilogue and the output written in
+its final dtype; elsewhere (and for impl 'jnp' / 'callback') ``dot_general(...,
+preferred_element_type=float32) * (scale_inv_a * scale_inv_b)``, which XLA's GEMM rewriter
+turns into its own ``__cublas$lt$matmul$f8`` call (float32 out, then a conversion kernel).
+Forward tensors use the recipe's forward format (E4M3), gradients E5M2 under 'hybrid'. Only FP8 tensors are saved for the backward (and the MLP's pre-activation; with its
 LayerNorm fused, the block's input and the per-row mean and rstd).
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ..ops import _check_eps
 from ..recipe import DelayedScaling
 from ..state import ScalingState
 from ..types import Quantized, check_approximate, check_recipe, gemm_pad_to
+from . import gemm as G
 from . import layernorm as LN
 from . import primitives as P
 from .meta import LINEAR_GRAD, combine, decode, meta_to_state, state_to_meta
@@ -65,18 +68,17 @@ def quantize_ste(x, state: ScalingState, index: int, recipe: DelayedScaling, *,
 
 
 # ---- the FP8 GEMM ----------------------------------------------------------------------------
-def gemm(a, b, scale_inv_a, scale_inv_b, out_dtype, *, fast_accum: bool = False):
-    """``out_dtype((a @ b.T) * scale_inv_a * scale_inv_b)`` for FP8 a (M, K), b (N, K).
+def gemm(a, b, scale_inv_a, scale_inv_b, out_dtype, *, fast_accum: bool = False, impl: str = "auto", shape=None):
+    """``out_dtype((a @ b.T) * scale_inv_a * scale_inv_b)`` for FP8 a (M, K), b (N, K), cut to
+    ``shape`` (m, n) when given: :func:`fusedfp8.jax.gemm.fp8_gemm` (cuBLASLt through the shim's
+    FFI handler on CUDA, XLA's dot elsewhere and for impl 'jnp' / 'callback').
 
-    ``fast_accum``: XLA maps the dot's precision to cuBLASLt's FP8 accumulation: DEFAULT is fast
-    accumulation (partial sums never promoted), HIGHEST the split accumulator. As in Transformer
-    Engine and torch's path, the forward GEMMs are fast by default (``forward_fast_accum`` of
-    :func:`fp8_dot` / :func:`fp8_mlp`) and the gradients, summed over many more terms, split.
+    ``fast_accum``: cuBLASLt's FP8 fast accumulation (partial sums never promoted) or the split
+    accumulator. As in Transformer Engine and torch's path, the forward GEMMs are fast by default
+    (``forward_fast_accum`` of :func:`fp8_dot` / :func:`fp8_mlp`) and the gradients, summed over
+    many more terms, split.
     """
-    fast = fast_accum
-    precision = lax.Precision.DEFAULT if fast else lax.Precision.HIGHEST
-    y = lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-    return (y * (scale_inv_a[0] * scale_inv_b[0])).astype(out_dtype)
+    return G.fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype, shape=shape, fast_accum=fast_accum, impl=impl)
 
 
 class _Cfg(NamedTuple):
@@ -115,10 +117,10 @@ def _advance(meta, cfg, grad=LINEAR_GRAD) -> ScalingState:
 
 
 def _padded(a, pad: int):
-    """A 2-D FP8 operand with zeros appended to multiples of ``pad`` (cuBLASLt's FP8 GEMMs need
-    every dimension a multiple of 16, and XLA does not pad them: with a ragged dimension its GEMM
-    rewriter falls back to a GEMM in high precision). One copy of the FP8 bytes; the quantize
-    kernels' own pad_to is not wired into the JAX primitives yet."""
+    """A 2-D FP8 operand with zeros appended to multiples of ``pad`` (cuBLASLt's FP8 GEMMs need K
+    a multiple of 16; XLA's GEMM rewriter needs every dimension so, else it falls back to a GEMM
+    in high precision). One copy of the FP8 bytes; the quantize kernels' own pad_to is not wired
+    into the JAX primitives yet (the LayerNorm's is)."""
     if pad == 1:
         return a
     return jnp.pad(a, [(0, -d % pad) for d in a.shape])
@@ -141,7 +143,7 @@ def _dot_fwd(x, w, meta, fp8_weight, cfg: _Cfg, training: bool = True):
     rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=training, impl=cfg.impl)
     rw, st = _weight(w, fp8_weight, st, cfg.recipe, cfg.impl)
     y = gemm(_padded(rx.data, pad), _padded(rw.data_t, pad), rx.scale_inv, rw.scale_inv, cfg.out_dtype,
-             fast_accum=cfg.forward_fast_accum)[:m, :n]
+             fast_accum=cfg.forward_fast_accum, impl=cfg.impl, shape=(m, n))
     dtypes = (jnp.zeros((0, m, k), x.dtype), jnp.zeros((0, k, n), w.dtype))  # dtypes and real shapes
     x_t = _padded(rx.data_t, pad) if training else None
     res = (x_t, _padded(rw.data, pad), rx.scale_inv, rw.scale_inv, st, dtypes, fp8_weight)
@@ -169,8 +171,8 @@ def _dot_bwd(cfg: _Cfg, res, cts):
     (_, m, k), n = xz.shape, wz.shape[2]
     pad = gemm_pad_to(m, k, n)  # as the forward padded
     rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, impl=cfg.impl)
-    dx = gemm(_padded(rg.data, pad), w_q, rg.scale_inv, sw, xz.dtype)[:m, :k]
-    dw = gemm(x_t, _padded(rg.data_t, pad), sx, rg.scale_inv, wz.dtype)[:k, :n]
+    dx = gemm(_padded(rg.data, pad), w_q, rg.scale_inv, sw, xz.dtype, impl=cfg.impl, shape=(m, k))
+    dw = gemm(x_t, _padded(rg.data_t, pad), sx, rg.scale_inv, wz.dtype, impl=cfg.impl, shape=(k, n))
     return dx, dw, combine(later, state_to_meta(st)), _zeros_like(fp8_weight)
 
 
@@ -342,11 +344,12 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
     q1, q2 = fp8_weights or (None, None)
     rw1, st1 = _weight(w1, q1, st1, r, impl)
     fast = cfg.forward_fast_accum
-    z = gemm(h_q, _padded(rw1.data_t, p), rh.scale_inv, rw1.scale_inv, dt, fast_accum=fast)[:m, :ffn] + b1.astype(dt)
+    z = gemm(h_q, _padded(rw1.data_t, p), rh.scale_inv, rw1.scale_inv, dt, fast_accum=fast, impl=impl,
+             shape=(m, ffn)) + b1.astype(dt)
     ra, st2 = P.gelu_quantize(z, st2, 0, r, approximate=cfg.approximate, transpose=training, impl=impl)
     rw2, st2 = _weight(w2, q2, st2, r, impl)
-    y = gemm(_padded(ra.data, p), _padded(rw2.data_t, p), ra.scale_inv, rw2.scale_inv, dt,
-             fast_accum=fast)[:m, :out] + b2.astype(dt)
+    y = gemm(_padded(ra.data, p), _padded(rw2.data_t, p), ra.scale_inv, rw2.scale_inv, dt, fast_accum=fast,
+             impl=impl, shape=(m, out)) + b2.astype(dt)
     # dtypes, and the real shapes of h, w1, w2 (zero-size arrays: static)
     dtypes = (jnp.zeros((0, m, hid), h.dtype), jnp.zeros((0, hid, ffn), w1.dtype), jnp.zeros((0,), b1.dtype),
               jnp.zeros((0, ffn, out), w2.dtype), jnp.zeros((0,), b2.dtype))
@@ -371,17 +374,17 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
     p = gemm_pad_to(m, hid, ffn, out)  # as the forward padded
     r, impl = cfg.recipe, cfg.impl
     rg, st2 = P.quantize(g, st2, 2, r, transpose=True, impl=impl)
-    da = gemm(_padded(rg.data, p), w2_q, rg.scale_inv, sw2, z.dtype)[:m, :ffn]
-    dw2 = gemm(a_t, _padded(rg.data_t, p), sa, rg.scale_inv, w2z.dtype)[:ffn, :out]
+    da = gemm(_padded(rg.data, p), w2_q, rg.scale_inv, sw2, z.dtype, impl=impl, shape=(m, ffn))
+    dw2 = gemm(a_t, _padded(rg.data_t, p), sa, rg.scale_inv, w2z.dtype, impl=impl, shape=(ffn, out))
     db2 = jnp.sum(g.reshape(-1, g.shape[-1]), axis=0, dtype=jnp.float32).astype(b2z.dtype)
     rdz, st1 = P.dgelu_quantize(da, z, st1, 2, r, approximate=cfg.approximate, transpose=True, dbias=True,
                                 impl=impl)
-    dw1 = gemm(h_t, _padded(rdz.data_t, p), sh, rdz.scale_inv, w1z.dtype)[:hid, :ffn]
+    dw1 = gemm(h_t, _padded(rdz.data_t, p), sh, rdz.scale_inv, w1z.dtype, impl=impl, shape=(hid, ffn))
     dln = None
     if ln_saved is None:
-        dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, hz.dtype)[:m, :hid]
+        dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, hz.dtype, impl=impl, shape=(m, hid))
     else:  # the GEMM's dh is the LayerNorm output's gradient: through the LayerNorm's backward to x
-        dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, z.dtype)[:m, :hid]
+        dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, z.dtype, impl=impl, shape=(m, hid))
         dh, dlw, dlb = _layernorm_bwd(dh, *ln_saved)
         dln = (dlw, dlb)
     return (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, combine(later1, state_to_meta(st1)),

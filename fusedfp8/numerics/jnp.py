@@ -252,50 +252,48 @@ class JnpNamespace(NumpyNamespace):
 
 
 # ---- exp / erfc / gelu / dgelu, the reference's op sequence ------------------------------------
-def exp_f32(a) -> jax.Array:
-    """e**a, as :func:`fusedfp8.numerics.reference.exp_f32` (branch-free, shifter rounding, the
-    scaling by 2**k from the bits)."""
+def _pow2_poly(f, t) -> jax.Array:
+    """As :func:`fusedfp8.numerics.reference._pow2_poly`: the polynomial of 2**f, times 2**k from the bits."""
+    p = _c(C.EXP2_POLY[0])
+    for coef in C.EXP2_POLY[1:]:
+        p = fma_f32(p, f, _c(coef), tiny_products=False)
+    return from_bits(bits(p) + lax.shift_left(bits(t), jnp.int32(23)))
+
+
+def exp2_product(q, x) -> jax.Array:
+    """2**(q x), as :func:`fusedfp8.numerics.reference.exp2_product`."""
+    t = fma_f32(q, x, _c(C.EXP_SHIFTER), tiny_products=False)
+    return _pow2_poly(fma_f32(q, x, -_hide(t - _c(C.EXP_SHIFTER))), t)
+
+
+def exp_f32(a, half: bool = False) -> jax.Array:
+    """e**(s a), s = 1 or -1/2, as :func:`fusedfp8.numerics.reference.exp_f32` (branch-free, shifter
+    rounding, log2 e in two parts, the scaling by 2**k from the bits)."""
     a = jnp.asarray(a, f32)
-    t = fma_f32(a, _c(C.LOG2E), _c(C.EXP_SHIFTER), tiny_products=False)
+    s = np.float32(-0.5 if half else 1.0)
+    t = fma_f32(a, _c(s * C.LOG2E), _c(C.EXP_SHIFTER), tiny_products=False)
     k = _hide(t - _c(C.EXP_SHIFTER))
-    r = fma_f32(k, -_c(C.LN2_HI), a, tiny_products=False)
-    r = fma_f32(k, -_c(C.LN2_LO), r, tiny_products=False)
-    p = _c(C.EXP_POLY[0])
-    for coef in C.EXP_POLY[1:]:
-        p = fma_f32(p, r, _c(coef), tiny_products=False)
-    scaled = from_bits(bits(p) + lax.shift_left(bits(t), jnp.int32(23)) + np.int32(64 << 23))
-    y = _mul(scaled, _c(C.TWO_M64))
-    return jnp.where(a < _c(C.EXP_MIN_ARG), _c(0.0), y)
+    y = _pow2_poly(fma_f32(a, _c(s * C.LOG2E_LO), fma_f32(a, _c(s * C.LOG2E), -k)), t)
+    return jnp.where(a > _c(C.EXP_HALF_MAX_ARG) if half else a < _c(C.EXP_MIN_ARG), _c(0.0), y)
 
 
-def _newton(d, r, steps: int):
-    for _ in range(steps):
-        r = fma_f32(r, fma_f32(-d, r, _c(1.0), tiny_products=False), r, tiny_products=False)
-    return r
-
-
-def rcp_1_2(d) -> jax.Array:
-    """1 / d for d in [1, 2], as :func:`fusedfp8.numerics.reference.rcp_1_2`."""
+def rcp_f32(d) -> jax.Array:
+    """1 / d correctly rounded, as :func:`fusedfp8.numerics.reference.rcp_f32`."""
     d = jnp.asarray(d, f32)
-    return _newton(d, fma_f32(d, -_c(C.RCP_C1), _c(C.RCP_C0), tiny_products=False), 3)
+    return div_rn(_c(1.0), d)
 
 
-def rcp_1_16(d) -> jax.Array:
-    """1 / d for d in [1, 16), as :func:`fusedfp8.numerics.reference.rcp_1_16`."""
-    d = jnp.asarray(d, f32)
-    return _newton(d, from_bits(np.int32(C.RCP_MAGIC) - bits(d)), 4)
-
-
-def erfc_f32(z) -> jax.Array:
-    z = jnp.asarray(z, f32)
-    a = jnp.abs(z)
-    a = jnp.where(a > _c(C.ERFC_MAX_ARG), _c(C.ERFC_MAX_ARG), a)
-    t = rcp_1_16(fma_f32(_c(0.5), a, _c(1.0), tiny_products=False))
+def erfc_of_abs(ax, e) -> jax.Array:
+    """erfc(ax / sqrt 2), as :func:`fusedfp8.numerics.reference.erfc_of_abs`."""
+    t = rcp_f32(fma_f32(ax, _c(C.ERFC_T_SCALE), _c(1.0), tiny_products=False))
     p = _c(C.ERFC_POLY[0])
     for coef in C.ERFC_POLY[1:]:
         p = fma_f32(p, t, _c(coef), tiny_products=False)
-    e = _mul(t, exp_f32(fma_f32(-a, a, -_c(C.ERFC_C0)) + _mul(p, t)))
-    return jnp.where(jnp.signbit(z), _c(2.0) - e, e)
+    return _mul(_mul(t, p), e)
+
+
+def erfc_neg(x, e) -> jax.Array:
+    return jnp.where(jnp.signbit(x), e, _c(2.0) - e)
 
 
 def _clamp(x, lim):
@@ -303,12 +301,11 @@ def _clamp(x, lim):
     return jnp.where(x > lim, lim, jnp.where(x < -lim, -lim, x))
 
 
-def _sigmoid_parts(x):
-    x2 = _mul(x, x)
-    w = fma_f32(_c(C.GELU_C1), _mul(x2, x), x)
-    e = exp_f32(_mul(_c(C.GELU_K), jnp.abs(w)))
-    r = rcp_1_2(_c(1.0) + e)
-    return x2, e, r, jnp.where(jnp.signbit(w), e, _c(1.0))
+def _sigmoid_parts(xc, x):
+    x2 = _mul(xc, xc)
+    e = exp2_product(fma_f32(x2, _c(C.GELU_KC1), _c(C.GELU_K2), tiny_products=False), xc)
+    r = jnp.where(x < -_c(C.GELU_X_MAX), _c(0.0), rcp_f32(_c(1.0) + e))
+    return x2, e, r
 
 
 def _nan_where_nan(x, y):
@@ -319,22 +316,25 @@ def gelu_f32(x, approximate: str) -> jax.Array:
     """gelu in float32 ('tanh' or 'none'), as :func:`fusedfp8.numerics.reference.gelu_f32`."""
     x = jnp.asarray(x, f32)
     if approximate == "tanh":
-        _, _, r, sel = _sigmoid_parts(x)
-        return _nan_where_nan(x, _mul(_mul(x, sel), r))
-    return _nan_where_nan(x, _mul(_mul(_c(0.5), x), erfc_f32(_mul(-x, _c(C.INV_SQRT2)))))
+        _, _, r = _sigmoid_parts(jnp.fmin(x, _c(C.GELU_X_MAX)), x)
+        return _nan_where_nan(x, _mul(x, r))
+    ax = jnp.where(jnp.abs(x) > _c(C.ERFC_MAX_ARG), _c(C.ERFC_MAX_ARG), jnp.abs(x))
+    e = erfc_of_abs(ax, exp_f32(_mul(x, x), half=True))
+    return _nan_where_nan(x, _mul(_mul(_c(0.5), x), erfc_neg(x, e)))
 
 
 def dgelu_f32(x, approximate: str) -> jax.Array:
     """d gelu / dx in float32, as :func:`fusedfp8.numerics.reference.dgelu_f32`."""
     x = jnp.asarray(x, f32)
     if approximate == "tanh":
-        xc = _clamp(x, 20.0)
-        x2, e, rd, sel = _sigmoid_parts(xc)
-        dudx = _mul(_c(C.SQRT_2_OVER_PI), fma_f32(_c(C.GELU_C3), x2, _c(1.0)))
-        return _nan_where_nan(x, fma_f32(_mul(_mul(_mul(_mul(_c(2.0), xc), e), rd), rd), dudx, _mul(sel, rd)))
+        xc = _clamp(x, C.GELU_X_MAX)
+        x2, e, r = _sigmoid_parts(xc, x)
+        m = fma_f32(x2, _c(C.GELU_M3), _c(C.GELU_M0), tiny_products=False)
+        return _nan_where_nan(x, _mul(fma_f32(_mul(xc, m), _mul(e, r), _c(1.0), tiny_products=False), r))
     xc = _clamp(x, 40.0)
-    pdf = _mul(exp_f32(_mul(_c(-0.5), _mul(xc, xc))), _c(C.INV_SQRT_2PI))
-    return _nan_where_nan(x, fma_f32(xc, pdf, _mul(_c(0.5), erfc_f32(_mul(-xc, _c(C.INV_SQRT2))))))
+    e = exp_f32(_mul(xc, xc), half=True)
+    half_cdf = _mul(_c(0.5), erfc_neg(xc, erfc_of_abs(jnp.abs(xc), e)))
+    return _nan_where_nan(x, fma_f32(xc, _mul(e, _c(C.INV_SQRT_2PI)), half_cdf))
 
 
 # ---- amax, scaling, the FP8 cast ------------------------------------------------------------------

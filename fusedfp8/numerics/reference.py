@@ -2,7 +2,7 @@
 
 Everything is computed in float32 with one rounding per operation, in the same order as the
 kernels in ``cuda_src/`` (which are compiled without FMA contraction and without flush-to-zero),
-so results agree byte for byte. The activation functions use the library's own exp / tanh /
+so results agree byte for byte. The activation functions use the library's own exp2 / sigmoid /
 erfc, built from + - * / only, because ``np.tanh`` and CUDA's ``tanhf`` do not round alike.
 """
 from __future__ import annotations
@@ -14,9 +14,8 @@ from ..formats import Format, get_format
 from ..types import Quantized, check_approximate
 
 from . import scaling
-from .constants import (ERFC_C0, ERFC_MAX_ARG, ERFC_POLY, EXP_MIN_ARG, EXP_POLY, EXP_SHIFTER, GELU_C1, GELU_C3,
-                        GELU_K, INV_SQRT2, INV_SQRT_2PI, LN2_HI, LN2_LO, LOG2E, RCP_C0, RCP_C1, RCP_MAGIC,
-                        SQRT_2_OVER_PI, TWO_M64)
+from .constants import (ERFC_MAX_ARG, ERFC_POLY, ERFC_T_SCALE, EXP2_POLY, EXP_HALF_MAX_ARG, EXP_MIN_ARG, EXP_SHIFTER,
+                        GELU_K2, GELU_KC1, GELU_M0, GELU_M3, GELU_X_MAX, INV_SQRT_2PI, LOG2E, LOG2E_LO)
 from .xp import NumpyNamespace
 
 f32 = np.float32
@@ -122,64 +121,66 @@ def dequantize(q, scale_inv, dtype=np.float32) -> np.ndarray:
     return out
 
 
-# ---- the library's own float32 exp / tanh / erfc (same op sequence as cuda_src) -------------
+# ---- the library's own float32 exp / sigmoid / erfc (same op sequence as cuda_src) -----------
 def _where(c, a, b):
     return np.where(c, a, b).astype(np.float32)
 
 
-def exp_f32(a: np.ndarray) -> np.ndarray:
-    """e**a for a <= 0 (the only arguments the activations use; a few ulp above 0 also fine),
-    branch-free as the kernels: k = round(a log2 e) from one FMA with the shifter 1.5 * 2**23,
-    Cody-Waite reduction with FMA, degree-6 polynomial p, p * 2**(k + 64) from the bits (exact),
-    times 2**-64 (one rounding); 0 below -87."""
+def _pow2_poly(f, t) -> np.ndarray:
+    """p(f) ~ 2**f for |f| <= 1/2 (the degree-5 polynomial, Horner with FMA), times 2**k by adding
+    the low bits of the shifter sum t (k << 23) to its bits: exact while the result is normal."""
+    p = EXP2_POLY[0]
+    for c in EXP2_POLY[1:]:
+        p = fma_f32(p, f, c)
+    bits = np.asarray(p, np.float32).view(np.uint32) + (np.asarray(t, np.float32).view(np.uint32) << np.uint32(23))
+    return bits.view(np.float32)
+
+
+def exp2_product(q, x) -> np.ndarray:
+    """2**(q x) for q x in [-125, 125] (the product unrounded), branch-free as the kernels:
+    t = fma(q, x, 1.5 * 2**23) rounds q x to an integer k (in t's low bits), f = fma(q, x, -k) in
+    [-1/2, 1/2], then :func:`_pow2_poly`. Outside that range the bits mean nothing."""
+    with np.errstate(all="ignore"):
+        t = fma_f32(q, x, EXP_SHIFTER)
+        return _pow2_poly(fma_f32(q, x, -np.asarray(t - EXP_SHIFTER, np.float32)), t)
+
+
+def exp_f32(a: np.ndarray, half: bool = False) -> np.ndarray:
+    """e**(s a), s = 1 or -1/2 (``half``; folded exactly into the constants), for s a <= 0 (a few ulp
+    above 0 also fine), as 2**(s a log2 e), branch-free: k = round(s a log2 e) from one FMA with the
+    shifter, f = s a log2 e - k from two FMAs with log2 e split in two floats (error below 2**-25),
+    then :func:`_pow2_poly`; 0 where s a < -87."""
     a = np.asarray(a, np.float32)
+    s = f32(-0.5 if half else 1.0)
     with np.errstate(all="ignore"):
-        t = fma_f32(a, LOG2E, EXP_SHIFTER)
-        k = (t - EXP_SHIFTER).astype(np.float32)
-        r = fma_f32(k, -LN2_HI, a)
-        r = fma_f32(k, -LN2_LO, r)
-        p = EXP_POLY[0]
-        for c in EXP_POLY[1:]:
-            p = fma_f32(p, r, c)
-        bits = (np.asarray(p, np.float32).view(np.uint32) + (np.asarray(t, np.float32).view(np.uint32) << np.uint32(23))
-                + np.uint32(64 << 23))
-        y = (bits.view(np.float32) * TWO_M64).astype(np.float32)
-    return _where(a < EXP_MIN_ARG, f32(0.0), y)
+        t = fma_f32(a, s * LOG2E, EXP_SHIFTER)
+        k = np.asarray(t - EXP_SHIFTER, np.float32)
+        y = _pow2_poly(fma_f32(a, s * LOG2E_LO, fma_f32(a, s * LOG2E, -k)), t)
+    return _where(a > EXP_HALF_MAX_ARG if half else a < EXP_MIN_ARG, f32(0.0), y)
 
 
-def rcp_1_2(d: np.ndarray) -> np.ndarray:
-    """1 / d for d in [1, 2]: linear seed 24/17 - 8/17 d, three Newton steps, FMA only."""
-    d = np.asarray(d, np.float32)
+def rcp_f32(d: np.ndarray) -> np.ndarray:
+    """1 / d correctly rounded, for d in [1, 2**126) (the kernels: the hardware reciprocal seed and
+    one Newton step, which is rcp.rn.f32's own fast path, correctly rounded on that range)."""
     with np.errstate(all="ignore"):
-        r = fma_f32(d, -RCP_C1, RCP_C0)
-        for _ in range(3):
-            r = fma_f32(r, fma_f32(-d, r, f32(1.0)), r)
-    return r
+        return np.asarray(f32(1.0) / np.asarray(d, np.float32), np.float32)
 
 
-def rcp_1_16(d: np.ndarray) -> np.ndarray:
-    """1 / d for d in [1, 16): integer seed 0x7EF311C7 - bits(d), four Newton steps."""
-    d = np.asarray(d, np.float32)
+def erfc_of_abs(ax: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """erfc(ax / sqrt 2) = t R(t) exp(-x^2 / 2) for ax = |x| <= 40, t = 1 / (1 + ax / (2 sqrt 2)), R the
+    degree-8 fit of erfcx / t; ``e`` = exp(-x^2 / 2) from the caller (the erf gelu' shares it)."""
     with np.errstate(all="ignore"):
-        r = (np.uint32(RCP_MAGIC) - d.view(np.uint32)).astype(np.uint32).view(np.float32)
-        for _ in range(4):
-            r = fma_f32(r, fma_f32(-d, r, f32(1.0)), r)
-    return r
-
-
-def erfc_f32(z: np.ndarray) -> np.ndarray:
-    """erfc(z), Numerical Recipes' Chebyshev fit (fractional error < 1.2e-7); z < 0 (sign bit)
-    through 2 - erfc(|z|); |z| capped at 20 (erfc is 0 in float32 from about 10 on)."""
-    z = np.asarray(z, np.float32)
-    a = np.abs(z)
-    a = _where(a > ERFC_MAX_ARG, ERFC_MAX_ARG, a)
-    with np.errstate(all="ignore"):
-        t = rcp_1_16(fma_f32(f32(0.5), a, f32(1.0)))
+        t = rcp_f32(fma_f32(ax, ERFC_T_SCALE, f32(1.0)))
         p = ERFC_POLY[0]
         for c in ERFC_POLY[1:]:
             p = fma_f32(p, t, c)
-        e = t * exp_f32(fma_f32(-a, a, -ERFC_C0) + p * t)
-    return _where(np.signbit(z), f32(2.0) - e, e)
+        return np.asarray((t * p) * e, np.float32)
+
+
+def erfc_neg(x: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """erfc(-x / sqrt 2) from e = erfc(|x| / sqrt 2): 2 - e for x >= 0 (sign bit clear), else e."""
+    with np.errstate(all="ignore"):
+        return _where(np.signbit(x), e, f32(2.0) - e)
 
 
 def _clamp(x, lim):
@@ -187,14 +188,16 @@ def _clamp(x, lim):
     return _where(x > lim, lim, _where(x < -lim, -lim, x))
 
 
-def _sigmoid_parts(x: np.ndarray):
-    """w = x + 0.044715 x^3 (u = sqrt(2/pi) w), e = exp(K |w|) = exp(-2|u|) with K = -2 sqrt(2/pi),
-    r = 1 / (1 + e); 0.5 (1 + tanh u) = sel r with sel = 1 for u >= 0 (sign bit clear), e otherwise."""
-    x2 = x * x
-    w = fma_f32(GELU_C1, x2 * x, x)
-    e = exp_f32(GELU_K * np.abs(w))
-    r = rcp_1_2(f32(1.0) + e)
-    return x2, e, r, _where(np.signbit(w), e, f32(1.0))
+def _sigmoid_parts(xc: np.ndarray, x: np.ndarray):
+    """xc^2, E = 2**(q xc) and r = 1 / (1 + E) = 0.5 (1 + tanh u), q = K2 + KC1 xc^2, so that
+    q xc = -2 u log2 e for u = sqrt(2/pi) (xc + 0.044715 xc^3). xc is x clamped (by the caller) to at
+    most X_MAX = 9.875, where E < 2**-121 and r is 1 (and above -X_MAX where x is not); r is 0 for
+    x < -X_MAX (where it is below 2**-121)."""
+    with np.errstate(all="ignore"):
+        x2 = xc * xc
+        e = exp2_product(fma_f32(x2, GELU_KC1, GELU_K2), xc)
+        r = _where(x < -GELU_X_MAX, f32(0.0), rcp_f32(f32(1.0) + e))
+    return x2, e, r
 
 
 def _nan_where_nan(x, y):
@@ -209,9 +212,11 @@ def gelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
     x = np.asarray(x, np.float32)
     with np.errstate(all="ignore"):
         if approximate == "tanh":
-            _, _, r, sel = _sigmoid_parts(x)
-            return _nan_where_nan(x, (x * sel) * r)
-        return _nan_where_nan(x, (f32(0.5) * x) * erfc_f32(-x * INV_SQRT2))
+            _, _, r = _sigmoid_parts(np.fmin(x, GELU_X_MAX), x)  # (fmin: a NaN x gives X_MAX there)
+            return _nan_where_nan(x, x * r)
+        ax = _where(np.abs(x) > ERFC_MAX_ARG, ERFC_MAX_ARG, np.abs(x))  # (NaN kept)
+        e = erfc_of_abs(ax, exp_f32(x * x, half=True))
+        return _nan_where_nan(x, (f32(0.5) * x) * erfc_neg(x, e))
 
 
 def dgelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
@@ -219,15 +224,15 @@ def dgelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
     x = np.asarray(x, np.float32)
     with np.errstate(all="ignore"):
         if approximate == "tanh":
-            # d/dx = sel r + x * (2 e r^2) * du/dx, since 0.5 (1 - tanh^2 u) = 2 e r^2
-            xc = _clamp(x, 20.0)
-            x2, e, rd, sel = _sigmoid_parts(xc)
-            dudx = SQRT_2_OVER_PI * fma_f32(GELU_C3, x2, f32(1.0))
-            g = fma_f32((((f32(2.0) * xc) * e) * rd) * rd, dudx, sel * rd)
+            # d/dx = r + x (2 E r^2) du/dx = r (1 + (x M) (E r)) with M = 2 du/dx, since
+            # 0.5 (1 - tanh^2 u) = 2 E r^2
+            xc = _clamp(x, GELU_X_MAX)  # (the float32 result is 1 above, and 0 below by the select)
+            x2, e, r = _sigmoid_parts(xc, x)
+            g = fma_f32(xc * fma_f32(x2, GELU_M3, GELU_M0), e * r, f32(1.0)) * r
         else:
             xc = _clamp(x, 40.0)
-            pdf = exp_f32(f32(-0.5) * (xc * xc)) * INV_SQRT_2PI
-            g = fma_f32(xc, pdf, f32(0.5) * erfc_f32(-xc * INV_SQRT2))
+            e = exp_f32(xc * xc, half=True)  # shared by the pdf and erfc
+            g = fma_f32(xc, e * INV_SQRT_2PI, f32(0.5) * erfc_neg(xc, erfc_of_abs(np.abs(xc), e)))
     return _nan_where_nan(x, g)
 
 

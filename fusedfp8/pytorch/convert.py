@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..policy import ConversionReport, Decision, check_dims, check_policy, find_table
+from ..policy import ConversionReport, Decision, check_dims, check_mode, check_policy, find_table
 from ..recipe import DelayedScaling
 from ..types import check_recipe
 from .modules import MISSED_UPDATE_MODES, Fp8Linear
@@ -17,7 +17,8 @@ __all__ = ["convert_to_fp8", "plan_fp8_conversion"]
 REPORT_ATTR = "fp8_conversion_report"
 
 
-def _check_plan_args(model, filter_fn, policy, tokens, policy_table) -> str:
+def _check_plan_args(model, filter_fn, policy, tokens, policy_table, mode) -> tuple[str, str | None]:
+    """(policy, mode): the policy as 'all' or 'auto', the mode ('eager' where None) with 'auto'."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     if filter_fn is not None and not callable(filter_fn):
@@ -31,9 +32,12 @@ def _check_plan_args(model, filter_fn, policy, tokens, policy_table) -> str:
             check_dims(tokens, 1, 1)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{e} (the rows each linear layer sees per step)") from None
-    if policy_table is not None and policy != "auto":
-        raise ValueError(f"policy_table is only read by policy='auto'; got policy={policy!r}")
-    return policy
+    for arg, value in (("policy_table", policy_table), ("mode", mode)):
+        if value is not None and policy != "auto":
+            raise ValueError(f"{arg} is only read by policy='auto'; got policy={policy!r}")
+    if policy != "auto":
+        return policy, None
+    return policy, "eager" if mode is None else check_mode(mode)
 
 
 def _device_name(weight: torch.Tensor) -> str | None:
@@ -44,7 +48,7 @@ def _device_name(weight: torch.Tensor) -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
-def _plan(model: nn.Module, filter_fn, policy: str, tokens, policy_table) -> ConversionReport:
+def _plan(model: nn.Module, filter_fn, policy: str, tokens, policy_table, mode) -> ConversionReport:
     candidates = [(fqn, m) for fqn, m in model.named_modules() if type(m) is nn.Linear]
     tables, decisions = {}, []
     for fqn, m in candidates:
@@ -56,23 +60,24 @@ def _plan(model: nn.Module, filter_fn, policy: str, tokens, policy_table) -> Con
             name = None if policy_table is not None else _device_name(m.weight)
             if name not in tables:
                 tables[name] = find_table(name, policy_table)
-            decisions.append(tables[name].decide(tokens, m.in_features, m.out_features, name=fqn))
+            decisions.append(tables[name].decide(tokens, m.in_features, m.out_features, name=fqn, mode=mode))
     used = "; ".join(t.describe() for t in tables.values())
-    return ConversionReport(policy, tokens, used, tuple(decisions))
+    return ConversionReport(policy, tokens, used, tuple(decisions), mode)
 
 
 def plan_fp8_conversion(model: nn.Module, filter_fn: Callable[[str, nn.Linear], bool] | None = None, *,
-                        policy: str | None = None, tokens: int | None = None, policy_table=None) -> ConversionReport:
+                        policy: str | None = None, tokens: int | None = None, policy_table=None,
+                        mode: str | None = None) -> ConversionReport:
     """What :func:`convert_to_fp8` with these arguments would convert, and why, without changing
     ``model``: a :class:`fusedfp8.policy.ConversionReport` (``print()`` it for a table)."""
-    policy = _check_plan_args(model, filter_fn, policy, tokens, policy_table)
-    return _plan(model, filter_fn, policy, tokens, policy_table)
+    policy, mode = _check_plan_args(model, filter_fn, policy, tokens, policy_table, mode)
+    return _plan(model, filter_fn, policy, tokens, policy_table, mode)
 
 
 def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
                    filter_fn: Callable[[str, nn.Linear], bool] | None = None, *,
                    missed_update: str = "raise", policy: str | None = None, tokens: int | None = None,
-                   policy_table=None) -> nn.Module:
+                   policy_table=None, mode: str | None = None) -> nn.Module:
     """Swap the ``nn.Linear`` modules of ``model`` for :class:`Fp8Linear`, in place: every one, or
     those that ``filter_fn`` and ``policy`` select.
 
@@ -101,6 +106,13 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
     policy_table : fusedfp8.policy.PolicyTable or path, optional (policy='auto' only)
         The calibration table; by default ``$FUSEDFP8_POLICY_TABLE``, else the table shipped for
         the GPU the weights are on (or the current GPU, for a model still on the CPU).
+    mode : {None, 'eager', 'graphed', 'compiled'} (policy='auto' only)
+        How the model's train steps will run, which decides how much the host's launch time
+        counts: 'eager' (None: the default, a plain PyTorch loop), 'graphed' (the step captured
+        in a CUDA graph and replayed: ``torch.cuda.graphs``, ``torch.cuda.make_graphed_callables``)
+        or 'compiled' (``torch.compile``; decided from the graphed figures, an approximation: see
+        :mod:`fusedfp8.policy`). Under graphs FP8 wins on smaller layers than eagerly, so a graphed
+        or compiled model must say so.
 
     Returns
     -------
@@ -108,8 +120,9 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
         ``model`` itself, converted in place; if ``model`` is itself an ``nn.Linear`` (it has no
         parent to swap it in), the new Fp8Linear (or ``model``, if it stays in high precision).
         Its attribute ``fp8_conversion_report`` holds the :class:`fusedfp8.policy.ConversionReport`:
-        per ``nn.Linear``, whether it was converted, why, and with ``policy='auto'`` the
-        predicted fp8 and bf16 times and where they come from (``print()`` it for a table).
+        per ``nn.Linear``, whether it was converted, why, and with ``policy='auto'`` the mode,
+        the predicted fp8 and bf16 times and where they come from (the table and which of its
+        measured modes; ``print()`` it for a table).
         Nothing is logged.
 
     Raises
@@ -118,13 +131,15 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
         A bad argument (named in the message), raised before any module is swapped.
     fusedfp8.policy.MissingTableError
         policy='auto' without a calibration table for the GPU (``python -m fusedfp8 bench
-        --calibrate`` measures one); raised before any module is swapped.
+        --calibrate`` measures one), or :class:`fusedfp8.policy.MissingModeError` when the table
+        lacks the mode's measurements (a table of eager steps only, with mode='graphed' or
+        'compiled'); raised before any module is swapped.
     """
-    policy = _check_plan_args(model, filter_fn, policy, tokens, policy_table)
+    policy, mode = _check_plan_args(model, filter_fn, policy, tokens, policy_table, mode)
     check_recipe(recipe)
     if missed_update not in MISSED_UPDATE_MODES:
         raise ValueError(f"missed_update must be one of {MISSED_UPDATE_MODES}; got {missed_update!r}")
-    report = _plan(model, filter_fn, policy, tokens, policy_table)
+    report = _plan(model, filter_fn, policy, tokens, policy_table, mode)
     converted = set(report.converted)
     if type(model) is nn.Linear:
         out = Fp8Linear.from_linear(model, recipe, missed_update=missed_update) if "" in converted else model

@@ -26,8 +26,9 @@ updates : (n,) int32, read
 
 Plain arguments: ``index`` (the tensor's column), ``fmt`` ('e4m3' or 'e5m2'), ``margin_factor``
 (``recipe.margin_factor``) and ``current_first`` (``recipe.first_step == 'current'``; when
-True the kernel launches the first-step pre-pass, which does nothing unless the device flag
-says the tensor is on its first step). Whole state tensors are passed, not 1-element views, so
+True the quantization runs the first-step path: ONE cooperative launch that stages the amax and
+waits at a grid-wide barrier only when the device flag says the tensor is on its first step, else
+casts with the state's scale). Whole state tensors are passed, not 1-element views, so
 that the mutation is declared on what the caller owns (module buffers).
 
 Ops: ``quantize``, ``quantize_t``, ``gelu_quantize``, ``gelu_quantize_t``, ``dgelu_quantize_t``

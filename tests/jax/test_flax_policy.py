@@ -1,7 +1,8 @@
 """``fusedfp8.jax.flax.dot_general_cls_for``: the decision of ``policy='auto'`` (fusedfp8/policy.py)
 as the ``dot_general_cls`` of one nn.Dense, from a SYNTHETIC table written by the test
-(tests/support/policy.py: none of its numbers was measured), the table chosen by the GPU's name,
-the error without one, and the options passed through to Fp8DotGeneral."""
+(tests/support/policy.py: none of its numbers was measured): by default for compiled steps (the
+table's graphed grid), the error for a table without it, the table chosen by the GPU's name, the
+error without one, and the options passed through to Fp8DotGeneral."""
 import functools
 
 import flax.linen as nn
@@ -25,6 +26,25 @@ def test_fp8_where_the_table_predicts_it_faster(tmp_path):
     assert dot_general_cls_for(256, 256, 256, table=table.path) is Fp8DotGeneral
     assert dot_general_cls_for(16, 16, 16, table=table) is None  # None: flax's own lax.dot_general
     assert dot_general_cls_for(16, 16, 16, "all") is Fp8DotGeneral  # 'all' reads no table
+
+
+def test_the_default_mode_is_compiled_decided_from_graphed_steps(tmp_path):
+    """16 x 16 -> 256 gains in FP8 on the synthetic graphed grid, not on the eager one."""
+    table = synthetic_table()
+    assert P.decide(16, 16, 256, mode="compiled", table=table).fp8 and not P.decide(16, 16, 256, table=table).fp8
+    assert dot_general_cls_for(16, 16, 256, table=table) is Fp8DotGeneral
+    assert dot_general_cls_for(16, 16, 256, mode="graphed", table=table) is Fp8DotGeneral
+    assert dot_general_cls_for(16, 16, 256, mode="eager", table=table) is None
+
+
+def test_a_table_without_graphed_steps_says_how_to_measure_them(tmp_path):
+    table = synthetic_table(tmp_path / "eager_only.json", graphed=False)
+    with pytest.raises(P.MissingModeError, match=r"^policy table eager_only\.json .* has no graphed measurements "
+                                                 r"\(synthetic table without graphed steps\), which mode='compiled' "
+                                                 r"needs .*`python -m fusedfp8 bench --calibrate`"):
+        dot_general_cls_for(256, 256, 256, table=table.path)
+    assert dot_general_cls_for(256, 256, 256, mode="eager", table=table) is Fp8DotGeneral
+    assert dot_general_cls_for(16, 16, 16, "all", table=None) is Fp8DotGeneral  # 'all' reads no table
 
 
 def test_the_class_works_as_dot_general_cls(tmp_path):
@@ -72,3 +92,6 @@ def test_bad_arguments(tmp_path):
         dot_general_cls_for(256.0, 256, 256, table=table)
     with pytest.raises(TypeError, match=r"^device must be a jax Device, a GPU's name or None; got int"):
         dot_general_cls_for(256, 256, 256, device=0)
+    with pytest.raises(ValueError, match=r"^mode must be one of 'eager', 'graphed', 'compiled' \(how the model's "
+                                         r"steps run: .*\); got 'jit'$"):
+        dot_general_cls_for(256, 256, 256, mode="jit", table=table)

@@ -40,17 +40,18 @@ def test_family_compiles_for_sm90(nvrtc, group):
 
 @uses_the_compiles
 def test_the_check_compiled_every_group(nvrtc):
-    assert set(nvrtc["group"]) == set(GROUPS) and len(GROUPS) == 10
+    assert set(nvrtc["group"]) == set(GROUPS) and len(GROUPS) == 13
     assert sum(len(names) for names in GROUPS.values()) == sum(
         len(_cuda.name_expressions(k)) for k in _cuda.all_module_keys())
 
 
 def test_every_family_and_instantiation_is_listed():
     keys = _cuda.all_module_keys()
-    assert {k.family for k in keys} == set(_cuda.families()) == {"quantize", "layernorm_quantize", "dequantize",
-                                                                  "update_scales"}
-    q = {(k.dtype, k.fmt, k.op) for k in keys if k.family == "quantize"}
-    assert q == {(d, f, o) for d in _cuda.CPP_TYPES for f in _cuda.FMT_IDS for o in _cuda.OPS}
+    assert {k.family for k in keys} == set(_cuda.families()) == {"quantize", "current_quantize", "layernorm_quantize",
+                                                                  "dequantize", "update_scales"}
+    for family in ("quantize", "current_quantize"):
+        q = {(k.dtype, k.fmt, k.op) for k in keys if k.family == family}
+        assert q == {(d, f, o) for d in _cuda.CPP_TYPES for f in _cuda.FMT_IDS for o in _cuda.OPS}
     ln = {(k.dtype, k.fmt, k.param) for k in keys if k.family == "layernorm_quantize"}
     assert ln == {(d, f, p) for d in _cuda.CPP_TYPES for f in _cuda.FMT_IDS for p in _cuda.CPP_TYPES}
     dq = {(k.dtype, k.fmt) for k in keys if k.family == "dequantize"}
@@ -58,6 +59,10 @@ def test_every_family_and_instantiation_is_listed():
     # every launch role the launch interface uses is among the name expressions
     roles = _cuda.name_expressions(_cuda.ModuleKey("quantize", "bfloat16", "e4m3", "identity"))
     assert set(roles) == {"flat_vec1_store1", "flat_vec1_store0", "flat_vec0_store1", "flat_vec0_store0", "tiled"}
+    roles = _cuda.name_expressions(_cuda.ModuleKey("current_quantize", "bfloat16", "e4m3", "identity"))
+    assert roles == {"coop_flat_vec1": "quantize_flat<__nv_bfloat16, 0, 0, true, true, GridAmax>",
+                     "coop_flat_vec0": "quantize_flat<__nv_bfloat16, 0, 0, false, true, GridAmax>",
+                     "coop_tiled": "quantize_tiled<__nv_bfloat16, 0, 0, GridAmax>"}
     roles = _cuda.name_expressions(_cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"))
     assert set(roles) == {"layernorm_store1", "layernorm_store1_t", "layernorm_store0", "padded_layernorm_store1",
                           "padded_layernorm_store1_t"}

@@ -173,7 +173,9 @@ def test_captured_ops_allocate_only_their_outputs_and_replay_correctly():
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     m0 = torch.cuda.memory_allocated()
-    with torch.cuda.graph(graph):
+    # thread_local: an unsafe CUDA call from this thread still breaks the capture, but not one
+    # from the JAX runtime's threads when the pytest worker also ran JAX tests (run 4 of 2026-12-03)
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         r = ops.quantize(x, st.slot(0, R), transpose=True)
         m1 = torch.cuda.memory_allocated()
         ops.update_scales(st, R)

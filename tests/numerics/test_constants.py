@@ -2,6 +2,7 @@
 files are parsed (not imported) and compared literal by literal, so an edited coefficient on one
 side only fails here before any GPU run could show it."""
 import ast
+import math
 import re
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def cuh_int_defines() -> dict:
 
 
 def cuh_function(name: str) -> str:
-    m = re.search(rf"float {name}\(float \w+\) \{{(.*?)\n\}}", CUH, re.S)
+    m = re.search(rf"float {name}\([^)]*\) \{{(.*?)\n\}}", CUH, re.S)
     assert m, f"common.cuh has no function {name}"
     return m.group(1)
 
@@ -86,7 +87,7 @@ SCALARS = sorted(n for n, v in PY_LITERALS.items() if isinstance(v, str) and v.l
 
 def test_both_files_were_parsed():
     assert len(SCALARS) >= 9 and len(cuh_defines()) >= 9
-    assert set(PY_LITERALS) >= {"LOG2E", "EXP_POLY", "ERFC_POLY", "EXP_MIN_ARG", "FLT_MAX"}
+    assert set(PY_LITERALS) >= {"LOG2E", "EXP2_POLY", "ERFC_POLY", "EXP_MIN_ARG", "FLT_MAX"}
 
 
 @pytest.mark.parametrize("name", SCALARS)
@@ -101,7 +102,7 @@ def test_every_float_define_of_the_header_is_in_constants_py():
     assert set(cuh_defines()) <= set(SCALARS), set(cuh_defines()) - set(SCALARS)
 
 
-@pytest.mark.parametrize("name, function", [("EXP_POLY", "exp_f32"), ("ERFC_POLY", "erfc_f32")])
+@pytest.mark.parametrize("name, function", [("EXP2_POLY", "pow2_poly"), ("ERFC_POLY", "erfc_of_abs")])
 def test_polynomial_is_the_same_literals_in_the_same_order(name, function):
     py, cu = PY_LITERALS[name], cuh_polynomial(function)
     assert len(py) == len(cu), (py, cu)
@@ -111,8 +112,9 @@ def test_polynomial_is_the_same_literals_in_the_same_order(name, function):
 
 
 INLINE = {  # constants written inline in a common.cuh function: (function, pattern of the literal)
-    "EXP_MIN_ARG": ("exp_f32", rf"if \(a < ({FLOAT})\) return 0\.0f;"),
-    "ERFC_MAX_ARG": ("erfc_f32", rf"a = a > ({FLOAT}) \? \1 : a;"),
+    "EXP_MIN_ARG": ("exp_f32", rf"if \(HALF \? a > {FLOAT} : a < ({FLOAT})\) return 0\.0f;"),
+    "EXP_HALF_MAX_ARG": ("exp_f32", rf"if \(HALF \? a > ({FLOAT}) : a < {FLOAT}\) return 0\.0f;"),
+    "ERFC_MAX_ARG": ("gelu_erf", rf"fmin_nan\(fabs_bits\(x\), ({FLOAT})\)"),
 }
 
 
@@ -139,6 +141,47 @@ def test_flt_max():
 def test_every_constant_of_constants_py_is_compared():
     """A constant added on one side only fails here: each name is a #define, a polynomial, an
     inline literal of a named function, or FLT_MAX."""
-    covered = set(SCALARS) | {"EXP_POLY", "ERFC_POLY", "FLT_MAX"} | set(INLINE) | set(cuh_int_defines())
+    covered = set(SCALARS) | {"EXP2_POLY", "ERFC_POLY", "FLT_MAX"} | set(INLINE) | set(cuh_int_defines())
     names = {n for n in PY_LITERALS if n.isupper()}
     assert names <= covered, names - covered
+
+
+LOG2E64, S64 = 1 / math.log(2), math.sqrt(2 / math.pi)
+DERIVED = {  # each constant is the float32 rounding of this float64 value
+    "LOG2E": LOG2E64,
+    "GELU_K2": -2 * S64 * LOG2E64,
+    "GELU_KC1": -2 * S64 * 0.044715 * LOG2E64,
+    "GELU_M0": 2 * S64,
+    "GELU_M3": 2 * S64 * 3 * 0.044715,
+    "ERFC_T_SCALE": 1 / (2 * math.sqrt(2)),
+    "INV_SQRT_2PI": 1 / math.sqrt(2 * math.pi),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DERIVED))
+def test_derived_constant_is_the_rounded_exact_value(name):
+    assert getattr(constants, name) == np.float32(DERIVED[name])
+
+
+def test_log2e_split():
+    """LOG2E + LOG2E_LO is 1 / ln 2 to float64 precision (the tail is the rounded remainder)."""
+    assert constants.LOG2E_LO == np.float32(LOG2E64 - float(constants.LOG2E))
+    assert abs(float(constants.LOG2E) + float(constants.LOG2E_LO) - LOG2E64) < 2.0 ** -49
+
+
+def test_erfc_polynomial_is_one_at_t_one():
+    """R(1) = 1 exactly in the float32 Horner evaluation, so erfc(0) = 1 and gelu'(0) = 0.5 exactly."""
+    from fusedfp8.numerics.reference import fma_f32
+
+    p = constants.ERFC_POLY[0]
+    for c in constants.ERFC_POLY[1:]:
+        p = fma_f32(p, np.float32(1.0), c)
+    assert p == 1
+
+
+def test_gelu_x_max_keeps_the_exponent_in_range():
+    """At +-X_MAX the exponent b = x (K2 + KC1 x^2) stays inside [-125, 125] with margin, so 2**b,
+    1 + 2**b and its reciprocal are normal floats; beyond it the float32 gelu' is 1 (or 0: the select)."""
+    x = float(constants.GELU_X_MAX)
+    b = x * (float(constants.GELU_K2) + float(constants.GELU_KC1) * x * x)
+    assert -125 < b < -100

@@ -1,16 +1,18 @@
-"""``convert_to_fp8(policy='auto', tokens=...)``: which nn.Linear it converts (by a SYNTHETIC
-calibration table written by the test, tests/support/policy.py: none of its numbers was
-measured), the report, filter_fn asked first, bad arguments refused before any module is swapped,
-the table chosen by the GPU's name, the error without a table; a model left wholly in bf16 still
-takes update_model_scales; and scripts/calibrate_policy.py (a CPU smoke run whose table the
-conversion reads, the correctness gate, the refusal without a GPU) with ``python -m fusedfp8
-bench --calibrate``."""
+"""``convert_to_fp8(policy='auto', tokens=..., mode=...)``: which nn.Linear it converts (by a
+SYNTHETIC calibration table written by the test, tests/support/policy.py: none of its numbers was
+measured) for each execution mode, the report, filter_fn asked first, bad arguments (a bad mode, a
+mode the table lacks) refused before any module is swapped, the table chosen by the GPU's name,
+the error without a table; a model left wholly in bf16 still takes update_model_scales; and
+scripts/calibrate_policy.py (a CPU smoke run whose table the conversion reads, the correctness
+gates of the eager step and of the graph's replay, the refusal without a GPU; on the GPU both
+modes) with ``python -m fusedfp8 bench --calibrate``, and scripts/bench_policy_mixed.py."""
 from __future__ import annotations
 
 import copy
 import importlib.util
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -93,24 +95,46 @@ def test_auto_converts_the_layers_predicted_faster(table):
     assert [d.name for d in report] == LINEARS  # module order; attn.out_proj is not an nn.Linear exactly
     assert report.converted == ["up", "body.0", "down"] and report.kept == ["small", "head"]
     assert report.policy == "auto" and report.tokens == 64 and "synthetic.json (Synthetic GPU" in report.table
+    assert report.mode == "eager"  # the default
     for d in report:
         m = ref.get_submodule(d.name)
         fp8_ms, bf16_ms, how = table.predict(64, m.in_features, m.out_features)
         assert (d.in_features, d.out_features, d.tokens) == (m.in_features, m.out_features, 64)
         assert (d.fp8_ms, d.bf16_ms, d.fp8) == (fp8_ms, bf16_ms, fp8_ms < bf16_ms)
-        assert d.source == f"synthetic.json: {how}"
+        assert d.source == f"synthetic.json, eager steps: {how}" and d.mode == "eager"
         if how == "measured":
             assert d.fp8 == fp8_wins(64, m.in_features, m.out_features)
-    assert report["head"].source == "synthetic.json: grid edge (out_features < 16)"
+    assert report["head"].source == "synthetic.json, eager steps: grid edge (out_features < 16)"
     text = str(report)
+    assert "policy='auto', mode='eager', tokens=64" in text
     assert "3 of 5 linear layers converted to FP8" in text and "| body.0 | 256 | 256 | fp8 |" in text
     assert report.rows()[0] == ("small", 16, 16, "bf16", report["small"].fp8_ms, report["small"].bf16_ms,
-                                "synthetic.json: measured")
+                                "synthetic.json, eager steps: measured")
     # the mixed model trains; the converted layers' scales advance
     x = inputs(64, 16).reshape(4, 16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     train_step(model, x, torch.zeros(4, 16, 8), opt)
     assert model.up.updates.tolist() == [1, 1, 1] and model.down.updates.tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("mode", ["graphed", "compiled"])
+def test_a_graphed_or_compiled_model_converts_by_the_graphed_figures(table, mode):
+    """Without launch costs FP8 wins from smaller layers on: at 64 tokens the synthetic graphed
+    grid converts every linear, small (64 x 16 -> 16: 16,384 MACs > 12,000) and head included."""
+    model = _mixed()
+    fp8.convert_to_fp8(model, R, policy="auto", tokens=64, policy_table=table.path, mode=mode)
+    report = model.fp8_conversion_report
+    assert report.mode == mode and report.converted == LINEARS
+    assert all(type(model.get_submodule(n)) is fp8.Fp8Linear for n in LINEARS)
+    steps = "graphed steps" + (" (approximating compiled)" if mode == "compiled" else "")
+    for d in report:
+        fp8_ms, bf16_ms, how = table.predict(64, d.in_features, d.out_features, mode="graphed")
+        assert (d.fp8_ms, d.bf16_ms, d.mode) == (fp8_ms, bf16_ms, mode)
+        assert d.source == f"synthetic.json, {steps}: {how}" and d.reason.startswith(f"auto, {mode}: fp8 predicted ")
+    assert report["small"].source == f"synthetic.json, {steps}: measured"
+    assert f"fusedfp8 conversion: policy='auto', mode='{mode}', tokens=64" in str(report)
+    eager = fp8.plan_fp8_conversion(_mixed(), policy="auto", tokens=64, policy_table=table, mode="eager")
+    assert eager.converted == ["up", "body.0", "down"]
 
 
 def test_the_token_count_changes_the_decision(table):
@@ -132,7 +156,7 @@ def test_filter_fn_is_asked_first(table):
     assert report.converted == ["up", "down"] and type(model.body[0]) is nn.Linear
     d = report["body.0"]
     assert not d.fp8 and d.reason == "filter_fn returned False" and d.fp8_ms is None and d.source == ""
-    assert report["small"].reason.startswith("auto: fp8 predicted slower")
+    assert report["small"].reason.startswith("auto, eager: fp8 predicted slower")
 
 
 def test_plan_changes_nothing_and_is_what_convert_does(table):
@@ -150,6 +174,7 @@ def test_policy_all_converts_every_linear(policy):
     fp8.convert_to_fp8(model, R, policy=policy)
     report = model.fp8_conversion_report
     assert report.converted == LINEARS and report.policy == "all" and report.tokens is None and report.table == ""
+    assert report.mode is None and str(report).startswith("fusedfp8 conversion: policy='all'; 5 of 5")
     assert all(type(model.get_submodule(n)) is fp8.Fp8Linear for n in LINEARS)
     assert {d.reason for d in report} == {"policy='all'"} and all(d.fp8_ms is None for d in report)
 
@@ -192,6 +217,15 @@ BAD = [
     ("tokens-bool", dict(policy="auto", tokens=True), TypeError, r"^tokens must be a positive int; got bool"),
     ("table-without-auto", dict(policy="all", policy_table="t.json"), ValueError,
      r"^policy_table is only read by policy='auto'; got policy='all'"),
+    ("mode-without-auto", dict(mode="graphed"), ValueError, r"^mode is only read by policy='auto'; got policy='all'"),
+    ("mode-unknown", dict(policy="auto", tokens=64, mode="jit"), ValueError,
+     r"^mode must be one of 'eager', 'graphed', 'compiled' \(how the model's steps run: eagerly, replayed from CUDA "
+     r"graphs, or compiled by torch\.compile / jax\.jit\); got 'jit'$"),
+    ("mode-not-a-str", dict(policy="auto", tokens=64, mode=1), ValueError, r"^mode must be one of .*; got 1$"),
+    ("mode-not-in-table", dict(policy="auto", tokens=64, mode="compiled", policy_table="EAGER_ONLY"),
+     P.MissingModeError, r"^policy table eager_only\.json \(Synthetic GPU .*; eager steps\) has no graphed "
+                         r"measurements \(synthetic table without graphed steps\), which mode='compiled' needs .*"
+                         r"`python -m fusedfp8 bench --calibrate`"),
     ("table-not-a-path", dict(policy="auto", tokens=64, policy_table=3), TypeError,
      r"^policy table must be a fusedfp8\.policy\.PolicyTable, a path to a JSON table or None; got int"),
     ("table-missing-file", dict(policy="auto", tokens=64, policy_table="/nonexistent/t.json"), FileNotFoundError,
@@ -206,10 +240,12 @@ BAD = [
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [pytest.param(*b[1:], id=b[0]) for b in BAD])
-def test_bad_arguments_are_refused_before_any_swap(table, kwargs, exc, match):
+def test_bad_arguments_are_refused_before_any_swap(table, tmp_path, kwargs, exc, match):
     kwargs = dict(kwargs)
     if kwargs.get("policy") == "auto" and "policy_table" not in kwargs:
         kwargs["policy_table"] = table
+    if kwargs.get("policy_table") == "EAGER_ONLY":
+        kwargs["policy_table"] = synthetic_table(tmp_path / "eager_only.json", graphed=False).path
     model = _mixed()
     snap = _snapshot(model)
     with pytest.raises(exc, match=match):
@@ -219,11 +255,11 @@ def test_bad_arguments_are_refused_before_any_swap(table, kwargs, exc, match):
 
 def test_a_malformed_table_is_refused_before_any_swap(tmp_path):
     data = synthetic_table().to_dict()
-    data["points"].pop()
+    data["modes"]["eager"]["points"].pop()
     (tmp_path / "bad.json").write_text(json.dumps(data))
     model = _mixed()
     snap = _snapshot(model)
-    with pytest.raises(ValueError, match=r"bad\.json: the points must cover the whole grid"):
+    with pytest.raises(ValueError, match=r"bad\.json: modes\.eager: the points must cover the whole grid"):
         fp8.convert_to_fp8(model, policy="auto", tokens=64, policy_table=tmp_path / "bad.json")
     assert _unchanged(model, snap)
 
@@ -259,7 +295,7 @@ def test_the_table_is_chosen_by_the_gpus_name(fake_gpu):
     report = model.fp8_conversion_report
     assert report.converted == ["up", "body.0", "down"]
     assert report.table.startswith("policy_nvidia_h200.json (NVIDIA H200, 2000-01-01")
-    assert report["up"].source == "policy_nvidia_h200.json: measured"
+    assert report["up"].source == "policy_nvidia_h200.json, eager steps: measured"
     fake_gpu["gpu"] = "NVIDIA B200"
     model = _mixed()
     snap = _snapshot(model)
@@ -315,31 +351,146 @@ def test_calibration_cpu_smoke_writes_a_table_that_convert_reads(script, tmp_pat
     assert out.rstrip().splitlines()[-1] == f"wrote {path}"
     assert f"policy_table='{path}'" in out and "FP8 faster at" in out
     table = P.PolicyTable.load(path)
-    assert table.device == "cpu" and table.axes == ((16, 32),) * 3 and len(table.points) == 8
+    grid = table.grid("eager")
+    assert table.device == "cpu" and grid.axes == ((16, 32),) * 3 and len(grid.points) == 8
+    assert table.modes == ("eager",) and table.missing == {"graphed": "not measured: calibrate_policy.py --modes eager"}
+    assert grid.meta["tokens"] == [16, 32] and grid.meta["features"] == [16, 32] and "eager" in grid.meta["measure"]
     assert table.meta["smoke_test"] is True and table.meta["clock"].startswith("time.perf_counter")
     assert table.meta["reps"] == 2 and table.versions["torch"] == torch.__version__
-    for p in table.points:
+    for p in grid.points:
         assert len(p["bf16_ms_all"]) == len(p["fp8_ms_all"]) == 2
         assert p["fp8_ms"] > 0 and math.isclose(p["speedup"], p["bf16_ms"] / p["fp8_ms"])
         assert min(p["sqnr_db"].values()) >= 20 and set(p["sqnr_db"]) == {"output", "input_grad", "weight_grad"}
     report = fp8.plan_fp8_conversion(nn.Linear(32, 32), policy="auto", tokens=32, policy_table=path)
-    assert report[""].source == "policy_cpu.json: measured"
+    assert report[""].source == "policy_cpu.json, eager steps: measured"
+    with pytest.raises(P.MissingModeError, match="has no graphed measurements"):
+        fp8.plan_fp8_conversion(nn.Linear(32, 32), policy="auto", tokens=32, policy_table=path, mode="graphed")
 
 
 def test_calibration_aborts_when_fp8_is_not_close_to_bf16(script, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(script._bench, "SQNR_MIN_DB", 100.0)
     assert script.main([*SMOKE, "--out", str(tmp_path)]) == 1
-    assert "ABORT at tokens 16, in 16, out 16: the FP8 layer's SQNR against bf16" in capsys.readouterr().out
+    assert ("ABORT at eager tokens 16, in 16, out 16: SQNR below 100.0 dB (fp8 against bf16: output "
+            in capsys.readouterr().out)
     assert not list(tmp_path.iterdir())
 
 
 def test_calibration_dry_run_and_budget(script, tmp_path, capsys):
     assert script.main(["--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "tokens [512, 1024, 2048, 4096, 8192] x in_features [256, 512, 1024, 2048, 4096, 8192, 16384]" in out
-    assert "= 245 points" in out and f"would write {tmp_path}/policy_<gpu>.json" in out
+    features = "[256, 512, 1024, 2048, 4096, 8192, 16384]"
+    assert (f"grids: eager: tokens [512, 1024, 2048, 4096, 8192] x in_features {features} x out_features {features} "
+            f"= 245 points; graphed: tokens [512, 2048, 8192] x in_features {features} x out_features {features} = "
+            "147 points;") in out
+    assert f"would write {tmp_path}/policy_<gpu>.json" in out
     assert script.main([*SMOKE, "--budget-s", "1e-9", "--out", str(tmp_path / "t.json")]) == 1
     assert "nothing written" in capsys.readouterr().out and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu", "--modes", "graphed"], "--modes graphed needs a CUDA device (CUDA graphs)"),
+    (["--modes", "eager,jit"], "--modes must be a comma separated subset of ['eager', 'graphed']; got 'eager,jit'"),
+    (["--graphed-tokens", "0"], "--graphed-tokens must be positive ints joined by ','; got '0'"),
+    (["--graphed-features", "a"], "--graphed-features must be positive ints joined by ','; got 'a'"),
+    (["--device", "tpu"], "--device must be 'cuda' or 'cpu'; got 'tpu'"),
+], ids=["cpu-graphed", "unknown-mode", "graphed-tokens", "graphed-features", "device"])
+def test_calibration_refuses_bad_arguments(script, argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        script.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+class _CpuGraph:
+    """A stand-in for _bench.GraphedStep on the CPU (no CUDA graphs there): the warm-up calls run
+    the eager step; the next one plays the capture (runs it, keeping its output and gradient
+    tensors as the graph's buffers); every later call runs the step again and writes its results
+    into those buffers, as a replay does. ``stale=True``: a later call does nothing (a graph that
+    replays nothing)."""
+
+    stale = False
+
+    def __init__(self, eager_step, warmup):
+        self.eager_step, self.warmup, self.calls, self.out = eager_step, warmup, 0, None
+        self.layer = eager_step.__self__
+
+    def _grads(self):
+        return self.layer.x.grad, self.layer.module.weight.grad
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls <= self.warmup:
+            return self.eager_step()
+        if self.out is None:
+            self.out = self.eager_step()
+            self.buffers = self._grads()
+        elif not self.stale:
+            y = self.eager_step()
+            with torch.no_grad():
+                self.out.copy_(y)
+            for buf, new in zip(self.buffers, self._grads()):
+                buf.copy_(new)
+            self.layer.x.grad, self.layer.module.weight.grad = self.buffers
+        return self.out
+
+
+class _StaleGraph(_CpuGraph):
+    stale = True
+
+
+def _cpu_layers(script, in_f=32, out_f=48, tokens=32):
+    torch.manual_seed(0)
+    bf16 = nn.Linear(in_f, out_f, dtype=torch.bfloat16)
+    f8 = fp8.convert_to_fp8(copy.deepcopy(bf16), script.RECIPE)
+    x, dy = torch.randn(tokens, in_f, dtype=torch.bfloat16), torch.randn(tokens, out_f, dtype=torch.bfloat16)
+    layers = {"bf16": script.Layer(bf16, x, dy), "fp8": script.Layer(f8, x, dy)}
+    want = {k: v.clone() for k, v in layers["bf16"].results(layers["bf16"].step()).items()}
+    return layers, want
+
+
+def test_calibration_checks_each_graphs_replay_before_timing_it(script, monkeypatch):
+    """graphed_ms on the CPU with _CpuGraph: the replay's results (its buffers NaN-filled first)
+    match the eager bf16 step (bf16 exactly, FP8 within the floor), then each layer is timed."""
+    monkeypatch.setattr(script._bench, "GraphedStep", _CpuGraph)
+    layers, want = _cpu_layers(script)
+    args = script.arguments(["--device", "cpu", "--warmup", "1", "--calls", "2", "--reps", "3"])[0]
+    times, checks = script.graphed_ms(layers, want, args, script._bench.Clock("cpu"))
+    assert set(times) == {"bf16", "fp8"} and all(len(t) == 3 and min(t) > 0 for t in times.values())
+    assert checks["bf16"] == {"output": math.inf, "input_grad": math.inf, "weight_grad": math.inf}
+    assert set(checks["fp8"]) == set(want) and script.sqnr_ok(checks["fp8"])
+
+
+def test_calibration_aborts_on_a_graph_that_replays_nothing(script, monkeypatch):
+    monkeypatch.setattr(script._bench, "GraphedStep", _StaleGraph)
+    layers, want = _cpu_layers(script)
+    args = script.arguments(["--device", "cpu", "--warmup", "0", "--calls", "1", "--reps", "1"])[0]
+    times, checks = script.graphed_ms(layers, want, args, script._bench.Clock("cpu"))
+    assert times == {} and list(checks) == ["bf16"]  # stopped at the first layer, before any timing
+    assert all(math.isnan(v) for v in checks["bf16"].values()) and not script.sqnr_ok(checks["bf16"])
+
+
+def test_calibration_of_both_modes_makes_a_table_that_convert_reads(script, monkeypatch, tmp_path, capsys):
+    """run() and make_table() with both modes on the CPU (_CpuGraph for the graphs: a test of the
+    script's bookkeeping, not a measurement): a coarser graphed grid, both grids complete, the
+    graph checks kept per point; convert_to_fp8 reads the graphed grid for mode='graphed'."""
+    monkeypatch.setattr(script._bench, "GraphedStep", _CpuGraph)
+    args = script.arguments(["--device", "cpu", "--warmup", "0", "--calls", "1", "--reps", "1"])[0]
+    grids = {"eager": ([16, 32], [16, 32]), "graphed": ([32], [16, 32])}
+    device = torch.device("cpu")
+    points, wall = script.run(grids, args, device, script._bench.Clock("cpu"))
+    assert [len(points[m]) for m in grids] == [8, 4] and wall > 0
+    out = capsys.readouterr().out
+    assert "[ 12/12] " in out and " graphed    32 x    32 ->    32 " in out
+    table = script.make_table("cpu", grids, points, args, wall, device)
+    assert table.modes == ("eager", "graphed") and table.grid("graphed").axes == ((32,), (16, 32), (16, 32))
+    assert "CUDA graph" in table.grid("compiled").meta["measure"] and table.grid("graphed").meta["tokens"] == [32]
+    for p in table.grid("graphed").points:
+        assert set(p["graph_check_sqnr_db"]) == {"bf16", "fp8"} and script.sqnr_ok(p["graph_check_sqnr_db"]["fp8"])
+        assert math.isclose(p["speedup"], p["bf16_ms"] / p["fp8_ms"]) and len(p["fp8_ms_all"]) == 1
+    table.save(tmp_path / "both.json")
+    report = fp8.plan_fp8_conversion(nn.Linear(32, 16), policy="auto", tokens=32, policy_table=tmp_path / "both.json",
+                                     mode="graphed")
+    assert report[""].source == "both.json, graphed steps: measured"
+    assert report[""].fp8_ms == table.grid("graphed").predict(32, 32, 16)[0]
 
 
 @pytest.mark.skipif(FP8_GEMM_OK, reason="checks the refusal on a machine without a GPU with FP8 GEMMs")
@@ -370,25 +521,43 @@ def test_bench_calibrate_tiny_runs_the_cpu_smoke_test(tmp_path, capsys):
 @pytest.mark.gpu
 @pytest.mark.fp8_gemm
 def test_calibration_on_the_gpu_feeds_auto_by_the_gpus_name(script, tmp_path, monkeypatch, capsys):
-    """A tiny grid measured on this GPU (not a table to use), found by the GPU's name as a shipped
-    table would be, decides a CUDA model's layers."""
-    assert script.main(["--tokens", "512,1024", "--features", "256,512", "--warmup", "1", "--calls", "2", "--reps",
-                        "2", "--out", str(tmp_path)]) == 0
+    """Tiny grids measured on this GPU in both modes (not a table to use): well formed (every point
+    of both grids, each graph's replay checked), consistent (a replayed step is no slower than the
+    same step run eagerly, and FP8 gains against bf16 when the launches go), and, found by the
+    GPU's name as a shipped table would be, it decides a CUDA model's layers in each mode."""
+    assert script.main(["--tokens", "512,1024", "--features", "256,512", "--graphed-tokens", "1024",
+                        "--graphed-features", "256,512", "--warmup", "1", "--calls", "2", "--reps", "2",
+                        "--out", str(tmp_path)]) == 0
     name = torch.cuda.get_device_name()
     path = tmp_path / P.table_file_name(name)
     assert capsys.readouterr().out.rstrip().splitlines()[-1] == f"wrote {path}"
     table = P.PolicyTable.load(path)
     assert table.device == name and table.meta["clock"] == "CUDA events" and table.meta["smoke_test"] is False
-    assert table.versions["cuda"] == torch.version.cuda and len(table.points) == 8
+    assert table.versions["cuda"] == torch.version.cuda and table.modes == ("eager", "graphed")
+    eager, graphed = table.grid("eager"), table.grid("graphed")
+    assert len(eager.points) == 8 and graphed.axes == ((1024,), (256, 512), (256, 512))
+    by_dims = {(p["tokens"], p["in_features"], p["out_features"]): p for p in eager.points}
+    gains = []
+    for p in graphed.points:
+        checks = p["graph_check_sqnr_db"]
+        assert set(checks) == {"bf16", "fp8"} and all(script.sqnr_ok(c) for c in checks.values()), p
+        e = by_dims[(p["tokens"], p["in_features"], p["out_features"])]
+        for kind in ("bf16", "fp8"):
+            assert p[f"{kind}_ms"] <= 1.1 * e[f"{kind}_ms"], (kind, p[f"{kind}_ms"], e[f"{kind}_ms"])
+        gains.append(p["speedup"] / e["speedup"])
+    assert statistics.median(gains) > 1, gains  # FP8 launches more kernels: it gains most from the graph
     monkeypatch.setattr(P, "DATA_DIR", tmp_path)
-    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
-    fp8.convert_to_fp8(model, R, policy="auto", tokens=1024)
-    report = model.fp8_conversion_report
-    assert [d.source for d in report] == [f"{path.name}: measured"] * 2
-    for d in report:
-        fp8_ms, bf16_ms, _ = table.predict(1024, d.in_features, d.out_features)
-        assert (d.fp8_ms, d.bf16_ms, d.fp8) == (fp8_ms, bf16_ms, fp8_ms < bf16_ms)
-        assert type(model.get_submodule(d.name)) is (fp8.Fp8Linear if d.fp8 else nn.Linear)
+    for mode in P.MODES:
+        model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
+        fp8.convert_to_fp8(model, R, policy="auto", tokens=1024, mode=mode)
+        report = model.fp8_conversion_report
+        steps = "eager steps" if mode == "eager" else "graphed steps" + (" (approximating compiled)"
+                                                                         if mode == "compiled" else "")
+        assert report.mode == mode and [d.source for d in report] == [f"{path.name}, {steps}: measured"] * 2
+        for d in report:
+            fp8_ms, bf16_ms, _ = table.predict(1024, d.in_features, d.out_features, mode=mode)
+            assert (d.fp8_ms, d.bf16_ms, d.fp8) == (fp8_ms, bf16_ms, fp8_ms < bf16_ms)
+            assert type(model.get_submodule(d.name)) is (fp8.Fp8Linear if d.fp8 else nn.Linear)
 
 
 # ---- scripts/bench_policy_mixed.py ------------------------------------------------------------
@@ -407,23 +576,48 @@ def test_mixed_benchmark_cpu_smoke(mixed_bench, table, tmp_path, capsys):
     report and the ratios in the JSON."""
     assert mixed_bench.main([*MIXED_SMOKE, "--policy-table", str(table.path), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "policy='auto' converted 2 of 6 linear layers: large.0.fc1, large.0.fc2" in out
+    assert "policy='auto', mode='eager' converted 2 of 6 linear layers: large.0.fc1, large.0.fc2" in out
     data = json.loads((tmp_path / "bench_policy_mixed.json").read_text())
     assert data["meta"]["smoke_test"] is True and data["meta"]["tokens"] == 64
     res = data["results"][0]
-    conv = res["conversion"]
-    assert conv["converted"] == ["large.0.fc1", "large.0.fc2"]
+    assert list(res["conversion"]) == ["eager"]  # no graphed mode on the CPU: no graphed conversion
+    conv = res["conversion"]["eager"]
+    assert conv["converted"] == ["large.0.fc1", "large.0.fc2"] and conv["mode"] == "eager"
     assert conv["kept"] == ["small.0.fc1", "small.0.fc2", "up", "down"]
     assert conv["rows"][0]["name"] == "small.0.fc1" and conv["rows"][0]["decision"] == "bf16"
     assert "synthetic.json (Synthetic GPU" in conv["table"] and "| large.0.fc1 | 64 | 256 | fp8 |" in conv["text"]
-    assert res["correctness"]["ok"] and set(res["correctness"]["sqnr_db"]) == {"fp8_all", "fp8_auto"}
+    assert res["correctness"]["ok"] and set(res["correctness"]["sqnr_db"]) == {"fp8_all", "fp8_auto_eager"}
     assert list(res["modes"]) == ["bf16_eager", "fp8_all_eager", "fp8_auto_eager"]
     for row in res["modes"].values():
-        assert len(row["step_ms_all"]) == 2 and row["step_ms"] > 0 and "profile" not in row
-    s, ms = res["summary"], {m: r["step_ms"] for m, r in res["modes"].items()}
-    assert math.isclose(s["fp8_auto_eager_vs_bf16"], ms["bf16_eager"] / ms["fp8_auto_eager"])
-    assert math.isclose(s["fp8_auto_eager_vs_fp8_all"], ms["fp8_all_eager"] / ms["fp8_auto_eager"])
-    assert set(s["auto_not_slower_eager"]) == {"bf16", "fp8_all"}
+        assert len(row["step_ms_all"]) == len(row["wall_ms_all"]) == 2 and "profile" not in row
+        assert row["step_ms"] > 0 and row["wall_ms"] == statistics.median(row["wall_ms_all"]) > 0
+    s = res["summary"]
+    for clock, suffix in (("step_ms", ""), ("wall_ms", "_wall")):
+        ms = {m: r[clock] for m, r in res["modes"].items()}
+        assert math.isclose(s[f"fp8_auto_eager_vs_bf16{suffix}"], ms["bf16_eager"] / ms["fp8_auto_eager"])
+        assert math.isclose(s[f"fp8_auto_eager_vs_fp8_all{suffix}"], ms["fp8_all_eager"] / ms["fp8_auto_eager"])
+        assert s[f"auto_not_slower_eager{suffix}"] == {
+            k: ms["fp8_auto_eager"] <= ms[f"{k}_eager"] * (1 + s["tolerance"]) for k in ("bf16", "fp8_all")}
+    assert "| mode | step ms (median) | wall ms | GPU busy ms |" in out
+
+
+def test_mixed_benchmark_converts_the_auto_model_of_each_way_of_running_with_its_mode(mixed_bench, table, tmp_path):
+    """build_models: an fp8_auto model per way of running among the modes, converted with that
+    mode (the synthetic graphed grid converts more); a table without graphed steps refuses the
+    graphed one (main turns it into a usage error)."""
+    args = mixed_bench.arguments([*MIXED_SMOKE, "--policy-table", str(table.path)])[0]
+    modes = ["bf16_eager", "fp8_auto_eager", "fp8_auto_graphed"]
+    models = mixed_bench.build_models(args, torch.device("cpu"), modes)
+    assert list(models) == ["bf16", "fp8_all", "fp8_auto_eager", "fp8_auto_graphed"]
+    eager, graphed = (models[f"fp8_auto_{h}"].fp8_conversion_report for h in ("eager", "graphed"))
+    assert (eager.mode, graphed.mode) == ("eager", "graphed")
+    assert set(eager.converted) < set(graphed.converted)
+    assert [mixed_bench.model_key(m) for m in modes] == ["bf16", "fp8_auto_eager", "fp8_auto_graphed"]
+    assert list(mixed_bench.build_models(args, torch.device("cpu"), ["fp8_all_graphed"])) == ["bf16", "fp8_all"]
+    eager_only = synthetic_table(tmp_path / "eager_only.json", graphed=False)
+    args = mixed_bench.arguments([*MIXED_SMOKE, "--policy-table", str(eager_only.path)])[0]
+    with pytest.raises(P.MissingModeError, match="has no graphed measurements"):
+        mixed_bench.build_models(args, torch.device("cpu"), modes)
 
 
 def test_mixed_benchmark_stops_before_timing_when_fp8_is_not_close(mixed_bench, table, tmp_path, monkeypatch,
@@ -466,6 +660,8 @@ def test_mixed_benchmark_on_the_gpu_writes_every_mode(mixed_bench, table, tmp_pa
     assert mixed_bench.main(argv) == 0
     res = json.loads((tmp_path / "bench_policy_mixed.json").read_text())["results"][0]
     assert list(res["modes"]) == mixed_bench.MODES
+    assert {h: c["mode"] for h, c in res["conversion"].items()} == {"eager": "eager", "graphed": "graphed"}
     for mode, row in res["modes"].items():
         assert row["profile"].get("device_ms_total", 0) > 0, (mode, row["profile"])
-    assert {"auto_not_slower_eager", "auto_not_slower_graphed"} <= set(res["summary"])
+        assert row["wall_ms"] > 0 and row["step_ms"] > 0
+    assert {f"auto_not_slower_{h}{s}" for h in ("eager", "graphed") for s in ("", "_wall")} <= set(res["summary"])

@@ -17,6 +17,7 @@ BROKEN = {  # sources that must fail, with a log
 }
 # one module per family whose kernels' parameter sizes the launch signatures are checked against
 SIGNATURE_KEYS = {"quantize": _cuda.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh"),
+                  "current_quantize": _cuda.ModuleKey("current_quantize", "bfloat16", "e4m3", "dgelu_tanh"),
                   "layernorm_quantize": _cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"),
                   "dequantize": _cuda.ModuleKey("dequantize", "float16", "e5m2"),
                   "update_scales": _cuda.ModuleKey("update_scales")}

@@ -1,0 +1,88 @@
+// fusedfp8 host shim for torch: the cuBLASLt FP8 GEMM of gemm.h as the torch op
+// fusedfp8::fp8_gemm_lt (CUDA and Meta kernels; included by torch_ops.cc). Not used by the
+// library's torch layers yet (they call torch._scaled_mm): an opt-in, for the torch front end to
+// switch to behind its own flag.
+//
+//   fp8_gemm_lt(Tensor a, Tensor b, Tensor scale_inv_a, Tensor scale_inv_b, ScalarType out_dtype,
+//               bool fast_accum=False) -> Tensor
+//   out (M, N) = out_dtype(scale_inv_a * scale_inv_b * (a @ b.T)), a (M, K) and b (N, K) contiguous
+//   FP8 (float8_e4m3fn / float8_e5m2, not both e5m2), K and N multiples of 16 (as torch._scaled_mm
+//   asks; the quantize kernels' pad_to=16 writes such operands), scales float32 of one element.
+// The workspace is one at::empty of kWorkspaceBytes per call (the caching allocator, stream-ordered).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "gemm.h"
+#include "plan.h"
+
+namespace ff8::torch_gemm {
+
+constexpr int64_t kWorkspaceBytes = 32 << 20;
+
+inline int32_t lt_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat8_e4m3fn: return lt::kR8F_E4M3;
+    case at::kFloat8_e5m2: return lt::kR8F_E5M2;
+    case at::kBFloat16: return lt::kR16BF;
+    case at::kHalf: return lt::kR16F;
+    case at::kFloat: return lt::kR32F;
+    default: return -1;
+  }
+}
+
+// The gemm.h shape of the call, after the argument checks (TORCH_CHECK: ValueError / TypeError-like
+// messages naming the argument).
+inline lt::Shape checked_shape(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
+                               at::ScalarType out_dtype, bool fast_accum) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "fp8_gemm_lt: a and b must be 2-D; got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.size(1) == b.size(1), "fp8_gemm_lt: a (M, K) and b (N, K) must agree on K; got ", a.sizes(), " and ",
+              b.sizes());
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "fp8_gemm_lt: a and b must be contiguous (row-major)");
+  TORCH_CHECK(a.device() == b.device() && sa.device() == a.device() && sb.device() == a.device(),
+              "fp8_gemm_lt: a, b and the scales must be on one device");
+  for (const at::Tensor* s : {&sa, &sb})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->numel() == 1,
+                "fp8_gemm_lt: scale_inv_a and scale_inv_b must be float32 tensors of one element; got ",
+                s->scalar_type(), " ", s->sizes());
+  const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
+  const lt::Shape s{m, n, k, k, k, n, lt_type(a.scalar_type()), lt_type(b.scalar_type()), lt_type(out_dtype),
+                    fast_accum ? 1 : 0, kWorkspaceBytes};
+  if (m > 0 && n > 0 && k > 0) {
+    std::string why = lt::check_shape(s);
+    TORCH_CHECK(why.empty(), "fp8_gemm_lt: ", why);
+  } else {
+    TORCH_CHECK(lt::out_bytes(s.td) > 0, "fp8_gemm_lt: out_dtype must be bfloat16, float16 or float32");
+  }
+  return s;
+}
+
+inline at::Tensor meta(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
+                       at::ScalarType out_dtype, bool fast_accum) {
+  checked_shape(a, b, sa, sb, out_dtype, fast_accum);
+  return at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
+}
+
+// `stream_of(device)`: torch's current CUDA stream there (torch_ops.cc's current_stream).
+template <void* (*stream_of)(const c10::Device&)>
+at::Tensor cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
+                at::ScalarType out_dtype, bool fast_accum) {
+  const lt::Shape s = checked_shape(a, b, sa, sb, out_dtype, fast_accum);
+  at::Tensor out = at::empty({s.m, s.n}, a.options().dtype(out_dtype));
+  if (s.m == 0 || s.n == 0) return out;
+  if (s.k == 0) return out.zero_();
+  at::Tensor ws = at::empty({kWorkspaceBytes}, a.options().dtype(at::kByte));
+  const int device = a.device().index();
+  std::string err = ensure_context(device);
+  if (err.empty())
+    err = lt::run(device, s, a.data_ptr(), b.data_ptr(), static_cast<const float*>(sa.data_ptr()),
+                  static_cast<const float*>(sb.data_ptr()), out.data_ptr(), ws.data_ptr(), stream_of(a.device()));
+  TORCH_CHECK(err.empty(), err);
+  return out;
+}
+
+}  // namespace ff8::torch_gemm

@@ -1,0 +1,258 @@
+"""The FP8 GEMM of the JAX front end: cuBLASLt called by the compiled shim, or XLA's dot.
+
+:func:`fp8_gemm` computes ``out_dtype((a[:m] @ b[:n].T) * scale_inv_a * scale_inv_b)`` for FP8
+``a`` (>= m, K) and ``b`` (>= n, K), both "K-contiguous" (the forms the quantize kernels write: q
+and its transpose q_t; see :mod:`fusedfp8.jax.functional` for which operand is which in each
+GEMM of a linear layer). Two backends:
+
+- ``'ffi'``: a custom call to ``fusedfp8_fp8_gemm``, the XLA FFI handler of the compiled shim
+  (fusedfp8/csrc/gemm.h): one ``cublasLtMatmul`` in cuBLASLt's FP8 "TN" layout with the two
+  per-tensor scales as device pointers (no host sync), writing ``out_dtype`` (bf16, fp16 or fp32)
+  directly: no float32 product, no conversion kernel after it. A ragged K is computed on the
+  operands zero-padded to a multiple of 16 (our kernels write them so; an unpadded operand is
+  padded here, one copy); the output is written at its exact (m, n) shape when its rows allow
+  (n a multiple of 16), else (m, n rounded up to 16) and sliced. The descriptors and the
+  cuBLASLt heuristic's algorithm are made at trace time for every local GPU (never inside XLA's
+  stream capture, so the call is recorded into XLA's command buffers); cuBLASLt's workspace is a
+  second, XLA-assigned result of :data:`WORKSPACE_BYTES`.
+- XLA's dot: ``dot_general(a, b, preferred_element_type=float32) * (scale_inv_a * scale_inv_b)``
+  then the cast, the only form XLA's GEMM rewriter turns into its own cuBLASLt FP8 call (float32
+  out, converted by a separate kernel; with a ragged dimension it falls back to a GEMM in high
+  precision even on padded operands, so every operand is padded to 16 here).
+
+``impl`` as the primitives': ``'auto'`` (the FFI GEMM on CUDA where the shim and cuBLASLt are
+available, XLA's dot elsewhere), ``'ffi'`` (the FFI GEMM; an error where it cannot run),
+``'jnp'`` / ``'callback'`` / ``'callback_no_cmdbuf'`` (XLA's dot, as before the FFI GEMM).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import csrc as _shim
+from ..types import FP8_DTYPES, GEMM_MULTIPLE
+from . import callbacks
+from . import primitives as P
+
+__all__ = ["fp8_gemm", "gemm_target", "gemm_path", "output_cols", "TARGET", "WORKSPACE_BYTES"]
+
+TARGET = "fusedfp8_fp8_gemm"  # command-buffer compatible
+TARGET_NO_CMDBUF = "fusedfp8_fp8_gemm_no_cmdbuf"  # the same handler, run outside XLA's command buffers
+WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace on Hopper (torch and Transformer Engine give it 32 MiB)
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+_LT_TYPE = {"float8_e4m3fn": 28, "float8_e5m2": 29, "bfloat16": 14, "float16": 2, "float32": 0}  # cudaDataType
+_XLA_IMPLS = ("jnp", "callback", "callback_no_cmdbuf")
+
+
+def _round_up(v: int) -> int:
+    return -(-v // GEMM_MULTIPLE) * GEMM_MULTIPLE
+
+
+def output_cols(n: int) -> int:
+    """Columns of the FFI GEMM's output for ``n`` wanted: ``n`` when cuBLASLt's FP8 GEMM can write
+    rows of that length (a multiple of 16 elements), else ``n`` rounded up (then sliced)."""
+    return n if n % GEMM_MULTIPLE == 0 else _round_up(n)
+
+
+def _shape_code(m, n, k, lda, ldb, ldd, ta, tb, td, fast, workspace) -> np.ndarray:
+    """The 11 int64s of the shim's GEMM shape (ff8_gemm_check / ff8_gemm_prepare)."""
+    return np.array([m, n, k, lda, ldb, ldd, _LT_TYPE[ta], _LT_TYPE[tb], _LT_TYPE[td], int(fast), workspace], np.int64)
+
+
+def _call(fn, *args) -> str:
+    """Calls a shim entry point that ends in (err, errcap): "" or the reason it gave."""
+    err = ctypes.create_string_buffer(1024)
+    rc = fn(*args, err, len(err))
+    return "" if rc >= 0 else err.value.decode(errors="replace")
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_target() -> tuple[bool, str]:
+    """(ok, why): the shim is loaded, cuBLASLt found, and the GEMM handler registered with jax as
+    the CUDA custom call targets :data:`TARGET` and ``TARGET_NO_CMDBUF``."""
+    ok, why = callbacks.ffi_target()
+    if not ok:
+        return False, why
+    lib, _ = _shim.library("xla")  # (loading it told the shim where cuBLASLt is: csrc.cublaslt_path)
+    err = ctypes.create_string_buffer(1024)
+    version = lib.ff8_gemm_load(err, len(err))
+    if version < 0:
+        return False, f"the FP8 GEMM cannot load cuBLASLt: {err.value.decode(errors='replace')}"
+    try:
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ff8_xla_fp8_gemm), platform="CUDA")
+        jax.ffi.register_ffi_target(TARGET_NO_CMDBUF, jax.ffi.pycapsule(lib.ff8_xla_fp8_gemm_no_cmdbuf), platform="CUDA")
+    except Exception as e:  # noqa: BLE001 - say why and keep XLA's dot
+        return False, f"registering the FP8 GEMM's XLA FFI target failed ({type(e).__name__}: {e})"
+    return True, f"cuBLASLt {version} ({err.value.decode(errors='replace')})"
+
+
+def gemm_path() -> tuple[str, str]:
+    """(backend, why) of impl='auto''s FP8 GEMM on CUDA, without building or loading anything:
+    'fusedfp8_fp8_gemm' (cuBLASLt called by the shim) or "XLA's dot"."""
+    if gemm_target.cache_info().currsize:  # decided in this process already
+        ok, why = gemm_target()
+        return (TARGET, why) if ok else ("XLA's dot", why)
+    path, why = P.launch_path()
+    if path != "ffi":
+        return "XLA's dot", f"the shim is not in use: {why}"
+    where = _shim.cublaslt_path() or "libcublasLt.so.13 / .so.12 on the loader's path"
+    return TARGET, f"from the first CUDA trace on, cuBLASLt from {where} (or the copy already loaded)"
+
+
+def check_shape(m, n, k, lda, ldb, ldd, ta, tb, td, fast=False, workspace=WORKSPACE_BYTES) -> str:
+    """"" or why the shim's FP8 GEMM refuses the shape (its own check, gemm.h's check_shape; no GPU
+    needed, the shim is built on first use)."""
+    lib, why = _shim.library("xla")
+    if lib is None:
+        return f"the shim is not available: {why}"
+    return _call(lib.ff8_gemm_check, _shape_code(m, n, k, lda, ldb, ldd, ta, tb, td, fast, workspace).ctypes.data)
+
+
+@functools.lru_cache(maxsize=None)
+def _prepared(code: tuple) -> str:
+    """Makes the cuBLASLt descriptors and algorithm of the shape ``code`` on every local GPU (at
+    trace time, outside any stream capture): "" or the first device's reason."""
+    lib, _ = _shim.library("xla")
+    arr = np.array(code, np.int64)
+    for dev in callbacks.gpu_devices():
+        why = _call(lib.ff8_gemm_prepare, dev, arr.ctypes.data)
+        if why:
+            return f"CUDA device {dev}: {why}"
+    return ""
+
+
+# ---- the two backends ------------------------------------------------------------------------
+def _xla_dot(a, b, sa, sb, out_dtype, m: int, n: int, fast_accum: bool):
+    """XLA's dot (its GEMM rewriter makes it one cuBLASLt FP8 call with a float32 output). XLA maps
+    the dot's precision to the FP8 accumulation: DEFAULT fast, HIGHEST the split accumulator.
+    Every operand dimension padded to 16 when one is ragged (XLA's rewriter needs them all)."""
+    if any(d % GEMM_MULTIPLE for d in (*a.shape, *b.shape)):
+        a, b = (jnp.pad(x, [(0, -d % GEMM_MULTIPLE) for d in x.shape]) for x in (a, b))
+    precision = lax.Precision.DEFAULT if fast_accum else lax.Precision.HIGHEST
+    y = lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+    return (y * (sa[0] * sb[0])).astype(out_dtype)[:m, :n]
+
+
+def _pad_to(x, rows: int, cols: int):
+    if x.shape == (rows, cols):
+        return x
+    return jnp.pad(x, [(0, rows - x.shape[0]), (0, cols - x.shape[1])])
+
+
+def _ffi_operands(a, b, out_name: str, m: int, n: int, fast_accum: bool):
+    """(a, b, output columns, shape code) of the FFI call: K zero-padded to 16, b's rows to the
+    output columns (only where the caller's operands are not padded already)."""
+    k, cols = _round_up(a.shape[1]), output_cols(n)
+    a = _pad_to(a, a.shape[0], k)
+    b = _pad_to(b, max(b.shape[0], cols), k)
+    code = _shape_code(m, cols, k, k, k, cols, a.dtype.name, b.dtype.name, out_name, fast_accum, WORKSPACE_BYTES)
+    return a, b, cols, tuple(int(v) for v in code)
+
+
+def _ffi_gemm(a, b, sa, sb, out_name: str, m: int, n: int, fast_accum: bool, command_buffer: bool):
+    a, b, cols, code = _ffi_operands(a, b, out_name, m, n, fast_accum)
+    why = _prepared(code)
+    if why:
+        raise RuntimeError(f"fusedfp8: the FP8 GEMM (m={m}, n={n}, k={a.shape[1]}) cannot run: {why}")
+    call = jax.ffi.ffi_call(TARGET if command_buffer else TARGET_NO_CMDBUF,
+                            (jax.ShapeDtypeStruct((m, cols), jnp.dtype(out_name)),
+                             jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
+                            vmap_method="sequential")
+    out, _ = call(a, b, sa, sb, fast_accum=int(bool(fast_accum)))
+    return out if cols == n else out[:, :n]
+
+
+def _auto_uses_ffi(a, b, out_name: str, m: int, n: int, fast_accum: bool) -> bool:
+    """impl='auto' on CUDA: the FFI GEMM where the shim and cuBLASLt are available and cuBLASLt has
+    an algorithm for the shape on every local GPU (decided at trace time), else XLA's dot."""
+    if not (_shim.default_on()[0] and callbacks.gpu_devices() and gemm_target()[0]):
+        return False
+    why = _prepared(_ffi_operands(a, b, out_name, m, n, fast_accum)[3])
+    if why:
+        warnings.warn(f"fusedfp8: the FP8 GEMM (m={m}, n={n}, k={a.shape[1]}) runs as XLA's dot: {why}", stacklevel=2)
+    return not why
+
+
+# ---- the public function ---------------------------------------------------------------------
+def _check(a, b, scale_inv_a, scale_inv_b, out_dtype, shape):
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    for name, x in (("a", a), ("b", b)):
+        if x.dtype.name not in FP8_DTYPES:
+            raise TypeError(f"{name} must be a float8_e4m3fn or float8_e5m2 array; got {x.dtype}")
+        if x.ndim != 2:
+            raise ValueError(f"{name} must be 2-D (rows, K); got shape {x.shape}")
+    if a.dtype.name == b.dtype.name == "float8_e5m2":
+        raise TypeError("a and b cannot both be float8_e5m2: cuBLASLt has no e5m2 x e5m2 FP8 GEMM (make one operand "
+                        "float8_e4m3fn)")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"a (M, K) and b (N, K) must agree on K; got {a.shape} and {b.shape}")
+    scales = []
+    for name, s in (("scale_inv_a", scale_inv_a), ("scale_inv_b", scale_inv_b)):
+        s = jnp.asarray(s)
+        if s.dtype != jnp.float32 or s.shape not in ((), (1,)):
+            raise ValueError(f"{name} must be a float32 array of shape (1,) (or a scalar); got {s.dtype} {s.shape}")
+        scales.append(s.reshape(1))
+    out_name = jnp.dtype(out_dtype).name
+    if out_name not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}; got {out_name}")
+    m, n = (a.shape[0], b.shape[0]) if shape is None else shape
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (m, n)):
+        raise TypeError(f"shape must be None or a pair of ints (m, n); got {shape!r}")
+    if not (0 <= m <= a.shape[0] and 0 <= n <= b.shape[0]):
+        raise ValueError(f"shape (m, n) must be within a's rows ({a.shape[0]}) and b's rows ({b.shape[0]}); "
+                         f"got {(m, n)}")
+    return a, b, *scales, out_name, int(m), int(n)
+
+
+def fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype=jnp.bfloat16, *, shape=None, fast_accum: bool = False,
+             impl: str = "auto", command_buffer: bool = True):
+    """``out_dtype((a[:m] @ b[:n].T) * scale_inv_a * scale_inv_b)``: the FP8 GEMM of every linear
+    layer in :mod:`fusedfp8.jax.functional`.
+
+    Parameters
+    ----------
+    a : (>= m, K) float8_e4m3fn / float8_e5m2;  b : (>= n, K), the same choice (not both e5m2)
+    scale_inv_a, scale_inv_b : (1,) float32, the operands' dequantization scales (device values)
+    out_dtype : bfloat16 (default), float16 or float32
+    shape : (m, n), the output wanted (default: (a's rows, b's rows)); rows of a and b beyond them
+        (the zero padding our kernels write for ragged GEMMs) are not read by the FFI GEMM
+    fast_accum : cuBLASLt's FP8 fast accumulation (partial sums never promoted); False: the split
+        accumulator
+    impl : see the module docstring
+    command_buffer : the FFI GEMM as a command-buffer compatible custom call (XLA records it into
+        its CUDA graphs) or not (it then runs between them)
+
+    Returns the (m, n) array of ``out_dtype``.
+    """
+    P._check_impl(impl)
+    a, b, sa, sb, out_name, m, n = _check(a, b, scale_inv_a, scale_inv_b, out_dtype, shape)
+    fast = bool(fast_accum)
+    if impl == "ffi":
+        ok, why = gemm_target()
+        if not ok:
+            raise ValueError(f"impl='ffi' needs the FP8 GEMM of the compiled shim, which is not available: {why}. "
+                             "Use impl='auto' or impl='callback' (XLA's dot)")
+    if m == 0 or n == 0 or a.shape[1] == 0:  # nothing to multiply: no GEMM is launched
+        return jnp.zeros((m, n), out_name)
+
+    def xla(a, b, sa, sb):
+        return _xla_dot(a, b, sa, sb, out_name, m, n, fast)
+
+    def ffi(a, b, sa, sb):
+        return P._as_varying_as((_ffi_gemm(a, b, sa, sb, out_name, m, n, fast, command_buffer),), (a, b, sa, sb))[0]
+
+    if impl in _XLA_IMPLS:
+        return xla(a, b, sa, sb)
+    if impl == "ffi":
+        return ffi(a, b, sa, sb)
+
+    def cuda(a, b, sa, sb):
+        return (ffi if _auto_uses_ffi(a, b, out_name, m, n, fast) else xla)(a, b, sa, sb)
+
+    return lax.platform_dependent(a, b, sa, sb, cuda=cuda, default=xla)

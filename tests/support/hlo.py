@@ -1,0 +1,57 @@
+"""Reading XLA's optimized HLO text (``jax.jit(f).lower(...).compile().as_text()``) in the GPU tests."""
+from __future__ import annotations
+
+import re
+
+_HEADER = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\) -> .* \{$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?)\[")
+_DOT = re.compile(r"= \S+ dot\(%([^,\s]+), %([^,)\s]+)\)")
+_FUSION = re.compile(r"= \S+ fusion\(.*kind=kCustom, calls=%([^,\s]+)")
+
+CUBLASLT_FP8 = 'custom_call_target="__cublas$lt$matmul$f8"'
+
+
+def computations(text: str) -> dict[str, list[str]]:
+    """name -> instruction lines of every computation in the module."""
+    out, name = {}, None
+    for line in text.splitlines():
+        m = _HEADER.match(line)
+        if m:
+            name = m.group(1)
+            out[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            out[name].append(line)
+    return out
+
+
+def _fp8_dot_computations(comps: dict[str, list[str]]) -> set[str]:
+    """Computations holding a dot whose two operands are FP8 (f8e4m3fn / f8e5m2) values."""
+    found = set()
+    for name, lines in comps.items():
+        types = {m.group(1): m.group(2) for m in map(_INSTR.match, lines) if m}
+        for line in lines:
+            d = _DOT.search(line)
+            if d and all(types.get(op, "").startswith("f8") for op in d.groups()):
+                found.add(name)
+    return found
+
+
+def fp8_gemm_counts(text: str) -> dict[str, int]:
+    """How many FP8 GEMMs the compiled module runs, by backend: cuBLASLt's FP8 custom call, a
+    Triton GEMM fusion (XLA's autotuner picks it for small / ragged shapes: a kCustom fusion whose
+    computation is a dot of two FP8 operands), fusedfp8's own GEMM custom call."""
+    comps = computations(text)
+    fp8_comps = _fp8_dot_computations(comps)
+    triton = sum(1 for m in map(_FUSION.search, text.splitlines()) if m and m.group(1) in fp8_comps)
+    return {"cublaslt": text.count(CUBLASLT_FP8), "triton": triton,
+            "fusedfp8": len(re.findall(r'custom_call_target="fusedfp8_fp8_gemm(?:_no_cmdbuf)?"', text))}
+
+
+def other_gemms(text: str) -> int:
+    """GEMMs that are not FP8: cuBLAS(Lt) calls in high precision, and dots of non-FP8 operands."""
+    comps = computations(text)
+    fp8_comps = _fp8_dot_computations(comps)
+    dots = sum(1 for name, lines in comps.items() if name not in fp8_comps for ln in lines if _DOT.search(ln))
+    return dots + text.count('custom_call_target="__cublas$gemm"') + text.count('custom_call_target="__cublas$lt$matmul"')
