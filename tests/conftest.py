@@ -19,6 +19,11 @@ anything else after), and the tests that read a background job's result (tests/r
 marked ``background``, see tests/support/background.py) run last: the jobs start when collection
 ends and run beside the in-process tests, one at a time.
 
+Under pytest-xdist (``-n 14`` on a GPU machine) the workers share the background jobs (each
+runs once, in the worker that claims it; two workers run two at a time) and the compilation cache
+below. On 2 cores ``-n 2`` is no faster: one process and the background jobs already keep both
+cores busy, and two workers add their start-up and each other's cache misses (measured: +13% CPU).
+
 Compiled XLA programs are shared by this session and the processes it starts (tests/run/)
 through jax's persistent compilation cache in a temporary folder made for the session: the flax
 train step that the first leg of the checkpoint test compiles is loaded, not compiled again, by
@@ -99,6 +104,13 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=jax_gpu[1]))
 
 
+# The folder of the background jobs' files: made by the first process (pytest-xdist's controller,
+# or a plain pytest run) and inherited through the environment, so that xdist's workers share the
+# jobs: each job runs once, in the worker that claims it (tests/support/background.py).
+_OWN_RUN_DIR = None
+if "FUSEDFP8_TESTS_RUN_DIR" not in os.environ:
+    _OWN_RUN_DIR = tempfile.mkdtemp(prefix="fusedfp8-tests-run-")
+    os.environ["FUSEDFP8_TESTS_RUN_DIR"] = _OWN_RUN_DIR
 _RUNNER = None
 
 
@@ -107,7 +119,7 @@ def _runner():
     if _RUNNER is None:
         from support.background import Runner
 
-        _RUNNER = Runner(Path(tempfile.mkdtemp(prefix="fusedfp8-tests-run-")))
+        _RUNNER = Runner(Path(os.environ["FUSEDFP8_TESTS_RUN_DIR"]), shared="PYTEST_XDIST_WORKER" in os.environ)
     return _RUNNER
 
 
@@ -129,7 +141,8 @@ def background():
 def pytest_unconfigure(config):
     if _RUNNER is not None:
         _RUNNER.close()
-        shutil.rmtree(_RUNNER.root, ignore_errors=True)
+    if _OWN_RUN_DIR is not None:
+        shutil.rmtree(_OWN_RUN_DIR, ignore_errors=True)
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 

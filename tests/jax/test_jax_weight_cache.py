@@ -11,6 +11,8 @@ per step; bad cached weights are refused naming the argument. The GPU twin is in
 test_jax_kernels.py."""
 from __future__ import annotations
 
+from collections import Counter
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -44,29 +46,31 @@ def assert_same_bytes(a, b):
         np.testing.assert_array_equal(np.asarray(u).reshape(-1).view(np.uint8), np.asarray(v).reshape(-1).view(np.uint8))
 
 
-def quantizations(fn, *args, shape) -> int:
-    """How many quantizations in the jaxpr of ``fn(*args)`` write an FP8 array of ``shape``: the
-    buffer_callbacks of the CUDA branch (on the CPU the jaxpr holds it beside the jax.numpy one)."""
-    def walk(jaxpr):
-        n = 0
+def quantizations(fn, *args) -> Counter:
+    """Shape -> how many quantizations in the jaxpr of ``fn(*args)`` write an FP8 array of that
+    shape: the buffer_callbacks of the CUDA branch (on the CPU the jaxpr holds it beside the
+    jax.numpy one). One trace for every shape asked about."""
+    def walk(jaxpr, n):
         for e in jaxpr.eqns:
             if e.primitive.name in ("buffer_callback", "ffi_call"):
                 first = e.params["result_avals"][0]
-                n += first.shape == shape and first.dtype == jnp.uint8
+                if first.dtype == jnp.uint8:
+                    n[first.shape] += 1
             for p in e.params.values():
                 for q in p if isinstance(p, (list, tuple)) else [p]:
                     inner = getattr(q, "jaxpr", None)
                     if inner is not None:
-                        n += walk(getattr(inner, "jaxpr", inner))
+                        walk(getattr(inner, "jaxpr", inner), n)
         return n
 
-    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return walk(jax.make_jaxpr(fn)(*args).jaxpr, Counter())
 
 
 def stepped_meta(rng, k, n, recipe):
-    """The meta after one step of fp8_dot (staged amaxes, so the next use advances it)."""
+    """The meta after one step of fp8_dot (staged amaxes, so the next use advances it); jitted: one
+    compile instead of the eager grad's dozens (the same bytes)."""
     x, w = bf16(rng, (8, k)), bf16(rng, (k, n), 0.1)
-    return jax.grad(lambda m: F.fp8_dot(x, w, m, recipe).astype(jnp.float32).sum())(JM.fresh_meta(recipe))
+    return jax.jit(jax.grad(lambda m: F.fp8_dot(x, w, m, recipe).astype(jnp.float32).sum()))(JM.fresh_meta(recipe))
 
 
 # ---- primitives: stage_amax is the state effect of quantize ------------------------------------
@@ -136,11 +140,10 @@ def test_the_weight_is_quantized_once_for_all_micro_batches(rng):
         return total
 
     for cache, weights in ((False, 3), (True, 1)):
-        args = (xs, w, meta, cache)
-        fn = lambda xs, w, meta: step(xs, w, meta, cache)  # noqa: E731
-        assert quantizations(fn, *args[:3], shape=(24, 48)) == weights, cache
-        assert quantizations(fn, *args[:3], shape=(32, 24)) == 3  # inputs
-        assert quantizations(fn, *args[:3], shape=(32, 48)) == 3  # output gradients
+        n = quantizations(lambda xs, w, meta: step(xs, w, meta, cache), xs, w, meta)
+        assert n[(24, 48)] == weights, cache
+        assert n[(32, 24)] == 3  # inputs
+        assert n[(32, 48)] == 3  # output gradients
     assert_same_bytes(jax.jit(lambda *a: step(*a, True))(xs, w, meta), jax.jit(lambda *a: step(*a, False))(xs, w, meta))
 
 
@@ -249,10 +252,11 @@ def test_quantize_weights_fills_the_collection_and_the_forward_reads_it(rng):
     # the forward with the cache (read-only) counts one quantization fewer per linear
     fwd = lambda v, x: model.apply(v, x)  # noqa: E731
     with_cache = {**variables, FP8_WEIGHTS: cache}
-    assert quantizations(fwd, variables, x, shape=(24, 48)) == 1
-    assert quantizations(fwd, with_cache, x, shape=(24, 48)) == 0
-    assert quantizations(fwd, with_cache, x, shape=(48, 64)) == 0  # fc1's weight
-    assert quantizations(fwd, with_cache, x, shape=(32, 24)) == 1  # the input still is
+    assert quantizations(fwd, variables, x)[(24, 48)] == 1
+    n = quantizations(fwd, with_cache, x)
+    assert n[(24, 48)] == 0
+    assert n[(48, 64)] == 0  # fc1's weight
+    assert n[(32, 24)] == 1  # the input still is
     assert quantize_weights(nn.Dense(4).apply, nn.Dense(4).init(jax.random.key(0), x), x) == {}  # no FP8 module
 
 

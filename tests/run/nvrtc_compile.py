@@ -4,9 +4,9 @@
 
 Compiles, for sm_90 and with no GPU (cuda-bindings' NVRTC and the CUDA headers only): every
 kernel family with every template instantiation the library can ask for (one NVRTC program per
-(family, dtype) group, support.nvrtc.groups), the broken sources (which must fail with a log),
-and the kernels whose parameter sizes the launch signatures are checked against (read from the
-cubin). Writes the verdicts as JSON. A process of its own because torch 2.13 (CPU) cannot
+(family, dtype) group, support.nvrtc.groups), and the broken sources (which must fail with a log);
+the parameter sizes of the kernels the launch signatures are checked against are read from
+their group's cubin. Writes the verdicts as JSON. A process of its own because torch 2.13 (CPU) cannot
 torch.load some tensors in a process that has compiled an NVRTC program through cuda-bindings.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,24 +28,25 @@ def main(out_path: str) -> None:
     result = {"ready": ok, "reason": reason}
     if ok:
         opts = nvrtc.options()
+        sizes_of = defaultdict(dict)  # group -> {signature family: its kernels' name expressions}
+        for fam, key in nvrtc.SIGNATURE_KEYS.items():
+            sizes_of[nvrtc.group_of(key)][fam] = list(_cuda.name_expressions(key).values())
         jobs = {}
         with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # NVRTC holds the GIL
             for gid, names in nvrtc.groups().items():
                 family = gid.split("-")[0]
+                wanted = [e for exprs in sizes_of[gid].values() for e in exprs]
                 jobs[("group", gid)] = pool.submit(nvrtc.compile_for_sm90, _cuda.family_source(family), names, opts,
-                                                   f"{family}.cu")
+                                                   f"{family}.cu", wanted)
             for bid, text in nvrtc.BROKEN.items():
                 jobs[("broken", bid)] = pool.submit(nvrtc.compile_for_sm90, _cuda.family_source("dequantize") + text,
                                                     ["broken_kernel"], opts, "broken.cu")
-            for fam, key in nvrtc.SIGNATURE_KEYS.items():
-                jobs[("sizes", fam)] = pool.submit(nvrtc.kernel_param_sizes, _cuda.family_source(key.family),
-                                                   list(_cuda.name_expressions(key).values()), opts)
+        result["sizes"] = {}
         for (kind, name), fut in jobs.items():
-            if kind == "sizes":
-                result.setdefault("sizes", {})[name] = fut.result()
-            else:
-                compiled, log = fut.result()
-                result.setdefault(kind, {})[name] = {"ok": compiled, "log": log}
+            compiled, log, sizes = fut.result()
+            result.setdefault(kind, {})[name] = {"ok": compiled, "log": log}
+            for fam, exprs in sizes_of[name].items() if kind == "group" else ():
+                result["sizes"][fam] = {e: sizes[e] for e in exprs if e in sizes}
     with open(out_path, "w") as f:
         json.dump(result, f)
 

@@ -2,8 +2,9 @@
 
 A test that reads the result of one marks itself ``@pytest.mark.background("<job>")`` and asks
 ``background.result("<job>")`` (the session fixture of tests/conftest.py). When collection ends,
-tests/conftest.py starts the jobs that the collected tests need, one at a time on a thread, in
-the order of :data:`JOBS`, and moves those tests to the end of the session (in that order): a job's
+tests/conftest.py starts the jobs that the collected tests need, one at a time on a thread (one
+a process: under pytest-xdist each worker's thread claims the next job nobody runs yet), in the
+order of :data:`JOBS`, and moves those tests to the end of the session (in that order): a job's
 compile time (NVRTC, XLA) then overlaps the in-process tests instead of adding to them. A job
 that was not started (a test without the marker) starts when it is asked for.
 
@@ -12,6 +13,7 @@ the job. Its files go to a folder of its own (``JobResult.out``).
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -55,13 +57,15 @@ def _jax_multidevice(out: Path) -> list:
 
 
 # name -> steps (argv, environment) given the job's output folder; the order is the order the
-# jobs run in (and the order of their tests at the end of the session).
+# jobs start in (and the order of their tests at the end of the session): the longest first (CPU
+# seconds on 2 cores: NVRTC ~200 on its 2 processes, jax_multidevice ~70, the others ~20-30), so
+# that the session does not end waiting for a long job started late.
 JOBS = {
-    "flax_checkpoint": _flax_checkpoint,
     "nvrtc": lambda out: [(_script("nvrtc_compile.py", out / "verdicts.json"), _env())],
-    "readme": lambda out: [(_script("readme_blocks.py", out / "verdicts.json"), _env())],
-    "torch_distributed": lambda out: [(_script("torch_distributed.py", out), _env())],
     "jax_multidevice": _jax_multidevice,
+    "flax_checkpoint": _flax_checkpoint,
+    "torch_distributed": lambda out: [(_script("torch_distributed.py", out), _env())],
+    "readme": lambda out: [(_script("readme_blocks.py", out / "verdicts.json"), _env())],
 }
 
 
@@ -81,15 +85,27 @@ class JobResult:
 
 
 class Runner:
-    """Runs queued jobs one at a time on a daemon thread."""
+    """Runs queued jobs one at a time on a daemon thread.
 
-    def __init__(self, root: Path):
+    Several pytest processes (pytest-xdist's workers) can share one ``root``: each queues the jobs
+    its tests need, and each job runs once, in the process whose thread claims it first
+    (``mkdir root/<job>``) when it gets to it, so two processes run two jobs at a time. The
+    owner writes ``result.json`` there when the job ends; another process asking for that job
+    waits for the file. ``shared``: other processes may wait on this one's jobs, so :meth:`close`
+    lets the jobs it claimed finish (and claims no more) instead of killing them."""
+
+    POLL = 0.5  # seconds between looks for another process's result.json
+
+    def __init__(self, root: Path, shared: bool = False):
         self.root = root
+        self.shared = shared
         self.jobs: dict[str, JobResult] = {}
+        self._owned: set[str] = set()
         self._queue: list[str] = []
         self._cv = threading.Condition()
         self._proc = None
         self._closed = False
+        self._draining = False  # claim no more jobs
         self._thread = threading.Thread(target=self._loop, name="fusedfp8-tests-background", daemon=True)
         self._thread.start()
 
@@ -99,9 +115,7 @@ class Runner:
                 if name not in self.jobs:
                     if name not in JOBS:
                         raise KeyError(f"unknown background job {name!r}; known: {sorted(JOBS)}")
-                    out = self.root / name
-                    out.mkdir(parents=True, exist_ok=True)
-                    self.jobs[name] = JobResult(name, out)
+                    self.jobs[name] = JobResult(name, self.root / name)
                     self._queue.append(name)
             self._cv.notify()
 
@@ -109,10 +123,21 @@ class Runner:
         """The job's result, waiting for it (and starting it if nothing did)."""
         self.start([name])
         job = self.jobs[name]
-        assert job.done.wait(TIMEOUT + 60), f"background job {name!r} did not finish"
+        path, t0 = job.out / "result.json", time.monotonic()
+        while not job.done.wait(self.POLL):
+            if name not in self._owned and path.exists():  # run by another process
+                saved = json.loads(path.read_text())
+                job.returncode, job.log, job.seconds = saved["returncode"], saved["log"], saved["seconds"]
+                job.done.set()
+            assert time.monotonic() - t0 < TIMEOUT + 60, f"background job {name!r} did not finish"
         return job
 
     def close(self) -> None:
+        if self.shared:  # another process may be waiting for a job this one claimed
+            with self._cv:
+                self._draining = True
+            for name in list(self._owned):
+                self.jobs[name].done.wait(TIMEOUT + 60)
         with self._cv:
             self._closed = True
             self._queue.clear()
@@ -125,11 +150,21 @@ class Runner:
             with self._cv:
                 while not self._queue and not self._closed:
                     self._cv.wait()
-                if self._closed:
+                if self._closed or self._draining:
                     return
                 job = self.jobs[self._queue.pop(0)]
-            self._run(job)
-            job.done.set()
+                try:
+                    job.out.mkdir(parents=True)
+                except FileExistsError:
+                    continue  # claimed by another process: result() reads its result.json
+                self._owned.add(job.name)
+            try:
+                self._run(job)
+            finally:
+                tmp = job.out / "result.json.tmp"
+                tmp.write_text(json.dumps({"returncode": job.returncode, "log": job.log, "seconds": job.seconds}))
+                tmp.replace(job.out / "result.json")
+                job.done.set()
 
     def _run(self, job: JobResult) -> None:
         t0 = time.monotonic()

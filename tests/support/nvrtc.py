@@ -23,12 +23,17 @@ SIGNATURE_KEYS = {"quantize": _cuda.ModuleKey("quantize", "bfloat16", "e4m3", "d
                   "update_scales": _cuda.ModuleKey("update_scales")}
 
 
+def group_of(key: _cuda.ModuleKey) -> str:
+    """The compile group ('family-dtype', or the family) that instantiates ``key``'s kernels."""
+    return f"{key.family}-{key.dtype}" if key.dtype else key.family
+
+
 def groups() -> dict:
     """'family-dtype' -> every name expression of every module of that family and dtype: one
     NVRTC program per group keeps the check fast while still instantiating every template."""
     out = defaultdict(list)
     for key in _cuda.all_module_keys():
-        out[f"{key.family}-{key.dtype}" if key.dtype else key.family].extend(_cuda.name_expressions(key).values())
+        out[group_of(key)].extend(_cuda.name_expressions(key).values())
     return dict(out)
 
 
@@ -48,8 +53,11 @@ def ready() -> tuple[bool, str]:
     return True, ""
 
 
-def compile_for_sm90(source: str, name_expressions=(), options=(), name: str = "kernel.cu") -> tuple[bool, str]:
-    """(ok, log). Uses the same options as the library, minus CuPy's additions."""
+def compile_for_sm90(source: str, name_expressions=(), options=(), name: str = "kernel.cu",
+                     sizes_of=()) -> tuple[bool, str, dict]:
+    """(ok, log, sizes). Uses the same options as the library, minus CuPy's additions. ``sizes``
+    maps each name expression of ``sizes_of`` (some of ``name_expressions``) to its kernel's
+    parameter bytes, read from the cubin (see :func:`_param_sizes`); empty when the compile failed."""
     from cuda.bindings import nvrtc
 
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
@@ -63,14 +71,20 @@ def compile_for_sm90(source: str, name_expressions=(), options=(), name: str = "
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
         nvrtc.nvrtcGetProgramLog(prog, log)
-        ok = result == nvrtc.nvrtcResult.NVRTC_SUCCESS
+        ok, sizes = result == nvrtc.nvrtcResult.NVRTC_SUCCESS, {}
         if ok:
             err, size = nvrtc.nvrtcGetCUBINSize(prog)
             ok = size > 0
+            lowered = {}
             for expr in name_expressions:
-                err, lowered = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
-                ok = ok and err == nvrtc.nvrtcResult.NVRTC_SUCCESS and bool(lowered)
-        return ok, log.decode(errors="replace").rstrip("\x00 ")
+                err, low = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
+                ok = ok and err == nvrtc.nvrtcResult.NVRTC_SUCCESS and bool(low)
+                lowered[expr] = low
+            if ok and sizes_of:
+                cubin = b" " * size
+                nvrtc.nvrtcGetCUBIN(prog, cubin)
+                sizes = _param_sizes(cubin, {expr: lowered[expr].decode() for expr in sizes_of})
+        return ok, log.decode(errors="replace").rstrip("\x00 "), sizes
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -90,34 +104,20 @@ def _elf_sections(elf: bytes) -> dict:
     return {name(h[0]): elf[h[4]:h[4] + h[5]] for h in hdrs}
 
 
-def kernel_param_sizes(source: str, name_expressions, options=()) -> dict:
+def _param_sizes(cubin: bytes, lowered: dict) -> dict:
     """Name expression -> the kernel's parameter bytes, read from the cubin's .nv.info section
-    (attribute EIATTR_CBANK_PARAM_SIZE, 0x19): what the driver checks a packed buffer against."""
-    from cuda.bindings import nvrtc
-
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], [])
-    try:
-        for expr in name_expressions:
-            nvrtc.nvrtcAddNameExpression(prog, expr.encode())
-        opts = [b"-arch=sm_90", *(o.encode() for o in options)]
-        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        assert result == nvrtc.nvrtcResult.NVRTC_SUCCESS, result
-        err, n = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * n
-        nvrtc.nvrtcGetCUBIN(prog, cubin)
-        sections = _elf_sections(cubin)
-        sizes = {}
-        for expr in name_expressions:
-            lowered = nvrtc.nvrtcGetLoweredName(prog, expr.encode())[1].decode()
-            info, i = sections[".nv.info." + lowered], 0
-            while i + 2 <= len(info):
-                fmt, attr = info[i], info[i + 1]
-                if fmt == 0x03 and attr == 0x19:
-                    sizes[expr] = struct.unpack_from("<H", info, i + 2)[0]
-                size = struct.unpack_from("<H", info, i + 2)[0] if fmt == 0x04 else 0
-                i += {0x01: 2, 0x02: 4, 0x03: 4}.get(fmt, 4 + size)
-                if fmt not in (0x01, 0x02, 0x03, 0x04):
-                    break
-        return sizes
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    (attribute EIATTR_CBANK_PARAM_SIZE, 0x19): what the driver checks a packed buffer against.
+    ``lowered``: name expression -> its lowered (mangled) kernel name."""
+    sections = _elf_sections(cubin)
+    sizes = {}
+    for expr, name in lowered.items():
+        info, i = sections[".nv.info." + name], 0
+        while i + 2 <= len(info):
+            fmt, attr = info[i], info[i + 1]
+            if fmt == 0x03 and attr == 0x19:
+                sizes[expr] = struct.unpack_from("<H", info, i + 2)[0]
+            size = struct.unpack_from("<H", info, i + 2)[0] if fmt == 0x04 else 0
+            i += {0x01: 2, 0x02: 4, 0x03: 4}.get(fmt, 4 + size)
+            if fmt not in (0x01, 0x02, 0x03, 0x04):
+                break
+    return sizes
