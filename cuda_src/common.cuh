@@ -181,7 +181,7 @@ __device__ __forceinline__ void publish_scale(bool fresh, float s, float* scale_
 #define FF8_ERFC_T_SCALE 0x1.6a09e6p-2f
 #define FF8_INV_SQRT_2PI 0x1.988454p-2f
 
-// min / max that keep a NaN operand (max.NaN: one FMNMX.NAN), and those that drop it (FMNMX: the
+// min / max that keep a NaN operand (max.NaN: one FMNMX.NAN), and a min that drops it (FMNMX: the
 // other operand), no flush-to-zero either way.
 __device__ __forceinline__ float fmin_nan(float a, float b) {
     float r; asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
@@ -191,9 +191,6 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
 }
 __device__ __forceinline__ float fmin_num(float a, float b) {
     float r; asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
-}
-__device__ __forceinline__ float fmax_num(float a, float b) {
-    float r; asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
 }
 
 // 1 / d correctly rounded for d in [1, 2**126): the hardware seed (rcp.approx) and one Newton step.
