@@ -19,6 +19,7 @@ and without dbias, and the registers per thread (cuobjdump -res-usage).
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import re
 import shutil
@@ -96,17 +97,21 @@ def _branch_target(text: str) -> int | None:
 _COLD = re.compile(r"^(?:@!?U?P\d+\s+)?(?:STG\.E\.(?:U8|64)|STS\.U8|LDG(?!.*\.128)|EXIT)\b")
 
 
-def per_tile(ins: list[tuple[int, str]], dbias: bool) -> dict | None:
+def per_tile(ins: list[tuple[int, str]], dbias: bool) -> list[dict]:
+    """per_loop_tile() of each outermost loop of the kernel that holds a steady-state tile path (the
+    tiled kernel has one such loop per index width: 32- and 64-bit offsets), in code order."""
+    back = sorted((t, a) for a, text in ins if (t := _branch_target(text)) is not None and t < a)
+    outer = [(h, e) for h, e in back if not any(h2 <= h and e <= e2 and (h2, e2) != (h, e) for h2, e2 in back)]
+    return [r for h, e in outer if (r := per_loop_tile(ins, h, e, dbias)) is not None]
+
+
+def per_loop_tile(ins: list[tuple[int, str]], head: int, end: int, dbias: bool) -> dict | None:
     """The shortest path of one thread through the body of the tile loop (the widest backward branch)
     that does the steady state of full tiles: no cold block (_COLD), both 16-byte q stores and both
     16-byte q_t stores of each tile, the most 16-byte loads of the next tile(s), and with ``dbias``
     the 4 shared float4 stores of each tile's column sums and the strip counter's atomic (thread 0's
-    path; without it, none of either). Tiles on the path = its F2FP / 16 (32 elements a thread and
+    path; without it, none of either), and of those the path with the most tiles. The loop: from ``head`` to the backward branch at ``end``. Tiles on the path = its F2FP / 16 (32 elements a thread and
     tile), so a loop that does two tiles an iteration counts per tile too."""
-    back = [(a, _branch_target(t)) for a, t in ins if (_branch_target(t) or a) < a]
-    if not back:
-        return None
-    end, head = max(back, key=lambda e: e[0] - e[1])
     body = [(a, t) for a, t in ins if head <= a <= end]
     blocks, cur = [], []
     starts = {tg for _, t in body if (tg := _branch_target(t)) is not None and head < tg <= end}
@@ -129,35 +134,43 @@ def per_tile(ins: list[tuple[int, str]], dbias: bool) -> dict | None:
                 n(lambda o: o.startswith("LDG.E.128")), n(lambda o: o.startswith("STS.128")),
                 n(lambda o: o.startswith("ATOMG.E.ADD")))
 
-    # states[i]: {(elements, q stores, loads, shared 16-byte stores, atomics): fewest instructions}
-    states = [dict() for _ in blocks]
-    states[0][(0, 0, 0, 0, 0)] = 0
-    done = {}
-    for i, b in enumerate(blocks):
-        if any(_COLD.match(t) for _, t in b):
+    # Dijkstra over (block, marks): marks = (elements, q stores, loads, shared 16-byte stores, atomics),
+    # bounded by two tiles' worth; a branch back to the head ends an iteration
+    cap = (64, 8, 32, 12, 2)
+    # (a predicated cold op beside a 16-byte one is the merged if/else of the two q store variants)
+    cold = [any(_COLD.match(t) and (not t.startswith("@") or not any(".128" in u for _, u in b)) for _, t in b)
+            for b in blocks]
+    done, seen, heap = {}, set(), [(0, 0, (0, 0, 0, 0, 0))]
+    while heap:
+        n, i, st = heapq.heappop(heap)
+        if (i, st) in seen or cold[i]:
             continue
-        mk = marks(b)
+        seen.add((i, st))
+        b = blocks[i]
+        ns = tuple(x + y for x, y in zip(st, marks(b)))
+        if any(x > c for x, c in zip(ns, cap)):
+            continue
+        nn = n + len(b)
         last = b[-1][1]
         tg = _branch_target(last)
-        for st, n in states[i].items():
-            ns = tuple(x + y for x, y in zip(st, mk))
-            nn = n + len(b)
-            succ = []
-            if tg is not None and tg > b[-1][0] and tg in index:
-                succ.append(index[tg])
-            if not (opcode(last) == "BRA" and not last.startswith("@")) and i + 1 < len(blocks):
-                succ.append(i + 1)
-            if tg == head and b[-1][0] == end:
+        succ = []
+        if tg is not None and head <= tg <= end:
+            succ.append(tg)
+        if not (opcode(last) == "BRA" and not last.startswith("@")) and i + 1 < len(blocks):
+            succ.append(blocks[i + 1][0][0])
+        for a in succ:
+            if a == head:
                 done[ns] = min(done.get(ns, nn), nn)
-            for j in succ:
-                states[j][ns] = min(states[j].get(ns, nn), nn)
+            elif a in index:
+                heapq.heappush(heap, (nn, index[a], ns))
     tiles_of = {st: st[0] // 32 for st in done if st[0] and st[0] % 32 == 0}
     ok = [st for st, k in tiles_of.items() if st[1] == 4 * k
           and st[3] == (6 if dbias else 2) * k and st[4] == (k if dbias else 0)]
     if not ok:
         return None
-    most = max(st[2] / tiles_of[st] for st in ok)
-    best = min((st for st in ok if st[2] / tiles_of[st] == most), key=lambda st: done[st] / tiles_of[st])
+    # the most tiles an iteration (a path that skips a tile's work is no steady state), then the most
+    # loads a tile, then the fewest instructions
+    best = min(ok, key=lambda st: (-tiles_of[st], -st[2] / tiles_of[st], done[st] / tiles_of[st]))
     k = tiles_of[best]
     return {"per_tile": round(done[best] / k, 1), "per_element": round(done[best] / k / 32, 2),
             "tiles_per_iteration": k, "loads_per_tile": best[2] // k}
