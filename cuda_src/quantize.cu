@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 #define T2_LOADS (2 * (int)sizeof(T))  // 16-byte loads per thread, tile and input (2 rows x 16 columns)
 
 template <typename T, int FMT, int OP, class Pre = StagedAmax>
-__global__ void __launch_bounds__(256, OP >= 3 ? 2 : 4) quantize_tiled(
+__global__ void __launch_bounds__(256, OP >= 3 ? 2 : 0) quantize_tiled(
     const T* __restrict__ x,          // [rows, cols] input (dy for OP 3/4)
     const T* __restrict__ b,          // [rows, cols] second input (x for OP 3/4), else null
     u8* __restrict__ q,               // [prows, pcols] FP8 output
@@ -246,9 +246,9 @@ __global__ void __launch_bounds__(256, OP >= 3 ? 2 : 4) quantize_tiled(
     u32 m = 0;  // the running amax (amax_update)
 
     // The loop, with offsets of type Idx: u32 when every offset into x, q and q_t is below 2**31
-    // (prows * pcols < 2**31), else i64. A tile's origin in x (r0 cols + c0), q (r0 pcols + c0) and
-    // q_t (c0 prows + r0) advances by constants (a step of the grid, and the carry of a column wrap);
-    // each thread adds its fixed part (its rows and columns) once per tile.
+    // (prows * pcols < 2**31), else i64 (the same code; tensors of 2**31 elements or more). A tile's
+    // origin in x (r0 cols + c0), q (r0 pcols + c0) and q_t (c0 prows + r0) is one multiply-add from
+    // tr, tc; each thread's place in the tile (its rows and columns) is computed once.
     auto run = [&](auto zero) {
         using Idx = decltype(zero);
         const Idx ic = (Idx)cols, ipc = (Idx)pcols, ipr = (Idx)prows;
@@ -257,142 +257,140 @@ __global__ void __launch_bounds__(256, OP >= 3 ? 2 : 4) quantize_tiled(
         const Idx tq = (Idx)lr * ipc + lc, rq = 64 * ipc;        // its q rows
         const Idx tt = (Idx)(2 * cp) * ipr + 16 * rm;           // its q_t columns: tt, tt + prows
         for (u32 k = 0; k < mine; ++k) {
-            {
-                u8* tl = tile[k & 1];
-                const i64 r0 = (i64)tr * TILE_R, c0 = (i64)tc * TILE_C;
-                const bool full = tr < full_r && tc < full_c;
-                u32 ntr = tr + step_r, ntc = tc + step_c;
-                if (ntc >= tiles_c) { ntc -= tiles_c; ++ntr; }
-                const bool nfast = k + 1 < mine && is_fast(ntr, ntc);
-                const Idx nx = (Idx)ntr * rtx + (Idx)ntc * TILE_C + tx;  // the next tile's first row in x
-                if (fast) {
-                    auto body = [&](auto with_dbias) {
-                        constexpr bool DB = decltype(with_dbias)::value;
-                        float cs[16];
+            u8* tl = tile[k & 1];
+            const i64 r0 = (i64)tr * TILE_R, c0 = (i64)tc * TILE_C;
+            const bool full = tr < full_r && tc < full_c;
+            u32 ntr = tr + step_r, ntc = tc + step_c;
+            if (ntc >= tiles_c) { ntc -= tiles_c; ++ntr; }
+            const bool nfast = k + 1 < mine && is_fast(ntr, ntc);
+            const Idx nx = (Idx)ntr * rtx + (Idx)ntc * TILE_C + tx;  // the next tile's first row in x
+            if (fast) {
+                auto body = [&](auto with_dbias) {
+                    constexpr bool DB = decltype(with_dbias)::value;
+                    float cs[16];
 #pragma unroll
-                        for (int p = 0; p < 2; ++p) {
-                            float v[16];
-#pragma unroll
-                            for (int j = 0; j < 16; ++j) {
-                                float y = apply_op<OP>(raw_elem<T>(xc + p * PER_ROW, j),
-                                                       OP >= 3 ? raw_elem<T>(bc + p * PER_ROW, j) : 0.0f);
-                                m = amax_update<OP>(m, y);
-                                if (DB) cs[j] = p == 0 ? y : fadd(cs[j], y);
-                                v[j] = fmul(y, s);
-                            }
-                            // row p is in v: its registers take row p of the next tile, whose loads fly
-                            // while this tile is finished (no second register set, no moves)
-                            if (nfast) load_row(xc, bc, p, nx + p * rx);
-                            const u64 lo = cvt8<FMT>(v), hi = cvt8<FMT>(v + 8);
-                            u8* qp = q + ((Idx)tr * rtq + (Idx)tc * TILE_C + tq + p * rq);
-                            if (q16) {
-                                *reinterpret_cast<uint4*>(qp) = make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32));
-                            } else {
-                                reinterpret_cast<u64*>(qp)[0] = lo;
-                                reinterpret_cast<u64*>(qp)[1] = hi;
-                            }
-                            if (q_t != nullptr)  // the 8-byte halves swapped in rows 64..127 (tile_at)
-                                *reinterpret_cast<uint4*>(tl + wr_base + 4096 * p) =
-                                    p == 0 ? make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32))
-                                           : make_uint4((u32)hi, (u32)(hi >> 32), (u32)lo, (u32)(lo >> 32));
-                        }
-                        if (DB) {
-#pragma unroll
-                            for (int j = 0; j < 16; j += 4)
-                                *reinterpret_cast<float4*>(&colsum[lr][lc + j]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
-                        }
-                    };
-                    if (OP >= 3 && dbias != nullptr) body(Flag<true>());
-                    else body(Flag<false>());
-                } else {
-                    if (nfast) {
-                        load_row(xc, bc, 0, nx);
-                        load_row(xc, bc, 1, nx + rx);
-                    }
-                    if (dbias != nullptr) {
-#pragma unroll
-                        for (int j = 0; j < 16; ++j) colsum[lr][lc + j] = 0.0f;
-                    }
-#pragma unroll 1
                     for (int p = 0; p < 2; ++p) {
-                        const int r = lr + 64 * p;
-                        const i64 gr = r0 + r;
-#pragma unroll 1
+                        float v[16];
+#pragma unroll
                         for (int j = 0; j < 16; ++j) {
-                            const int c = lc + j;
-                            const i64 gc = c0 + c;
-                            u8 byte = 0;
-                            if (gr < rows && gc < cols) {
-                                const i64 off = gr * cols + gc;
-                                float y = apply_op<OP>(to_f32(x[off]), OP >= 3 ? to_f32(b[off]) : 0.0f);
-                                m = amax_update<OP>(m, y);
-                                if (dbias != nullptr) colsum[lr][c] = fadd(colsum[lr][c], y);
-                                byte = cvt1<FMT>(fmul(y, s));
-                                q[gr * pcols + gc] = byte;
-                            } else if (gr < prows && gc < pcols) {
-                                q[gr * pcols + gc] = 0;  // the pad
-                            }
-                            if (q_t != nullptr) tl[tile_at(r, c)] = byte;
+                            float y = apply_op<OP>(raw_elem<T>(xc + p * PER_ROW, j),
+                                                   OP >= 3 ? raw_elem<T>(bc + p * PER_ROW, j) : 0.0f);
+                            m = amax_update<OP>(m, y);
+                            if (DB) cs[j] = p == 0 ? y : fadd(cs[j], y);
+                            v[j] = fmul(y, s);
                         }
-                    }
-                }
-                __syncthreads();
-                if (q_t != nullptr) {
-                    u32 wd[16];
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) wd[i] = *reinterpret_cast<const u32*>(tl + rd_base + 64 * i);
-#pragma unroll
-                    for (int kk = 0; kk < 2; ++kk) {
-                        const u32 sel = (u32)(kb + kk) | ((u32)(kb + kk + 4) << 4);  // byte kb + kk of two words
-                        u32 o[4];
-#pragma unroll
-                        for (int i = 0; i < 4; ++i)
-                            o[i] = __byte_perm(__byte_perm(wd[4 * i], wd[4 * i + 1], sel),
-                                               __byte_perm(wd[4 * i + 2], wd[4 * i + 3], sel), 0x5410);
-                        if (full && t16) {
-                            *reinterpret_cast<uint4*>(q_t + ((Idx)tc * ctt + (Idx)tr * TILE_R + tt + kk * ipr)) = make_uint4(o[0], o[1], o[2], o[3]);
+                        // row p is in v: its registers take row p of the next tile, whose loads fly
+                        // while this tile is finished (no second register set, no moves)
+                        if (nfast) load_row(xc, bc, p, nx + p * rx);
+                        const u64 lo = cvt8<FMT>(v), hi = cvt8<FMT>(v + 8);
+                        u8* qp = q + ((Idx)tr * rtq + (Idx)tc * TILE_C + tq + p * rq);
+                        if (q16) {
+                            *reinterpret_cast<uint4*>(qp) = make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32));
                         } else {
-                            const i64 gr = r0 + 16 * rm, gc = c0 + 2 * cp + kk;
-                            if (gc < pcols) {
-#pragma unroll
-                                for (int i = 0; i < 16; ++i)
-                                    if (gr + i < prows) q_t[gc * prows + gr + i] = (u8)(o[i >> 2] >> (8 * (i & 3)));
-                            }
+                            reinterpret_cast<u64*>(qp)[0] = lo;
+                            reinterpret_cast<u64*>(qp)[1] = hi;
                         }
+                        if (q_t != nullptr)  // the 8-byte halves swapped in rows 64..127 (tile_at)
+                            *reinterpret_cast<uint4*>(tl + wr_base + 4096 * p) =
+                                p == 0 ? make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32))
+                                       : make_uint4((u32)hi, (u32)(hi >> 32), (u32)lo, (u32)(lo >> 32));
                     }
+                    if (DB) {
+#pragma unroll
+                        for (int j = 0; j < 16; j += 4)
+                            *reinterpret_cast<float4*>(&colsum[lr][lc + j]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
+                    }
+                };
+                if (OP >= 3 && dbias != nullptr) body(Flag<true>());
+                else body(Flag<false>());
+            } else {
+                if (nfast) {
+                    load_row(xc, bc, 0, nx);
+                    load_row(xc, bc, 1, nx + rx);
                 }
                 if (dbias != nullptr) {
-                    {
-                        const int c = t & 63, g = t >> 6;
-                        float acc = colsum[16 * g][c];
 #pragma unroll
-                        for (int kk = 1; kk < 16; ++kk) acc = fadd(acc, colsum[16 * g + kk][c]);
-                        colsum4[g][c] = acc;
-                    }
-                    __syncthreads();
-                    if (t < TILE_C && c0 + t < cols)
-                        partial[(i64)tr * cols + c0 + t] = fadd(fadd(colsum4[0][t], colsum4[1][t]), fadd(colsum4[2][t], colsum4[3][t]));
-                    __threadfence();
-                    __syncthreads();
-                    if (t == 0) is_last = atomicAdd(&strip_count[tc], 1) == (int)tiles_r - 1;
-                    __syncthreads();
-                    if (is_last) {
-                        __threadfence();
-                        if (t < TILE_C && c0 + t < cols) {
-                            float acc = 0.0f;
-                            for (u32 kk = 0; kk < tiles_r; ++kk) acc = fadd(acc, __ldcg(&partial[(i64)kk * cols + c0 + t]));
-                            dbias[c0 + t] = acc;
+                    for (int j = 0; j < 16; ++j) colsum[lr][lc + j] = 0.0f;
+                }
+#pragma unroll 1
+                for (int p = 0; p < 2; ++p) {
+                    const int r = lr + 64 * p;
+                    const i64 gr = r0 + r;
+#pragma unroll 1
+                    for (int j = 0; j < 16; ++j) {
+                        const int c = lc + j;
+                        const i64 gc = c0 + c;
+                        u8 byte = 0;
+                        if (gr < rows && gc < cols) {
+                            const i64 off = gr * cols + gc;
+                            float y = apply_op<OP>(to_f32(x[off]), OP >= 3 ? to_f32(b[off]) : 0.0f);
+                            m = amax_update<OP>(m, y);
+                            if (dbias != nullptr) colsum[lr][c] = fadd(colsum[lr][c], y);
+                            byte = cvt1<FMT>(fmul(y, s));
+                            q[gr * pcols + gc] = byte;
+                        } else if (gr < prows && gc < pcols) {
+                            q[gr * pcols + gc] = 0;  // the pad
                         }
-                        if (t == 0) strip_count[tc] = 0;  // leave the counters zeroed for the next call
+                        if (q_t != nullptr) tl[tile_at(r, c)] = byte;
                     }
                 }
-                tr = ntr;
-                tc = ntc;
-                fast = nfast;
             }
+            __syncthreads();
+            if (q_t != nullptr) {
+                u32 wd[16];
+#pragma unroll
+                for (int i = 0; i < 16; ++i) wd[i] = *reinterpret_cast<const u32*>(tl + rd_base + 64 * i);
+#pragma unroll
+                for (int kk = 0; kk < 2; ++kk) {
+                    const u32 sel = (u32)(kb + kk) | ((u32)(kb + kk + 4) << 4);  // byte kb + kk of two words
+                    u32 o[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        o[i] = __byte_perm(__byte_perm(wd[4 * i], wd[4 * i + 1], sel),
+                                           __byte_perm(wd[4 * i + 2], wd[4 * i + 3], sel), 0x5410);
+                    if (full && t16) {
+                        *reinterpret_cast<uint4*>(q_t + ((Idx)tc * ctt + (Idx)tr * TILE_R + tt + kk * ipr)) = make_uint4(o[0], o[1], o[2], o[3]);
+                    } else {
+                        const i64 gr = r0 + 16 * rm, gc = c0 + 2 * cp + kk;
+                        if (gc < pcols) {
+#pragma unroll
+                            for (int i = 0; i < 16; ++i)
+                                if (gr + i < prows) q_t[gc * prows + gr + i] = (u8)(o[i >> 2] >> (8 * (i & 3)));
+                        }
+                    }
+                }
+            }
+            if (dbias != nullptr) {
+                {
+                    const int c = t & 63, g = t >> 6;
+                    float acc = colsum[16 * g][c];
+#pragma unroll
+                    for (int kk = 1; kk < 16; ++kk) acc = fadd(acc, colsum[16 * g + kk][c]);
+                    colsum4[g][c] = acc;
+                }
+                __syncthreads();
+                if (t < TILE_C && c0 + t < cols)
+                    partial[(i64)tr * cols + c0 + t] = fadd(fadd(colsum4[0][t], colsum4[1][t]), fadd(colsum4[2][t], colsum4[3][t]));
+                __threadfence();
+                __syncthreads();
+                if (t == 0) is_last = atomicAdd(&strip_count[tc], 1) == (int)tiles_r - 1;
+                __syncthreads();
+                if (is_last) {
+                    __threadfence();
+                    if (t < TILE_C && c0 + t < cols) {
+                        float acc = 0.0f;
+                        for (u32 kk = 0; kk < tiles_r; ++kk) acc = fadd(acc, __ldcg(&partial[(i64)kk * cols + c0 + t]));
+                        dbias[c0 + t] = acc;
+                    }
+                    if (t == 0) strip_count[tc] = 0;  // leave the counters zeroed for the next call
+                }
+            }
+            tr = ntr;
+            tc = ntc;
+            fast = nfast;
         }
     };
-    if (prows * pcols < ((i64)1 << 31)) run(0u);
-    else run((i64)0);
+    if (prows * pcols >= ((i64)1 << 31)) run((i64)0);
+    else run(0u);
     if (!fresh) block_amax_atomic<256>(m, amax);
 }
