@@ -148,10 +148,14 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 // of the copy ceiling) vs 13.74 (0.58), 8192x16384 160.5 us (0.79) vs 202.8 (0.63), gelu 228 vs 266.
 // Tile: 128 rows x 64 cols; block: 256 threads; grid: min(tiles, resident blocks) from the
 // occupancy, grid-stride.
-// Software pipeline: a block issues the 16-byte loads of its next tile (raw, in registers) before
-// it computes the current one, and the first tile's loads before it reads the scale, so loads are
-// in flight while the block computes and stores: per thread 2 rows x 16 columns of x (and b), i.e.
-// 4 loads of 16 bytes for a 2-byte type (8 for float32) per input, current + next tile.
+// Software pipeline: per thread 2 rows x 16 columns of x (and b) a tile, raw in registers (4 loads
+// of 16 bytes for a 2-byte type, 8 for float32, per input), one register set: once a row of the
+// current tile is computed (its values in v), the same registers take that row of the next tile,
+// whose loads then fly while the rest of the tile is computed and stored (issue 18: no second set
+// and no moves between tiles). The first tile's loads are issued before the scale is read.
+// Offsets are 32-bit below 2**31 elements (prows * pcols), else 64-bit (the same loop, twice).
+// (Tried, issue 18: two register sets ping-ponged over a loop of two tiles, 298-303 SASS a tile for
+// bf16 identity against 337-348 here, but 121 registers (gelu 128), i.e. half the resident blocks.)
 // Thread t owns rows t/4 and t/4 + 64, columns 16(t%4)..+15 of the tile: q is written with one
 // 16-byte store per row (two 8-byte stores when pcols % 16 != 0), and the FP8 bytes go to a shared
 // 128 x 64-byte tile (two of them, alternating, so one barrier a tile suffices) at a swizzled place
@@ -177,6 +181,8 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 #define TILE_C 64
 #define T2_LOADS (2 * (int)sizeof(T))  // 16-byte loads per thread, tile and input (2 rows x 16 columns)
 
+// (dgelu: at most 128 registers, 2 blocks an SM, as before issue 18's loop; ptxas would take 150. A
+// minimum of 0 blocks is no minimum: identity and gelu keep ptxas's own choice, 64.)
 template <typename T, int FMT, int OP, class Pre = StagedAmax>
 __global__ void __launch_bounds__(256, OP >= 3 ? 2 : 0) quantize_tiled(
     const T* __restrict__ x,          // [rows, cols] input (dy for OP 3/4)
@@ -349,7 +355,8 @@ __global__ void __launch_bounds__(256, OP >= 3 ? 2 : 0) quantize_tiled(
                         o[i] = __byte_perm(__byte_perm(wd[4 * i], wd[4 * i + 1], sel),
                                            __byte_perm(wd[4 * i + 2], wd[4 * i + 3], sel), 0x5410);
                     if (full && t16) {
-                        *reinterpret_cast<uint4*>(q_t + ((Idx)tc * ctt + (Idx)tr * TILE_R + tt + kk * ipr)) = make_uint4(o[0], o[1], o[2], o[3]);
+                        u8* tp = q_t + ((Idx)tc * ctt + (Idx)tr * TILE_R + tt + kk * ipr);
+                        *reinterpret_cast<uint4*>(tp) = make_uint4(o[0], o[1], o[2], o[3]);
                     } else {
                         const i64 gr = r0 + 16 * rm, gc = c0 + 2 * cp + kk;
                         if (gc < pcols) {

@@ -106,12 +106,13 @@ def per_tile(ins: list[tuple[int, str]], dbias: bool) -> list[dict]:
 
 
 def per_loop_tile(ins: list[tuple[int, str]], head: int, end: int, dbias: bool) -> dict | None:
-    """The shortest path of one thread through the body of the tile loop (the widest backward branch)
-    that does the steady state of full tiles: no cold block (_COLD), both 16-byte q stores and both
-    16-byte q_t stores of each tile, the most 16-byte loads of the next tile(s), and with ``dbias``
-    the 4 shared float4 stores of each tile's column sums and the strip counter's atomic (thread 0's
-    path; without it, none of either), and of those the path with the most tiles. The loop: from ``head`` to the backward branch at ``end``. Tiles on the path = its F2FP / 16 (32 elements a thread and
-    tile), so a loop that does two tiles an iteration counts per tile too."""
+    """The shortest path of one thread through one iteration of the tile loop from ``head`` to the
+    backward branch at ``end`` that does the steady state of full tiles: no cold block (_COLD), both
+    16-byte q stores and both 16-byte q_t stores of each tile, and with ``dbias`` the 4 shared float4
+    stores of each tile's column sums and the strip counter's atomic (thread 0's path; without it,
+    none of either). Of those: the most tiles an iteration, then the most 16-byte loads (of the next
+    tile) a tile, then the fewest instructions. Tiles on the path = its F2FP / 16 (32 elements a
+    thread and tile), so a loop that does two tiles an iteration is counted per tile too."""
     body = [(a, t) for a, t in ins if head <= a <= end]
     blocks, cur = [], []
     starts = {tg for _, t in body if (tg := _branch_target(t)) is not None and head < tg <= end}
