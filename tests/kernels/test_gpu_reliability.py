@@ -72,6 +72,32 @@ def test_quantize_more_than_2_31_elements_flat_and_transposed():
     torch.cuda.empty_cache()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [32752, 32768], ids=["32bit_offsets_top", "64bit_from_2_31"])
+def test_tiled_quantize_on_both_sides_of_the_32_bit_offset_switch(rows):
+    """quantize_tiled takes 32-bit offsets while prows * pcols < 2^31 and 64-bit ones from there
+    (issue 18). bf16 (32752, 65536) is 2^31 - 2^20 elements, the 32-bit loop with offsets up to its
+    top; (32768, 65536) is 2^31 exactly, the 64-bit loop. The amax is planted at the last element;
+    q and q_t of the last rows and columns are compared byte for byte with the reference."""
+    cols = 65536
+    g = torch.Generator(device=DEV).manual_seed(1)
+    x = torch.randn(rows, cols, device=DEV, dtype=torch.bfloat16, generator=g)
+    x[-1, -1] = 1000.0
+    s = torch.full((1,), 0.25, device=DEV)
+    r = ops.quantize(x, s, transpose=True)
+    assert r.amax.item() == 1000.0 and tuple(r.data_t.shape) == (cols, rows)
+    n = rows * cols
+    _check_slices(x.view(-1), r.data.view(-1), 0.25, [slice(0, 4096), slice(n - 70000, n)])
+    for rs in (slice(0, 8), slice(rows - 136, rows)):
+        want = ref.quantize(host(x[rs]), np.float32(0.25), "e4m3", transpose=True)
+        assert raw(r.data_t[:, rs]) == want.data_t.tobytes(), rs
+    cs = slice(cols - 72, cols)
+    want = ref.quantize(host(x[:, cs]), np.float32(0.25), "e4m3", transpose=True)
+    assert raw(r.data_t[cs]) == want.data_t.tobytes()
+    del r, x
+    torch.cuda.empty_cache()
+
+
 # ---- concurrency -----------------------------------------------------------------------------
 def test_threads_on_separate_streams_race_to_compile_and_get_correct_results(monkeypatch):
     """12 threads, each on its own stream, start together (a barrier) with an empty kernel cache:
