@@ -39,7 +39,7 @@ from jax import lax
 from ..ops import _check_eps
 from ..recipe import DelayedScaling
 from ..state import ScalingState
-from ..types import Quantized, check_approximate, check_recipe, gemm_pad_to
+from ..types import GEMM_MULTIPLE, Quantized, check_approximate, check_recipe, gemm_pad_to
 from . import gemm as G
 from . import layernorm as LN
 from . import primitives as P
@@ -202,17 +202,20 @@ def _check_fp8_weight(q, w, recipe: DelayedScaling, argname: str):
         raise TypeError(f"{argname} must be None or the Quantized that fusedfp8.jax.quantize_weight returned (data, "
                         f"data_t, amax, scale_inv); got {type(q).__name__}")
     fp8 = recipe.format_for(False).dtype_name
-    (k, n), want = w.shape, {"data": (w.shape, fp8), "data_t": ((w.shape[1], w.shape[0]), fp8),
-                             "amax": ((), "float32"), "scale_inv": ((1,), "float32")}
+    (k, n), (pk, pn) = w.shape, (-(-d // GEMM_MULTIPLE) * GEMM_MULTIPLE for d in w.shape)
+    want = {"data": ((k, n), fp8), "data_t": ((n, k), fp8), "amax": ((), "float32"), "scale_inv": ((1,), "float32")}
+    padded = {"data": (pk, pn), "data_t": (pn, pk)}  # quantize_weight(pad_to=16) of a ragged weight
     for name, (shape, dtype) in want.items():
         a = jnp.asarray(getattr(q, name))
-        if a.shape != shape or a.dtype.name != dtype:
+        if a.shape not in (shape, padded.get(name, shape)) or a.dtype.name != dtype:
+            also = f" (padded, from quantize_weight(pad_to=16): {padded[name]})" if name in padded else ""
             raise ValueError(f"{argname}.{name} must be {dtype} of shape {shape} (the FP8 copy of a ({k}, {n}) weight "
-                             f"under this recipe); got {a.dtype} {a.shape}")
+                             f"under this recipe); got {a.dtype} {a.shape}{also}")
     return Quantized(*(None if a is None else jnp.asarray(a) for a in q))
 
 
-def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_name=None, impl: str = "auto"):
+def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_name=None, impl: str = "auto",
+                    pad_to: int = 1):
     """The FP8 copy of the weight ``w`` (K, N) with its transpose, for the ``fp8_weight=``
     argument of :func:`fp8_dot` (and ``fp8_weights=`` of :func:`fp8_mlp`): the weight cache for
     gradient accumulation, explicit in JAX. Make it once per optimizer step, from the step's
@@ -229,18 +232,27 @@ def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_
     ``data_t`` (N, K) in the forward FP8 format, ``amax``, ``scale_inv`` (1,)); it carries no
     derivative. A copy made from another step's weight or meta is not detected: the GEMMs then
     use that weight. ``axis_name``, ``impl``: as :func:`fp8_dot`.
+
+    ``pad_to``: 1 (the default: ``data`` (K, N), ``data_t`` (N, K)) or 16: K and N rounded up
+    to multiples of 16 (``data`` (K', N'), ``data_t`` (N', K')), FP8 zeros in the pad, written so
+    by the quantize kernel: the GEMM operands of a ragged weight as :func:`fp8_dot` takes them,
+    where the unpadded copy is padded again (one copy of the FP8 weight) in every use. The same
+    for a weight whose K and N are multiples of 16.
     """
     w = _check_operand(w, "w")
+    if P.check_pad_to(pad_to) not in (1, GEMM_MULTIPLE):
+        raise ValueError(f"pad_to must be 1 or {GEMM_MULTIPLE} (the padding of fp8_dot's GEMM operands); got {pad_to!r}")
     check_recipe(recipe)
     meta = _check_meta(meta, 3, recipe)
     cfg = _Cfg(recipe, P._check_impl(impl), w.dtype.name, P._check_axis_name(axis_name))
     w, *meta = P._as_varying_as((w, *meta), (w, *meta))
-    return _quantize_weight_call(w, tuple(meta), cfg)
+    return _quantize_weight_call(w, tuple(meta), cfg, gemm_pad_to(*w.shape) if pad_to != 1 else 1)
 
 
-@P.compiled_when_eager(2)
-def _quantize_weight_call(w, meta, cfg: _Cfg) -> Quantized:
-    rw, _ = P.quantize(lax.stop_gradient(w), _advance(meta, cfg), 1, cfg.recipe, transpose=True, impl=cfg.impl)
+@P.compiled_when_eager(2, 3)
+def _quantize_weight_call(w, meta, cfg: _Cfg, pad_to: int) -> Quantized:
+    rw, _ = P.quantize(lax.stop_gradient(w), _advance(meta, cfg), 1, cfg.recipe, transpose=True, pad_to=pad_to,
+                       impl=cfg.impl)
     return rw
 
 
