@@ -39,7 +39,8 @@ from jax import lax
 from ..ops import _check_eps
 from ..recipe import DelayedScaling
 from ..state import ScalingState
-from ..types import GEMM_MULTIPLE, Quantized, check_approximate, check_recipe, gemm_pad_to
+from ..types import (GEMM_MULTIPLE, Quantized, check_approximate, check_pad_to, check_recipe,
+                     gemm_pad_to)
 from . import gemm as G
 from . import layernorm as LN
 from . import primitives as P
@@ -240,8 +241,9 @@ def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_
     for a weight whose K and N are multiples of 16.
     """
     w = _check_operand(w, "w")
-    if P.check_pad_to(pad_to) not in (1, GEMM_MULTIPLE):
-        raise ValueError(f"pad_to must be 1 or {GEMM_MULTIPLE} (the padding of fp8_dot's GEMM operands); got {pad_to!r}")
+    if check_pad_to(pad_to) not in (1, GEMM_MULTIPLE):
+        raise ValueError(f"pad_to must be 1 or {GEMM_MULTIPLE} (the padding of fp8_dot's GEMM operands); "
+                         f"got {pad_to!r}")
     check_recipe(recipe)
     meta = _check_meta(meta, 3, recipe)
     cfg = _Cfg(recipe, P._check_impl(impl), w.dtype.name, P._check_axis_name(axis_name))

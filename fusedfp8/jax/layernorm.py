@@ -18,7 +18,7 @@ from ..numerics import jnp as jn
 from ..ops import _check_eps
 from ..recipe import DelayedScaling
 from ..state import ScalingState
-from ..types import FLOAT_INPUTS, LayerNormQuantized, Quantized
+from ..types import FLOAT_INPUTS, LayerNormQuantized, Quantized, check_pad_to
 from . import callbacks
 from . import primitives as P
 
@@ -152,7 +152,7 @@ def layernorm_quantize(x, weight, bias, eps: float, state: ScalingState, index: 
     if x.shape[-1] == 0:
         raise ValueError(f"x: layernorm_quantize normalises over the last dimension, which must not be empty; "
                          f"got shape {x.shape}")
-    pad_to = P.check_pad_to(pad_to)
+    pad_to = check_pad_to(pad_to)
     eps = _check_eps(eps)
     weight, bias = check_layernorm_params(weight, bias, x.shape[-1])
     i = state.check_index(index)

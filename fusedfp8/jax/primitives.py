@@ -60,7 +60,7 @@ from ..numerics import jnp as jn
 from ..numerics.scaling import close_step, update_rule
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
-from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_recipe, kernel_op
+from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_pad_to, check_recipe, kernel_op
 from . import callbacks
 
 __all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "stage_amax", "update_scales", "sync_staged", "dequantize",
@@ -165,13 +165,6 @@ def _check_x(x, argname: str, need_2d: bool):
 
 def _rows_cols(shape) -> tuple[int, int]:
     return (math.prod(shape[:-1]), int(shape[-1])) if shape else (1, 1)
-
-
-def check_pad_to(pad_to) -> int:
-    """``pad_to`` as an int >= 1; ValueError naming it otherwise (before anything is traced)."""
-    if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to < 1:
-        raise ValueError(f"pad_to must be a positive int (1: no padding; 16: what FP8 GEMMs need); got {pad_to!r}")
-    return int(pad_to)
 
 
 def pad_fp8(q, rows: int, cols: int, pad_to: int, transpose: bool) -> list:
@@ -374,7 +367,8 @@ def gelu_quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *,
 
 
 def dgelu_quantize(dy, x, state: ScalingState, index: int, recipe: DelayedScaling, *, approximate: str = "tanh",
-                   transpose: bool = False, dbias: bool = False, pad_to: int = 1, impl: str = "auto") -> tuple[Quantized, ScalingState]:
+                   transpose: bool = False, dbias: bool = False, pad_to: int = 1,
+                   impl: str = "auto") -> tuple[Quantized, ScalingState]:
     """The gelu backward ``dx = dy * gelu'(x)`` (float32), quantized; amax of dx; with ``dbias``
     also the (N,) float32 column sums of the unquantized dx over its (M, N) view (never
     padded); ``pad_to`` as :func:`quantize`."""

@@ -65,7 +65,7 @@ ENTRY %main (a: f8e4m3fn[30,20], b: bf16[30,20], c: u8[30,20]) -> f8e4m3fn[32,32
 """
 
 
-def test_fp8_pads_finds_the_pad_fusion_and_the_uint8_pad_but_not_the_bf16_one():
+def test_fp8_pads_finds_the_fused_pad_of_fp8_and_the_uint8_pad_but_not_the_bf16_one():
     found = fp8_pads(PADS)
-    assert [ln.split(" = ")[0] for ln in found] == ["%loop_pad_fusion", "%pad.3"]
+    assert [ln.split(" = ")[0] for ln in found] == ["fused_pad: %pad.1", "main: %pad.3"]
     assert fp8_pads(PADS.replace("f8e4m3fn", "f32").replace("u8", "s32")) == []

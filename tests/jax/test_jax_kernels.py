@@ -262,12 +262,12 @@ def test_fp8_dot_compiles_to_cublaslt_fp8_gemms_without_transposes():
 @pytest.mark.fp8_gemm
 @pytest.mark.parametrize("mkn", [(303, 300, 200), (8190, 64, 128), (1000, 48, 80), (17, 33, 50)], ids=str)
 def test_ragged_fp8_dot_runs_fp8_gemms_and_matches_the_jnp_path(mkn):
-    """GEMM dimensions that are not multiples of 16 (issue 19.1): fp8_dot pads the quantized
-    operands with zeros and slices the results, so the compiled step runs three FP8 GEMMs (dots of
-    two FP8 operands), and the kernel path's output, gradients and new meta agree with the
-    jax.numpy path's (same quantize bytes). The quantize kernels write the operands padded
-    (pad_to): no pad of FP8 bytes in the program (before, a loop_pad_fusion fed each GEMM). Which backend runs them is XLA's autotuner's choice: on
-    the H200 (jax 0.11.2) these small shapes mostly got Triton FP8 GEMM fusions, with the scales
+    """GEMM dimensions that are not multiples of 16 (issue 19.1): the quantize kernels write the
+    operands zero-padded (pad_to: no pad of FP8 bytes in the program, where before a
+    loop_pad_fusion fed each GEMM) and fp8_dot slices the results, so the compiled step runs
+    three FP8 GEMMs (dots of two FP8 operands), and the kernel path's output, gradients and new
+    meta agree with the jax.numpy path's (same quantize bytes). Which backend runs them is XLA's
+    autotuner's choice: on the H200 (jax 0.11.2) these small shapes mostly got Triton FP8 GEMM fusions, with the scales
     and the bf16 convert fused in, rather than cuBLASLt's FP8 call (the HLO of 2026-12-03 run 4)."""
     M, K, N = mkn
     x = inputs((M, K), "bfloat16", scale=1.0, special=False)

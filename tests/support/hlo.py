@@ -7,9 +7,8 @@ _HEADER = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\) -> .* \{$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?)\[")
 _DOT = re.compile(r"= \S+ dot\(%([^,\s]+), %([^,)\s]+)\)")
 _FUSION = re.compile(r"= \S+ fusion\(.*kind=kCustom, calls=%([^,\s]+)")
-_ANY_FUSION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?)\[.* fusion\(.*calls=%([^,\s]+)")
-_PAD = re.compile(r"^\s*(?:ROOT )?%\S+ = (\S+?)\[.* pad\(")
-_PARAM = re.compile(r"= (\S+?)\[\S*\s+parameter\(")
+_PAD = re.compile(r"^\s*(?:ROOT )?%\S+ = (\S+?)\[\S*\s+pad\(%([^,\s]+),")
+_CONVERT = re.compile(r"\s+convert\(%([^,)\s]+)\)")
 _BYTES = ("f8", "u8")  # FP8 values, and the uint8 codes the kernels write (bitcast to FP8)
 
 CUBLASLT_FP8 = 'custom_call_target="__cublas$lt$matmul$f8"'
@@ -61,29 +60,19 @@ def other_gemms(text: str) -> int:
     return dots + text.count('custom_call_target="__cublas$gemm"') + text.count('custom_call_target="__cublas$lt$matmul"')
 
 
-def _bytes(type_name: str) -> bool:
-    return type_name.startswith(_BYTES)
-
-
 def fp8_pads(text: str) -> list[str]:
-    """Instructions that pad FP8 data (one more pass over the bytes): a ``pad`` of an FP8 / uint8
-    result outside fusions, and a fusion holding a ``pad`` whose result or one of whose
-    parameters is FP8 / uint8 (XLA fuses the pad, on the CPU through f16 converts: the GPU's
-    ``loop_pad_fusion`` feeding a GEMM). Their names and types, one line each."""
-    comps = computations(text)
-
-    def pads_bytes(lines) -> bool:
-        return any(_PAD.match(ln) for ln in lines) and any(
-            _bytes(m.group(1)) for m in map(_PARAM.search, lines) if m)
-
-    fused = {m.group(3) for lines in comps.values() for m in map(_ANY_FUSION.match, lines) if m}
+    """The ``pad`` instructions of FP8 data, each as "computation: instruction" (one more pass over
+    the bytes: on the H200 the ``loop_pad_fusion`` that fed each ragged GEMM): a pad whose result
+    is FP8 or uint8 (the codes the kernels write), or whose operand is a convert of such a value
+    (XLA:CPU pads FP8 through f16), in any computation, fused ones included."""
     found = []
-    for name, lines in comps.items():
-        for ln in lines if name not in fused else ():  # a fused pad is found through its fusion
-            pad, fus = _PAD.match(ln), _ANY_FUSION.match(ln)
-            if pad and _bytes(pad.group(1)):
-                found.append(ln.strip())
-            elif fus and fus.group(3) in comps and any(_PAD.match(x) for x in comps[fus.group(3)]) and (
-                    _bytes(fus.group(2)) or pads_bytes(comps[fus.group(3)])):
-                found.append(ln.strip())
+    for name, lines in computations(text).items():
+        instrs = {m.group(1): (m.group(2), ln) for ln in lines if (m := _INSTR.match(ln))}
+        for ln in lines:
+            pad = _PAD.match(ln)
+            if not pad:
+                continue
+            conv = _CONVERT.search(instrs.get(pad.group(2), ("", ""))[1])
+            if pad.group(1).startswith(_BYTES) or (conv and instrs.get(conv.group(1), ("",))[0].startswith(_BYTES)):
+                found.append(f"{name}: {ln.strip()}")
     return found
