@@ -115,6 +115,33 @@ def _dgelu(dy, x, st, impl, approximate):
     return P.dgelu_quantize(dy, x, st, 2, RECIPE, approximate=approximate, transpose=True, dbias=True, impl=impl)
 
 
+def _padded_ops(dy, x, st, impl, pad_to):
+    """quantize (E4M3, transpose), gelu_quantize and dgelu_quantize (E5M2, transpose, dbias) of
+    one call each, every output written padded to multiples of ``pad_to``."""
+    r0, st = P.quantize(x, st, 0, RECIPE, transpose=True, pad_to=pad_to, impl=impl)
+    r1, st = P.gelu_quantize(x, st, 1, RECIPE, transpose=True, pad_to=pad_to, impl=impl)
+    r2, st = P.dgelu_quantize(dy, x, st, 2, RECIPE, transpose=True, dbias=True, pad_to=pad_to, impl=impl)
+    return (r0, r1, r2), st
+
+
+@pytest.mark.parametrize("pad_to", [16])  # what fp8_dot / fp8_mlp use
+@pytest.mark.parametrize("shape", S.params("ragged-303x300", "ragged-1x1", "ragged-0x16", "ragged-3d-3x5x7",
+                                           "aligned-64x128"))
+def test_padded_quantize_kernels_match_jnp(shape, pad_to):
+    """pad_to on the kernels (issue 19.1: the GEMM operands of fp8_dot / fp8_mlp): q and q_t
+    padded with FP8 zeros, dbias of the unpadded columns, amax of the unpadded tensor, byte for
+    byte the jax.numpy path's (itself the host reference's: test_jax_pad_to.py) on every impl."""
+    x = inputs(shape, "bfloat16", seed=1, scale=3.0)
+    dy = inputs(shape, "bfloat16", seed=2, scale=1e-2)
+    fn = functools.partial(_padded_ops, pad_to=pad_to)
+    want = run(fn, "jnp", dy, x, fresh_state())
+    for impl in KERNEL_IMPLS:
+        got = run(fn, impl, dy, x, fresh_state())
+        for k, (g, w) in enumerate(zip(got[0], want[0])):
+            assert g.data.shape == w.data.shape and g.data_t.shape == w.data_t.shape
+            assert_same((g, got[1]), (w, want[1]), f"{impl}: op {k}, pad_to={pad_to}")
+
+
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
 @pytest.mark.parametrize("shape", [(256, 512), (303, 300), (0, 16), (1024, 2048)], ids=str)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -308,19 +335,19 @@ def test_ragged_fp8_mlp_pads_no_fp8_operand_and_matches_the_jnp_path(cache):
     b1, b2 = gpu(jnp.zeros(ffn, jnp.bfloat16)), gpu(jnp.zeros(hid, jnp.bfloat16))
     metas = [jax.tree.map(gpu, JM.fresh_meta(RECIPE)) for _ in range(2)]
 
-    def loss(h, w1, w2, impl):
+    def loss(h, w1, b1, w2, impl):
         qs = (F.quantize_weight(w1, metas[0], RECIPE, impl=impl, pad_to=16),
               F.quantize_weight(w2, metas[1], RECIPE, impl=impl, pad_to=16)) if cache else None
         y = F.fp8_mlp(h, w1, b1, w2, b2, *metas, RECIPE, impl=impl, fp8_weights=qs)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
-    grad = jax.grad(loss, argnums=(0, 1, 2))
-    text = _compiled_text(functools.partial(grad, impl="auto"), h, w1, w2)
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    text = _compiled_text(functools.partial(grad, impl="auto"), h, w1, b1, w2)
     assert sum(fp8_gemm_counts(text).values()) == 6 and other_gemms(text) == 0, fp8_gemm_counts(text)
     assert not fp8_pads(text), fp8_pads(text)[:3]
-    got = jax.jit(functools.partial(grad, impl="auto"))(h, w1, w2)
-    want = jax.jit(functools.partial(grad, impl="jnp"))(h, w1, w2)
-    for name, g, w in zip(("dh", "dw1", "dw2"), got, want):
+    got = jax.jit(functools.partial(grad, impl="auto"))(h, w1, b1, w2)
+    want = jax.jit(functools.partial(grad, impl="jnp"))(h, w1, b1, w2)
+    for name, g, w in zip(("dh", "dw1", "db1 (the dgelu kernel's dbias)", "dw2"), got, want):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         assert g.shape == w.shape and ((g - w) ** 2).sum() <= 2e-3 * (w ** 2).sum(), name
 
