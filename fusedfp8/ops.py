@@ -35,8 +35,8 @@ from .numerics import layernorm as ln
 from .numerics import reference as ref
 from .recipe import CurrentScaling, DelayedScaling
 from .state import STATE_FIELDS, ScalingState, Slot, apply_update
-from .types import (FLOAT_INPUTS, FP8_DTYPES, LayerNormQuantized, Quantized, check_approximate, check_recipe,
-                    kernel_op)
+from .types import (FLOAT_INPUTS, FP8_DTYPES, LayerNormQuantized, Quantized, check_approximate, check_pad_to,
+                    check_recipe, kernel_op)
 
 __all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"]
 
@@ -110,8 +110,7 @@ class _Plan:
     """Everything a launch needs, all checked."""
 
     def __init__(self, x, b, scale, fmt, amax, op, transpose, dbias, argname="x", pad_to=1):
-        if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to < 1:
-            raise ValueError(f"pad_to must be a positive int (1: no padding; 16: what FP8 GEMMs need); got {pad_to!r}")
+        check_pad_to(pad_to)
         need = transpose or dbias
         what = "transpose=True" if transpose and not dbias else "transpose / dbias"
         self.xi = _check_input(x, argname, need, what)

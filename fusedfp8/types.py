@@ -1,10 +1,11 @@
 """The library's shared vocabulary: the result type, the dtype names, the activation flavours,
-and the one check of a recipe argument.
+and the checks of a recipe argument and of ``pad_to``.
 
 Everything here is plain Python: no framework, no device.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 FLOAT_INPUTS = ("float32", "float16", "bfloat16")  # the dtypes the kernels read
@@ -17,6 +18,14 @@ GELU_APPROXIMATIONS = {"tanh": "tanh", "none": "erf"}
 OPS = ("identity", "gelu", "dgelu")
 
 GEMM_MULTIPLE = 16  # cuBLASLt's FP8 GEMMs need every dimension a multiple of this
+
+
+def check_pad_to(pad_to) -> int:
+    """``pad_to`` (the padding of a quantization's FP8 outputs) as an int >= 1; ValueError naming
+    it otherwise."""
+    if isinstance(pad_to, bool) or not isinstance(pad_to, numbers.Integral) or pad_to < 1:
+        raise ValueError(f"pad_to must be a positive int (1: no padding; 16: what FP8 GEMMs need); got {pad_to!r}")
+    return int(pad_to)
 
 
 def gemm_pad_to(*dims: int) -> int:

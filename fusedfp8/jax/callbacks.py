@@ -60,10 +60,10 @@ def gpu_devices() -> list[int]:
 
 # ---- plans -----------------------------------------------------------------------------------
 def quantize_plans(dtype: str, fmt: str, op: str, rows: int, cols: int, transpose: bool, dbias: bool, first: bool,
-                   margin_factor: float, offset: int) -> dict:
+                   margin_factor: float, offset: int, pad_to: int = 1) -> dict:
     """CUDA ordinal -> :func:`fusedfp8._cuda.quantize_plan` for every local GPU (compiles the module)."""
-    return {dev: _cuda.quantize_plan(dev, dtype, fmt, op, rows, cols, transpose, dbias, first, margin_factor, offset)
-            for dev in gpu_devices()}
+    return {dev: _cuda.quantize_plan(dev, dtype, fmt, op, rows, cols, transpose, dbias, first, margin_factor, offset,
+                                     pad_to) for dev in gpu_devices()}
 
 
 def layernorm_plans(dtype: str, param: str, fmt: str, rows: int, cols: int, transpose: bool, first: bool, eps: float,

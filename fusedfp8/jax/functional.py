@@ -39,7 +39,8 @@ from jax import lax
 from ..ops import _check_eps
 from ..recipe import DelayedScaling
 from ..state import ScalingState
-from ..types import Quantized, check_approximate, check_recipe, gemm_pad_to
+from ..types import (GEMM_MULTIPLE, Quantized, check_approximate, check_pad_to, check_recipe,
+                     gemm_pad_to)
 from . import gemm as G
 from . import layernorm as LN
 from . import primitives as P
@@ -119,20 +120,23 @@ def _advance(meta, cfg, grad=LINEAR_GRAD) -> ScalingState:
 def _padded(a, pad: int):
     """A 2-D FP8 operand with zeros appended to multiples of ``pad`` (cuBLASLt's FP8 GEMMs need K
     a multiple of 16; XLA's GEMM rewriter needs every dimension so, else it falls back to a GEMM
-    in high precision). One copy of the FP8 bytes; the quantize kernels' own pad_to is not wired
-    into the JAX primitives yet (the LayerNorm's is)."""
-    if pad == 1:
+    in high precision). The quantize kernels write the operands padded themselves (``pad_to``);
+    this copies only a cached weight of ragged shape made without ``pad_to``, and is the
+    identity on one that is padded already."""
+    if pad == 1 or not any(d % pad for d in a.shape):
         return a
     return jnp.pad(a, [(0, -d % pad) for d in a.shape])
 
 
-def _weight(w, fp8_weight, st: ScalingState, recipe: DelayedScaling, impl: str):
-    """(the FP8 weight with its transpose, the state after it): ``w`` quantized into column 1 of
-    ``st``, or ``fp8_weight`` (from :func:`quantize_weight`) reused, its amax staged as the
-    quantization would have staged it."""
+def _weight(w, fp8_weight, st: ScalingState, recipe: DelayedScaling, impl: str, pad: int):
+    """(the FP8 weight with its transpose, both padded to multiples of ``pad``, the state after
+    it): ``w`` quantized into column 1 of ``st`` (written padded by the kernel), or
+    ``fp8_weight`` (from :func:`quantize_weight`) reused, its amax staged as the quantization
+    would have staged it."""
     if fp8_weight is None:
-        return P.quantize(w, st, 1, recipe, transpose=True, impl=impl)
-    return fp8_weight, P.stage_amax(st, 1, fp8_weight.amax, recipe)
+        return P.quantize(w, st, 1, recipe, transpose=True, pad_to=pad, impl=impl)
+    q = fp8_weight._replace(data=_padded(fp8_weight.data, pad), data_t=_padded(fp8_weight.data_t, pad))
+    return q, P.stage_amax(st, 1, fp8_weight.amax, recipe)
 
 
 def _dot_fwd(x, w, meta, fp8_weight, cfg: _Cfg, training: bool = True):
@@ -140,13 +144,13 @@ def _dot_fwd(x, w, meta, fp8_weight, cfg: _Cfg, training: bool = True):
     (m, k), n = x.shape, w.shape[1]
     pad = gemm_pad_to(m, k, n)
     st = _advance(meta, cfg)
-    rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=training, impl=cfg.impl)
-    rw, st = _weight(w, fp8_weight, st, cfg.recipe, cfg.impl)
-    y = gemm(_padded(rx.data, pad), _padded(rw.data_t, pad), rx.scale_inv, rw.scale_inv, cfg.out_dtype,
+    # ragged: the operands come out of the quantize kernels padded (pad_to), no copy
+    rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=training, pad_to=pad, impl=cfg.impl)
+    rw, st = _weight(w, fp8_weight, st, cfg.recipe, cfg.impl, pad)
+    y = gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype,
              fast_accum=cfg.forward_fast_accum, impl=cfg.impl, shape=(m, n))
     dtypes = (jnp.zeros((0, m, k), x.dtype), jnp.zeros((0, k, n), w.dtype))  # dtypes and real shapes
-    x_t = _padded(rx.data_t, pad) if training else None
-    res = (x_t, _padded(rw.data, pad), rx.scale_inv, rw.scale_inv, st, dtypes, fp8_weight)
+    res = (rx.data_t, rw.data, rx.scale_inv, rw.scale_inv, st, dtypes, fp8_weight)
     return (y, state_to_meta(st)), res
 
 
@@ -170,9 +174,9 @@ def _dot_bwd(cfg: _Cfg, res, cts):
     x_t, w_q, sx, sw, st, (xz, wz), fp8_weight = res
     (_, m, k), n = xz.shape, wz.shape[2]
     pad = gemm_pad_to(m, k, n)  # as the forward padded
-    rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, impl=cfg.impl)
-    dx = gemm(_padded(rg.data, pad), w_q, rg.scale_inv, sw, xz.dtype, impl=cfg.impl, shape=(m, k))
-    dw = gemm(x_t, _padded(rg.data_t, pad), sx, rg.scale_inv, wz.dtype, impl=cfg.impl, shape=(k, n))
+    rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, pad_to=pad, impl=cfg.impl)
+    dx = gemm(rg.data, w_q, rg.scale_inv, sw, xz.dtype, impl=cfg.impl, shape=(m, k))
+    dw = gemm(x_t, rg.data_t, sx, rg.scale_inv, wz.dtype, impl=cfg.impl, shape=(k, n))
     return dx, dw, combine(later, state_to_meta(st)), _zeros_like(fp8_weight)
 
 
@@ -199,17 +203,20 @@ def _check_fp8_weight(q, w, recipe: DelayedScaling, argname: str):
         raise TypeError(f"{argname} must be None or the Quantized that fusedfp8.jax.quantize_weight returned (data, "
                         f"data_t, amax, scale_inv); got {type(q).__name__}")
     fp8 = recipe.format_for(False).dtype_name
-    (k, n), want = w.shape, {"data": (w.shape, fp8), "data_t": ((w.shape[1], w.shape[0]), fp8),
-                             "amax": ((), "float32"), "scale_inv": ((1,), "float32")}
+    (k, n), (pk, pn) = w.shape, (-(-d // GEMM_MULTIPLE) * GEMM_MULTIPLE for d in w.shape)
+    want = {"data": ((k, n), fp8), "data_t": ((n, k), fp8), "amax": ((), "float32"), "scale_inv": ((1,), "float32")}
+    padded = {"data": (pk, pn), "data_t": (pn, pk)}  # quantize_weight(pad_to=16) of a ragged weight
     for name, (shape, dtype) in want.items():
         a = jnp.asarray(getattr(q, name))
-        if a.shape != shape or a.dtype.name != dtype:
+        if a.shape not in (shape, padded.get(name, shape)) or a.dtype.name != dtype:
+            also = f" (padded, from quantize_weight(pad_to=16): {padded[name]})" if name in padded else ""
             raise ValueError(f"{argname}.{name} must be {dtype} of shape {shape} (the FP8 copy of a ({k}, {n}) weight "
-                             f"under this recipe); got {a.dtype} {a.shape}")
+                             f"under this recipe); got {a.dtype} {a.shape}{also}")
     return Quantized(*(None if a is None else jnp.asarray(a) for a in q))
 
 
-def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_name=None, impl: str = "auto"):
+def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_name=None, impl: str = "auto",
+                    pad_to: int = 1):
     """The FP8 copy of the weight ``w`` (K, N) with its transpose, for the ``fp8_weight=``
     argument of :func:`fp8_dot` (and ``fp8_weights=`` of :func:`fp8_mlp`): the weight cache for
     gradient accumulation, explicit in JAX. Make it once per optimizer step, from the step's
@@ -226,18 +233,28 @@ def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_
     ``data_t`` (N, K) in the forward FP8 format, ``amax``, ``scale_inv`` (1,)); it carries no
     derivative. A copy made from another step's weight or meta is not detected: the GEMMs then
     use that weight. ``axis_name``, ``impl``: as :func:`fp8_dot`.
+
+    ``pad_to``: 1 (the default: ``data`` (K, N), ``data_t`` (N, K)) or 16: K and N rounded up
+    to multiples of 16 (``data`` (K', N'), ``data_t`` (N', K')), FP8 zeros in the pad, written so
+    by the quantize kernel: the GEMM operands of a ragged weight as :func:`fp8_dot` takes them,
+    where the unpadded copy is padded again (one copy of the FP8 weight) in every use. The same
+    for a weight whose K and N are multiples of 16.
     """
     w = _check_operand(w, "w")
+    if check_pad_to(pad_to) not in (1, GEMM_MULTIPLE):
+        raise ValueError(f"pad_to must be 1 or {GEMM_MULTIPLE} (the padding of fp8_dot's GEMM operands); "
+                         f"got {pad_to!r}")
     check_recipe(recipe)
     meta = _check_meta(meta, 3, recipe)
     cfg = _Cfg(recipe, P._check_impl(impl), w.dtype.name, P._check_axis_name(axis_name))
     w, *meta = P._as_varying_as((w, *meta), (w, *meta))
-    return _quantize_weight_call(w, tuple(meta), cfg)
+    return _quantize_weight_call(w, tuple(meta), cfg, gemm_pad_to(*w.shape) if pad_to != 1 else 1)
 
 
-@P.compiled_when_eager(2)
-def _quantize_weight_call(w, meta, cfg: _Cfg) -> Quantized:
-    rw, _ = P.quantize(lax.stop_gradient(w), _advance(meta, cfg), 1, cfg.recipe, transpose=True, impl=cfg.impl)
+@P.compiled_when_eager(2, 3)
+def _quantize_weight_call(w, meta, cfg: _Cfg, pad_to: int) -> Quantized:
+    rw, _ = P.quantize(lax.stop_gradient(w), _advance(meta, cfg), 1, cfg.recipe, transpose=True, pad_to=pad_to,
+                       impl=cfg.impl)
     return rw
 
 
@@ -331,31 +348,28 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
     else:
         st1, st2 = meta_to_state(meta1), meta_to_state(meta2)
     (m, hid), ffn, out = h.shape, w1.shape[1], w2.shape[1]
-    p = gemm_pad_to(m, hid, ffn, out)  # ragged: padded FP8 operands, as fp8_dot
+    p = gemm_pad_to(m, hid, ffn, out)  # ragged: every FP8 operand written padded by its kernel, as fp8_dot
     ln_saved = None
     if cfg.ln_eps is None:
-        rh, st1 = P.quantize(h, st1, 0, r, transpose=training, impl=impl)
-        h_q, h_t = _padded(rh.data, p), _padded(rh.data_t, p) if training else None
-    else:  # LayerNorm(h) straight to FP8, written padded by the kernel itself
+        rh, st1 = P.quantize(h, st1, 0, r, transpose=training, pad_to=p, impl=impl)
+    else:  # LayerNorm(h) straight to FP8
         rn, st1 = LN.layernorm_quantize(h, *ln, cfg.ln_eps, st1, 0, r, transpose=training, pad_to=p, impl=impl)
         rh = rn.quantized
-        h_q, h_t = rh.data, rh.data_t
         ln_saved = (h, rn.mean, rn.rstd, *ln) if training else None
     q1, q2 = fp8_weights or (None, None)
-    rw1, st1 = _weight(w1, q1, st1, r, impl)
+    rw1, st1 = _weight(w1, q1, st1, r, impl, p)
     fast = cfg.forward_fast_accum
-    z = gemm(h_q, _padded(rw1.data_t, p), rh.scale_inv, rw1.scale_inv, dt, fast_accum=fast, impl=impl,
+    z = gemm(rh.data, rw1.data_t, rh.scale_inv, rw1.scale_inv, dt, fast_accum=fast, impl=impl,
              shape=(m, ffn)) + b1.astype(dt)
-    ra, st2 = P.gelu_quantize(z, st2, 0, r, approximate=cfg.approximate, transpose=training, impl=impl)
-    rw2, st2 = _weight(w2, q2, st2, r, impl)
-    y = gemm(_padded(ra.data, p), _padded(rw2.data_t, p), ra.scale_inv, rw2.scale_inv, dt, fast_accum=fast,
+    ra, st2 = P.gelu_quantize(z, st2, 0, r, approximate=cfg.approximate, transpose=training, pad_to=p, impl=impl)
+    rw2, st2 = _weight(w2, q2, st2, r, impl, p)
+    y = gemm(ra.data, rw2.data_t, ra.scale_inv, rw2.scale_inv, dt, fast_accum=fast,
              impl=impl, shape=(m, out)) + b2.astype(dt)
     # dtypes, and the real shapes of h, w1, w2 (zero-size arrays: static)
     dtypes = (jnp.zeros((0, m, hid), h.dtype), jnp.zeros((0, hid, ffn), w1.dtype), jnp.zeros((0,), b1.dtype),
               jnp.zeros((0, ffn, out), w2.dtype), jnp.zeros((0,), b2.dtype))
-    a_t = _padded(ra.data_t, p) if training else None
     return (y, state_to_meta(st1), state_to_meta(st2)), (
-        h_t, _padded(rw1.data, p), z, a_t, _padded(rw2.data, p), rh.scale_inv, rw1.scale_inv, ra.scale_inv,
+        rh.data_t, rw1.data, z, ra.data_t, rw2.data, rh.scale_inv, rw1.scale_inv, ra.scale_inv,
         rw2.scale_inv, st1, st2, dtypes, fp8_weights, ln_saved)
 
 
@@ -373,18 +387,18 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
     (_, m, hid), (_, ffn, out) = hz.shape, w2z.shape
     p = gemm_pad_to(m, hid, ffn, out)  # as the forward padded
     r, impl = cfg.recipe, cfg.impl
-    rg, st2 = P.quantize(g, st2, 2, r, transpose=True, impl=impl)
-    da = gemm(_padded(rg.data, p), w2_q, rg.scale_inv, sw2, z.dtype, impl=impl, shape=(m, ffn))
-    dw2 = gemm(a_t, _padded(rg.data_t, p), sa, rg.scale_inv, w2z.dtype, impl=impl, shape=(ffn, out))
+    rg, st2 = P.quantize(g, st2, 2, r, transpose=True, pad_to=p, impl=impl)
+    da = gemm(rg.data, w2_q, rg.scale_inv, sw2, z.dtype, impl=impl, shape=(m, ffn))
+    dw2 = gemm(a_t, rg.data_t, sa, rg.scale_inv, w2z.dtype, impl=impl, shape=(ffn, out))
     db2 = jnp.sum(g.reshape(-1, g.shape[-1]), axis=0, dtype=jnp.float32).astype(b2z.dtype)
     rdz, st1 = P.dgelu_quantize(da, z, st1, 2, r, approximate=cfg.approximate, transpose=True, dbias=True,
-                                impl=impl)
-    dw1 = gemm(h_t, _padded(rdz.data_t, p), sh, rdz.scale_inv, w1z.dtype, impl=impl, shape=(hid, ffn))
+                                pad_to=p, impl=impl)
+    dw1 = gemm(h_t, rdz.data_t, sh, rdz.scale_inv, w1z.dtype, impl=impl, shape=(hid, ffn))
     dln = None
     if ln_saved is None:
-        dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, hz.dtype, impl=impl, shape=(m, hid))
+        dh = gemm(rdz.data, w1_q, rdz.scale_inv, sw1, hz.dtype, impl=impl, shape=(m, hid))
     else:  # the GEMM's dh is the LayerNorm output's gradient: through the LayerNorm's backward to x
-        dh = gemm(_padded(rdz.data, p), w1_q, rdz.scale_inv, sw1, z.dtype, impl=impl, shape=(m, hid))
+        dh = gemm(rdz.data, w1_q, rdz.scale_inv, sw1, z.dtype, impl=impl, shape=(m, hid))
         dh, dlw, dlb = _layernorm_bwd(dh, *ln_saved)
         dln = (dlw, dlb)
     return (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, combine(later1, state_to_meta(st1)),

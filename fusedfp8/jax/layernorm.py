@@ -10,7 +10,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from .. import _cuda
@@ -19,7 +18,7 @@ from ..numerics import jnp as jn
 from ..ops import _check_eps
 from ..recipe import DelayedScaling
 from ..state import ScalingState
-from ..types import FLOAT_INPUTS, LayerNormQuantized, Quantized
+from ..types import FLOAT_INPUTS, LayerNormQuantized, Quantized, check_pad_to
 from . import callbacks
 from . import primitives as P
 
@@ -45,12 +44,7 @@ def _layernorm_jnp(cfg: _LnCfg, x, w, b, hist, scale, scale_inv, updates):
     y, mean, rstd = jn.layernorm_f32(P._as_f32(x), w, b, cfg.eps)
     y = jn.computed_once(y)  # read by the amax, the cast and the transpose
     q, si_used, hist, scale, scale_inv = P._stage_and_cast(cfg, y, hist, scale, scale_inv, updates)
-    rows, cols = P._rows_cols(x.shape)
-    prows, pcols = _cuda.padded(rows, cols, cfg.pad_to)
-    q2 = q.reshape(rows, cols)
-    outs = [q if cfg.pad_to == 1 else jnp.pad(q2, ((0, prows - rows), (0, pcols - cols)))]  # FP8 zeros in the pad
-    if cfg.transpose:
-        outs.append(jnp.pad(q2.T, ((0, pcols - cols), (0, prows - rows))))
+    outs = P.pad_fp8(q, *P._rows_cols(x.shape), cfg.pad_to, cfg.transpose)  # FP8 zeros in the pad
     return (*outs, mean, rstd, si_used, hist, scale, scale_inv)
 
 
@@ -158,11 +152,10 @@ def layernorm_quantize(x, weight, bias, eps: float, state: ScalingState, index: 
     if x.shape[-1] == 0:
         raise ValueError(f"x: layernorm_quantize normalises over the last dimension, which must not be empty; "
                          f"got shape {x.shape}")
-    if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to < 1:
-        raise ValueError(f"pad_to must be a positive int (1: no padding; 16: what FP8 GEMMs need); got {pad_to!r}")
+    pad_to = check_pad_to(pad_to)
     eps = _check_eps(eps)
     weight, bias = check_layernorm_params(weight, bias, x.shape[-1])
     i = state.check_index(index)
     cfg = _LnCfg(i, state.format_of(i, recipe), bool(transpose), float(recipe.margin_factor),
-                 recipe.first_step == "current", eps, int(pad_to), weight is not None, bias is not None)
+                 recipe.first_step == "current", eps, pad_to, weight is not None, bias is not None)
     return _run_layernorm(cfg, x, weight, bias, state, impl)

@@ -60,7 +60,7 @@ from ..numerics import jnp as jn
 from ..numerics.scaling import close_step, update_rule
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
-from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_recipe, kernel_op
+from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_pad_to, check_recipe, kernel_op
 from . import callbacks
 
 __all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "stage_amax", "update_scales", "sync_staged", "dequantize",
@@ -81,6 +81,7 @@ class _QCfg(NamedTuple):
     dbias: bool
     margin_factor: float
     current_first: bool
+    pad_to: int = 1  # > 1: q is the (rows, cols) view rounded up to multiples of it, q_t its transpose
 
 
 def compiled_when_eager(*static_argnums: int):
@@ -166,6 +167,18 @@ def _rows_cols(shape) -> tuple[int, int]:
     return (math.prod(shape[:-1]), int(shape[-1])) if shape else (1, 1)
 
 
+def pad_fp8(q, rows: int, cols: int, pad_to: int, transpose: bool) -> list:
+    """The jax.numpy twin of the kernels' padded outputs: ``q`` (the codes, x's shape) as it
+    is (``pad_to`` 1) or its (rows, cols) view with FP8 zeros appended to multiples of
+    ``pad_to``, then (with ``transpose``) the transpose likewise: [q, q_t]."""
+    q2 = q.reshape(rows, cols)
+    prows, pcols = _cuda.padded(rows, cols, pad_to)
+    out = [q if pad_to == 1 else jnp.pad(q2, ((0, prows - rows), (0, pcols - cols)))]
+    if transpose:
+        out.append(q2.T if pad_to == 1 else jnp.pad(q2.T, ((0, pcols - cols), (0, prows - rows))))
+    return out
+
+
 # ---- the jax.numpy backend -------------------------------------------------------------------
 def _as_f32(x):
     """x widened to float32 exactly as the kernels read it. The barrier keeps a bf16/f16 input
@@ -215,9 +228,7 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
         y = jn.computed_once(y)
     q, si_used, hist, scale, scale_inv = _stage_and_cast(cfg, y, hist, scale, scale_inv, updates)
     rows, cols = _rows_cols(x.shape)
-    outs = [q]
-    if cfg.transpose:
-        outs.append(q.reshape(rows, cols).T)
+    outs = pad_fp8(q, rows, cols, cfg.pad_to, cfg.transpose)  # the pad: zeros after the amax, as the kernels
     if cfg.dbias:
         outs.append(jnp.sum(y.reshape(rows, cols), axis=0, dtype=jnp.float32))
     return (*outs, si_used, hist, scale, scale_inv)
@@ -226,14 +237,16 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
 # ---- the CUDA backends ------------------------------------------------------------------------
 def _quantize_kernel(cfg: _QCfg, backend: str, x, b, hist, scale, scale_inv, updates):
     rows, cols = _rows_cols(x.shape)
+    prows, pcols = _cuda.padded(rows, cols, cfg.pad_to)
     plans = callbacks.quantize_plans(x.dtype.name, cfg.fmt.name, kernel_op(cfg.op, cfg.approximate), rows, cols,
-                                     cfg.transpose, cfg.dbias, cfg.current_first, cfg.margin_factor, 4 * cfg.index)
+                                     cfg.transpose, cfg.dbias, cfg.current_first, cfg.margin_factor, 4 * cfg.index,
+                                     cfg.pad_to)
     u8 = jnp.uint8
-    shapes = [jax.ShapeDtypeStruct(x.shape, u8)]
+    shapes = [jax.ShapeDtypeStruct(x.shape if cfg.pad_to == 1 else (prows, pcols), u8)]
     if cfg.transpose:
-        shapes.append(jax.ShapeDtypeStruct((cols, rows), u8))
+        shapes.append(jax.ShapeDtypeStruct((pcols, prows), u8))
     if cfg.dbias:
-        part_shape, n_counters = _cuda.dbias_workspace(rows, cols)
+        part_shape, n_counters = _cuda.dbias_workspace(rows, cols, cfg.pad_to)
         shapes += [jax.ShapeDtypeStruct((cols,), jnp.float32),
                    jax.ShapeDtypeStruct((part_shape[0] * part_shape[1],), jnp.float32),
                    jax.ShapeDtypeStruct((n_counters,), jnp.int32)]
@@ -308,15 +321,15 @@ def _run(cfg: _QCfg, x, b, state: ScalingState, impl: str) -> tuple[Quantized, S
     return Quantized(q, hist[0, cfg.index], q_t, db, si_used), new
 
 
-def _cfg(op, approximate, state, index, recipe, transpose, dbias) -> _QCfg:
+def _cfg(op, approximate, state, index, recipe, transpose, dbias, pad_to=1) -> _QCfg:
     i = state.check_index(index)
     return _QCfg(op, approximate, i, state.format_of(i, recipe), bool(transpose), bool(dbias),
-                 float(recipe.margin_factor), recipe.first_step == "current")
+                 float(recipe.margin_factor), recipe.first_step == "current", check_pad_to(pad_to))
 
 
 # ---- public functions ------------------------------------------------------------------------
 def quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *, transpose: bool = False,
-             impl: str = "auto") -> tuple[Quantized, ScalingState]:
+             pad_to: int = 1, impl: str = "auto") -> tuple[Quantized, ScalingState]:
     """Quantize ``x`` with tensor ``index`` of ``state`` (one fused pass: cast, amax, transpose).
 
     Parameters
@@ -325,38 +338,43 @@ def quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *, tran
     state : ScalingState of jax arrays; recipe : DelayedScaling (the format is
         ``recipe.format_for(state.grad[index])``)
     transpose : also return the quantized transpose of x viewed as (prod(shape[:-1]), shape[-1])
+    pad_to : 1 (``data`` has x's shape), or ``data`` is that (rows, cols) view rounded up to
+        multiples of ``pad_to`` (``data_t`` its transpose), FP8 zeros in the pad, outside the amax:
+        the operands of an FP8 GEMM of ragged shape, written padded by the same kernel (no copy)
     impl : see the module docstring
 
     Returns
     -------
     (Quantized, ScalingState)
-        ``data`` (x's shape, jnp float8), ``amax`` (the staged slot after this call, a float32
+        ``data`` (x's shape or padded as above, jnp float8), ``amax`` (the staged slot after this call, a float32
         scalar), ``data_t`` or None, ``dbias`` None, ``scale_inv`` ((1,) float32, 1 / the scale
         used: the GEMM operand scale), and the new state.
     """
     _check_impl(impl)
     state = _check_state(state, recipe)
-    cfg = _cfg("identity", "tanh", state, index, recipe, transpose, False)
+    cfg = _cfg("identity", "tanh", state, index, recipe, transpose, False, pad_to)
     return _run(cfg, _check_x(x, "x", transpose), None, state, impl)
 
 
 def gelu_quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *, approximate: str = "tanh",
-                  transpose: bool = False, impl: str = "auto") -> tuple[Quantized, ScalingState]:
+                  transpose: bool = False, pad_to: int = 1, impl: str = "auto") -> tuple[Quantized, ScalingState]:
     """``gelu(x)`` in float32 (``approximate`` 'tanh' or 'none', as ``jax.nn.gelu``), quantized as
-    :func:`quantize` does; the amax is of gelu(x)."""
+    :func:`quantize` does (``pad_to`` as there); the amax is of gelu(x)."""
     _check_impl(impl)
     state = _check_state(state, recipe)
-    cfg = _cfg("gelu", check_approximate(approximate), state, index, recipe, transpose, False)
+    cfg = _cfg("gelu", check_approximate(approximate), state, index, recipe, transpose, False, pad_to)
     return _run(cfg, _check_x(x, "x", transpose), None, state, impl)
 
 
 def dgelu_quantize(dy, x, state: ScalingState, index: int, recipe: DelayedScaling, *, approximate: str = "tanh",
-                   transpose: bool = False, dbias: bool = False, impl: str = "auto") -> tuple[Quantized, ScalingState]:
+                   transpose: bool = False, dbias: bool = False, pad_to: int = 1,
+                   impl: str = "auto") -> tuple[Quantized, ScalingState]:
     """The gelu backward ``dx = dy * gelu'(x)`` (float32), quantized; amax of dx; with ``dbias``
-    also the (N,) float32 column sums of the unquantized dx over its (M, N) view."""
+    also the (N,) float32 column sums of the unquantized dx over its (M, N) view (never
+    padded); ``pad_to`` as :func:`quantize`."""
     _check_impl(impl)
     state = _check_state(state, recipe)
-    cfg = _cfg("dgelu", check_approximate(approximate), state, index, recipe, transpose, dbias)
+    cfg = _cfg("dgelu", check_approximate(approximate), state, index, recipe, transpose, dbias, pad_to)
     dy = _check_x(dy, "dy", transpose or dbias)
     x = _check_x(x, "x", transpose or dbias)
     if dy.shape != x.shape or dy.dtype != x.dtype:

@@ -1,6 +1,7 @@
 """tests/support/hlo.py, which the GPU tests use to count FP8 GEMMs in XLA's optimized HLO, on a
-hand-written module: one Triton FP8 GEMM fusion, one cuBLASLt FP8 call, one bf16 dot."""
-from support.hlo import fp8_gemm_counts, other_gemms
+hand-written module: one Triton FP8 GEMM fusion, one cuBLASLt FP8 call, one bf16 dot; and on
+another, the pads of FP8 bytes (fp8_pads)."""
+from support.hlo import fp8_gemm_counts, fp8_pads, other_gemms
 
 MODULE = """HloModule m
 
@@ -33,3 +34,38 @@ def test_fp8_gemms_are_counted_by_backend_and_the_bf16_dot_is_not():
     assert fp8_gemm_counts(MODULE) == {"cublaslt": 1, "triton": 1, "fusedfp8": 0}
     assert other_gemms(MODULE) == 1
     assert other_gemms(MODULE.replace("bf16", "f8e4m3fn")) == 0
+
+
+PADS = """HloModule p
+
+%fused_pad (param_0.1: f8e4m3fn[30,20]) -> f8e4m3fn[32,32] {
+  %param_0.1 = f8e4m3fn[30,20]{1,0} parameter(0)
+  %convert.1 = f16[30,20]{1,0} convert(%param_0.1)
+  %constant.1 = f16[] constant(0)
+  %pad.1 = f16[32,32]{1,0} pad(%convert.1, %constant.1), padding=0_2x0_12
+  ROOT %convert.2 = f8e4m3fn[32,32]{1,0} convert(%pad.1)
+}
+
+%fused_bf16_pad (param_0.2: bf16[30,20]) -> bf16[32,32] {
+  %param_0.2 = bf16[30,20]{1,0} parameter(0)
+  %constant.2 = bf16[] constant(0)
+  ROOT %pad.2 = bf16[32,32]{1,0} pad(%param_0.2, %constant.2), padding=0_2x0_12
+}
+
+ENTRY %main (a: f8e4m3fn[30,20], b: bf16[30,20], c: u8[30,20]) -> f8e4m3fn[32,32] {
+  %a = f8e4m3fn[30,20]{1,0} parameter(0)
+  %b = bf16[30,20]{1,0} parameter(1)
+  %c = u8[30,20]{1,0} parameter(2)
+  %zero = u8[] constant(0)
+  %loop_pad_fusion = f8e4m3fn[32,32]{1,0} fusion(%a), kind=kLoop, calls=%fused_pad
+  %bf16_pad_fusion = bf16[32,32]{1,0} fusion(%b), kind=kLoop, calls=%fused_bf16_pad
+  %pad.3 = u8[32,32]{1,0} pad(%c, %zero), padding=0_2x0_12
+  ROOT %copy = f8e4m3fn[32,32]{1,0} copy(%loop_pad_fusion)
+}
+"""
+
+
+def test_fp8_pads_finds_the_fused_pad_of_fp8_and_the_uint8_pad_but_not_the_bf16_one():
+    found = fp8_pads(PADS)
+    assert [ln.split(" = ")[0] for ln in found] == ["fused_pad: %pad.1", "main: %pad.3"]
+    assert fp8_pads(PADS.replace("f8e4m3fn", "f32").replace("u8", "s32")) == []

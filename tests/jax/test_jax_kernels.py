@@ -21,7 +21,7 @@ from fusedfp8.jax import layernorm as JLN
 from fusedfp8.jax import primitives as P
 from fusedfp8.state import ScalingState
 from support import shapes as S
-from support.hlo import fp8_gemm_counts, other_gemms
+from support.hlo import fp8_gemm_counts, fp8_pads, other_gemms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.jax_gpu]
 
@@ -113,6 +113,33 @@ def _gelu(x, st, impl, approximate):
 
 def _dgelu(dy, x, st, impl, approximate):
     return P.dgelu_quantize(dy, x, st, 2, RECIPE, approximate=approximate, transpose=True, dbias=True, impl=impl)
+
+
+def _padded_ops(dy, x, st, impl, pad_to):
+    """quantize (E4M3, transpose), gelu_quantize and dgelu_quantize (E5M2, transpose, dbias) of
+    one call each, every output written padded to multiples of ``pad_to``."""
+    r0, st = P.quantize(x, st, 0, RECIPE, transpose=True, pad_to=pad_to, impl=impl)
+    r1, st = P.gelu_quantize(x, st, 1, RECIPE, transpose=True, pad_to=pad_to, impl=impl)
+    r2, st = P.dgelu_quantize(dy, x, st, 2, RECIPE, transpose=True, dbias=True, pad_to=pad_to, impl=impl)
+    return (r0, r1, r2), st
+
+
+@pytest.mark.parametrize("pad_to", [16])  # what fp8_dot / fp8_mlp use
+@pytest.mark.parametrize("shape", S.params("ragged-303x300", "ragged-1x1", "ragged-0x16", "ragged-3d-3x5x7",
+                                           "aligned-64x128"))
+def test_padded_quantize_kernels_match_jnp(shape, pad_to):
+    """pad_to on the kernels (issue 19.1: the GEMM operands of fp8_dot / fp8_mlp): q and q_t
+    padded with FP8 zeros, dbias of the unpadded columns, amax of the unpadded tensor, byte for
+    byte the jax.numpy path's (itself the host reference's: test_jax_pad_to.py) on every impl."""
+    x = inputs(shape, "bfloat16", seed=1, scale=3.0)
+    dy = inputs(shape, "bfloat16", seed=2, scale=1e-2)
+    fn = functools.partial(_padded_ops, pad_to=pad_to)
+    want = run(fn, "jnp", dy, x, fresh_state())
+    for impl in KERNEL_IMPLS:
+        got = run(fn, impl, dy, x, fresh_state())
+        for k, (g, w) in enumerate(zip(got[0], want[0])):
+            assert g.data.shape == w.data.shape and g.data_t.shape == w.data_t.shape
+            assert_same((g, got[1]), (w, want[1]), f"{impl}: op {k}, pad_to={pad_to}")
 
 
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
@@ -262,11 +289,12 @@ def test_fp8_dot_compiles_to_cublaslt_fp8_gemms_without_transposes():
 @pytest.mark.fp8_gemm
 @pytest.mark.parametrize("mkn", [(303, 300, 200), (8190, 64, 128), (1000, 48, 80), (17, 33, 50)], ids=str)
 def test_ragged_fp8_dot_runs_fp8_gemms_and_matches_the_jnp_path(mkn):
-    """GEMM dimensions that are not multiples of 16 (issue 19.1): fp8_dot pads the quantized
-    operands with zeros and slices the results, so the compiled step runs three FP8 GEMMs (dots of
-    two FP8 operands), and the kernel path's output, gradients and new meta agree with the
-    jax.numpy path's (same quantize bytes). Which backend runs them is XLA's autotuner's choice: on
-    the H200 (jax 0.11.2) these small shapes mostly got Triton FP8 GEMM fusions, with the scales
+    """GEMM dimensions that are not multiples of 16 (issue 19.1): the quantize kernels write the
+    operands zero-padded (pad_to: no pad of FP8 bytes in the program, where before a
+    loop_pad_fusion fed each GEMM) and fp8_dot slices the results, so the compiled step runs
+    three FP8 GEMMs (dots of two FP8 operands), and the kernel path's output, gradients and new
+    meta agree with the jax.numpy path's (same quantize bytes). Which backend runs them is XLA's
+    autotuner's choice: on the H200 (jax 0.11.2) these small shapes mostly got Triton FP8 GEMM fusions, with the scales
     and the bf16 convert fused in, rather than cuBLASLt's FP8 call (the HLO of 2026-12-03 run 4)."""
     M, K, N = mkn
     x = inputs((M, K), "bfloat16", scale=1.0, special=False)
@@ -281,6 +309,7 @@ def test_ragged_fp8_dot_runs_fp8_gemms_and_matches_the_jnp_path(mkn):
     gemms = fp8_gemm_counts(text)
     assert sum(gemms.values()) == 3, f"{mkn}: expected 3 FP8 GEMMs (any backend); found {gemms}"
     assert other_gemms(text) == 0, f"{mkn}: a GEMM in high precision"
+    assert not fp8_pads(text), f"{mkn}: FP8 operands padded by XLA: {fp8_pads(text)[:3]}"
     got = jax.jit(functools.partial(grad, impl="auto"))(x, w, meta)
     want = jax.jit(functools.partial(grad, impl="jnp"))(x, w, meta)
     for name, g, h in zip(("dx", "dw"), got[:2], want[:2]):
@@ -289,6 +318,38 @@ def test_ragged_fp8_dot_runs_fp8_gemms_and_matches_the_jnp_path(mkn):
                                    atol=2e-2 * float(np.abs(np.asarray(h, np.float32)).max()), err_msg=name)
     for g, h in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+
+
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("cache", [False, True], ids=["quantized", "cached-pad_to-16"])
+def test_ragged_fp8_mlp_pads_no_fp8_operand_and_matches_the_jnp_path(cache):
+    """fp8_mlp (no LayerNorm) with every dimension ragged, its weights quantized in the step or
+    cached by quantize_weight(pad_to=16): six FP8 GEMMs, none in high precision, no pad of FP8
+    bytes in the compiled program (the kernels write every operand padded), and the gradients
+    agree with the jax.numpy path's (the same quantize bytes; the GEMMs differ as in
+    test_flax_mlp_layernorm_goes_straight_to_fp8)."""
+    m, hid, ffn = 1000, 200, 300
+    h = inputs((m, hid), "bfloat16", scale=1.0, special=False)
+    w1 = inputs((hid, ffn), "bfloat16", seed=1, scale=0.05, special=False)
+    w2 = inputs((ffn, hid), "bfloat16", seed=2, scale=0.05, special=False)
+    b1, b2 = gpu(jnp.zeros(ffn, jnp.bfloat16)), gpu(jnp.zeros(hid, jnp.bfloat16))
+    metas = [jax.tree.map(gpu, JM.fresh_meta(RECIPE)) for _ in range(2)]
+
+    def loss(h, w1, b1, w2, impl):
+        qs = (F.quantize_weight(w1, metas[0], RECIPE, impl=impl, pad_to=16),
+              F.quantize_weight(w2, metas[1], RECIPE, impl=impl, pad_to=16)) if cache else None
+        y = F.fp8_mlp(h, w1, b1, w2, b2, *metas, RECIPE, impl=impl, fp8_weights=qs)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    text = _compiled_text(functools.partial(grad, impl="auto"), h, w1, b1, w2)
+    assert sum(fp8_gemm_counts(text).values()) == 6 and other_gemms(text) == 0, fp8_gemm_counts(text)
+    assert not fp8_pads(text), fp8_pads(text)[:3]
+    got = jax.jit(functools.partial(grad, impl="auto"))(h, w1, b1, w2)
+    want = jax.jit(functools.partial(grad, impl="jnp"))(h, w1, b1, w2)
+    for name, g, w in zip(("dh", "dw1", "db1 (the dgelu kernel's dbias)", "dw2"), got, want):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert g.shape == w.shape and ((g - w) ** 2).sum() <= 2e-3 * (w ** 2).sum(), name
 
 
 # ---- the MLP train step of docs/design.md -------------------------------------------------------
@@ -388,8 +449,10 @@ def test_flax_mlp_layernorm_goes_straight_to_fp8(tokens):
     assert "rsqrt" not in lowered.as_text()
     if P.launch_path()[0] == "ffi":
         assert "layernorm_quantize<" in lowered.as_text()  # the kernel names of the FFI call's plans
-    gemms = fp8_gemms(lowered.compile().as_text())
+    text = lowered.compile().as_text()
+    gemms = fp8_gemms(text)
     assert gemms == 6, f"expected 6 FP8 GEMMs (2 forward, 4 backward); found {gemms}"
+    assert not fp8_pads(text), fp8_pads(text)[:3]  # every FP8 operand written padded by its kernel
     got, want = jax.jit(grad_fn("auto"))(variables), jax.jit(grad_fn("jnp"))(variables)
     for (path, g), h in zip(jax.tree_util.tree_flatten_with_path(got["params"])[0], jax.tree.leaves(want["params"])):
         g, h = np.asarray(g, np.float64), np.asarray(h, np.float64)

@@ -128,23 +128,30 @@ def test_fp8_dot_with_the_cached_weight_gives_the_same_bytes(rng, case, mkn, rec
 
 def test_the_weight_is_quantized_once_for_all_micro_batches(rng):
     """Three micro-batches of one step (unrolled): without the cache the jaxpr quantizes the
-    (24, 48) weight three times, with it once; the inputs and gradients three times either way."""
+    (24, 48) weight three times, with it once; the inputs and gradients three times either way
+    (each written padded by its kernel: K = 24 is ragged)."""
     w, meta = bf16(rng, (24, 48), 0.1), JM.fresh_meta(RECIPE)
     xs = bf16(rng, (3, 32, 24))
 
     def step(xs, w, meta, cache):
-        q = F.quantize_weight(w, meta, RECIPE) if cache else None
+        q = F.quantize_weight(w, meta, RECIPE, pad_to=cache) if cache else None
         total = jnp.zeros_like(w)
         for x in xs:
             total += jax.grad(lambda w: F.fp8_dot(x, w, meta, RECIPE, fp8_weight=q).astype(jnp.float32).sum())(w)
         return total
 
-    for cache, weights in ((False, 3), (True, 1)):
+    # K = 24 is ragged, so the kernels write every operand padded to multiples of 16: the inputs
+    # (32, 24) as (32, 32), the weight (24, 48) as (32, 48) beside the 3 output gradients (32,
+    # 48); the cache holds the weight as (24, 48) (padded again in each use) or, with pad_to=16,
+    # padded by its kernel
+    for cache, weights in ((0, {(32, 48): 3}), (1, {(24, 48): 1}), (16, {(32, 48): 1})):
         n = quantizations(lambda xs, w, meta: step(xs, w, meta, cache), xs, w, meta)
-        assert n[(24, 48)] == weights, cache
-        assert n[(32, 24)] == 3  # inputs
-        assert n[(32, 48)] == 3  # output gradients
-    assert_same_bytes(jax.jit(lambda *a: step(*a, True))(xs, w, meta), jax.jit(lambda *a: step(*a, False))(xs, w, meta))
+        want = Counter({(32, 32): 3, (32, 48): 3})
+        want.update(weights)
+        assert n == want, cache
+    want = jax.jit(lambda *a: step(*a, 0))(xs, w, meta)
+    for cache in (1, 16):
+        assert_same_bytes(jax.jit(lambda *a: step(*a, cache))(xs, w, meta), want)
 
 
 BAD = [
@@ -252,11 +259,13 @@ def test_quantize_weights_fills_the_collection_and_the_forward_reads_it(rng):
     # the forward with the cache (read-only) counts one quantization fewer per linear
     fwd = lambda v, x: model.apply(v, x)  # noqa: E731
     with_cache = {**variables, FP8_WEIGHTS: cache}
-    assert quantizations(fwd, variables, x)[(24, 48)] == 1
+    # (K = 24 is ragged: the first linear's operands are written padded, its weight as (32, 48),
+    # the shape of the MLP's input h)
+    assert quantizations(fwd, variables, x)[(32, 48)] == 2  # the first weight and h
     n = quantizations(fwd, with_cache, x)
-    assert n[(24, 48)] == 0
+    assert n[(32, 48)] == 1 and n[(24, 48)] == 0  # h only
     assert n[(48, 64)] == 0  # fc1's weight
-    assert n[(32, 24)] == 1  # the input still is
+    assert n[(32, 32)] == 1  # the input (32, 24), padded, still is
     assert quantize_weights(nn.Dense(4).apply, nn.Dense(4).init(jax.random.key(0), x), x) == {}  # no FP8 module
 
 

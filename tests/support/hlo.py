@@ -7,6 +7,9 @@ _HEADER = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\) -> .* \{$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?)\[")
 _DOT = re.compile(r"= \S+ dot\(%([^,\s]+), %([^,)\s]+)\)")
 _FUSION = re.compile(r"= \S+ fusion\(.*kind=kCustom, calls=%([^,\s]+)")
+_PAD = re.compile(r"^\s*(?:ROOT )?%\S+ = (\S+?)\[\S*\s+pad\(%([^,\s]+),")
+_CONVERT = re.compile(r"\s+convert\(%([^,)\s]+)\)")
+_BYTES = ("f8", "u8")  # FP8 values, and the uint8 codes the kernels write (bitcast to FP8)
 
 CUBLASLT_FP8 = 'custom_call_target="__cublas$lt$matmul$f8"'
 
@@ -55,3 +58,21 @@ def other_gemms(text: str) -> int:
     fp8_comps = _fp8_dot_computations(comps)
     dots = sum(1 for name, lines in comps.items() if name not in fp8_comps for ln in lines if _DOT.search(ln))
     return dots + text.count('custom_call_target="__cublas$gemm"') + text.count('custom_call_target="__cublas$lt$matmul"')
+
+
+def fp8_pads(text: str) -> list[str]:
+    """The ``pad`` instructions of FP8 data, each as "computation: instruction" (one more pass over
+    the bytes: on the H200 the ``loop_pad_fusion`` that fed each ragged GEMM): a pad whose result
+    is FP8 or uint8 (the codes the kernels write), or whose operand is a convert of such a value
+    (XLA:CPU pads FP8 through f16), in any computation, fused ones included."""
+    found = []
+    for name, lines in computations(text).items():
+        instrs = {m.group(1): (m.group(2), ln) for ln in lines if (m := _INSTR.match(ln))}
+        for ln in lines:
+            pad = _PAD.match(ln)
+            if not pad:
+                continue
+            conv = _CONVERT.search(instrs.get(pad.group(2), ("", ""))[1])
+            if pad.group(1).startswith(_BYTES) or (conv and instrs.get(conv.group(1), ("",))[0].startswith(_BYTES)):
+                found.append(f"{name}: {ln.strip()}")
+    return found
