@@ -162,11 +162,9 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         What happens when the module goes through an optimizer step without
         :func:`fusedfp8.pytorch.update_model_scales` (see the module docstring).
     gemm : {'auto', 'cublaslt', 'scaled_mm'}
-        The FP8 GEMM on CUDA (:mod:`fusedfp8.pytorch.gemm`): the shim's
-        ``torch.ops.fusedfp8.fp8_gemm_lt`` ('cublaslt', far less host time per call),
-        ``torch._scaled_mm`` ('scaled_mm'), or the first where the shim can be had ('auto', the
-        default). The two differ only by float32 accumulation order. Also the attribute
-        ``gemm`` (settable). Ignored on the CPU (the float32 emulation).
+        The FP8 GEMM on CUDA (:mod:`fusedfp8.pytorch.gemm`; also a settable attribute): the shim's
+        ``fusedfp8::fp8_gemm_lt``, ``torch._scaled_mm``, or 'auto' (the first where the shim can be
+        had). They differ only by float32 accumulation order. The CPU emulates either.
 
     Input: (..., in_features), float32 / float16 / bfloat16; output (..., out_features) in the
     input's dtype; weight and bias of any of those dtypes (e.g. float32 master weights).
@@ -177,14 +175,13 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         At construction, on a recipe that is not a DelayedScaling or a CurrentScaling; in forward
         (before anything runs or is written), on a non-float input or weight.
     ValueError
-        At construction, on a bad ``missed_update`` or ``gemm``; in forward, on a wrong feature count, input
-        and weight on different devices, or (CUDA only) a GEMM dimension that is not a multiple
+        At construction, on a bad ``missed_update`` or ``gemm``; in forward, on a wrong feature
+        count, input and weight on different devices, or (CUDA only) a GEMM dimension that is not a multiple
         of 16: in_features, out_features, and the number of tokens when the weight gradient is
         needed (padding is left to the caller: it would copy the input). On load, on a state
         whose history length differs from the recipe's, or (CurrentScaling) with completed updates.
     RuntimeError
-        On the first CUDA forward with ``gemm='cublaslt'`` where the shim's GEMM cannot be had
-        (before anything runs or is written).
+        In a CUDA forward (before any write), with ``gemm='cublaslt'`` where the shim cannot be had.
     MissedScaleUpdateError
         In backward, see ``missed_update``.
     """
@@ -197,7 +194,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
             raise ValueError(f"missed_update must be one of {MISSED_UPDATE_MODES}; got {missed_update!r}")
         G.check_gemm(gemm)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._gemm = gemm
+        self.gemm = gemm
         self._recipe = recipe
         self.missed_update = missed_update
         self._cfg = (recipe.format_for(False).name, recipe.format_for(True).name, recipe.margin_factor)
@@ -236,18 +233,20 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     def recipe(self) -> DelayedScaling | CurrentScaling:
         return self._recipe
 
+    _gemm = "auto"  # (also the value of a module pickled before the argument existed)
+
     @property
     def gemm(self) -> str:
         """The FP8 GEMM on CUDA: 'auto', 'cublaslt' or 'scaled_mm' (see the class docstring)."""
-        return self.__dict__.get("_gemm", "auto")  # (a module pickled before the attribute existed)
+        return self._gemm
 
     @gemm.setter
     def gemm(self, gemm: str) -> None:
         self._gemm = G.check_gemm(gemm)
 
     def _gemm_backend(self, x: torch.Tensor) -> str:
-        """The backend of :func:`fusedfp8.pytorch.autograd.scaled_mm` for an input like ``x``."""
-        return G.backend(self.gemm) if x.is_cuda else "scaled_mm"  # (the CPU emulates whichever)
+        """:func:`fusedfp8.pytorch.autograd.scaled_mm`'s backend for ``x`` (the CPU emulates either)."""
+        return G.backend(self._gemm) if x.is_cuda else "scaled_mm"
 
     @property
     def fp8_state(self) -> ScalingState:
@@ -380,9 +379,8 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         need_dgrad, need_wgrad = self._need_grads(x)
         if not torch.compiler.is_compiling():
             self._ensure_hook()
-        gemm = self._gemm_backend(x)
         return F8.linear(x, self.weight, self.bias, self._state(), self._kernel_cfg(), need_dgrad, need_wgrad,
-                         self._wcache, gemm)
+                         self._wcache, self._gemm_backend(x))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self._recipe}, gemm={self.gemm!r}"
