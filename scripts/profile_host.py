@@ -9,7 +9,8 @@ gemm (``--shape hidden x ffn x tokens`` of the MLP, default 1024x4096x2048): for
 backend of fusedfp8.pytorch.gemm ('scaled_mm': torch._scaled_mm, 'cublaslt': the shim's
 fusedfp8::fp8_gemm_lt), the host microseconds per GEMM call as the layers make it
 (autograd.scaled_mm: the forward with fast accumulation and a bias, the dgrad and the wgrad
-without) and of the bare op, then the eager Fp8MLP train step (forward, backward, Adam,
+without) and of the bare op, on 256x256x256 operands (pipelined calls take max(host, device)
+time: a GEMM this small keeps them host-bound), then the eager Fp8MLP train step (forward, backward, Adam,
 update_model_scales): device ms/step (CUDA events over blocks of steps), host ms/step (the time to
 issue one step, the GPU kept busy), and a cProfile of 20 steps; the bf16 TorchMLP step as the
 baseline. Ends with one JSON line of the figures.
@@ -127,7 +128,7 @@ def gemm_part(hidden: int, ffn: int, tokens: int) -> dict:
     print(f"\n== FP8 GEMM backends, MLP {hidden}x{ffn}x{tokens}: {fp8.gemm_path('auto')}")
     for backend in ("scaled_mm", "cublaslt"):
         G.backend(backend)  # loads the shim (defines the op) for 'cublaslt'; raises where it cannot
-        for name, call in _gemm_calls(hidden, ffn, tokens, backend).items():
+        for name, call in _gemm_calls(256, 256, 256, backend).items():  # host-bound (see the docstring)
             us = per_call_us(call)
             out["per_gemm_host_us"][f"{backend}: {name}"] = us
             print(f"  {backend:<9} {name:<28} {us:7.1f} us/call (host, pipelined)")
