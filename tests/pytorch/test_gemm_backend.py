@@ -148,6 +148,59 @@ def test_cublaslt_call_layouts_on_meta(bias, out):
         A8._cublaslt_mm(a, torch.empty(64, 48, dtype=torch.float8_e4m3fn, device="meta"), s, s, b, out, True)
 
 
+class _ByHand:
+    """Stands in for ctx: the autograd functions' forward and backward called directly (autograd
+    itself cannot record on fake CUDA tensors in a CPU build of torch)."""
+
+    needs_input_grad = (True,) * 40
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_every_layer_gemm_passes_the_ops_checks_on_fake_cuda(monkeypatch, kind, bias):
+    """FakeTensorMode with CUDA-device fake tensors: the layers' whole cublaslt route, forward and
+    backward, through the op's Meta kernel (its contiguity, K and multiple-of-16 checks) and the
+    bias add; aligned shapes (slicing a fake CUDA tensor needs a CUDA build of torch)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    if torch.cuda.is_available():
+        pytest.skip("a CPU build's check (the GPU tests run the real thing)")
+    built_shim("torch")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = lambda t: FakeTensor(mode, torch.empty_like(t, device="meta"), torch.device("cuda", 0))  # noqa: E731
+    spy = Spy(monkeypatch)
+    outs = []
+    for fn in (A8._LinearFn, A8._MLPFn):
+        def apply(*args, fn=fn):
+            ctx = _ByHand()
+            y = fn.forward(ctx, *args)
+            outs.append([g for g in fn.backward(ctx, torch.ones_like(y)) if g is not None])
+            return y
+        monkeypatch.setattr(fn, "apply", apply)
+    tokens, hidden, ffn = 512, 256, 384
+    m = (fp8.Fp8MLP(hidden, ffn, R, bias=bias, device="meta", dtype=torch.bfloat16, gemm="cublaslt")
+         if kind == "mlp" else fp8.Fp8Linear(hidden, ffn, bias, R, "meta", torch.bfloat16, gemm="cublaslt"))
+    m._apply(fake)
+    for layer in fp8.fp8_modules(m):
+        layer.cache_fp8_weight = False  # (the cache asks whether a CUDA stream is capturing)
+    monkeypatch.setattr(M.Fp8Linear, "_need_grads", lambda self, x: (True, True))
+    with torch.no_grad(), mode:  # (autograd recording a fake CUDA tensor aborts a CPU build of torch)
+        monkeypatch.setattr(torch, "is_grad_enabled", lambda: True)  # Fp8MLP's "a backward will follow"
+        y = m(fake(torch.empty(tokens, hidden, dtype=torch.bfloat16)))
+        monkeypatch.undo()
+    out = ffn if kind == "linear" else hidden
+    assert y.shape == (tokens, out) and y.dtype == torch.bfloat16 and y.device.type == "cuda"
+    assert spy.gemms == ["cublaslt"] * (3 if kind == "linear" else 6)
+    want = {"linear": [(tokens, ffn), (tokens, hidden), (ffn, hidden)],
+            "mlp": [(tokens, ffn), (tokens, hidden), (tokens, ffn), (hidden, ffn), (tokens, hidden), (ffn, hidden)]}
+    assert [tuple(c[-1].shape) for c in spy.calls] == want[kind]
+    grads = [tuple(g.shape) for g in outs[0]]
+    assert grads[:2] == ([(tokens, hidden), (ffn, hidden)] if kind == "linear" else [(tokens, hidden), (hidden,)])
+
+
 # ---- on the GPU: each backend, every GEMM checked --------------------------------------------
 SHAPES = {"aligned": (512, 256, 384), "ragged": (1000, 72, 200)}  # tokens, hidden (in), ffn (out)
 
