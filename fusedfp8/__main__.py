@@ -106,6 +106,13 @@ def info(compile_all: bool, progress: bool = True) -> int:
         print(f"{'JAX FP8 GEMM':<18}{path}: {why}")
     except ImportError as e:
         print(f"{'JAX FP8 GEMM':<18}not available ({type(e).__name__}: {e})")
+    try:
+        from .pytorch.gemm import gemm_path as torch_gemm_path
+
+        path, why = torch_gemm_path("auto")
+        print(f"{'torch FP8 GEMM':<18}{path} (gemm='auto'): {why}")
+    except ImportError as e:
+        print(f"{'torch FP8 GEMM':<18}not available ({type(e).__name__}: {e})")
     if compile_all:
         return compile_kernels(ok, reason, progress)
     return 0

@@ -343,6 +343,10 @@ def mlp_arguments(doc: str, framework: str, modes: list[str], argv=None):
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the per-kernel profile (torch: of the eager steps; jax: of 10 jitted steps)")
     ap.add_argument("--device", default="cuda", help="'cuda' (the benchmark) or 'cpu' (a smoke test of the script)")
+    if framework == "torch":
+        ap.add_argument("--torch-gemm", choices=["auto", "cublaslt", "scaled_mm"], default="auto",
+                        help="the FP8 layers' gemm= (fusedfp8.pytorch.gemm): the shim's cuBLASLt GEMM, "
+                             "torch._scaled_mm, or the first where the shim can be had (default)")
     if framework == "jax":
         ap.add_argument("--jax-forward-accum", choices=["fast", "split"], default="fast",
                         help="cuBLASLt accumulation of the forward FP8 GEMMs (gradients: always split)")

@@ -35,6 +35,8 @@ Usage:
          [--modes bf16_eager,fp8_graphed,...] [--steps 100] [--block 10] [--reps 7] [--no-profile]
   quick: --shapes 1024x4096x2048 --modes bf16_eager,fp8_eager,fp8_graphed --steps 20 --reps 3
   CPU smoke test of the script itself (tiny shapes, no events / graphs): --device cpu --shapes 32x64x48
+  FP8 GEMM of the fp8 modes: --torch-gemm auto|cublaslt|scaled_mm (the layers' gemm=; run the
+  script once per value to compare the shim's cuBLASLt GEMM with torch._scaled_mm)
 """
 from __future__ import annotations
 
@@ -63,13 +65,21 @@ def mse(out, target):
     return (out.float() - target.float()).pow(2).mean()
 
 
+def model_of(kind: str, hidden: int, ffn: int, weights: dict, device, gemm: str = "auto"):
+    """torch_model, with ``gemm`` as every FP8 layer's GEMM backend."""
+    model = torch_model(kind, hidden, ffn, weights, RECIPE, device)
+    for m in fp8.fp8_modules(model) if kind == "fp8" else ():
+        m.gemm = gemm
+    return model
+
+
 class Runner:
     """One mode on one shape: a model, its optimizer, and a ``step()`` returning the loss tensor."""
 
-    def __init__(self, mode: str, hidden: int, ffn: int, weights: dict, x, y, device):
+    def __init__(self, mode: str, hidden: int, ffn: int, weights: dict, x, y, device, gemm: str = "auto"):
         self.mode, self.device = mode, device
         self.kind, self.how = mode.split("_")
-        self.model = torch_model(self.kind, hidden, ffn, weights, RECIPE, device)
+        self.model = model_of(self.kind, hidden, ffn, weights, device, gemm)
         fused = device.type == "cuda"
         self.opt = torch.optim.Adam(self.model.parameters(), lr=_bench.LR, fused=fused, capturable=fused)
         self.x, self.y = x, y
@@ -108,11 +118,11 @@ class Runner:
         del self.model, self.opt
 
 
-def check_correctness(hidden, ffn, weights, x, y, device) -> dict:
+def check_correctness(hidden, ffn, weights, x, y, device, gemm: str = "auto") -> dict:
     """Same weights, same batch: FP8 output and gradients against bf16, SQNR in dB."""
     grads = {}
     for kind in ("bf16", "fp8"):
-        model = torch_model(kind, hidden, ffn, weights, RECIPE, device)
+        model = model_of(kind, hidden, ffn, weights, device, gemm)
         out = model(x)
         mse(out, y).backward()
         grads[kind] = {"output": out.detach(), **{n: p.grad for n, p in model.named_parameters()}}
@@ -132,13 +142,13 @@ def run_shape(shape, modes, args, device, clock) -> dict:
     weights = torch_initial_weights(hidden, ffn, 0, device)
     x, y = task.torch_batch(0, device)
     res = {"shape": {"hidden": hidden, "ffn": ffn, "tokens": tokens}, "modes": {}}
-    res["correctness"] = check_correctness(hidden, ffn, weights, x, y, device)
+    res["correctness"] = check_correctness(hidden, ffn, weights, x, y, device, args.torch_gemm)
     print(f"[{hidden}x{ffn}x{tokens}] correctness ok={res['correctness']['ok']} "
           + " ".join(f"{k}={v:.1f}dB" for k, v in res["correctness"]["sqnr_db"].items()), flush=True)
     for mode in modes:
         t0 = time.perf_counter()
         torch._dynamo.reset()
-        runner = Runner(mode, hidden, ffn, weights, x, y, device)
+        runner = Runner(mode, hidden, ffn, weights, x, y, device, args.torch_gemm)
         losses = torch.empty(args.steps, device=device)
         for i in range(args.steps):
             xi, yi = task.torch_batch(i, device)  # a fresh batch into the step's inputs
@@ -176,11 +186,13 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     clock = _bench.Clock(device)
+    print(f"fp8 GEMM: gemm={args.torch_gemm!r} -> {fp8.gemm_path(args.torch_gemm)}", flush=True)
     t0 = time.perf_counter()
     results = [run_shape(s, modes, args, device, clock) for s in shapes]
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     meta = _bench.run_meta(
         framework="torch", device=name, torch=torch.__version__, fusedfp8=fusedfp8.__version__, recipe=str(RECIPE),
+        fp8_gemm={"gemm": args.torch_gemm, "cuda_backend": list(fp8.gemm_path(args.torch_gemm))},
         lr=_bench.LR, task={"noise": BENCH_NOISE, "fresh_batch_per_step": True}, wall_s=time.perf_counter() - t0)
     _bench.write_json(out / "bench_mlp_torch.json", meta, results)
     _bench.plot_mlp(results, out / "bench_mlp_torch.png", meta)

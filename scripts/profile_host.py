@@ -1,15 +1,30 @@
-"""Where the host time of one fusedfp8.quantize call from torch goes (1024x1024 bf16).
+"""Where the host time goes: of one fusedfp8.quantize call from torch (``quantize``), and of the
+torch FP8 layers' GEMMs with each backend (``gemm``).
 
-Prints the per-call wall time (pipelined calls, as bench_kernels.py's host cost), the cost of the
-pieces it is made of (the launch interface alone, describing the array, the stream lookup, the
-output allocation), and a cProfile table of 2000 calls.
-Usage: python scripts/profile_host.py
+quantize (1024x1024 bf16): the per-call wall time (pipelined calls, as bench_kernels.py's host
+cost), the cost of the pieces it is made of (the launch interface alone, describing the array, the
+stream lookup, the output allocation), and a cProfile table of 2000 calls.
+
+gemm (``--shape hidden x ffn x tokens`` of the MLP, default 1024x4096x2048): for each FP8 GEMM
+backend of fusedfp8.pytorch.gemm ('scaled_mm': torch._scaled_mm, 'cublaslt': the shim's
+fusedfp8::fp8_gemm_lt), the host microseconds per GEMM call as the layers make it
+(autograd.scaled_mm: the forward with fast accumulation and a bias, the dgrad and the wgrad
+without) and of the bare op, on 256x256x256 operands (pipelined calls take max(host, device)
+time: a GEMM this small keeps them host-bound), then the eager Fp8MLP train step (forward, backward, Adam,
+update_model_scales): device ms/step (CUDA events over blocks of steps), host ms/step (the time to
+issue one step, the GPU kept busy), and a cProfile of 20 steps; the bf16 TorchMLP step as the
+baseline. Ends with one JSON line of the figures.
+Usage: python scripts/profile_host.py [--part quantize|gemm|all] [--shape 1024x4096x2048]
 """
 from __future__ import annotations
 
+import argparse
 import cProfile
+import json
 import pstats
+import statistics
 import sys
+import time
 
 import torch
 
@@ -23,10 +38,7 @@ def per_call_us(fn) -> float:
     return _bench.host_us_per_call(fn, calls=3000, reps=1, sync=torch.cuda.synchronize)
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("profile_host.py needs a CUDA GPU that runs the fused kernels (this machine has none)", file=sys.stderr)
-        return 2
+def quantize_part() -> None:
     x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
     s = torch.ones(1, device="cuda")
     amax = torch.zeros(1, device="cuda")
@@ -51,6 +63,104 @@ def main() -> int:
     prof.disable()
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def _gemm_calls(hidden: int, ffn: int, tokens: int, backend: str) -> dict:
+    """The fc1 GEMMs of the MLP as autograd.scaled_mm makes them with ``backend``: name -> call."""
+    from fusedfp8.pytorch import autograd as A8
+
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    q = lambda *s, t=e4: torch.randn(*s, device="cuda").to(t)  # noqa: E731
+    x, w, g = q(tokens, hidden), q(ffn, hidden), q(tokens, ffn, t=e5)
+    w_t, g_t, x_t = q(hidden, ffn), q(ffn, tokens, t=e5), q(hidden, tokens)
+    s = torch.full((1,), 0.5, device="cuda")
+    bias = torch.zeros(ffn, device="cuda", dtype=torch.bfloat16)
+    bf = torch.bfloat16
+    return {
+        "forward (fast accum, bias)": lambda: A8.scaled_mm(x, w.t(), s, s, bias, bf, True, backend),
+        "forward (fast accum)": lambda: A8.scaled_mm(x, w.t(), s, s, None, bf, True, backend),
+        "dgrad": lambda: A8.scaled_mm(g, w_t.t(), s, s, None, bf, False, backend),
+        "wgrad": lambda: A8.scaled_mm(g_t, x_t.t(), s, s, None, bf, False, backend),
+        "bare op": (lambda: torch._scaled_mm(x, w.t(), scale_a=s, scale_b=s, out_dtype=bf, use_fast_accum=True))
+        if backend == "scaled_mm" else (lambda: torch.ops.fusedfp8.fp8_gemm_lt.default(x, w, s, s, bf, True)),
+    }
+
+
+def _step_figures(model, x, y, steps: int = 20) -> dict:
+    """Device ms/step, host ms/step of the eager train step of ``model``, and its cProfile."""
+    import fusedfp8.pytorch as fp8
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True, capturable=True)
+    is_fp8 = bool(fp8.fp8_modules(model))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        (model(x).float() - y.float()).pow(2).mean().backward()
+        opt.step()
+        if is_fp8:
+            fp8.update_model_scales(model)
+
+    for _ in range(5):
+        step()
+    device_ms = statistics.median(_bench.Clock("cuda").per_call_ms(step, 10, 5))
+    host = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()  # issued while the GPU still runs it: the host's share
+        host.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    return {"device_ms": device_ms, "host_ms": statistics.median(host), "profile": pstats.Stats(prof)}
+
+
+def gemm_part(hidden: int, ffn: int, tokens: int) -> dict:
+    import fusedfp8.pytorch as fp8
+    from fusedfp8.demo.task import torch_initial_weights, torch_model
+    from fusedfp8.pytorch import gemm as G
+
+    out = {"shape": [hidden, ffn, tokens], "per_gemm_host_us": {}, "step": {}}
+    print(f"\n== FP8 GEMM backends, MLP {hidden}x{ffn}x{tokens}: {fp8.gemm_path('auto')}")
+    for backend in ("scaled_mm", "cublaslt"):
+        G.backend(backend)  # loads the shim (defines the op) for 'cublaslt'; raises where it cannot
+        for name, call in _gemm_calls(256, 256, 256, backend).items():  # host-bound (see the docstring)
+            us = per_call_us(call)
+            out["per_gemm_host_us"][f"{backend}: {name}"] = us
+            print(f"  {backend:<9} {name:<28} {us:7.1f} us/call (host, pipelined)")
+    weights = torch_initial_weights(hidden, ffn, 0, "cuda")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) * 0.1
+    for kind, gemm in (("bf16", None), ("fp8", "scaled_mm"), ("fp8", "cublaslt")):
+        label = f"{kind} {gemm}" if gemm else kind
+        model = torch_model(kind, hidden, ffn, weights, device="cuda")
+        for m in fp8.fp8_modules(model):
+            m.gemm = gemm
+        fig = _step_figures(model, x, y)
+        stats = fig.pop("profile")
+        out["step"][label] = fig
+        print(f"  eager step {label:<14} {fig['device_ms']:7.3f} ms/step (device)  {fig['host_ms']:7.3f} ms/step (host)")
+        stats.sort_stats("tottime").print_stats(12)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["quantize", "gemm", "all"], default="all")
+    ap.add_argument("--shape", default="1024x4096x2048", help="hidden x ffn x tokens of --part gemm")
+    args = ap.parse_args(argv)
+    shape = _bench.parse_sizes(args.shape, 3, "--shape", ap.error)[0]
+    if not torch.cuda.is_available():
+        print("profile_host.py needs a CUDA GPU that runs the fused kernels (this machine has none)", file=sys.stderr)
+        return 2
+    if args.part in ("quantize", "all"):
+        quantize_part()
+    if args.part in ("gemm", "all"):
+        print(json.dumps(gemm_part(*shape)))
     return 0
 
 

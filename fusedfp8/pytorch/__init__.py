@@ -17,13 +17,15 @@ Modules: ``custom_ops`` (the ``torch.ops.fusedfp8.*`` custom ops), ``autograd`` 
 functions, ``quantize_ste`` and ``scaled_mm``), ``modules`` (``Fp8Linear``, ``Fp8MLP``),
 ``scaling`` (model-level state linking, ``update_model_scales``, the amax all-reduce),
 ``convert`` (``convert_to_fp8`` and ``plan_fp8_conversion``: every ``nn.Linear``, or with
-``policy='auto'`` those predicted faster in FP8, see :mod:`fusedfp8.policy`).
+``policy='auto'`` those predicted faster in FP8, see :mod:`fusedfp8.policy`), ``gemm`` (the
+layers' ``gemm=`` choice of FP8 GEMM on CUDA: the shim's cuBLASLt GEMM or ``torch._scaled_mm``).
 """
 from . import custom_ops  # noqa: F401  (registers torch.ops.fusedfp8.*)
 from .autograd import quantize_ste
 from .convert import convert_to_fp8, plan_fp8_conversion
+from .gemm import gemm_path
 from .modules import Fp8Linear, Fp8MLP, MissedScaleUpdateError, MissedScaleUpdateWarning
 from .scaling import PendingScaleUpdate, fp8_modules, update_model_scales
 
 __all__ = ["Fp8Linear", "Fp8MLP", "convert_to_fp8", "plan_fp8_conversion", "update_model_scales", "PendingScaleUpdate",
-           "fp8_modules", "MissedScaleUpdateError", "MissedScaleUpdateWarning", "quantize_ste"]
+           "fp8_modules", "MissedScaleUpdateError", "MissedScaleUpdateWarning", "quantize_ste", "gemm_path"]

@@ -24,8 +24,10 @@ the MLP's pre-activation and a padded bias. The CPU emulation runs the same padd
 silently wrong). Every ``scale_inv`` handed to a GEMM is the one the quantize kernel wrote into a (1,)
 buffer of its own: 16-byte aligned as cuBLASLt requires (column views of the state are not),
 and frozen for the backward (the state moves on at the next update). The forward GEMM uses
-``_scaled_mm``'s fast accumulation, the backward GEMMs (long reductions over tokens) the
-precise one, as Transformer Engine and torchao do. On the CPU the same calls run through
+fast accumulation, the backward GEMMs (long reductions over tokens) the precise one, as
+Transformer Engine and torchao do. On CUDA the GEMMs run ``torch._scaled_mm`` or the shim's
+``fusedfp8::fp8_gemm_lt`` (the layer's ``gemm``, :mod:`fusedfp8.pytorch.gemm`; the same operands
+either way: the op takes (M, K) and (N, K), i.e. ``a`` and ``b.t()`` of the calls above). On the CPU the same calls run through
 :func:`scaled_mm`'s float32 emulation of ``_scaled_mm`` on the exact FP8 values.
 """
 from __future__ import annotations
@@ -47,7 +49,7 @@ _BIAS_FUSABLE = (torch.bfloat16, torch.float16)
 
 
 def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None,
-              out_dtype: torch.dtype, fast_accum: bool = False) -> Tensor:
+              out_dtype: torch.dtype, fast_accum: bool = False, gemm: str = "scaled_mm") -> Tensor:
     """``out_dtype((a @ b) * scale_a * scale_b + bias)`` for FP8 operands.
 
     Parameters
@@ -62,11 +64,17 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
         added in float32 otherwise.
     out_dtype : torch.dtype
     fast_accum : bool
-        ``use_fast_accum`` of ``_scaled_mm`` (CUDA only; the CPU emulation accumulates in float32).
+        ``use_fast_accum`` of ``_scaled_mm`` / ``fast_accum`` of ``fp8_gemm_lt`` (CUDA only; the CPU
+        emulation accumulates in float32).
+    gemm : {'scaled_mm', 'cublaslt'}
+        The CUDA backend (:func:`fusedfp8.pytorch.gemm.backend` of the layer's ``gemm``):
+        ``torch._scaled_mm``, or the shim's ``torch.ops.fusedfp8.fp8_gemm_lt`` (then ``b`` must be
+        the ``.t()`` of a contiguous (N, K) tensor; a bias is added to its float32 product and the
+        sum rounded once, see :mod:`fusedfp8.pytorch.gemm`). Ignored on the CPU.
 
     Returns
     -------
-    (M, N) tensor of ``out_dtype``. CUDA runs ``torch._scaled_mm`` (K and N multiples of 16: the
+    (M, N) tensor of ``out_dtype``. CUDA runs the ``gemm`` backend (K and N multiples of 16: the
     callers pad the operands); the CPU computes the float32 product of the exact FP8 values,
     scales it by ``scale_a * scale_b`` and adds the bias in float32.
     """
@@ -74,6 +82,8 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
         y = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
         return (y if bias is None else y + bias.float()).to(out_dtype)
     if a.is_cuda:
+        if gemm == "cublaslt":
+            return _cublaslt_mm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
         fused = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
         if bias is None or fused:
             return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
@@ -86,6 +96,16 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
         if bias is not None:
             y = y + bias.float()
         return y.to(out_dtype)
+
+
+def _cublaslt_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None,
+                 out_dtype: torch.dtype, fast_accum: bool) -> Tensor:
+    """:func:`scaled_mm` through ``fusedfp8::fp8_gemm_lt`` (a (M, K), b.t() (N, K), both contiguous)."""
+    op = torch.ops.fusedfp8.fp8_gemm_lt.default
+    if bias is None:
+        return op(a, b.t(), scale_a, scale_b, out_dtype, fast_accum)
+    y = op(a, b.t(), scale_a, scale_b, torch.float32, fast_accum).add_(bias)  # one rounding, as an epilogue
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
 def _unpad(t: Tensor, rows: int, cols: int) -> Tensor:
@@ -176,17 +196,18 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_q, w_t, w_si, amax_history, scale, scale_inv, updates, col, fwd_fmt, grad_fmt,
-                margin_factor, current_first, need_dgrad, need_wgrad, pad):
+                margin_factor, current_first, need_dgrad, need_wgrad, pad, gemm):
         state = (amax_history, scale, scale_inv, updates)
         x2 = _as_2d(x).contiguous()
         (m, k), n = x2.shape, weight.shape[0]
         x_q, x_t, x_si = _quantize(x2, state, col, fwd_fmt, margin_factor, current_first, need_wgrad, pad)
-        y = scaled_mm(x_q, w_q.t(), x_si, w_si, _padded_bias(bias, w_q.shape[0]), x.dtype, fast_accum=True)
+        y = scaled_mm(x_q, w_q.t(), x_si, w_si, _padded_bias(bias, w_q.shape[0]), x.dtype, True, gemm)
         y = _unpad(y, m, n)
         ctx.save_for_backward(x_t, w_t, x_si, w_si)
         ctx.state, ctx.col = state, col
         ctx.cfg = (grad_fmt, margin_factor, current_first)
         ctx.dims = (m, k, n, pad)
+        ctx.gemm = gemm
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -203,12 +224,13 @@ class _LinearFn(torch.autograd.Function):
             g_q, g_t, g_si = fops.call(fops.quantize_t, g2, *ctx.state, ctx.col + 2, grad_fmt, margin_factor,
                                        current_first, pad)
             if w_t is not None:
-                dx = _unpad(scaled_mm(g_q, w_t.t(), g_si, w_si, None, ctx.x_dtype), m, k).reshape(ctx.x_shape)
+                dx = _unpad(scaled_mm(g_q, w_t.t(), g_si, w_si, None, ctx.x_dtype, False, ctx.gemm), m,
+                            k).reshape(ctx.x_shape)
             if x_t is not None:
-                dw = _unpad(scaled_mm(g_t, x_t.t(), g_si, x_si, None, ctx.w_dtype), n, k).contiguous()
+                dw = _unpad(scaled_mm(g_t, x_t.t(), g_si, x_si, None, ctx.w_dtype, False, ctx.gemm), n, k).contiguous()
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _bias_grad(g2, ctx.bias_dtype)
-        return (dx, dw, db) + (None,) * 15
+        return (dx, dw, db) + (None,) * 16
 
 
 class WeightCache:
@@ -252,16 +274,17 @@ def quantized_weight(w: Tensor, state: tuple, col: int, fmt: str, margin_factor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: tuple, cfg: tuple, need_dgrad: bool,
-           need_wgrad: bool, cache: WeightCache | None = None) -> Tensor:
+           need_wgrad: bool, cache: WeightCache | None = None, gemm: str = "scaled_mm") -> Tensor:
     """The FP8 linear: ``state`` = (amax_history, scale, scale_inv, updates, col) with columns
-    col, col + 1, col + 2 = (input, weight, output gradient); ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first).
+    col, col + 1, col + 2 = (input, weight, output gradient); ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first);
+    ``gemm`` the CUDA backend of its three GEMMs (:func:`scaled_mm`'s).
     Inputs are checked by the caller (:class:`fusedfp8.pytorch.Fp8Linear`)."""
     *st, col = state
     fwd_fmt, _, mf, cf = cfg
     m = math.prod(x.shape[:-1])
     pad = gemm_pad_to(x.shape[-1], weight.shape[0], *((m,) if need_wgrad else ()))  # tokens: a K only in wgrad
     w_q, w_t, w_si = quantized_weight(weight, tuple(st), col + 1, fwd_fmt, mf, cf, need_dgrad, pad, cache)
-    return _LinearFn.apply(x, weight, bias, w_q, w_t, w_si, *state, *cfg, need_dgrad, need_wgrad, pad)
+    return _LinearFn.apply(x, weight, bias, w_q, w_t, w_si, *state, *cfg, need_dgrad, need_wgrad, pad, gemm)
 
 
 # ---- fused MLP core: Linear -> gelu -> Linear ------------------------------------------------
@@ -283,7 +306,7 @@ class _MLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, ln_w, ln_b, w1, b1, w2, b2, w1_q, w1_t, w1_si, w2_q, w2_t, w2_si, hist1, scale1, scale_inv1,
                 updates1, c1, hist2, scale2, scale_inv2, updates2, c2, fwd_fmt, grad_fmt, margin_factor,
-                current_first1, current_first2, approximate, training, pad, ln_eps):
+                current_first1, current_first2, approximate, training, pad, ln_eps, gemms):
         st1 = (hist1, scale1, scale_inv1, updates1)
         st2 = st1 if hist2 is None else (hist2, scale2, scale_inv2, updates2)
         mf = margin_factor
@@ -297,7 +320,7 @@ class _MLPFn(torch.autograd.Function):
                                                    mf, current_first1, training, pad)
             h_t = h_t if training else None
             ln_saved = (h2, mean, rstd, ln_w, ln_b)
-        z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, _padded_bias(b1, w1_q.shape[0]), h.dtype, fast_accum=True)
+        z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, _padded_bias(b1, w1_q.shape[0]), h.dtype, True, gemms[0])
         z = _unpad(z, m, ffn).contiguous()  # the pad of z holds the bias: not an input of the activation
         if training:
             a_q, a_t, a_si = fops.call(fops.gelu_quantize_t, z, *st2, c2, fwd_fmt, mf, current_first2, approximate,
@@ -305,7 +328,7 @@ class _MLPFn(torch.autograd.Function):
         else:
             (a_q, a_si), a_t = fops.call(fops.gelu_quantize, z, *st2, c2, fwd_fmt, mf, current_first2, approximate,
                                          pad), None
-        y = _unpad(scaled_mm(a_q, w2_q.t(), a_si, w2_si, _padded_bias(b2, w2_q.shape[0]), h.dtype, fast_accum=True),
+        y = _unpad(scaled_mm(a_q, w2_q.t(), a_si, w2_si, _padded_bias(b2, w2_q.shape[0]), h.dtype, True, gemms[1]),
                    m, out)
         if training:
             ctx.save_for_backward(h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si, *ln_saved)
@@ -313,6 +336,7 @@ class _MLPFn(torch.autograd.Function):
             ctx.states, ctx.cols = (st1, st2), (c1, c2)
             ctx.cfg = (grad_fmt, mf, current_first1, current_first2, approximate)
             ctx.dims = (m, hid, ffn, out, pad)
+            ctx.gemms = gemms
             ctx.meta = (h.shape, h.dtype, w1.dtype, w2.dtype, None if b1 is None else b1.dtype,
                         None if b2 is None else b2.dtype)
         return y.reshape(*h.shape[:-1], y.shape[-1])
@@ -328,19 +352,20 @@ class _MLPFn(torch.autograd.Function):
         c1, c2 = ctx.cols
         m, hid, ffn, out, pad = ctx.dims
         gy_q, gy_t, gy_si = fops.call(fops.quantize_t, gy, *st2, c2 + 2, grad_fmt, mf, cf2, pad)
-        da = _unpad(scaled_mm(gy_q, w2_t.t(), gy_si, w2_si, None, z.dtype), m, ffn).contiguous()
-        dw2 = _unpad(scaled_mm(gy_t, a_t.t(), gy_si, a_si, None, w2_dtype), out, ffn).contiguous()
+        g1, g2 = ctx.gemms
+        da = _unpad(scaled_mm(gy_q, w2_t.t(), gy_si, w2_si, None, z.dtype, False, g2), m, ffn).contiguous()
+        dw2 = _unpad(scaled_mm(gy_t, a_t.t(), gy_si, a_si, None, w2_dtype, False, g2), out, ffn).contiguous()
         db2 = _bias_grad(gy, b2_dtype) if b2_dtype is not None else None
         dz_q, dz_t, db1, dz_si = fops.call(fops.dgelu_quantize_t, da, z, *st1, c1 + 2, grad_fmt, mf, cf1,
                                            approximate, b1_dtype is not None, pad)
-        dh = _unpad(scaled_mm(dz_q, w1_t.t(), dz_si, w1_si, None, h_dtype), m, hid)
-        dw1 = _unpad(scaled_mm(dz_t, h_t.t(), dz_si, h_si, None, w1_dtype), ffn, hid).contiguous()
+        dh = _unpad(scaled_mm(dz_q, w1_t.t(), dz_si, w1_si, None, h_dtype, False, g1), m, hid)
+        dw1 = _unpad(scaled_mm(dz_t, h_t.t(), dz_si, h_si, None, w1_dtype, False, g1), ffn, hid).contiguous()
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
         dlw = dlb = None
         if ctx.ln[0]:
             dh, dlw, dlb = _layernorm_backward(dh.contiguous(), *ln_saved[:3], ln_saved[3] if ctx.ln[1] else None,
                                                ln_saved[-1] if ctx.ln[2] else None, ctx.needs_input_grad[1:3])
-        return (dh.reshape(h_shape), dlw, dlb, dw1, db1, dw2, db2) + (None,) * 25
+        return (dh.reshape(h_shape), dlw, dlb, dw1, db1, dw2, db2) + (None,) * 26
 
 
 def _layernorm_backward(dh: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, w: Tensor | None, b: Tensor | None,
@@ -361,13 +386,14 @@ def _layernorm_backward(dh: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, w: Te
 
 
 def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, state1: tuple, state2: tuple,
-        cfg: tuple, approximate: str, training: bool, caches: tuple = (None, None), norm=None) -> Tensor:
+        cfg: tuple, approximate: str, training: bool, caches: tuple = (None, None), norm=None,
+        gemms: tuple = ("scaled_mm", "scaled_mm")) -> Tensor:
     """fc2(gelu(fc1(h))) in FP8 with the fused activation kernels; ``state1``/``state2`` as in
     :func:`linear` (with their columns), ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first1, current_first2);
     ``training`` = a backward will follow (the forward then also writes the transposes);
     ``caches``: the :class:`WeightCache` of fc1 and fc2 (or None); ``norm``: an ``nn.LayerNorm``
     whose output h is (then ``h`` is its input, and the LayerNorm runs fused with the quantization
-    of h)."""
+    of h); ``gemms``: the CUDA GEMM backends of fc1's and fc2's GEMMs (:func:`scaled_mm`'s)."""
     fwd_fmt, _, mf, cf1, cf2 = cfg
     m = math.prod(h.shape[:-1])
     pad = gemm_pad_to(h.shape[-1], w1.shape[0], w2.shape[0], *((m,) if training else ()))
@@ -377,4 +403,4 @@ def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
         state2 = (None,) * 4 + tuple(state2[4:])  # passed once (dynamo refuses a tensor given twice)
     ln = (None, None, None) if norm is None else (norm.weight, norm.bias, float(norm.eps))
     return _MLPFn.apply(h, ln[0], ln[1], w1, b1, w2, b2, *w1q, *w2q, *state1, *state2, *cfg, approximate, training,
-                        pad, ln[2])
+                        pad, ln[2], tuple(gemms))

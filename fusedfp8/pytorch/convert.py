@@ -10,6 +10,7 @@ from torch import nn
 from ..policy import ConversionReport, Decision, check_dims, check_mode, check_policy, find_table
 from ..recipe import DelayedScaling
 from ..types import check_recipe
+from .gemm import check_gemm
 from .modules import MISSED_UPDATE_MODES, Fp8Linear
 
 __all__ = ["convert_to_fp8", "plan_fp8_conversion"]
@@ -77,7 +78,7 @@ def plan_fp8_conversion(model: nn.Module, filter_fn: Callable[[str, nn.Linear], 
 def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
                    filter_fn: Callable[[str, nn.Linear], bool] | None = None, *,
                    missed_update: str = "raise", policy: str | None = None, tokens: int | None = None,
-                   policy_table=None, mode: str | None = None) -> nn.Module:
+                   policy_table=None, mode: str | None = None, gemm: str = "auto") -> nn.Module:
     """Swap the ``nn.Linear`` modules of ``model`` for :class:`Fp8Linear`, in place: every one, or
     those that ``filter_fn`` and ``policy`` select.
 
@@ -95,6 +96,8 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
         Convert only the modules for which it returns True (``fqn`` is the module's name in
         ``model.named_modules()``). It is asked first; ``policy`` decides among the rest.
     missed_update : {'raise', 'warn', 'ignore'}, see :class:`Fp8Linear`.
+    gemm : {'auto', 'cublaslt', 'scaled_mm'}, the FP8 GEMM on CUDA of every converted module, see
+        :class:`Fp8Linear` and :mod:`fusedfp8.pytorch.gemm`.
     policy : {None, 'all', 'auto'}
         None or 'all': convert every module (that ``filter_fn`` accepts). 'auto': convert a
         module only where FP8 is predicted faster than bf16 for its (tokens, in_features,
@@ -139,15 +142,17 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
     check_recipe(recipe)
     if missed_update not in MISSED_UPDATE_MODES:
         raise ValueError(f"missed_update must be one of {MISSED_UPDATE_MODES}; got {missed_update!r}")
+    check_gemm(gemm)
     report = _plan(model, filter_fn, policy, tokens, policy_table, mode)
     converted = set(report.converted)
     if type(model) is nn.Linear:
-        out = Fp8Linear.from_linear(model, recipe, missed_update=missed_update) if "" in converted else model
+        out = Fp8Linear.from_linear(model, recipe, missed_update=missed_update, gemm=gemm) if "" in converted else model
         setattr(out, REPORT_ATTR, report)
         return out
     for fqn in report.converted:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, Fp8Linear.from_linear(getattr(parent, child), recipe, missed_update=missed_update))
+        setattr(parent, child, Fp8Linear.from_linear(getattr(parent, child), recipe, missed_update=missed_update,
+                                                               gemm=gemm))
     setattr(model, REPORT_ATTR, report)
     return model

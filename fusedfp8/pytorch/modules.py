@@ -47,6 +47,7 @@ from ..recipe import CurrentScaling, DelayedScaling
 from ..types import check_approximate, check_recipe
 from ..state import STATE_FIELDS, ScalingState
 from . import autograd as F8
+from . import gemm as G
 
 __all__ = ["Fp8Linear", "Fp8MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
 
@@ -142,8 +143,8 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     """``nn.Linear`` with FP8 GEMMs and delayed scaling (a drop-in replacement).
 
     Forward: the input and the weight are quantized (the forward format of the recipe, E4M3)
-    each with its transpose in one fused kernel, their amaxes staged into the state, and
-    ``torch._scaled_mm`` computes ``x @ w.T + b`` (bias fused where ``_scaled_mm`` allows).
+    each with its transpose in one fused kernel, their amaxes staged into the state, and an FP8
+    GEMM (``gemm``: the shim's cuBLASLt GEMM or ``torch._scaled_mm``) computes ``x @ w.T + b``.
     Backward: the output gradient is quantized (E5M2 under 'hybrid') with its transpose in one
     kernel and both backward GEMMs run in FP8 on the transposed copies the forward produced;
     only FP8 tensors are saved for the backward. The bias gradient is ``grad.sum(0)``.
@@ -160,6 +161,10 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     missed_update : {'raise', 'warn', 'ignore'}
         What happens when the module goes through an optimizer step without
         :func:`fusedfp8.pytorch.update_model_scales` (see the module docstring).
+    gemm : {'auto', 'cublaslt', 'scaled_mm'}
+        The FP8 GEMM on CUDA (:mod:`fusedfp8.pytorch.gemm`; also a settable attribute): the shim's
+        ``fusedfp8::fp8_gemm_lt``, ``torch._scaled_mm``, or 'auto' (the first where the shim can be
+        had). They differ only by float32 accumulation order. The CPU emulates either.
 
     Input: (..., in_features), float32 / float16 / bfloat16; output (..., out_features) in the
     input's dtype; weight and bias of any of those dtypes (e.g. float32 master weights).
@@ -170,22 +175,26 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         At construction, on a recipe that is not a DelayedScaling or a CurrentScaling; in forward
         (before anything runs or is written), on a non-float input or weight.
     ValueError
-        At construction, on a bad ``missed_update``; in forward, on a wrong feature count, input
-        and weight on different devices, or (CUDA only) a GEMM dimension that is not a multiple
+        At construction, on a bad ``missed_update`` or ``gemm``; in forward, on a wrong feature
+        count, input and weight on different devices, or (CUDA only) a GEMM dimension that is not a multiple
         of 16: in_features, out_features, and the number of tokens when the weight gradient is
         needed (padding is left to the caller: it would copy the input). On load, on a state
         whose history length differs from the recipe's, or (CurrentScaling) with completed updates.
+    RuntimeError
+        In a CUDA forward (before any write), with ``gemm='cublaslt'`` where the shim cannot be had.
     MissedScaleUpdateError
         In backward, see ``missed_update``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  recipe: DelayedScaling = DelayedScaling(), device=None, dtype=None, *,
-                 missed_update: str = "raise"):
+                 missed_update: str = "raise", gemm: str = "auto"):
         check_recipe(recipe)
         if missed_update not in MISSED_UPDATE_MODES:
             raise ValueError(f"missed_update must be one of {MISSED_UPDATE_MODES}; got {missed_update!r}")
+        G.check_gemm(gemm)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.gemm = gemm
         self._recipe = recipe
         self.missed_update = missed_update
         self._cfg = (recipe.format_for(False).name, recipe.format_for(True).name, recipe.margin_factor)
@@ -197,14 +206,14 @@ class Fp8Linear(_StrictLoad, nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: DelayedScaling = DelayedScaling(), *,
-                    missed_update: str = "raise") -> "Fp8Linear":
+                    missed_update: str = "raise", gemm: str = "auto") -> "Fp8Linear":
         """An Fp8Linear that takes over ``linear``'s Parameter objects (not copies: an optimizer
         built before the conversion keeps working) with a fresh state on their device."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear; got {type(linear).__name__}")
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, recipe=recipe,
-                      dtype=linear.weight.dtype, missed_update=missed_update)
+                      dtype=linear.weight.dtype, missed_update=missed_update, gemm=gemm)
         new.weight = linear.weight
         new.bias = linear.bias
         new._init_state(linear.weight.device)
@@ -223,6 +232,21 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     @property
     def recipe(self) -> DelayedScaling | CurrentScaling:
         return self._recipe
+
+    _gemm = "auto"  # (also the value of a module pickled before the argument existed)
+
+    @property
+    def gemm(self) -> str:
+        """The FP8 GEMM on CUDA: 'auto', 'cublaslt' or 'scaled_mm' (see the class docstring)."""
+        return self._gemm
+
+    @gemm.setter
+    def gemm(self, gemm: str) -> None:
+        self._gemm = G.check_gemm(gemm)
+
+    def _gemm_backend(self, x: torch.Tensor) -> str:
+        """:func:`fusedfp8.pytorch.autograd.scaled_mm`'s backend for ``x`` (the CPU emulates either)."""
+        return G.backend(self._gemm) if x.is_cuda else "scaled_mm"
 
     @property
     def fp8_state(self) -> ScalingState:
@@ -356,10 +380,10 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         if not torch.compiler.is_compiling():
             self._ensure_hook()
         return F8.linear(x, self.weight, self.bias, self._state(), self._kernel_cfg(), need_dgrad, need_wgrad,
-                         self._wcache)
+                         self._wcache, self._gemm_backend(x))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self._recipe}"
+        return f"{super().extra_repr()}, recipe={self._recipe}, gemm={self.gemm!r}"
 
 
 _FUSED_LN_MAX = 16384  # widest row the MLP's fused LayerNorm takes (the kernel's transposed tile fits)
@@ -384,7 +408,8 @@ class Fp8MLP(_StrictLoad, nn.Module):
     approximate : {'tanh', 'none'}
         The gelu (as ``torch.nn.functional.gelu``).
     bias : bool
-    device, dtype, missed_update : as :class:`Fp8Linear`.
+    device, dtype, missed_update, gemm : as :class:`Fp8Linear` (``gemm`` is given to fc1 and fc2;
+        each runs its own three GEMMs with its own ``gemm`` attribute).
 
     Attributes: ``norm`` (nn.LayerNorm), ``fc1``, ``fc2`` (Fp8Linear, owning the states),
     ``fuse_layernorm`` (default True; False runs ``norm`` in torch and quantizes its bf16 output,
@@ -394,14 +419,15 @@ class Fp8MLP(_StrictLoad, nn.Module):
 
     def __init__(self, hidden: int, ffn: int, recipe: DelayedScaling = DelayedScaling(), *,
                  approximate: str = "tanh", bias: bool = True, device=None, dtype=None,
-                 missed_update: str = "raise"):
+                 missed_update: str = "raise", gemm: str = "auto"):
         check_approximate(approximate)
+        G.check_gemm(gemm)
         super().__init__()
         self.approximate = approximate
         self.fuse_layernorm = True
         self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
-        self.fc1 = Fp8Linear(hidden, ffn, bias, recipe, device, dtype, missed_update=missed_update)
-        self.fc2 = Fp8Linear(ffn, hidden, bias, recipe, device, dtype, missed_update=missed_update)
+        self.fc1 = Fp8Linear(hidden, ffn, bias, recipe, device, dtype, missed_update=missed_update, gemm=gemm)
+        self.fc2 = Fp8Linear(ffn, hidden, bias, recipe, device, dtype, missed_update=missed_update, gemm=gemm)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -431,5 +457,6 @@ class Fp8MLP(_StrictLoad, nn.Module):
             fc1._ensure_hook()
             fc2._ensure_hook()
         cfg = fc1._kernel_cfg() + fc2._kernel_cfg()[-1:]
+        gemms = (fc1._gemm_backend(h), fc2._gemm_backend(h))
         return F8.mlp(h, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1._state(), fc2._state(), cfg,
-                      self.approximate, training, (fc1._wcache, fc2._wcache), norm if fused else None)
+                      self.approximate, training, (fc1._wcache, fc2._wcache), norm if fused else None, gemms)

@@ -1,5 +1,5 @@
 """fusedfp8::fp8_gemm_lt, the shim's cuBLASLt FP8 GEMM (fusedfp8/csrc/gemm.h) as a torch op
-(fusedfp8/csrc/torch_gemm.h; defined when the torch shim loads, used by no layer yet): its schema,
+(fusedfp8/csrc/torch_gemm.h; defined when the torch shim loads; the torch layers' gemm='cublaslt'): its schema,
 Meta kernel and argument checks on the CPU; on the GPU its values against a float64 reference and
 torch._scaled_mm, under a CUDA graph and torch.compile."""
 from __future__ import annotations

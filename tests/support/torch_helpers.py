@@ -52,9 +52,12 @@ class Spy:
         self.calls = []
         real = A8.scaled_mm
 
-        def spy(a, b, sa, sb, bias, out_dtype, fast_accum=False):
-            out = real(a, b, sa, sb, bias, out_dtype, fast_accum)
+        self.gemms = []  # the backend each call asked for
+
+        def spy(a, b, sa, sb, bias, out_dtype, fast_accum=False, gemm="scaled_mm"):
+            out = real(a, b, sa, sb, bias, out_dtype, fast_accum, gemm)
             self.calls.append((a, b, sa.clone(), sb.clone(), out))
+            self.gemms.append(gemm)
             return out
 
         monkeypatch.setattr(A8, "scaled_mm", spy)
