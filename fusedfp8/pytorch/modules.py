@@ -323,6 +323,11 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         state["_wcache"] = F8.WeightCache()
         return state
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "weight" in self._parameters:  # a copy's weight is a new tensor: its version counter starts over,
+            self._pending_version = self.weight._version  # and a copy is not an optimizer step
+
     # -- missed-update detection ---------------------------------------------------------------
     def _ensure_hook(self) -> None:
         """Hook the current weight (again after a deepcopy, a pickle or a new Parameter)."""

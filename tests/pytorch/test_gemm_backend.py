@@ -214,7 +214,8 @@ def _tolerance_check(calls, biases, fast):
         scale = float(sa) * float(sb)
         ref, absref = (a64 @ b64) * scale, (np.abs(a64) @ np.abs(b64)) * scale
         if bias is not None:
-            ref, absref = ref + bias.double().cpu().numpy(), absref + np.abs(bias.double().cpu().numpy())
+            b64 = bias.detach().double().cpu().numpy()
+            ref, absref = ref + b64, absref + np.abs(b64)
         eps = 2.0 ** -8 if out.dtype in (torch.bfloat16, torch.float16) else 2.0 ** -23
         acc = 2.0 ** -7 if f else 2.0 ** -9
         err = np.abs(out.double().cpu().numpy() - ref)

@@ -5,6 +5,7 @@ test_distributed.py spawns 2 and 4 ranks), and the modules detect a forgotten up
 from __future__ import annotations
 
 import copy
+import io
 import warnings
 
 import numpy as np
@@ -142,6 +143,45 @@ def test_correct_loops_never_trigger_the_check():
         _loop(_mlp_model("raise"), steps=3, update=True)
         _loop(_mlp_model("raise"), steps=3, update=True, micro=3)  # gradient accumulation
         _loop(_mlp_model("raise"), steps=1, update=False, micro=4)  # one step, not yet updated
+
+
+def _copies():
+    """Every way to copy a module: deepcopy, a pickle through torch.save, a state-dict load."""
+    def pickled(m):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    def loaded(m):
+        fresh = _mlp_model("raise")
+        fresh.load_state_dict(m.state_dict())
+        return fresh
+
+    return {"deepcopy": copy.deepcopy, "pickle": pickled, "state_dict": loaded}
+
+
+@pytest.mark.parametrize("how", _copies().keys())
+def test_a_copy_made_after_a_backward_is_not_an_optimizer_step(how):
+    """A copy taken between a backward and the optimizer step (an EMA model, a checkpoint) has new
+    weight tensors, whose version counters start over: the copy's next backward is no missed update,
+    and a real missed update on the copy is still caught."""
+    model = _mlp_model("raise")
+    x = torch.randn(8, 32)
+    with torch.no_grad():  # in-place changes before the first backward (init, a load): versions > 0
+        for p in model.parameters():
+            p.mul_(1.0)
+    model(x).sum().backward()
+    twin = _copies()[how](model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        twin(x).sum().backward()  # the copy's own first backward: no complaint
+        twin(x).sum().backward()  # gradient accumulation on the copy
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(1.0)  # an optimizer step on the copy, with no update_model_scales
+    with pytest.raises(fp8.MissedScaleUpdateError):
+        twin(x).sum().backward()
 
 
 def test_forgotten_update_is_detected_in_copies_and_compiled_models():
