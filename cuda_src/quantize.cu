@@ -148,14 +148,10 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 // of the copy ceiling) vs 13.74 (0.58), 8192x16384 160.5 us (0.79) vs 202.8 (0.63), gelu 228 vs 266.
 // Tile: 128 rows x 64 cols; block: 256 threads; grid: min(tiles, resident blocks) from the
 // occupancy, grid-stride.
-// Software pipeline: per thread 2 rows x 16 columns of x (and b) a tile, raw in registers (4 loads
-// of 16 bytes for a 2-byte type, 8 for float32, per input), one register set: once a row of the
-// current tile is computed (its values in v), the same registers take that row of the next tile,
-// whose loads then fly while the rest of the tile is computed and stored (issue 18: no second set
-// and no moves between tiles). The first tile's loads are issued before the scale is read.
-// Offsets are 32-bit below 2**31 elements (prows * pcols), else 64-bit (the same loop, twice).
-// (Tried, issue 18: two register sets ping-ponged over a loop of two tiles, 298-303 SASS a tile for
-// bf16 identity against 337-348 here, but 121 registers (gelu 128), i.e. half the resident blocks.)
+// Software pipeline: a block issues the 16-byte loads of its next tile (raw, in registers) before
+// it computes the current one, and the first tile's loads before it reads the scale, so loads are
+// in flight while the block computes and stores: per thread 2 rows x 16 columns of x (and b), i.e.
+// 4 loads of 16 bytes for a 2-byte type (8 for float32) per input, current + next tile.
 // Thread t owns rows t/4 and t/4 + 64, columns 16(t%4)..+15 of the tile: q is written with one
 // 16-byte store per row (two 8-byte stores when pcols % 16 != 0), and the FP8 bytes go to a shared
 // 128 x 64-byte tile (two of them, alternating, so one barrier a tile suffices) at a swizzled place
@@ -181,10 +177,8 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 #define TILE_C 64
 #define T2_LOADS (2 * (int)sizeof(T))  // 16-byte loads per thread, tile and input (2 rows x 16 columns)
 
-// (dgelu: at most 128 registers, 2 blocks an SM, as before issue 18's loop; ptxas would take 150. A
-// minimum of 0 blocks is no minimum: identity and gelu keep ptxas's own choice, 64.)
 template <typename T, int FMT, int OP, class Pre = StagedAmax>
-__global__ void __launch_bounds__(256, OP >= 3 ? 2 : 0) quantize_tiled(
+__global__ void __launch_bounds__(256) quantize_tiled(
     const T* __restrict__ x,          // [rows, cols] input (dy for OP 3/4)
     const T* __restrict__ b,          // [rows, cols] second input (x for OP 3/4), else null
     u8* __restrict__ q,               // [prows, pcols] FP8 output
@@ -225,179 +219,161 @@ __global__ void __launch_bounds__(256, OP >= 3 ? 2 : 0) quantize_tiled(
     // tile coordinates advance by the grid in both dimensions (no division in the loop)
     const u32 step_r = gridDim.x / tiles_c, step_c = gridDim.x % tiles_c;
     u32 tr = blockIdx.x / tiles_c, tc = blockIdx.x % tiles_c;
-    const u32 full_r = (u32)(rows / TILE_R), full_c = (u32)(cols / TILE_C);  // tiles with no edge, no pad
-    auto is_fast = [&](u32 r, u32 c) { return fast_ok && r < full_r && c < full_c; };
-    // the block's tiles: blockIdx.x + k gridDim.x, k < mine
-    const u32 mine = blockIdx.x < ntiles ? (u32)((ntiles - 1 - blockIdx.x) / gridDim.x) + 1u : 0u;
-    auto load_row = [&](uint4* xr, uint4* br, int p, auto off) {  // row p of a tile, at element offset off
+    auto is_fast = [&](u32 r, u32 c) {
+        return fast_ok && (i64)(r + 1) * TILE_R <= rows && (i64)(c + 1) * TILE_C <= cols;
+    };
+    auto load = [&](uint4* xr, uint4* br, u32 r, u32 c) {
+        const i64 off = ((i64)r * TILE_R + lr) * cols + (i64)c * TILE_C + lc;
 #pragma unroll
-        for (int k = 0; k < PER_ROW; ++k) {
-            xr[p * PER_ROW + k] = ldg_nc16(x + off + k * ELEMS);
-            if (OP >= 3) br[p * PER_ROW + k] = ldg_nc16(b + off + k * ELEMS);
-        }
+        for (int p = 0; p < 2; ++p)
+#pragma unroll
+            for (int k = 0; k < PER_ROW; ++k) {
+                xr[p * PER_ROW + k] = ldg_nc16(x + off + p * 64 * cols + k * ELEMS);
+                if (OP >= 3) br[p * PER_ROW + k] = ldg_nc16(b + off + p * 64 * cols + k * ELEMS);
+            }
     };
 
-    uint4 xc[T2_LOADS], bc[OP >= 3 ? T2_LOADS : 1];  // a tile's raw loads (2 rows), see the loop
-    bool fast = mine > 0 && is_fast(tr, tc);
-    if (fast) {  // before the scale: the first loads wait on nothing
-        const i64 off = ((i64)tr * TILE_R + lr) * cols + (i64)tc * TILE_C + lc;
-        load_row(xc, bc, 0, off);
-        load_row(xc, bc, 1, off + 64 * cols);
-    }
+    uint4 xc[T2_LOADS], bc[OP >= 3 ? T2_LOADS : 1];
+    bool fast = blockIdx.x < ntiles && is_fast(tr, tc);
+    if (fast) load(xc, bc, tr, tc);  // before the scale: the first loads wait on nothing
 
     float s;
     const bool fresh = Pre::template tiled<T, FMT, OP>(x, b, rows, cols, prows, pcols, vec, xc, bc, fast, scale, amax,
                                                         updates, margin_factor, &s);
     if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
     u32 m = 0;  // the running amax (amax_update)
-
-    // The loop, with offsets of type Idx: u32 when every offset into x, q and q_t is below 2**31
-    // (prows * pcols < 2**31), else i64 (the same code; tensors of 2**31 elements or more). A tile's
-    // origin in x (r0 cols + c0), q (r0 pcols + c0) and q_t (c0 prows + r0) is one multiply-add from
-    // tr, tc; each thread's place in the tile (its rows and columns) is computed once.
-    auto run = [&](auto zero) {
-        using Idx = decltype(zero);
-        const Idx ic = (Idx)cols, ipc = (Idx)pcols, ipr = (Idx)prows;
-        const Idx rtx = (Idx)TILE_R * ic, rtq = (Idx)TILE_R * ipc, ctt = (Idx)TILE_C * ipr;  // a tile row / column
-        const Idx tx = (Idx)lr * ic + lc, rx = 64 * ic;          // the thread's x rows: tx, tx + rx
-        const Idx tq = (Idx)lr * ipc + lc, rq = 64 * ipc;        // its q rows
-        const Idx tt = (Idx)(2 * cp) * ipr + 16 * rm;           // its q_t columns: tt, tt + prows
-        for (u32 k = 0; k < mine; ++k) {
-            u8* tl = tile[k & 1];
-            const i64 r0 = (i64)tr * TILE_R, c0 = (i64)tc * TILE_C;
-            const bool full = tr < full_r && tc < full_c;
-            u32 ntr = tr + step_r, ntc = tc + step_c;
-            if (ntc >= tiles_c) { ntc -= tiles_c; ++ntr; }
-            const bool nfast = k + 1 < mine && is_fast(ntr, ntc);
-            const Idx nx = (Idx)ntr * rtx + (Idx)ntc * TILE_C + tx;  // the next tile's first row in x
-            if (fast) {
-                auto body = [&](auto with_dbias) {
-                    constexpr bool DB = decltype(with_dbias)::value;
-                    float cs[16];
+    int buf = 0;
+    for (i64 id = blockIdx.x; id < ntiles; id += gridDim.x) {
+        const i64 r0 = (i64)tr * TILE_R, c0 = (i64)tc * TILE_C;
+        const bool full = r0 + TILE_R <= rows && c0 + TILE_C <= cols;  // no edge, no pad
+        u32 ntr = tr + step_r, ntc = tc + step_c;
+        if (ntc >= tiles_c) { ntc -= tiles_c; ++ntr; }
+        uint4 xn[T2_LOADS], bn[OP >= 3 ? T2_LOADS : 1];
+        const bool nfast = id + gridDim.x < ntiles && is_fast(ntr, ntc);
+        if (nfast) load(xn, bn, ntr, ntc);  // the next tile's loads fly while this one is computed
+        u8* tl = tile[buf];
+        if (fast) {
+            auto body = [&](auto with_dbias) {
+                constexpr bool DB = decltype(with_dbias)::value;
+                float cs[16];
 #pragma unroll
-                    for (int p = 0; p < 2; ++p) {
-                        float v[16];
-#pragma unroll
-                        for (int j = 0; j < 16; ++j) {
-                            float y = apply_op<OP>(raw_elem<T>(xc + p * PER_ROW, j),
-                                                   OP >= 3 ? raw_elem<T>(bc + p * PER_ROW, j) : 0.0f);
-                            m = amax_update<OP>(m, y);
-                            if (DB) cs[j] = p == 0 ? y : fadd(cs[j], y);
-                            v[j] = fmul(y, s);
-                        }
-                        // row p is in v: its registers take row p of the next tile, whose loads fly
-                        // while this tile is finished (no second register set, no moves)
-                        if (nfast) load_row(xc, bc, p, nx + p * rx);
-                        const u64 lo = cvt8<FMT>(v), hi = cvt8<FMT>(v + 8);
-                        u8* qp = q + ((Idx)tr * rtq + (Idx)tc * TILE_C + tq + p * rq);
-                        if (q16) {
-                            *reinterpret_cast<uint4*>(qp) = make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32));
-                        } else {
-                            reinterpret_cast<u64*>(qp)[0] = lo;
-                            reinterpret_cast<u64*>(qp)[1] = hi;
-                        }
-                        if (q_t != nullptr)  // the 8-byte halves swapped in rows 64..127 (tile_at)
-                            *reinterpret_cast<uint4*>(tl + wr_base + 4096 * p) =
-                                p == 0 ? make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32))
-                                       : make_uint4((u32)hi, (u32)(hi >> 32), (u32)lo, (u32)(lo >> 32));
-                    }
-                    if (DB) {
-#pragma unroll
-                        for (int j = 0; j < 16; j += 4)
-                            *reinterpret_cast<float4*>(&colsum[lr][lc + j]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
-                    }
-                };
-                if (OP >= 3 && dbias != nullptr) body(Flag<true>());
-                else body(Flag<false>());
-            } else {
-                if (nfast) {
-                    load_row(xc, bc, 0, nx);
-                    load_row(xc, bc, 1, nx + rx);
-                }
-                if (dbias != nullptr) {
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) colsum[lr][lc + j] = 0.0f;
-                }
-#pragma unroll 1
                 for (int p = 0; p < 2; ++p) {
-                    const int r = lr + 64 * p;
-                    const i64 gr = r0 + r;
-#pragma unroll 1
+                    float v[16];
+#pragma unroll
                     for (int j = 0; j < 16; ++j) {
-                        const int c = lc + j;
-                        const i64 gc = c0 + c;
-                        u8 byte = 0;
-                        if (gr < rows && gc < cols) {
-                            const i64 off = gr * cols + gc;
-                            float y = apply_op<OP>(to_f32(x[off]), OP >= 3 ? to_f32(b[off]) : 0.0f);
-                            m = amax_update<OP>(m, y);
-                            if (dbias != nullptr) colsum[lr][c] = fadd(colsum[lr][c], y);
-                            byte = cvt1<FMT>(fmul(y, s));
-                            q[gr * pcols + gc] = byte;
-                        } else if (gr < prows && gc < pcols) {
-                            q[gr * pcols + gc] = 0;  // the pad
-                        }
-                        if (q_t != nullptr) tl[tile_at(r, c)] = byte;
+                        float y = apply_op<OP>(raw_elem<T>(xc + p * PER_ROW, j),
+                                               OP >= 3 ? raw_elem<T>(bc + p * PER_ROW, j) : 0.0f);
+                        m = amax_update<OP>(m, y);
+                        if (DB) cs[j] = p == 0 ? y : fadd(cs[j], y);
+                        v[j] = fmul(y, s);
                     }
+                    const u64 lo = cvt8<FMT>(v), hi = cvt8<FMT>(v + 8);
+                    u8* qp = q + (r0 + lr + 64 * p) * pcols + c0 + lc;
+                    if (q16) {
+                        *reinterpret_cast<uint4*>(qp) = make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32));
+                    } else {
+                        reinterpret_cast<u64*>(qp)[0] = lo;
+                        reinterpret_cast<u64*>(qp)[1] = hi;
+                    }
+                    if (q_t != nullptr)  // the 8-byte halves swapped in rows 64..127 (tile_at)
+                        *reinterpret_cast<uint4*>(tl + wr_base + 4096 * p) =
+                            p == 0 ? make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32))
+                                   : make_uint4((u32)hi, (u32)(hi >> 32), (u32)lo, (u32)(lo >> 32));
                 }
+                if (DB) {
+#pragma unroll
+                    for (int j = 0; j < 16; j += 4)
+                        *reinterpret_cast<float4*>(&colsum[lr][lc + j]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
+                }
+            };
+            if (OP >= 3 && dbias != nullptr) body(Flag<true>());
+            else body(Flag<false>());
+        } else {
+            if (dbias != nullptr) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j) colsum[lr][lc + j] = 0.0f;
+            }
+#pragma unroll 1
+            for (int p = 0; p < 2; ++p) {
+                const int r = lr + 64 * p;
+                const i64 gr = r0 + r;
+#pragma unroll 1
+                for (int j = 0; j < 16; ++j) {
+                    const int c = lc + j;
+                    const i64 gc = c0 + c;
+                    u8 byte = 0;
+                    if (gr < rows && gc < cols) {
+                        const i64 off = gr * cols + gc;
+                        float y = apply_op<OP>(to_f32(x[off]), OP >= 3 ? to_f32(b[off]) : 0.0f);
+                        m = amax_update<OP>(m, y);
+                        if (dbias != nullptr) colsum[lr][c] = fadd(colsum[lr][c], y);
+                        byte = cvt1<FMT>(fmul(y, s));
+                        q[gr * pcols + gc] = byte;
+                    } else if (gr < prows && gc < pcols) {
+                        q[gr * pcols + gc] = 0;  // the pad
+                    }
+                    if (q_t != nullptr) tl[tile_at(r, c)] = byte;
+                }
+            }
+        }
+        __syncthreads();
+        if (q_t != nullptr) {
+            u32 wd[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) wd[i] = *reinterpret_cast<const u32*>(tl + rd_base + 64 * i);
+            const i64 gr = r0 + 16 * rm;
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const u32 sel = (u32)(kb + k) | ((u32)(kb + k + 4) << 4);  // byte kb + k of two words
+                u32 o[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    o[i] = __byte_perm(__byte_perm(wd[4 * i], wd[4 * i + 1], sel),
+                                       __byte_perm(wd[4 * i + 2], wd[4 * i + 3], sel), 0x5410);
+                const i64 gc = c0 + 2 * cp + k;
+                if (full && t16) {
+                    *reinterpret_cast<uint4*>(q_t + gc * prows + gr) = make_uint4(o[0], o[1], o[2], o[3]);
+                } else if (gc < pcols) {
+#pragma unroll
+                    for (int i = 0; i < 16; ++i)
+                        if (gr + i < prows) q_t[gc * prows + gr + i] = (u8)(o[i >> 2] >> (8 * (i & 3)));
+                }
+            }
+        }
+        if (dbias != nullptr) {
+            {
+                const int c = t & 63, g = t >> 6;
+                float acc = colsum[16 * g][c];
+#pragma unroll
+                for (int k = 1; k < 16; ++k) acc = fadd(acc, colsum[16 * g + k][c]);
+                colsum4[g][c] = acc;
             }
             __syncthreads();
-            if (q_t != nullptr) {
-                u32 wd[16];
-#pragma unroll
-                for (int i = 0; i < 16; ++i) wd[i] = *reinterpret_cast<const u32*>(tl + rd_base + 64 * i);
-#pragma unroll
-                for (int kk = 0; kk < 2; ++kk) {
-                    const u32 sel = (u32)(kb + kk) | ((u32)(kb + kk + 4) << 4);  // byte kb + kk of two words
-                    u32 o[4];
-#pragma unroll
-                    for (int i = 0; i < 4; ++i)
-                        o[i] = __byte_perm(__byte_perm(wd[4 * i], wd[4 * i + 1], sel),
-                                           __byte_perm(wd[4 * i + 2], wd[4 * i + 3], sel), 0x5410);
-                    if (full && t16) {
-                        u8* tp = q_t + ((Idx)tc * ctt + (Idx)tr * TILE_R + tt + kk * ipr);
-                        *reinterpret_cast<uint4*>(tp) = make_uint4(o[0], o[1], o[2], o[3]);
-                    } else {
-                        const i64 gr = r0 + 16 * rm, gc = c0 + 2 * cp + kk;
-                        if (gc < pcols) {
-#pragma unroll
-                            for (int i = 0; i < 16; ++i)
-                                if (gr + i < prows) q_t[gc * prows + gr + i] = (u8)(o[i >> 2] >> (8 * (i & 3)));
-                        }
-                    }
-                }
-            }
-            if (dbias != nullptr) {
-                {
-                    const int c = t & 63, g = t >> 6;
-                    float acc = colsum[16 * g][c];
-#pragma unroll
-                    for (int kk = 1; kk < 16; ++kk) acc = fadd(acc, colsum[16 * g + kk][c]);
-                    colsum4[g][c] = acc;
-                }
-                __syncthreads();
-                if (t < TILE_C && c0 + t < cols)
-                    partial[(i64)tr * cols + c0 + t] = fadd(fadd(colsum4[0][t], colsum4[1][t]), fadd(colsum4[2][t], colsum4[3][t]));
+            if (t < TILE_C && c0 + t < cols)
+                partial[(i64)tr * cols + c0 + t] = fadd(fadd(colsum4[0][t], colsum4[1][t]), fadd(colsum4[2][t], colsum4[3][t]));
+            __threadfence();
+            __syncthreads();
+            if (t == 0) is_last = atomicAdd(&strip_count[tc], 1) == (int)tiles_r - 1;
+            __syncthreads();
+            if (is_last) {
                 __threadfence();
-                __syncthreads();
-                if (t == 0) is_last = atomicAdd(&strip_count[tc], 1) == (int)tiles_r - 1;
-                __syncthreads();
-                if (is_last) {
-                    __threadfence();
-                    if (t < TILE_C && c0 + t < cols) {
-                        float acc = 0.0f;
-                        for (u32 kk = 0; kk < tiles_r; ++kk) acc = fadd(acc, __ldcg(&partial[(i64)kk * cols + c0 + t]));
-                        dbias[c0 + t] = acc;
-                    }
-                    if (t == 0) strip_count[tc] = 0;  // leave the counters zeroed for the next call
+                if (t < TILE_C && c0 + t < cols) {
+                    float acc = 0.0f;
+                    for (u32 k = 0; k < tiles_r; ++k) acc = fadd(acc, __ldcg(&partial[(i64)k * cols + c0 + t]));
+                    dbias[c0 + t] = acc;
                 }
+                if (t == 0) strip_count[tc] = 0;  // leave the counters zeroed for the next call
             }
-            tr = ntr;
-            tc = ntc;
-            fast = nfast;
         }
-    };
-    if (prows * pcols >= ((i64)1 << 31)) run((i64)0);
-    else run(0u);
+        buf ^= 1;
+        tr = ntr;
+        tc = ntc;
+        fast = nfast;
+#pragma unroll
+        for (int k = 0; k < T2_LOADS; ++k) {
+            xc[k] = xn[k];
+            if (OP >= 3) bc[k] = bn[k];
+        }
+    }
     if (!fresh) block_amax_atomic<256>(m, amax);
 }

@@ -10,7 +10,12 @@ Every FP8 layer (:class:`~fusedfp8.pytorch.Fp8Linear`, :class:`~fusedfp8.pytorch
   per ``_scaled_mm`` call on the H200, six GEMMs per MLP step). An error on the first CUDA
   forward where the shim cannot be had (no compiler, ``FUSEDFP8_NO_SHIM``, an old build).
 - ``'scaled_mm'``: ``torch._scaled_mm`` (the only GEMM before the shim's).
-- ``'auto'`` (the default): ``'cublaslt'`` where the shim can be had, else ``'scaled_mm'``.
+- ``'auto'`` (the default): ``'scaled_mm'`` today. On the H200 (2026-12-03,
+  ``scripts/bench_mlp_torch.py --torch-gemm``) the shim's GEMM made the eager MLP step at hidden
+  1024 faster on the host (2.31 against 2.76 ms a step, ``scripts/profile_host.py --part gemm``)
+  but the CUDA-graphed step slower on the GPU (0.388 against 0.328 ms at 1024, 8.09 against 7.23
+  ms at 4096): its bias is added outside the GEMM in float32 (below). 'auto' takes the faster GPU
+  path until the shim's GEMM is as fast there.
 
 The choice is made once per process and value (the first CUDA forward loads, and if needed
 compiles, the shim), never per call; :func:`gemm_path` says what it is. On the CPU every value
@@ -62,6 +67,8 @@ def _lt_op():
 def _resolve(gemm: str) -> tuple[str, str]:
     if gemm == "scaled_mm":
         return "scaled_mm", "torch._scaled_mm, as asked (gemm='scaled_mm')"
+    if gemm == "auto":
+        return "scaled_mm", "torch._scaled_mm (gemm='auto': faster on the GPU than the shim's GEMM, see fusedfp8.pytorch.gemm)"
     op, why = _lt_op()
     if op is not None:
         return "cublaslt", why
@@ -99,9 +106,9 @@ def gemm_path(gemm: str = "auto") -> tuple[str, str]:
     check_gemm(gemm)
     if gemm in _resolved:
         return _resolved[gemm]
-    if gemm == "scaled_mm":
+    if gemm in ("scaled_mm", "auto"):
         return _resolve(gemm)
     ready, why = _shim.status("torch")
     if ready is False:
-        return ("error" if gemm == "cublaslt" else "scaled_mm"), f"the torch launch shim is not available: {why}"
+        return "error", f"the torch launch shim is not available: {why}"
     return "cublaslt", f"from the first CUDA forward on ({why})"
