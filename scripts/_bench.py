@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+import _bench_recipes
+
 # ---- profiler categories ---------------------------------------------------------------------
 KERNEL_CATEGORIES = (  # (category, name substrings), first match wins; everything else is 'other'
     ("fusedfp8", ("quantize_flat", "quantize_tiled", "update_scales", "dequantize_flat")),
@@ -343,6 +345,7 @@ def mlp_arguments(doc: str, framework: str, modes: list[str], argv=None):
     ap.add_argument("--no-profile", action="store_true",
                     help="skip the per-kernel profile (torch: of the eager steps; jax: of 10 jitted steps)")
     ap.add_argument("--device", default="cuda", help="'cuda' (the benchmark) or 'cpu' (a smoke test of the script)")
+    _bench_recipes.add_argument(ap)
     if framework == "torch":
         ap.add_argument("--torch-gemm", choices=["auto", "cublaslt", "scaled_mm"], default="auto",
                         help="the FP8 layers' gemm= (fusedfp8.pytorch.gemm): the shim's cuBLASLt GEMM, "
@@ -358,25 +361,34 @@ def mlp_arguments(doc: str, framework: str, modes: list[str], argv=None):
     if bad:
         ap.error(f"--modes: unknown {bad}; choose from {modes}")
     shapes = parse_sizes(args.shapes, 3, "--shapes", ap.error)
+    args.recipes = _bench_recipes.parse(args.recipes, ap.error)
     for name in ("steps", "block", "reps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     return args, shapes, chosen, ap
 
 
-def summarize(shape, res: dict, steps: int, targets: dict) -> None:
+def summarize(shape, res: dict, steps: int, targets: dict, recipes=("delayed",)) -> None:
     """``res['summary']``: like-for-like speed-ups, the best FP8 mode against the best bf16 mode
     (``best``) and against the best of bf16 eager / compiled / jit (``issue_baseline``, the
     baselines the issue names) with the shape's target speed-up, the mean loss of the last 10
     steps of every FP8 mode against the bf16 reference, and graphed / compiled loss curves
-    against their eager twin."""
+    against their eager twin. ``best`` and ``issue_baseline`` are of the DelayedScaling modes;
+    the modes of the other ``recipes`` (``fp8_eager@current``, ...) get theirs from
+    :func:`_bench_recipes.summarize`."""
     modes = res["modes"]
     ms = {m: r["step_ms"] for m, r in modes.items()}
     bf16 = {m: t for m, t in ms.items() if m.startswith("bf16")}
-    f8 = {m: t for m, t in ms.items() if m.startswith("fp8")}
+    every_f8 = {m: t for m, t in ms.items() if m.startswith("fp8")}
+    f8 = {m: t for m, t in every_f8.items() if _bench_recipes.TAG not in m}
+
+    def twin_of(m):
+        twin = "bf16_" + m.split(_bench_recipes.TAG)[0].split("_")[1]
+        return twin if twin in bf16 else ("bf16_jit" if "bf16_jit" in bf16 else None)
+
     s = {}
-    for m, t in f8.items():  # like for like
-        twin = "bf16_" + m.split("_")[1]
+    for m, t in every_f8.items():  # like for like
+        twin = "bf16_" + m.split(_bench_recipes.TAG)[0].split("_")[1]
         if twin in bf16:
             s[f"{m}_vs_{twin}"] = bf16[twin] / t
     tgt = targets.get(tuple(shape))
@@ -391,7 +403,7 @@ def summarize(shape, res: dict, steps: int, targets: dict) -> None:
     if ref_mode is not None:
         ref_tail = statistics.fmean(modes[ref_mode]["loss"][tail])
         s["loss_tail_reference"] = {"mode": ref_mode, "mean": ref_tail, "steps": [tail.start + 1, tail.stop]}
-        for m in [*f8, *(m for m in modes if m.startswith("flax"))]:
+        for m in [*every_f8, *(m for m in modes if m.startswith("flax"))]:
             rel = statistics.fmean(modes[m]["loss"][tail]) / ref_tail - 1
             s[f"{m}_loss_tail_rel"] = rel
             s[f"{m}_loss_within_2pct"] = abs(rel) <= LOSS_TOLERANCE
@@ -400,13 +412,14 @@ def summarize(shape, res: dict, steps: int, targets: dict) -> None:
         for how in ("compiled", "reduceoverhead", "graphed"):
             other = modes.get(f"{kind}_{how}")
             if eager and other:
-                d = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(eager["loss"], other["loss"]))
-                s[f"{kind}_{how}_vs_eager_max_rel_loss_diff"] = d
+                s[f"{kind}_{how}_vs_eager_max_rel_loss_diff"] = _bench_recipes.max_rel_diff(eager["loss"],
+                                                                                            other["loss"])
     if "bf16_jit" in ms:
         for m, t in ms.items():
             if m != "bf16_jit":
                 s[f"{m}_vs_bf16_jit"] = ms["bf16_jit"] / t
     res["summary"] = s
+    _bench_recipes.summarize(res, list(recipes), twin_of)
 
 
 def print_mlp_table(results: list, all_modes: list[str]) -> None:
@@ -420,6 +433,10 @@ def print_mlp_table(results: list, all_modes: list[str]) -> None:
               for b in (s.get("best"), s.get("issue_baseline"))]
         loss = ", ".join(f"{k.split('_loss')[0]} {v:+.2%}" for k, v in s.items() if k.endswith("_loss_tail_rel"))
         rows.append([f"{sh['hidden']}/{sh['ffn']}/{sh['tokens']}", *cells, sp[0], sp[1], loss or "-"])
+    if any("recipes" in res["summary"] for res in results):  # --recipes with more than delayed
+        header.append(_bench_recipes.TABLE_HEADER)
+        for row, res in zip(rows, results):
+            row.append(_bench_recipes.table_cell(res["summary"]))
     print_table(header, rows)
 
 
