@@ -137,22 +137,25 @@ def max_rel_diff(a, b) -> float:
     return max(abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a, b))
 
 
-def state_check(states: list[dict], recipe: str, updates: int) -> dict:
-    """Whether the FP8 state machine did what ``recipe`` says, from the host copies of the
-    states (each a dict of numpy arrays: ``amax_history`` (L, n), ``updates`` (n,), ...) of one
-    model: the history has the recipe's rows; under 'delayed' every tensor's ``updates`` counter
-    is ``updates`` (one per completed update, every tensor seen every step), under 'current' it
-    is 0 and row 1 holds a positive last amax (the update closed the step); the scales are
-    positive and finite."""
+def state_check(states: list[dict], recipe: str, closed: int) -> dict:
+    """Whether the FP8 state machine did what ``recipe`` says, from host copies of one model's
+    states (each a dict of numpy arrays: ``amax_history`` (L, n), ``scale`` and ``updates`` (n,),
+    and ``writes`` (n,) for a flax meta) after ``closed`` completed updates (torch: one per step;
+    flax: the update runs at the start of the next forward, so one less than the steps): the
+    history has the recipe's rows, the scales are positive and finite, a flax meta's marker is 1
+    (no zeroed or summed state); under 'delayed' every tensor's ``updates`` counter is
+    ``closed`` (every tensor is seen every step), under 'current' it is 0 and, once a step was
+    closed, row 1 holds a positive last amax."""
     want_rows = RECIPES[recipe].amax_history_len
     counts = sorted({int(u) for st in states for u in np.asarray(st["updates"]).ravel()})
     rows = sorted({np.asarray(st["amax_history"]).shape[0] for st in states})
     scales = np.concatenate([np.asarray(st["scale"], np.float64).ravel() for st in states])
     ok = bool(states) and rows == [want_rows] and bool(np.all(np.isfinite(scales) & (scales > 0)))
+    ok = ok and all(np.all(np.asarray(st["writes"]) == 1) for st in states if "writes" in st)
     if recipe == "current":
         last = np.concatenate([np.asarray(st["amax_history"])[1] for st in states])
-        ok = ok and counts == [0] and bool(np.all(last > 0))
+        ok = ok and counts == [0] and (closed == 0 or bool(np.all(last > 0)))
     else:
-        ok = ok and counts == [updates]
-    return {"recipe": recipe, "history_rows": rows, "updates": counts, "expected_updates": 0 if recipe == "current"
-            else updates, "ok": ok}
+        ok = ok and counts == [closed]
+    return {"recipe": recipe, "history_rows": rows, "updates": counts,
+            "expected_updates": 0 if recipe == "current" else closed, "ok": ok}
