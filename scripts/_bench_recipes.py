@@ -110,7 +110,8 @@ def summarize(res: dict, recipes: list[str], bf16_twin) -> None:
         for how in ("compiled", "reduceoverhead", "graphed"):
             eager, other = modes.get(tagged("fp8_eager", recipe)), modes.get(tagged(f"fp8_{how}", recipe))
             if eager and other:
-                s[tagged(f"fp8_{how}_vs_eager_max_rel_loss_diff", recipe)] = max_rel_diff(eager["loss"], other["loss"])
+                s[f"{tagged(f'fp8_{how}', recipe)}_vs_eager_max_rel_loss_diff"] = max_rel_diff(eager["loss"],
+                                                                                             other["loss"])
     if table:
         s["recipes"] = table
 
@@ -149,11 +150,11 @@ def state_check(states: list[dict], recipe: str, closed: int) -> dict:
     want_rows = RECIPES[recipe].amax_history_len
     counts = sorted({int(u) for st in states for u in np.asarray(st["updates"]).ravel()})
     rows = sorted({np.asarray(st["amax_history"]).shape[0] for st in states})
-    scales = np.concatenate([np.asarray(st["scale"], np.float64).ravel() for st in states])
+    scales = np.asarray([v for st in states for v in np.asarray(st["scale"], np.float64).ravel()])
     ok = bool(states) and rows == [want_rows] and bool(np.all(np.isfinite(scales) & (scales > 0)))
     ok = ok and all(np.all(np.asarray(st["writes"]) == 1) for st in states if "writes" in st)
     if recipe == "current":
-        last = np.concatenate([np.asarray(st["amax_history"])[1] for st in states])
+        last = np.asarray([v for st in states for v in np.asarray(st["amax_history"])[1]])
         ok = ok and counts == [0] and (closed == 0 or bool(np.all(last > 0)))
     else:
         ok = ok and counts == [closed]
