@@ -80,7 +80,7 @@ def summarize(res: dict, recipes: list[str], bf16_twin) -> None:
     its bf16 twin (``bf16_twin(m)``) and the ratios current/bf16 (``current_vs_bf16``,
     bf16 ms / current ms) and current/delayed (``current_vs_delayed``). The like-for-like
     ``{t}_vs_{twin}`` and the loss of the last steps against bf16's (``{t}_loss_tail_rel``,
-    ``{t}_loss_within_2pct``) are made by _bench.summarize."""
+    ``{t}_loss_within_2pct``) are made by _bench_mlp.summarize."""
     modes, s = res["modes"], res["summary"]
     if all(TAG not in m for m in modes):
         return  # delayed scaling only: the summary as it was

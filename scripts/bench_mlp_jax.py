@@ -62,6 +62,7 @@ from flax.training.train_state import TrainState
 from jax import lax
 
 import _bench
+import _bench_mlp
 import _bench_recipes as recipes
 import fusedfp8
 import fusedfp8.jax as fjax
@@ -329,12 +330,12 @@ def run_shape(shape, modes, args, device) -> dict:
             res[key] = breakdown(hidden, ffn, tokens, device, args.block, args.reps, args.jax_forward_accum == "fast", r)
             print(f"[{hidden}x{ffn}x{tokens}] {key} " + "  ".join(f"{k} {v:.3f}" for k, v in res[key].items()),
                   flush=True)
-    _bench.summarize(shape, res, args.steps, TARGET_SPEEDUP, args.recipes)
+    _bench_mlp.summarize(shape, res, args.steps, TARGET_SPEEDUP, args.recipes)
     return res
 
 
 def main(argv=None) -> int:
-    args, shapes, modes, ap = _bench.mlp_arguments(__doc__, "jax", MODES, argv)
+    args, shapes, modes, ap = _bench_mlp.mlp_arguments(__doc__, "jax", MODES, argv)
     plat = "gpu" if args.device == "cuda" else args.device
     try:
         device = jax.devices(plat)[0]
@@ -358,8 +359,8 @@ def main(argv=None) -> int:
         forward_accum=args.jax_forward_accum, init=args.jax_init,
         task={"noise": BENCH_NOISE, "fresh_batch_per_step": True}, wall_s=time.perf_counter() - t0)
     _bench.write_json(out / "bench_mlp_jax.json", meta, results)
-    _bench.plot_mlp(results, out / "bench_mlp_jax.png", meta)
-    _bench.print_mlp_table(results, recipes.expand(MODES, args.recipes, takes_recipe))
+    _bench_mlp.plot_mlp(results, out / "bench_mlp_jax.png", meta)
+    _bench_mlp.print_mlp_table(results, recipes.expand(MODES, args.recipes, takes_recipe))
     for res in results:
         print(json.dumps({"shape": res["shape"], "summary": res["summary"],
                           "kernels_per_step": {m: r["kernels_per_step"] for m, r in res["modes"].items()}}))

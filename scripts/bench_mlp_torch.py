@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 import _bench
+import _bench_mlp
 import _bench_recipes as recipes
 import fusedfp8
 import fusedfp8.pytorch as fp8
@@ -200,12 +201,12 @@ def run_shape(shape, modes, args, device, clock) -> dict:
         print(f"[{hidden}x{ffn}x{tokens}] {mode:<22} {row['step_ms']:8.3f} ms/step  loss {row['loss'][0]:.4f} -> "
               f"{row['loss'][-1]:.4f}  ({row['wall_s']:.0f} s)"
               + (f"  fp8 state ok={state['ok']} updates {state['updates']}" if state else ""), flush=True)
-    _bench.summarize(shape, res, args.steps, TARGET_SPEEDUP, args.recipes)
+    _bench_mlp.summarize(shape, res, args.steps, TARGET_SPEEDUP, args.recipes)
     return res
 
 
 def main(argv=None) -> int:
-    args, shapes, modes, ap = _bench.mlp_arguments(__doc__, "torch", MODES, argv)
+    args, shapes, modes, ap = _bench_mlp.mlp_arguments(__doc__, "torch", MODES, argv)
     modes = recipes.expand(modes, args.recipes, takes_recipe)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -225,8 +226,8 @@ def main(argv=None) -> int:
         fp8_gemm={"gemm": args.torch_gemm, "cuda_backend": list(fp8.gemm_path(args.torch_gemm))},
         lr=_bench.LR, task={"noise": BENCH_NOISE, "fresh_batch_per_step": True}, wall_s=time.perf_counter() - t0)
     _bench.write_json(out / "bench_mlp_torch.json", meta, results)
-    _bench.plot_mlp(results, out / "bench_mlp_torch.png", meta)
-    _bench.print_mlp_table(results, recipes.expand(MODES, args.recipes, takes_recipe))
+    _bench_mlp.plot_mlp(results, out / "bench_mlp_torch.png", meta)
+    _bench_mlp.print_mlp_table(results, recipes.expand(MODES, args.recipes, takes_recipe))
     for res in results:
         print(json.dumps({"shape": res["shape"], "summary": res["summary"]}))
     states_ok = all(row["fp8_state"]["ok"] for r in results for row in r["modes"].values() if "fp8_state" in row)

@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def scripts():
-    """scripts/ on sys.path (the scripts import _bench as when run from there)."""
+    """scripts/ on sys.path (the scripts import _bench as when run from there); _bench_mlp and _bench_recipes."""
     sys.path.insert(0, str(REPO / "scripts"))
     try:
-        yield argparse.Namespace(bench=importlib.import_module("_bench"),
+        yield argparse.Namespace(bench=importlib.import_module("_bench_mlp"),
                                  recipes=importlib.import_module("_bench_recipes"))
     finally:
         sys.path.remove(str(REPO / "scripts"))
