@@ -3,8 +3,9 @@ use in bench_mlp_torch.py, bench_mlp_jax.py, seed_flax_mlp.py; issue 21).
 
 The helpers on hand-made results (names, the summary's ratios, the FP8 state check, which must be
 able to fail); the jax benchmark run on the CPU under both recipes (slow: XLA:CPU compiles each FP8
-step for tens of seconds); the seed program's models per recipe. The torch script's CPU run under
-both recipes is tests/api/test_cli.py's ``bench --tiny`` test.
+step for tens of seconds); the seed program's models per recipe; on the GPU, the torch step eager
+and CUDA-graphed and the jax jitted step under both recipes. The torch script's CPU run under both
+recipes is tests/api/test_cli.py's ``bench --tiny`` test.
 """
 import argparse
 import importlib
@@ -178,3 +179,51 @@ def test_jax_benchmark_on_cpu_under_both_recipes(scripts, tmp_path, capsys):
     assert {"current_ms", "delayed_ms", "current_vs_bf16", "current_vs_delayed"} <= set(s["recipes"]["fp8_fused"])
     assert "fp8_fused@current_loss_within_2pct" in s and "best@current" in s
     assert "fp8_fused@current" in capsys.readouterr().out
+
+
+def _fp8_rows(res: dict) -> dict:
+    return {m: r for m, r in res["modes"].items() if r["recipe"] in ("delayed", "current")}
+
+
+@pytest.mark.gpu
+@pytest.mark.fp8_gemm
+def test_torch_benchmark_on_gpu_under_both_recipes(scripts, tmp_path, capsys):
+    """bench_mlp_torch.py on the GPU, eager and CUDA-graphed, under both recipes: every FP8 state
+    ends as its recipe says (the graphed steps close theirs as the eager ones do), and a graphed
+    loss curve equals its eager twin's exactly (the graph replays the eager step's kernels; 0.0
+    under delayed scaling in every H200 run so far)."""
+    bench_torch = importlib.import_module("bench_mlp_torch")
+    rc = bench_torch.main(["--shapes", "1024x4096x2048", "--modes", "bf16_eager,bf16_graphed,fp8_eager,fp8_graphed",
+                           "--recipes", "delayed,current", "--steps", "12", "--block", "2", "--reps", "1",
+                           "--no-profile", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    res = json.loads((tmp_path / "bench_mlp_torch.json").read_text())["results"][0]
+    rows = _fp8_rows(res)
+    assert set(rows) == {"fp8_eager", "fp8_eager@current", "fp8_graphed", "fp8_graphed@current"}
+    for mode, row in rows.items():
+        assert row["fp8_state"]["ok"] and row["fp8_state"]["updates"] == ([0] if "@" in mode else [12]), (mode, row)
+    s = res["summary"]
+    assert s["fp8_graphed_vs_eager_max_rel_loss_diff"] == 0.0
+    assert s["fp8_graphed@current_vs_eager_max_rel_loss_diff"] == 0.0
+    assert s["fp8_eager@current_loss_within_2pct"] and s["fp8_graphed@current_loss_within_2pct"], s
+    assert {"current_vs_bf16", "current_vs_delayed"} <= set(s["recipes"]["fp8_graphed"])
+
+
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+def test_jax_benchmark_on_gpu_under_both_recipes(scripts, tmp_path, capsys):
+    """bench_mlp_jax.py's jitted step on the GPU under both recipes, with the per-recipe breakdown."""
+    pytest.importorskip("flax")
+    bench_jax = importlib.import_module("bench_mlp_jax")
+    rc = bench_jax.main(["--shapes", "1024x4096x2048", "--modes", "bf16_jit,fp8_fused", "--recipes", "delayed,current",
+                         "--steps", "12", "--block", "2", "--reps", "1", "--no-profile", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    res = json.loads((tmp_path / "bench_mlp_jax.json").read_text())["results"][0]
+    rows = _fp8_rows(res)
+    assert set(rows) == {"fp8_fused", "fp8_fused@current"}
+    assert rows["fp8_fused"]["fp8_state"]["updates"] == [11] and rows["fp8_fused"]["fp8_state"]["ok"]
+    assert rows["fp8_fused@current"]["fp8_state"]["updates"] == [0] and rows["fp8_fused@current"]["fp8_state"]["ok"]
+    assert set(res["breakdown@current"]) == set(res["breakdown"]) == {"fusedfp8_ops_ms", "fp8_gemms_ms", "bf16_gemms_ms"}
+    assert res["summary"]["fp8_fused@current_loss_within_2pct"], res["summary"]
