@@ -8,27 +8,35 @@ where it is built, recorded into XLA's command buffers) / ``fp8_fused_callback``
 the Python buffer_callback launcher) / ``fp8_fused_nocmdbuf`` (that, outside command buffers: a
 Python callback per launch at every step). Every mode starts from the same
 bf16 parameters (``--jax-init``). The whole train step (forward, loss, backward, optax Adam, the
-FP8 state through TrainState.apply_gradients) is one jitted function with donated state.
+FP8 state through TrainState.apply_gradients) is one jitted function with donated state. The
+fp8_fused modes run under ``DelayedScaling()``; with ``--recipes delayed,current`` each also runs
+under ``CurrentScaling()`` in the same run (``fp8_fused@current``, ...; scripts/_bench_recipes.py;
+each row's ``recipe`` says which, ``'flax'`` for flax_fp8, whose op has its own delayed scaling).
+The step is the same under both: the modules close the previous step at the start of their
+forward and their state travels through ``'_overwrite_with_gradient'`` either way.
 
 Per shape: correctness first (output and parameter gradients of every FP8 mode against bf16 on
 one batch, SQNR >= 20 dB); then per mode ``--steps`` steps on a fresh batch each (the loss
-curve), then timing: a block of ``--block`` steps is dispatched and only its last loss is
+curve), a check of the fused modes' FP8 state after them (``fp8_state``: delayed, every
+``updates`` counter at steps - 1; current, 0 and the last amax kept), then timing: a block of ``--block`` steps is dispatched and only its last loss is
 waited for, ``--reps`` blocks, median per step. Each mode also reports ``kernels_per_step``, the
 HLO instructions of the compiled step that launch GPU work (fusions, custom calls -- a fusedfp8
 callback is 1-2 launches, a cuBLAS GEMM one --, copies, ...), and the FP8 GEMMs in it. On the GPU
 each mode is also traced for 10 steps (``jax.profiler``, CUPTI; ``--no-profile`` skips it):
 device time per step by kernel category, GPU busy time against the traced span, the top
-kernels; and the FP8 step is broken down into its fusedfp8 ops, its FP8 GEMMs and the bf16
-GEMMs they replace.
+kernels; and the FP8 step is broken down into its fusedfp8 ops (per recipe: ``breakdown``,
+``breakdown@current``), its FP8 GEMMs and the bf16 GEMMs they replace.
 
 Targets checked here (the first design's; docs/design.md has the current ones): fp8_fused >= 1.30x
 bf16 at 4096/16384/8192 and >= 1.0x at 1024/4096/2048; mean loss of steps 91-100 within 2% of
-bf16's. Writes DIR/bench_mlp_jax.json and DIR/bench_mlp_jax.png; exits 1 when a correctness check
-fails.
+bf16's; with ``--recipes delayed,current`` also each current mode against bf16_jit and against its
+delayed twin (summary ``recipes``, ``best@current``). Writes DIR/bench_mlp_jax.json and
+DIR/bench_mlp_jax.png; exits 1 when a correctness or FP8 state check fails.
 
 Usage:
   python scripts/bench_mlp_jax.py [--out DIR] [--shapes ...] [--modes bf16_jit,flax_fp8,fp8_fused]
-         [--steps 100] [--block 10] [--reps 7] [--no-profile] [--jax-forward-accum fast|split] [--jax-init f32|bf16]
+         [--recipes delayed,current] [--steps 100] [--block 10] [--reps 7] [--no-profile]
+         [--jax-forward-accum fast|split] [--jax-init f32|bf16]
   CPU smoke test of the script itself (tiny shapes): --device cpu --shapes 32x64x48
 """
 from __future__ import annotations
@@ -48,21 +56,23 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.training.train_state import TrainState
 from jax import lax
 
 import _bench
+import _bench_mlp
+import _bench_recipes as recipes
 import fusedfp8
 import fusedfp8.jax as fjax
 from fusedfp8.demo.task import BENCH_NOISE, FlaxMLP, Task, flax_initial_params, flax_variables
 from fusedfp8.jax import functional as FJ
 from fusedfp8.jax import primitives as P
-from fusedfp8.jax.flax import Fp8MLP
+from fusedfp8.jax.flax import OVERWRITE_WITH_GRADIENT, Fp8MLP
 
 MODES = ["bf16_jit", "flax_fp8", "fp8_fused", "fp8_fused_callback", "fp8_fused_nocmdbuf"]
 TARGET_SPEEDUP = {(4096, 16384, 8192): 1.30, (1024, 4096, 2048): 1.0}
-RECIPE = fusedfp8.DelayedScaling()
 LINEAR_GRAD = (False, False, True)  # an FP8 linear's tensors: input, weight, output gradient
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][a-z0-9\-]*)\(", re.M)
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier", "after-all",
@@ -89,13 +99,37 @@ def count_kernels(hlo: str) -> dict:
             "fusedfp8_callbacks": len(re.findall(r'custom_call_target="xla_buffer_python_gpu_callback', hlo))}
 
 
-def make_models(ffn: int, forward_fast_accum: bool) -> dict:
+def takes_recipe(mode: str) -> bool:
+    return mode.startswith("fp8_fused")
+
+
+def make_models(ffn: int, forward_fast_accum: bool, recipe_names=("delayed",)) -> dict:
+    """Every mode's model; the fp8_fused ones once per recipe (``fp8_fused@current``, ...)."""
     bf16 = {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16}
-    fused = {"recipe": RECIPE, "param_dtype": jnp.bfloat16, "forward_fast_accum": forward_fast_accum}
-    return {"bf16_jit": FlaxMLP(ffn, **bf16), "flax_fp8": FlaxMLP(ffn, dot_general_cls=nn.Fp8DotGeneralOp, **bf16),
-            "fp8_fused": Fp8MLP(ffn, impl="auto", **fused),
-            "fp8_fused_callback": Fp8MLP(ffn, impl="callback", **fused),
-            "fp8_fused_nocmdbuf": Fp8MLP(ffn, impl="callback_no_cmdbuf", **fused)}
+    models = {"bf16_jit": FlaxMLP(ffn, **bf16), "flax_fp8": FlaxMLP(ffn, dot_general_cls=nn.Fp8DotGeneralOp, **bf16)}
+    for r in recipe_names:
+        fused = {"recipe": recipes.RECIPES[r], "param_dtype": jnp.bfloat16, "forward_fast_accum": forward_fast_accum}
+        for mode, impl in (("fp8_fused", "auto"), ("fp8_fused_callback", "callback"),
+                           ("fp8_fused_nocmdbuf", "callback_no_cmdbuf")):
+            models[recipes.tagged(mode, r)] = Fp8MLP(ffn, impl=impl, **fused)
+    return models
+
+
+def fp8_states(variables) -> list[dict]:
+    """Host copies of every FP8 meta (a dict with 'updates') in the '_overwrite_with_gradient'
+    collection of ``variables``."""
+    found = []
+
+    def walk(tree):
+        if isinstance(tree, dict) or hasattr(tree, "items"):
+            if "updates" in tree:
+                found.append({k: np.asarray(v) for k, v in jax.device_get(dict(tree)).items()})
+            else:
+                for v in tree.values():
+                    walk(v)
+
+    walk(variables.get(OVERWRITE_WITH_GRADIENT, {}))
+    return found
 
 
 def loss_fn(model, x, y):
@@ -124,12 +158,14 @@ def check_correctness(models: dict, params, hidden: int, x, y) -> dict:
     return {"sqnr_db": res, "ok": all(v >= _bench.SQNR_MIN_DB for r in res.values() for v in r.values())}
 
 
-def breakdown(hidden: int, ffn: int, tokens: int, device, block: int, reps: int, forward_fast_accum: bool) -> dict:
+def breakdown(hidden: int, ffn: int, tokens: int, device, block: int, reps: int, forward_fast_accum: bool,
+              recipe: str = "delayed") -> dict:
     """Where an FP8 step's time goes, device-timed piece by piece (median ms of ``reps`` blocks of
     ``block`` calls): the fusedfp8 ops of one train step (2 updates, 6 quantizes: the calls of
     fusedfp8.jax.fp8_mlp), its 6 FP8 GEMMs (forward as ``--jax-forward-accum``, gradients split
-    accumulation) and the 6 bf16 GEMMs of the bf16 step, on random data."""
-    r = RECIPE
+    accumulation) and the 6 bf16 GEMMs of the bf16 step, on random data; ``recipe``: a name of
+    _bench_recipes.RECIPES."""
+    r = recipes.RECIPES[recipe]
     ks = jax.random.split(jax.random.key(1), 5)
     with jax.default_device(device):
         h = jax.random.normal(ks[0], (tokens, hidden), jnp.bfloat16)
@@ -241,6 +277,9 @@ def run_mode(mode: str, model, params, shape, task: Task, args, device) -> dict:
         state, loss = step(state, *task.jax_batch(i, device))
         losses.append(loss)
     losses = [float(v) for v in jax.device_get(losses)]
+    base, recipe = recipes.split(mode)
+    if takes_recipe(base):  # the update runs at the start of the next forward: steps - 1 closed
+        row["fp8_state"] = recipes.state_check(fp8_states(state.params), recipe, args.steps - 1)
 
     def timed_step():
         nonlocal state
@@ -249,8 +288,9 @@ def run_mode(mode: str, model, params, shape, task: Task, args, device) -> dict:
 
     jax.block_until_ready(state)
     times = _bench.host_block_ms(timed_step, args.block, args.reps, jax.block_until_ready)
-    row.update(loss=losses, step_ms=statistics.median(times), step_ms_all=times, wall_s=time.perf_counter() - t0)
-    tag = f"[{hidden}x{ffn}x{tokens}] {mode:<19}"
+    row.update(recipe=recipes.row_recipe(mode, takes_recipe), loss=losses, step_ms=statistics.median(times),
+               step_ms_all=times, wall_s=time.perf_counter() - t0)
+    tag = f"[{hidden}x{ffn}x{tokens}] {mode:<27}"
     if device.platform == "gpu" and not args.no_profile:
         try:
             state, row["profile"] = kernel_profile(step, state, x, y)
@@ -266,7 +306,8 @@ def run_mode(mode: str, model, params, shape, task: Task, args, device) -> dict:
         row["peak_mem_gib"] = stats["peak_bytes_in_use"] / 2**30
     print(f"{tag} {row['step_ms']:8.3f} ms/step  loss {losses[0]:.4f} -> {losses[-1]:.4f}  kernels/step "
           f"{row['kernels_per_step']} (FP8 GEMMs {row['fp8_gemms']}, fusedfp8 callbacks {row['fusedfp8_callbacks']})"
-          f"  ({row['wall_s']:.0f} s)", flush=True)
+          f"  ({row['wall_s']:.0f} s)" + (f"  fp8 state ok={row['fp8_state']['ok']} updates {row['fp8_state']['updates']}"
+                                          if "fp8_state" in row else ""), flush=True)
     return row
 
 
@@ -274,7 +315,7 @@ def run_shape(shape, modes, args, device) -> dict:
     hidden, ffn, tokens = shape
     task = Task(hidden, tokens, noise=BENCH_NOISE)
     x, y = task.jax_batch(0, device)
-    models = make_models(ffn, args.jax_forward_accum == "fast")
+    models = make_models(ffn, args.jax_forward_accum == "fast", args.recipes)
     params = jax.device_put(flax_initial_params(hidden, ffn, 0, args.jax_init), device)
     res = {"shape": {"hidden": hidden, "ffn": ffn, "tokens": tokens}, "modes": {}}
     res["correctness"] = check_correctness({m: models[m] for m in ["bf16_jit", *modes]}, params, hidden, x, y)
@@ -283,17 +324,18 @@ def run_shape(shape, modes, args, device) -> dict:
           flush=True)
     for mode in modes:
         res["modes"][mode] = run_mode(mode, models[mode], params, shape, task, args, device)
-    if device.platform == "gpu" and "fp8_fused" in modes:
-        res["breakdown"] = breakdown(hidden, ffn, tokens, device, args.block, args.reps,
-                                     args.jax_forward_accum == "fast")
-        print(f"[{hidden}x{ffn}x{tokens}] breakdown " + "  ".join(f"{k} {v:.3f}" for k, v in res["breakdown"].items()),
-              flush=True)
-    _bench.summarize(shape, res, args.steps, TARGET_SPEEDUP)
+    for r in args.recipes:
+        if device.platform == "gpu" and recipes.tagged("fp8_fused", r) in modes:
+            key = recipes.tagged("breakdown", r)
+            res[key] = breakdown(hidden, ffn, tokens, device, args.block, args.reps, args.jax_forward_accum == "fast", r)
+            print(f"[{hidden}x{ffn}x{tokens}] {key} " + "  ".join(f"{k} {v:.3f}" for k, v in res[key].items()),
+                  flush=True)
+    _bench_mlp.summarize(shape, res, args.steps, TARGET_SPEEDUP, args.recipes)
     return res
 
 
 def main(argv=None) -> int:
-    args, shapes, modes, ap = _bench.mlp_arguments(__doc__, "jax", MODES, argv)
+    args, shapes, modes, ap = _bench_mlp.mlp_arguments(__doc__, "jax", MODES, argv)
     plat = "gpu" if args.device == "cuda" else args.device
     try:
         device = jax.devices(plat)[0]
@@ -305,6 +347,7 @@ def main(argv=None) -> int:
         if any(m in modes for m in gpu_only) and args.modes:
             ap.error(f"{gpu_only} launch the CUDA kernels: they need --device cuda")
         modes = [m for m in modes if m not in gpu_only]
+    modes = recipes.expand(modes, args.recipes, takes_recipe)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -312,16 +355,17 @@ def main(argv=None) -> int:
         results = [run_shape(s, modes, args, device) for s in shapes]
     meta = _bench.run_meta(
         framework="jax", device=getattr(device, "device_kind", str(device)), jax=jax.__version__,
-        flax=flax.__version__, fusedfp8=fusedfp8.__version__, recipe=str(RECIPE), lr=_bench.LR,
+        flax=flax.__version__, fusedfp8=fusedfp8.__version__, **recipes.meta(args.recipes), lr=_bench.LR,
         forward_accum=args.jax_forward_accum, init=args.jax_init,
         task={"noise": BENCH_NOISE, "fresh_batch_per_step": True}, wall_s=time.perf_counter() - t0)
     _bench.write_json(out / "bench_mlp_jax.json", meta, results)
-    _bench.plot_mlp(results, out / "bench_mlp_jax.png", meta)
-    _bench.print_mlp_table(results, MODES)
+    _bench_mlp.plot_mlp(results, out / "bench_mlp_jax.png", meta)
+    _bench_mlp.print_mlp_table(results, recipes.expand(MODES, args.recipes, takes_recipe))
     for res in results:
         print(json.dumps({"shape": res["shape"], "summary": res["summary"],
                           "kernels_per_step": {m: r["kernels_per_step"] for m, r in res["modes"].items()}}))
-    return 0 if all(r["correctness"]["ok"] for r in results) else 1
+    states_ok = all(row["fp8_state"]["ok"] for r in results for row in r["modes"].values() if "fp8_state" in row)
+    return 0 if states_ok and all(r["correctness"]["ok"] for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -11,14 +11,19 @@ zero_grad, forward, loss, backward, ``Adam(fused=True, capturable=True).step()``
 ``fusedfp8.pytorch.update_model_scales``; graphed modes capture exactly that after three eager
 warm-up steps (the capture runs nothing; the warm-up steps count in the loss curve). Parameters
 are bf16 in every mode, from the same initial weights; the FP8 recipe is ``DelayedScaling()``
-(hybrid E4M3/E5M2, history 1024, 'max').
+(hybrid E4M3/E5M2, history 1024, 'max'), and with ``--recipes delayed,current`` every FP8 mode
+also runs under ``CurrentScaling()`` in the same run, named ``fp8_eager@current`` etc.
+(scripts/_bench_recipes.py; each row's ``recipe`` says which). The step is the same under both:
+``update_model_scales`` changes no scale under current scaling but closes the step.
 
 Per shape (``hidden x ffn x tokens``), in this order:
-1. correctness: one forward/backward of the bf16 and the FP8 model from the same weights on the
-   same batch; SQNR of the output and of every parameter gradient must be >= 20 dB;
+1. correctness: one forward/backward of the bf16 and the FP8 model (per recipe) from the same
+   weights on the same batch; SQNR of the output and of every parameter gradient must be >= 20 dB;
 2. per mode: ``--steps`` training steps on a fresh batch each (the loss curve; graphed and
-   compiled curves are also compared with their eager twin), then timing: CUDA events around
-   blocks of ``--block`` steps on one batch, ``--reps`` blocks, median per step;
+   compiled curves are also compared with their eager twin), a check of the FP8 state after
+   them (``fp8_state``: under delayed scaling every tensor's ``updates`` counter equals the
+   steps, under current scaling it stays 0 and the last amax is kept), then timing: CUDA events
+   around blocks of ``--block`` steps on one batch, ``--reps`` blocks, median per step;
 3. a profile of three eager steps of bf16 and FP8 (``--no-profile`` skips it): device time per
    kernel category (GEMM, fusedfp8 kernels, LayerNorm, Adam, other) against the step time,
    which shows where the step goes and how much is host overhead.
@@ -27,12 +32,15 @@ Targets checked here (the first design's; docs/design.md has the current ones): 
 bf16 at 4096/16384/8192 and >= 1.0x at 1024/4096/2048 (graphs allowed); mean loss of steps 91-100
 within 2% of bf16's. Reported both as the best FP8 mode against the best bf16 mode (``best``,
 bf16_graphed included) and against the best of bf16 eager / compiled (``issue_baseline``, the
-baselines the issue names). Writes DIR/bench_mlp_torch.json and DIR/bench_mlp_torch.png; exits 1
-when a correctness check fails.
+baselines the issue names); with ``--recipes delayed,current`` also each current mode against its
+bf16 twin and its delayed twin (summary ``recipes``, ``best@current``) and its loss of the last
+steps against bf16's. Writes DIR/bench_mlp_torch.json and DIR/bench_mlp_torch.png; exits 1 when a
+correctness or FP8 state check fails.
 
 Usage:
   python scripts/bench_mlp_torch.py [--out DIR] [--shapes 4096x16384x8192,1024x4096x2048]
-         [--modes bf16_eager,fp8_graphed,...] [--steps 100] [--block 10] [--reps 7] [--no-profile]
+         [--modes bf16_eager,fp8_graphed,...] [--recipes delayed,current] [--steps 100] [--block 10]
+         [--reps 7] [--no-profile]
   quick: --shapes 1024x4096x2048 --modes bf16_eager,fp8_eager,fp8_graphed --steps 20 --reps 3
   CPU smoke test of the script itself (tiny shapes, no events / graphs): --device cpu --shapes 32x64x48
   FP8 GEMM of the fp8 modes: --torch-gemm auto|cublaslt|scaled_mm (the layers' gemm=; run the
@@ -50,6 +58,8 @@ from pathlib import Path
 import torch
 
 import _bench
+import _bench_mlp
+import _bench_recipes as recipes
 import fusedfp8
 import fusedfp8.pytorch as fp8
 from fusedfp8.demo.task import BENCH_NOISE, Task, torch_initial_weights, torch_model
@@ -58,16 +68,20 @@ MODES = ["bf16_eager", "bf16_compiled", "bf16_reduceoverhead", "bf16_graphed", "
          "fp8_reduceoverhead", "fp8_graphed"]
 TARGET_SPEEDUP = {(4096, 16384, 8192): 1.40, (1024, 4096, 2048): 1.0}
 GRAPH_WARMUP = 3
-RECIPE = fusedfp8.DelayedScaling()
+
+
+def takes_recipe(mode: str) -> bool:
+    return mode.startswith("fp8")
 
 
 def mse(out, target):
     return (out.float() - target.float()).pow(2).mean()
 
 
-def model_of(kind: str, hidden: int, ffn: int, weights: dict, device, gemm: str = "auto"):
-    """torch_model, with ``gemm`` as every FP8 layer's GEMM backend."""
-    model = torch_model(kind, hidden, ffn, weights, RECIPE, device)
+def model_of(kind: str, hidden: int, ffn: int, weights: dict, device, gemm: str = "auto", recipe: str = "delayed"):
+    """torch_model under ``recipe`` (a name of _bench_recipes.RECIPES), with ``gemm`` as every FP8
+    layer's GEMM backend."""
+    model = torch_model(kind, hidden, ffn, weights, recipes.RECIPES[recipe], device)
     for m in fp8.fp8_modules(model) if kind == "fp8" else ():
         m.gemm = gemm
     return model
@@ -78,8 +92,9 @@ class Runner:
 
     def __init__(self, mode: str, hidden: int, ffn: int, weights: dict, x, y, device, gemm: str = "auto"):
         self.mode, self.device = mode, device
-        self.kind, self.how = mode.split("_")
-        self.model = model_of(self.kind, hidden, ffn, weights, device, gemm)
+        base, self.recipe = recipes.split(mode)
+        self.kind, self.how = base.split("_")
+        self.model = model_of(self.kind, hidden, ffn, weights, device, gemm, self.recipe)
         fused = device.type == "cuda"
         self.opt = torch.optim.Adam(self.model.parameters(), lr=_bench.LR, fused=fused, capturable=fused)
         self.x, self.y = x, y
@@ -92,9 +107,15 @@ class Runner:
         loss = self.forward(self.x, self.y)
         loss.backward()
         self.opt.step()
-        if self.kind == "fp8":
+        if self.kind == "fp8":  # under CurrentScaling too: it closes the step (see _bench_recipes)
             fp8.update_model_scales(self.model)
         return loss
+
+    def state_check(self) -> dict:
+        """_bench_recipes.state_check of the FP8 layers' states after ``steps_done`` steps."""
+        states = [{name: getattr(m, name).detach().cpu().numpy() for name in ("amax_history", "scale", "updates")}
+                  for m in fp8.fp8_modules(self.model)]
+        return recipes.state_check(states, self.recipe, self.steps_done)
 
     def step(self):
         """One real training step (the first calls warm up / compile / capture as the mode needs)."""
@@ -118,17 +139,20 @@ class Runner:
         del self.model, self.opt
 
 
-def check_correctness(hidden, ffn, weights, x, y, device, gemm: str = "auto") -> dict:
-    """Same weights, same batch: FP8 output and gradients against bf16, SQNR in dB."""
+def check_correctness(hidden, ffn, weights, x, y, device, gemm: str = "auto", recipe_names=("delayed",)) -> dict:
+    """Same weights, same batch: FP8 output and gradients against bf16, SQNR in dB, per recipe
+    (``sqnr_db``, ``sqnr_db@current``)."""
     grads = {}
-    for kind in ("bf16", "fp8"):
-        model = model_of(kind, hidden, ffn, weights, device, gemm)
+    for kind, recipe in [("bf16", "delayed"), *(("fp8", r) for r in recipe_names)]:
+        model = model_of(kind, hidden, ffn, weights, device, gemm, recipe)
         out = model(x)
         mse(out, y).backward()
-        grads[kind] = {"output": out.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+        grads[recipes.tagged(kind, recipe)] = {"output": out.detach(),
+                                               **{n: p.grad for n, p in model.named_parameters()}}
         del model
-    res = {name: _bench.sqnr_db(want, grads["fp8"][name]) for name, want in grads["bf16"].items()}
-    return {"sqnr_db": res, "ok": all(v >= _bench.SQNR_MIN_DB for v in res.values())}
+    res = {recipes.tagged("sqnr_db", r): {name: _bench.sqnr_db(want, grads[recipes.tagged("fp8", r)][name])
+                                         for name, want in grads["bf16"].items()} for r in recipe_names}
+    return {**res, "ok": all(v >= _bench.SQNR_MIN_DB for sq in res.values() for v in sq.values())}
 
 
 def profile_step(runner: Runner, clock: _bench.Clock) -> dict:
@@ -142,9 +166,10 @@ def run_shape(shape, modes, args, device, clock) -> dict:
     weights = torch_initial_weights(hidden, ffn, 0, device)
     x, y = task.torch_batch(0, device)
     res = {"shape": {"hidden": hidden, "ffn": ffn, "tokens": tokens}, "modes": {}}
-    res["correctness"] = check_correctness(hidden, ffn, weights, x, y, device, args.torch_gemm)
+    res["correctness"] = check_correctness(hidden, ffn, weights, x, y, device, args.torch_gemm, args.recipes)
     print(f"[{hidden}x{ffn}x{tokens}] correctness ok={res['correctness']['ok']} "
-          + " ".join(f"{k}={v:.1f}dB" for k, v in res["correctness"]["sqnr_db"].items()), flush=True)
+          + " ".join(f"{k}{tag[len('sqnr_db'):]}={v:.1f}dB" for tag, sq in res["correctness"].items() if tag != "ok"
+                     for k, v in sq.items()), flush=True)
     for mode in modes:
         t0 = time.perf_counter()
         torch._dynamo.reset()
@@ -156,11 +181,14 @@ def run_shape(shape, modes, args, device, clock) -> dict:
             y.copy_(yi)
             losses[i] = runner.step().detach()
         clock.sync()
+        state = runner.state_check() if runner.kind == "fp8" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = clock.per_call_ms(runner.step, args.block, args.reps)
-        row = {"loss": losses.tolist(), "step_ms": statistics.median(times), "step_ms_all": times,
-               "wall_s": time.perf_counter() - t0}
+        row = {"recipe": recipes.row_recipe(mode, takes_recipe), "loss": losses.tolist(),
+               "step_ms": statistics.median(times), "step_ms_all": times, "wall_s": time.perf_counter() - t0}
+        if state is not None:
+            row["fp8_state"] = state
         if device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if not args.no_profile and runner.how == "eager" and device.type == "cuda":
@@ -170,14 +198,16 @@ def run_shape(shape, modes, args, device, clock) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         res["modes"][mode] = row
-        print(f"[{hidden}x{ffn}x{tokens}] {mode:<14} {row['step_ms']:8.3f} ms/step  loss {row['loss'][0]:.4f} -> "
-              f"{row['loss'][-1]:.4f}  ({row['wall_s']:.0f} s)", flush=True)
-    _bench.summarize(shape, res, args.steps, TARGET_SPEEDUP)
+        print(f"[{hidden}x{ffn}x{tokens}] {mode:<22} {row['step_ms']:8.3f} ms/step  loss {row['loss'][0]:.4f} -> "
+              f"{row['loss'][-1]:.4f}  ({row['wall_s']:.0f} s)"
+              + (f"  fp8 state ok={state['ok']} updates {state['updates']}" if state else ""), flush=True)
+    _bench_mlp.summarize(shape, res, args.steps, TARGET_SPEEDUP, args.recipes)
     return res
 
 
 def main(argv=None) -> int:
-    args, shapes, modes, ap = _bench.mlp_arguments(__doc__, "torch", MODES, argv)
+    args, shapes, modes, ap = _bench_mlp.mlp_arguments(__doc__, "torch", MODES, argv)
+    modes = recipes.expand(modes, args.recipes, takes_recipe)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: run on the GPU machine, or --device cpu for a smoke test of the script")
@@ -191,15 +221,17 @@ def main(argv=None) -> int:
     results = [run_shape(s, modes, args, device, clock) for s in shapes]
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     meta = _bench.run_meta(
-        framework="torch", device=name, torch=torch.__version__, fusedfp8=fusedfp8.__version__, recipe=str(RECIPE),
+        framework="torch", device=name, torch=torch.__version__, fusedfp8=fusedfp8.__version__,
+        **recipes.meta(args.recipes),
         fp8_gemm={"gemm": args.torch_gemm, "cuda_backend": list(fp8.gemm_path(args.torch_gemm))},
         lr=_bench.LR, task={"noise": BENCH_NOISE, "fresh_batch_per_step": True}, wall_s=time.perf_counter() - t0)
     _bench.write_json(out / "bench_mlp_torch.json", meta, results)
-    _bench.plot_mlp(results, out / "bench_mlp_torch.png", meta)
-    _bench.print_mlp_table(results, MODES)
+    _bench_mlp.plot_mlp(results, out / "bench_mlp_torch.png", meta)
+    _bench_mlp.print_mlp_table(results, recipes.expand(MODES, args.recipes, takes_recipe))
     for res in results:
         print(json.dumps({"shape": res["shape"], "summary": res["summary"]}))
-    return 0 if all(r["correctness"]["ok"] for r in results) else 1
+    states_ok = all(row["fp8_state"]["ok"] for r in results for row in r["modes"].values() if "fp8_state" in row)
+    return 0 if states_ok and all(r["correctness"]["ok"] for r in results) else 1
 
 
 if __name__ == "__main__":

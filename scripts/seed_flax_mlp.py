@@ -11,7 +11,10 @@ that changes between the modes is ``dot_general_cls``:
   launcher where it is built, the default);
 - ``fusedfp8_callback``: the same with ``impl='callback'`` (the Python buffer_callback launcher);
 and ``fusedfp8_mlp`` replaces the whole block by ``fusedfp8.jax.flax.Fp8MLP`` (same layers, the
-activation fused into FP8).
+activation fused into FP8). The fusedfp8 modes take ``DelayedScaling()``; with ``--recipes
+delayed,current`` each also runs with ``recipe=CurrentScaling()`` (``fusedfp8@current``, ...;
+scripts/_bench_recipes.py), nothing else changed. Every row says its ``recipe`` (None for bf16,
+'flax' for flax_fp8); a current row also has ``speedup_vs_delayed`` (its delayed twin's ms / its ms).
 
 The reproducer's own source is not in this repository (nor reachable from it); this is a faithful
 re-statement of its structure from the issue text (model, optimizer, TrainState, pjit, no
@@ -25,6 +28,7 @@ host-bound the step is. JSON to ``--out``.
 
     python scripts/seed_flax_mlp.py --out out            # both shapes, every mode
     python scripts/seed_flax_mlp.py --shapes 1024x4096x2048 --modes bf16,fusedfp8 --out out
+    python scripts/seed_flax_mlp.py --shapes 1024x4096x2048 --modes bf16,fusedfp8 --recipes delayed,current --out out
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import _bench
+import _bench_recipes as recipes
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +51,6 @@ from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import fusedfp8
 from bench_mlp_jax import kernel_profile
 from fusedfp8.jax.flax import Fp8DotGeneral, Fp8MLP
 
@@ -70,11 +74,18 @@ class MLP(nn.Module):
         return nn.DenseGeneral(self.hidden, dtype=jnp.bfloat16, dot_general_cls=self.dot_general_cls)(x)
 
 
+def takes_recipe(mode: str) -> bool:
+    return mode.startswith("fusedfp8")
+
+
 def make_model(mode: str, hidden: int, ffn: int):
-    if mode == "fusedfp8_mlp":
-        return Fp8MLP(ffn, recipe=fusedfp8.DelayedScaling(), dtype=jnp.bfloat16)
-    cls = {"bf16": None, "flax_fp8": nn.Fp8DotGeneralOp, "fusedfp8": Fp8DotGeneral,
-           "fusedfp8_callback": functools.partial(Fp8DotGeneral, impl="callback")}[mode]
+    """The model of ``mode`` (``fusedfp8@current``: the fusedfp8 mode under CurrentScaling)."""
+    base, recipe = recipes.split(mode)
+    r = recipes.RECIPES[recipe]
+    if base == "fusedfp8_mlp":
+        return Fp8MLP(ffn, recipe=r, dtype=jnp.bfloat16)
+    cls = {"bf16": None, "flax_fp8": nn.Fp8DotGeneralOp, "fusedfp8": functools.partial(Fp8DotGeneral, recipe=r),
+           "fusedfp8_callback": functools.partial(Fp8DotGeneral, impl="callback", recipe=r)}[base]
     return MLP(hidden, ffn, cls)
 
 
@@ -86,7 +97,7 @@ def run_mode(mode: str, shape, args) -> dict:
     x = jax.random.normal(kx, (tokens // SEQ, SEQ, hidden), jnp.bfloat16)
     y = jax.random.normal(ky, (tokens // SEQ, SEQ, hidden), jnp.bfloat16)
     variables = model.init(kp, x)
-    if mode == "fusedfp8_mlp":  # the same initial weights as the other modes (its layers have other names)
+    if recipes.split(mode)[0] == "fusedfp8_mlp":  # the same initial weights as the other modes (its layers have other names)
         base = MLP(hidden, ffn).init(kp, x)["params"]
         names = {"norm": "LayerNorm_0", "fc1": "DenseGeneral_0", "fc2": "DenseGeneral_1"}
         variables = {**variables, "params": {k: base[v] for k, v in names.items()}}
@@ -117,7 +128,7 @@ def run_mode(mode: str, shape, args) -> dict:
         return loss
 
     times = _bench.host_block_ms(one, args.block, args.reps, jax.block_until_ready)
-    row = {"mode": mode, "loss_first": losses[0], "loss_last": losses[-1], "step_ms": statistics.median(times),
+    row = {"mode": mode, "recipe": recipes.row_recipe(mode, takes_recipe), "loss_first": losses[0], "loss_last": losses[-1], "step_ms": statistics.median(times),
            "step_ms_all": times, "compile_and_first_steps_s": compile_and_run_s}
     if jax.devices()[0].platform == "gpu" and not args.no_profile:
         try:
@@ -127,7 +138,7 @@ def run_mode(mode: str, shape, args) -> dict:
             row["profile"] = {"error": f"{type(e).__name__}: {e}"}
     p = row.get("profile", {})
     busy = f", GPU busy {p['busy_ms_per_step']:.3f} ms ({p['kernels_per_step']:.0f} kernels)" if "busy_ms_per_step" in p else ""
-    print(f"[{hidden}x{ffn}x{tokens}] {mode:<13} {row['step_ms']:8.3f} ms/step{busy}  loss {losses[0]:.4f} -> "
+    print(f"[{hidden}x{ffn}x{tokens}] {mode:<21} {row['step_ms']:8.3f} ms/step{busy}  loss {losses[0]:.4f} -> "
           f"{losses[-1]:.4f}", flush=True)
     return row
 
@@ -142,12 +153,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed blocks (the median is reported)")
     ap.add_argument("--no-profile", action="store_true", help="skip the CUPTI trace")
     ap.add_argument("--out", type=Path, default=Path("out"))
+    recipes.add_argument(ap)
     args = ap.parse_args(argv)
     shapes = _bench.parse_sizes(args.shapes, 3, "--shapes", ap.error)
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:
         ap.error(f"--modes: unknown {bad}; expected some of {MODES}")
+    args.recipes = recipes.parse(args.recipes, ap.error)
+    modes = recipes.expand(modes, args.recipes, takes_recipe)
     if any(t % SEQ for _, _, t in shapes):
         ap.error(f"--shapes: tokens must be a multiple of {SEQ} (batch x sequence {SEQ})")
     results = []
@@ -158,10 +172,15 @@ def main(argv=None) -> int:
             if base is not None:
                 r["speedup_vs_bf16"] = base["step_ms"] / r["step_ms"]
                 r["first_loss_vs_bf16"] = r["loss_first"] / base["loss_first"] - 1
+            delayed = rows.get(recipes.split(m)[0]) if recipes.TAG in m else None
+            if delayed is not None:
+                r["speedup_vs_delayed"] = delayed["step_ms"] / r["step_ms"]
         results.append({"shape": list(shape), "modes": rows})
     args.out.mkdir(parents=True, exist_ok=True)
-    _bench.write_json(args.out / "seed_flax_mlp.json", _bench.run_meta(script="seed_flax_mlp.py"), results)
+    meta = _bench.run_meta(script="seed_flax_mlp.py", **recipes.meta(args.recipes))
+    _bench.write_json(args.out / "seed_flax_mlp.json", meta, results)
     header = ["hidden/ffn/tokens", "mode", "ms/step", "GPU busy ms", "wall/busy", "vs bf16", "first loss vs bf16"]
+    current = len(args.recipes) > 1  # a column for the current rows against their delayed twins
     table = []
     for res in results:
         for m, r in res["modes"].items():
@@ -170,7 +189,9 @@ def main(argv=None) -> int:
                           f"{p['busy_ms_per_step']:.3f}" if "busy_ms_per_step" in p else "-",
                           f"{r['wall_over_busy']:.2f}" if "wall_over_busy" in r else "-",
                           f"{r.get('speedup_vs_bf16', float('nan')):.2f}x",
-                          f"{100 * r.get('first_loss_vs_bf16', float('nan')):+.2f}%"])
+                          f"{100 * r.get('first_loss_vs_bf16', float('nan')):+.2f}%"]
+                         + ([f"{r['speedup_vs_delayed']:.2f}x" if "speedup_vs_delayed" in r else "-"] if current else []))
+    header += ["vs delayed"] if current else []
     _bench.print_table(header, table)
     return 0
 

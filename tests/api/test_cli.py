@@ -227,8 +227,25 @@ def test_bench_tiny_on_cpu_runs_the_mlp_script(monkeypatch, capsys, tmp_path):
     check_png(out / "bench_mlp_torch.png")
     data = json.loads((out / "bench_mlp_torch.json").read_text())
     assert data["meta"]["framework"] == "torch" and data["results"][0]["correctness"]["ok"]
-    assert set(data["results"][0]["modes"]) == {"bf16_eager", "fp8_eager"}
+    # both FP8 recipes in one run (--recipes delayed,current), each row saying its recipe
+    res = data["results"][0]
+    assert {m: r["recipe"] for m, r in res["modes"].items()} == {"bf16_eager": None, "fp8_eager": "delayed",
+                                                                  "fp8_eager@current": "current"}
+    assert set(data["meta"]["recipes"]) == {"delayed", "current"} and "CurrentScaling" in data["meta"]["recipe"]
+    assert set(res["correctness"]) == {"sqnr_db", "sqnr_db@current", "ok"}
+    assert min(res["correctness"]["sqnr_db@current"].values()) >= 20
+    # the state machine: delayed advanced once per step (3), current never (updates 0, 2 history rows)
+    assert res["modes"]["fp8_eager"]["fp8_state"] == {"recipe": "delayed", "history_rows": [1024], "updates": [3],
+                                                      "expected_updates": 3, "ok": True}
+    assert res["modes"]["fp8_eager@current"]["fp8_state"] == {"recipe": "current", "history_rows": [2],
+                                                              "updates": [0], "expected_updates": 0, "ok": True}
+    s, ms = res["summary"], {m: r["step_ms"] for m, r in res["modes"].items()}
+    assert s["recipes"]["fp8_eager"]["current_vs_delayed"] == ms["fp8_eager"] / ms["fp8_eager@current"]
+    assert s["recipes"]["fp8_eager"]["current_vs_bf16"] == ms["bf16_eager"] / ms["fp8_eager@current"]
+    assert s["fp8_eager@current_loss_within_2pct"] is True and s["fp8_eager_loss_within_2pct"] is True
+    assert s["best"]["fp8"] == "fp8_eager" and s["best@current"]["fp8"] == "fp8_eager@current"
     assert "| 32/64/48 |" in text  # the script's markdown table, collected
+    assert "fp8_eager@current" in text
     assert "![bench_mlp_torch](bench_mlp_torch.png)" in text
     assert stdout.rstrip().splitlines()[-1] == (f"wrote summary.md, bench_mlp_torch.log, bench_mlp_torch.json, "
                                                   f"bench_mlp_torch.png to {out.resolve()}/")
