@@ -614,7 +614,7 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ff8_torch", "fusedfp8's torch la
 // the cuBLASLt FP8 GEMM (torch_gemm.h): defined here, with its CUDA and Meta kernels
 TORCH_LIBRARY_FRAGMENT(fusedfp8, m) {
   m.def("fp8_gemm_lt(Tensor a, Tensor b, Tensor scale_inv_a, Tensor scale_inv_b, ScalarType out_dtype, "
-        "bool fast_accum=False) -> Tensor");
+        "bool fast_accum=False, Tensor? bias=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fusedfp8, CUDA, m) { m.impl("fp8_gemm_lt", &ff8::torch_gemm::cuda<&current_stream>); }
 TORCH_LIBRARY_IMPL(fusedfp8, Meta, m) { m.impl("fp8_gemm_lt", &ff8::torch_gemm::meta); }
