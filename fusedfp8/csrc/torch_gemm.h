@@ -11,18 +11,25 @@
 //   of one element. bias: None, or (N,) of out_dtype, which must then be bfloat16 or float16 (as
 //   torch._scaled_mm's bias); it is added in cuBLASLt's epilogue in float32 and the sum rounded
 //   once (gemm.h). `bias` came last, with a default, so callers of the op without it are unchanged.
-// The workspace is one at::empty of kWorkspaceBytes per call (the caching allocator, stream-ordered):
-// 32 MiB, the size torch gives cuBLASLt on Hopper (torch >= 2.7 hands the cuBLAS workspace, 32 MiB on
-// sm_90 / sm_100 / sm_120, to cuBLASLt unless CUBLASLT_WORKSPACE_SIZE / CUBLAS_WORKSPACE_CONFIG say
-// otherwise). torch's scaled_gemm asks the heuristic with that workspace and no alignment
-// preference (cuBLASLt then assumes 256-byte aligned buffers); gemm.h passes the alignment the
-// pointers have, which is 256 for the caching allocator's tensors: the same question.
+// The workspace is one at::empty per call (the caching allocator, stream-ordered) of
+// workspace_bytes(): 32 MiB unless set (gemm_set_workspace of torch_ops.cc). fusedfp8.pytorch.gemm
+// sets it to torch's own cuBLASLt workspace size where torch tells it
+// (torch._C._cuda_getCublasLtWorkspaceSize), so that the heuristic is asked what torch._scaled_mm
+// asks it: torch's scaled_gemm passes that size as CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES and no
+// alignment preference (cuBLASLt then assumes 256-byte aligned buffers); gemm.h passes the
+// alignment the pointers have, 256 for the caching allocator's tensors: the same question. torch's
+// size: 32 MiB on Hopper where the cuBLAS and cuBLASLt workspaces are unified and the cuBLASLt size
+// defaults to the cuBLAS one (recent torch; 4096 * 8 KiB on sm_90 / sm_100 / sm_120), 1 MiB by the
+// older default (CUBLASLT_WORKSPACE_SIZE=1024 KiB); the environment variables CUBLASLT_WORKSPACE_SIZE
+// and CUBLAS_WORKSPACE_CONFIG change it. The size is part of gemm.h's cache key.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
 
@@ -32,6 +39,11 @@
 namespace ff8::torch_gemm {
 
 constexpr int64_t kWorkspaceBytes = 32 << 20;
+
+inline std::atomic<int64_t>& workspace_bytes() {
+  static std::atomic<int64_t> w{kWorkspaceBytes};
+  return w;
+}
 
 inline int32_t lt_type(at::ScalarType t) {
   switch (t) {
@@ -60,7 +72,7 @@ inline lt::Shape checked_shape(const at::Tensor& a, const at::Tensor& b, const a
                 s->scalar_type(), " ", s->sizes());
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
   lt::Shape s{m, n, k, k, k, n, lt_type(a.scalar_type()), lt_type(b.scalar_type()), lt_type(out_dtype),
-              fast_accum ? 1 : 0, kWorkspaceBytes};
+              fast_accum ? 1 : 0, workspace_bytes().load()};
   if (bias.has_value()) {
     const at::Tensor& v = *bias;
     TORCH_CHECK(v.dim() == 1 && v.size(0) == n, "fp8_gemm_lt: bias must be 1-D of N = b.size(0) = ", n,
@@ -103,7 +115,7 @@ at::Tensor cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, 
     v = bias->contiguous();
     if (reinterpret_cast<uintptr_t>(v.data_ptr()) % 256) v = v.clone();
   }
-  at::Tensor ws = at::empty({kWorkspaceBytes}, a.options().dtype(at::kByte));
+  at::Tensor ws = at::empty({std::max<int64_t>(s.workspace, 1)}, a.options().dtype(at::kByte));
   const int device = a.device().index();
   std::string err = ensure_context(device);
   if (err.empty())

@@ -591,6 +591,20 @@ PyObject* py_gemm_set_library(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+PyObject* py_gemm_set_workspace(PyObject*, PyObject* args) {
+  long long bytes = -1;
+  if (!PyArg_ParseTuple(args, "L", &bytes)) return nullptr;
+  if (bytes < 0 || bytes > (1LL << 32)) {
+    PyErr_Format(PyExc_ValueError, "gemm_set_workspace: bytes must be in 0 .. 2**32; got %lld", bytes);
+    return nullptr;
+  }
+  return PyLong_FromLongLong(ff8::torch_gemm::workspace_bytes().exchange(bytes));
+}
+
+PyObject* py_gemm_workspace(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(ff8::torch_gemm::workspace_bytes().load());
+}
+
 PyMethodDef kMethods[] = {
     {"register", py_register, METH_VARARGS,
      "register(plan_fn, grad_fn): install the CUDA and AutogradCUDA kernels of the fusedfp8 ops"},
@@ -604,6 +618,9 @@ PyMethodDef kMethods[] = {
     {"plan_version", py_plan_version, METH_NOARGS, "the plan format this module reads"},
     {"gemm_set_library", py_gemm_set_library, METH_VARARGS,
      "gemm_set_library(path): where fusedfp8::fp8_gemm_lt loads cuBLASLt from when the process has none loaded"},
+    {"gemm_set_workspace", py_gemm_set_workspace, METH_VARARGS,
+     "gemm_set_workspace(bytes) -> previous: the cuBLASLt workspace of fusedfp8::fp8_gemm_lt's later calls"},
+    {"gemm_workspace", py_gemm_workspace, METH_NOARGS, "the cuBLASLt workspace bytes of fusedfp8::fp8_gemm_lt"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ff8_torch", "fusedfp8's torch launch shim (C++)", -1, kMethods,

@@ -26,8 +26,10 @@ Numerics. Both backends are one cuBLASLt FP8 matmul of the same operands with th
 and the same accumulation mode (``fast_accum``: the forward GEMM's fast accumulation, the
 backward GEMMs' split accumulator), so their results differ only by the order of the float32
 accumulation (the two may get different algorithms, tile shapes or split-K from cuBLASLt's
-heuristic; the shim asks it the same question torch does: the same 32 MiB workspace on Hopper and
-256-byte alignment for the caching allocator's tensors, see fusedfp8/csrc/torch_gemm.h). A bias is
+heuristic; the shim asks it the same question torch does: torch's cuBLASLt workspace size (set
+when the backend is decided, where torch tells it: :func:`torch_lt_workspace`; else 32 MiB, torch's
+size on Hopper) and 256-byte alignment for the caching allocator's tensors, see
+fusedfp8/csrc/torch_gemm.h). A bias is
 added the same way too: a bias of the output's dtype (bf16 / fp16) in cuBLASLt's bias epilogue,
 ``round(scale_a * scale_b * acc + bias)`` in float32 with one rounding to the output dtype; any other
 pairing (a float32 output, or a bias of another dtype, which cuBLASLt's FP8 epilogue and
@@ -55,15 +57,33 @@ def check_gemm(gemm) -> str:
     return gemm
 
 
+def torch_lt_workspace() -> int | None:
+    """The cuBLASLt workspace bytes torch gives ``torch._scaled_mm`` in this process, or None where
+    torch does not say (no CUDA, a torch without ``torch._C._cuda_getCublasLtWorkspaceSize``)."""
+    get = getattr(torch._C, "_cuda_getCublasLtWorkspaceSize", None)
+    if get is None or not torch.cuda.is_available():
+        return None
+    try:
+        return int(get())
+    except RuntimeError:
+        return None
+
+
 def _lt_op():
-    """(the fp8_gemm_lt OpOverload, where it came from) or (None, why not); loads the shim."""
+    """(the fp8_gemm_lt OpOverload, where it came from) or (None, why not); loads the shim and
+    gives its GEMM torch's cuBLASLt workspace size (the heuristic then answers both alike)."""
     lib, why = _shim.library("torch")
     if lib is None:
         return None, f"the torch launch shim is not available: {why}"
     try:
-        return torch.ops.fusedfp8.fp8_gemm_lt.default, f"fusedfp8::fp8_gemm_lt of the torch shim ({why})"
+        op = torch.ops.fusedfp8.fp8_gemm_lt.default
     except (AttributeError, RuntimeError):
         return None, f"the torch shim ({why}) defines no fusedfp8::fp8_gemm_lt (an older build)"
+    ws = torch_lt_workspace()
+    if ws is not None and hasattr(lib, "gemm_set_workspace"):
+        lib.gemm_set_workspace(ws)
+        why += f"; cuBLASLt workspace {ws} bytes, as torch's"
+    return op, f"fusedfp8::fp8_gemm_lt of the torch shim ({why})"
 
 
 def _resolve(gemm: str) -> tuple[str, str]:

@@ -82,6 +82,20 @@ def test_a_bad_bias_is_refused_naming_it(op, bias, out, message):
         op(*_meta(32, 48, 64), out, False, bias())
 
 
+def test_the_workspace_is_settable_and_checked():
+    """gemm_set_workspace returns the previous size (32 MiB to begin with, unless the layers set
+    torch's); a negative size is refused naming the argument."""
+    lib = built_shim("torch")
+    before = lib.gemm_workspace()
+    try:
+        assert lib.gemm_set_workspace(1 << 20) == before and lib.gemm_workspace() == 1 << 20
+        with pytest.raises(ValueError, match="bytes must be in 0 .. 2\\*\\*32; got -1"):
+            lib.gemm_set_workspace(-1)
+        assert lib.gemm_workspace() == 1 << 20
+    finally:
+        lib.gemm_set_workspace(before)
+
+
 def test_no_cpu_kernel(op):
     a, b = torch.zeros(16, 16, dtype=E4), torch.zeros(16, 16, dtype=E4)
     with pytest.raises(NotImplementedError, match="fp8_gemm_lt"):

@@ -101,6 +101,22 @@ def test_with_the_shim_cublaslt_takes_its_gemm_once_and_auto_stays_on_scaled_mm(
     assert G.backend("auto") == "scaled_mm" and lib.calls == 1
 
 
+def test_deciding_cublaslt_gives_the_shim_torchs_cublaslt_workspace(monkeypatch, fresh):
+    """Where torch says its cuBLASLt workspace size, the shim's GEMM takes it (the same heuristic
+    question as torch._scaled_mm's); where it does not (no CUDA here), the shim keeps its own."""
+    lib = built_shim("torch")
+    before = lib.gemm_workspace()
+    try:
+        assert G.torch_lt_workspace() is None or torch.cuda.is_available()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch._C, "_cuda_getCublasLtWorkspaceSize", lambda: 3 << 20, raising=False)
+        assert G.torch_lt_workspace() == 3 << 20
+        assert G.backend("cublaslt") == "cublaslt" and lib.gemm_workspace() == 3 << 20
+        assert f"workspace {3 << 20} bytes, as torch's" in G.gemm_path("cublaslt")[1]
+    finally:
+        lib.gemm_set_workspace(before)
+
+
 def test_the_decision_is_a_constant_under_torch_compile(monkeypatch, fresh):
     """Made at trace time outside the graph (assume_constant_result): fullgraph, no graph break,
     even when this is the first call of the process."""
