@@ -8,7 +8,9 @@
 2. Gradient accumulation: an optimizer step over ``--micro`` micro-batches, FP8 with the weight
    cache (default) and without it (``cache_fp8_weight = False``), and bf16; with a CUDA profiler
    trace of one step each: the number of fusedfp8 quantize kernels that read a weight
-   (one per weight per step with the cache) and the GPU busy time.
+   (one per weight per step with the cache) and the GPU busy time; the host's time to issue each
+   eager step; and the whole step captured as ONE CUDA graph (the cache is keyed on the capture,
+   so the graph holds one quantization per weight) with its quantize kernels counted.
 
 Correctness first: the FP8 model's first output against the bf16 twin's (SQNR >= 20 dB), and the
 cached and uncached FP8 steps give the same bytes (parameters and state) after the timed steps.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import time
 from pathlib import Path
 
 import _bench as B
@@ -118,6 +121,27 @@ def main(argv=None) -> int:
              "fp8_uncached": stepper(plain, 2048, args.micro)}
     for name in ("fp8_uncached", "fp8_cached", "fp8_uncached", "fp8_cached", "bf16"):  # twice, alternating
         row[f"{name}_ms"] = min(row.get(f"{name}_ms", float("inf")), time_step(steps[name]))
+    for name, step in steps.items():  # the host's share: time to issue the eager step (no sync inside)
+        torch.cuda.synchronize()
+        issue = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            step()
+            issue.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+        row[f"{name}_host_ms"] = statistics.median(issue)
+    # the whole accumulation step as ONE CUDA graph (the cache keyed on the capture: one weight
+    # quantization per weight in the graph), each model a fresh copy
+    graphed = {"bf16": copy.deepcopy(bf), "fp8_cached": copy.deepcopy(cached), "fp8_uncached": copy.deepcopy(plain)}
+    gsteps = {name: B.GraphedStep(stepper(model, 2048, args.micro)) for name, model in graphed.items()}
+    for name in ("fp8_uncached", "fp8_cached", "fp8_uncached", "fp8_cached", "bf16"):
+        row[f"{name}_graphed_ms"] = min(row.get(f"{name}_graphed_ms", float("inf")), time_step(gsteps[name]))
+    for name, step in gsteps.items():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        row[f"{name}_graphed_quantize_kernels"] = sum(calls for key, ms, calls in B.device_events(prof)
+                                                      if "quantize" in key)
     for name, step in steps.items():
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
@@ -133,6 +157,10 @@ def main(argv=None) -> int:
     print(f"{args.micro} micro-batches: bf16 {row['bf16_ms']:.3f} ms, FP8 cached {row['fp8_cached_ms']:.3f} ms "
           f"({row['fp8_cached_quantize_kernels']} quantize kernels), uncached {row['fp8_uncached_ms']:.3f} ms "
           f"({row['fp8_uncached_quantize_kernels']}); same bytes: {same}")
+    print(f"  host issue ms: bf16 {row['bf16_host_ms']:.3f}, cached {row['fp8_cached_host_ms']:.3f}, uncached "
+          f"{row['fp8_uncached_host_ms']:.3f}; one graph a step: bf16 {row['bf16_graphed_ms']:.3f} ms, cached "
+          f"{row['fp8_cached_graphed_ms']:.3f} ({row['fp8_cached_graphed_quantize_kernels']} quantize kernels), "
+          f"uncached {row['fp8_uncached_graphed_ms']:.3f} ({row['fp8_uncached_graphed_quantize_kernels']})")
     results.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
     B.write_json(args.out / "bench_shapes_accum.json",

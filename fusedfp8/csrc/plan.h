@@ -58,7 +58,10 @@ struct Driver {
   CUresult (*primary_ctx_retain)(CUcontext*, CUdevice) = nullptr;
   CUresult (*error_name)(CUresult, const char**) = nullptr;
   CUresult (*error_string)(CUresult, const char**) = nullptr;
-  std::string why;  // empty when every entry point was found
+  // (stream, status*, id*, ...): every version of cuStreamGetCaptureInfo begins with these three, and
+  // the optional outputs after them are passed as null (ignored by the versions without them); optional
+  CUresult (*capture_info)(CUstream, int*, unsigned long long*, void*, void*, void*, void*) = nullptr;
+  std::string why;  // empty when every required entry point was found
 };
 
 inline const Driver& driver() {
@@ -85,6 +88,10 @@ inline const Driver& driver() {
     sym("cuDevicePrimaryCtxRetain", r.primary_ctx_retain);
     sym("cuGetErrorName", r.error_name);
     sym("cuGetErrorString", r.error_string);
+    for (const char* name : {"cuStreamGetCaptureInfo_v2", "cuStreamGetCaptureInfo"}) {
+      if (r.capture_info == nullptr)
+        r.capture_info = reinterpret_cast<decltype(r.capture_info)>(dlsym(lib, name));
+    }
     return r;
   }();
   return d;

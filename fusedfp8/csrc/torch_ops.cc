@@ -605,6 +605,20 @@ PyObject* py_gemm_workspace(PyObject*, PyObject*) {
   return PyLong_FromLongLong(ff8::torch_gemm::workspace_bytes().load());
 }
 
+// The id of the stream capture in progress on `stream` (unique over the process's lifetime), 0 when the
+// stream is not capturing; None where the driver cannot say.
+PyObject* py_capture_id(PyObject*, PyObject* arg) {
+  unsigned long long handle = PyLong_AsUnsignedLongLong(arg);
+  if (PyErr_Occurred()) return nullptr;
+  const ff8::Driver& d = ff8::driver();
+  if (d.capture_info == nullptr) Py_RETURN_NONE;
+  int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE / _ACTIVE (1) / _INVALIDATED
+  unsigned long long id = 0;
+  if (d.capture_info(reinterpret_cast<ff8::CUstream>(handle), &status, &id, nullptr, nullptr, nullptr, nullptr) != 0)
+    Py_RETURN_NONE;
+  return PyLong_FromUnsignedLongLong(status == 1 ? id : 0ULL);
+}
+
 PyMethodDef kMethods[] = {
     {"register", py_register, METH_VARARGS,
      "register(plan_fn, grad_fn): install the CUDA and AutogradCUDA kernels of the fusedfp8 ops"},
@@ -616,6 +630,8 @@ PyMethodDef kMethods[] = {
     {"cache_size", py_cache_size, METH_NOARGS, "signatures with a cached plan"},
     {"clear_cache", py_clear_cache, METH_NOARGS, "forget every cached plan"},
     {"plan_version", py_plan_version, METH_NOARGS, "the plan format this module reads"},
+    {"capture_id", py_capture_id, METH_O,
+     "capture_id(stream_handle) -> int | None: the stream capture in progress (unique per process), 0 if none"},
     {"gemm_set_library", py_gemm_set_library, METH_VARARGS,
      "gemm_set_library(path): where fusedfp8::fp8_gemm_lt loads cuBLASLt from when the process has none loaded"},
     {"gemm_set_workspace", py_gemm_set_workspace, METH_VARARGS,

@@ -15,6 +15,7 @@ import fusedfp8 as ff
 import fusedfp8.pytorch as fp8
 from fusedfp8.pytorch import autograd as F8
 from support.frameworks import same_bytes
+from support.shim import built as built_shim
 
 R = ff.DelayedScaling(amax_history_len=4)
 
@@ -108,3 +109,140 @@ def test_copies_do_not_share_a_cached_weight(device):
     with torch.no_grad():
         g.weight.mul_(2)
     torch.testing.assert_close(g(x), 2 * f(x) - f.bias, rtol=0.1, atol=0.1)
+
+
+# ---- CUDA graphs: the cache keyed on the capture in progress ----------------------------------
+def test_a_capture_uses_only_what_it_filled_itself(monkeypatch):
+    """The key logic, with the capture id stood in for (CPU): what a capture fills serves that
+    capture only; eager entries never serve a capture and a capture's never serve eager calls or
+    another capture; where the id cannot be known (no shim) nothing is cached during a capture."""
+    f = fp8.Fp8Linear(32, 16, recipe=R)
+    count = Count(monkeypatch, f)
+    x = torch.randn(8, 32)
+    capture = {"id": 0}
+    monkeypatch.setattr(F8, "_capture", lambda w: capture["id"])
+
+    def quantizes(cid) -> int:
+        capture["id"] = cid
+        before = count.n
+        f(x)
+        return count.n - before
+
+    assert quantizes(0) == 1 and quantizes(0) == 0  # eager: filled, then reused
+    assert quantizes(7) == 1 and quantizes(7) == 0  # capture 7: its own quantization, then reused in it
+    assert quantizes(8) == 1 and quantizes(8) == 0  # capture 8 never reads capture 7's
+    assert quantizes(0) == 1  # nor eager a capture's
+    assert quantizes(None) == 1 and quantizes(None) == 1  # id unknown: no cache in the capture ...
+    assert quantizes(0) == 0  # ... and the eager entry was left alone
+
+
+def test_the_shim_reports_no_capture_where_it_cannot_know():
+    """The torch shim's capture_id: an int (0: not capturing) where the driver answers, None where
+    there is no driver (this CPU machine) - never an id made up."""
+    lib = built_shim("torch")
+    got = lib.capture_id(0)
+    assert got is None if not torch.cuda.is_available() else got == 0
+    with pytest.raises((TypeError, OverflowError)):
+        lib.capture_id("stream")
+
+
+def _captured(step):
+    """``step`` captured in one CUDA graph after warm-up on a side stream (thread-local capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        step()
+    return graph
+
+
+def _quantize_kernels(replay) -> int:
+    """Quantize kernels (of any tensor) run by one call of ``replay``, from a profiler trace."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if "quantize" in e.key and e.device_type.name == "CUDA")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_a_graphed_accumulation_step_quantizes_each_weight_once_with_the_same_bytes(kind):
+    """A whole optimizer step (4 micro-batches, Adam, the scale update) captured as ONE graph: with
+    the cache the graph holds one weight quantization per weight, without it one per micro-batch;
+    replays give the eager uncached step's bytes, also after a weight changed in place between
+    replays (the next replay quantizes what it finds)."""
+    built_shim("torch")
+    models = {"cached": _model(kind, "cuda")}
+    models["plain"] = copy.deepcopy(models["cached"])
+    models["eager"] = copy.deepcopy(models["cached"])
+    for name in ("plain", "eager"):
+        for m in models[name].modules():
+            if isinstance(m, fp8.Fp8Linear):
+                m.cache_fp8_weight = False
+    xs = [torch.randn(24, 32, generator=torch.Generator().manual_seed(i)).cuda() for i in range(4)]
+    opts = {k: torch.optim.Adam(m.parameters(), lr=1e-2, capturable=True) for k, m in models.items()}
+
+    def stepper(name):
+        model, opt = models[name], opts[name]
+
+        def step():
+            for x in xs:
+                model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            fp8.update_model_scales(model)
+        return step
+
+    steps = {k: stepper(k) for k in models}
+    for _ in range(2):
+        steps["eager"]()  # as the graphs' two warm-up steps (a capture itself runs nothing)
+    graphs = {k: _captured(steps[k]) for k in ("cached", "plain")}
+    counts = {k: _quantize_kernels(g.replay) for k, g in graphs.items()}  # the third step
+    steps["eager"]()
+    assert counts["plain"] - counts["cached"] == 3 * 2, counts  # 2 weights, 3 micro-batches reuse
+    for step in range(3):
+        if step == 1:
+            with torch.no_grad():  # between replays, outside the graphs: an in-place change of the weights
+                for m in models.values():
+                    for p in m.parameters():
+                        p.mul_(0.5)
+        for g in graphs.values():
+            g.replay()
+        steps["eager"]()
+        torch.cuda.synchronize()
+        for name in ("cached", "plain"):
+            for (key, a), b in zip(models[name].state_dict().items(), models["eager"].state_dict().values()):
+                assert torch.equal(a, b), f"{name} step {step}: {key}"
+
+
+@pytest.mark.gpu
+def test_separate_captures_never_share_a_cached_weight():
+    """Micro-batch graphs captured one after the other each quantize the weight themselves: graph B
+    replayed alone after the weight changed uses the new weight (B filled nothing from A)."""
+    built_shim("torch")
+    torch.manual_seed(0)
+    f = fp8.Fp8Linear(32, 16, recipe=R, device="cuda")
+    x = torch.randn(24, 32, device="cuda")
+    outs = {}
+
+    def fwd(name):
+        def run():
+            with torch.no_grad():
+                outs[name] = f(x)
+        return run
+
+    graph_a, graph_b = _captured(fwd("a")), _captured(fwd("b"))
+    assert _quantize_kernels(graph_b.replay) == _quantize_kernels(graph_a.replay) >= 2  # x's and w's, each
+    with torch.no_grad():
+        f.weight.mul_(2)
+    graph_b.replay()
+    torch.cuda.synchronize()
+    f.clear_fp8_weight()
+    with torch.no_grad():
+        want = f(x)
+    assert torch.equal(outs["b"], want)
