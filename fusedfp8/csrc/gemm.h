@@ -33,8 +33,9 @@
 // every pointer 16-byte aligned, and not both operands E5M2 (cuBLASLt has no e5m2 x e5m2 GEMM).
 //
 // Per shape (device, m, n, k, leading dims, formats, output type, fast accumulation, workspace
-// bytes, epilogue and bias type) the matmul descriptor, the three layouts and the heuristic's algorithm are made once and
-// cached; a call then sets the two scale pointers (and the bias pointer) and runs cublasLtMatmul under the entry's lock.
+// bytes, epilogue and bias type) the matmul descriptor, the three layouts and the heuristic's
+// algorithm are made once and cached; a call then sets the two scale pointers (and the bias
+// pointer) and runs cublasLtMatmul under the entry's lock.
 // One cublasLt handle per device. Entries are made by prepare() (called at trace time, for every
 // local GPU, outside any stream capture) or, failing that, on the first call.
 #pragma once
