@@ -19,14 +19,23 @@
 // scale_inv_a, alpha 1, beta 0 (C = D, never read). The output is written directly in bf16 / fp16
 // / fp32 with the scales applied in the epilogue: no float32 intermediate, no host sync.
 //
+// Bias (optional, Shape::epilogue = kEpilogueBias): out = round(scale_inv_a * scale_inv_b * acc +
+// bias[j]) with CUBLASLT_EPILOGUE_BIAS: the sum is formed in float32 in the epilogue and rounded
+// once to the output type, as torch._scaled_mm's bias does (the same cuBLASLt epilogue). The bias
+// is a vector of n elements of the output's type, bfloat16 or float16 (cublasLt.h: "Bias vector
+// elements are the same type as the elements of output matrix (Dtype)", except for FP8 kernels
+// with a float32 output, which take a bfloat16 one; that pairing is not offered here, and
+// torch._scaled_mm refuses a bias with a float32 output too). The XLA target passes no bias.
+//
 // Requirements (checked by check_shape, which the Python wrapper mirrors): k, lda, ldb multiples
 // of 16 (ragged K: our kernels pad the operands with zeros, pad_to=16; zeros add nothing), the
 // output row (ldd elements) a multiple of 16 elements (a ragged N is computed padded and sliced),
 // every pointer 16-byte aligned, and not both operands E5M2 (cuBLASLt has no e5m2 x e5m2 GEMM).
 //
 // Per shape (device, m, n, k, leading dims, formats, output type, fast accumulation, workspace
-// bytes) the matmul descriptor, the three layouts and the heuristic's algorithm are made once and
-// cached; a call then sets the two scale pointers and runs cublasLtMatmul under the entry's lock.
+// bytes, epilogue and bias type) the matmul descriptor, the three layouts and the heuristic's
+// algorithm are made once and cached; a call then sets the two scale pointers (and the bias
+// pointer) and runs cublasLtMatmul under the entry's lock.
 // One cublasLt handle per device. Entries are made by prepare() (called at trace time, for every
 // local GPU, outside any stream capture) or, failing that, on the first call.
 #pragma once
@@ -66,7 +75,18 @@ enum : int32_t { kR32F = 0, kR16F = 2, kR16BF = 14, kR8F_E4M3 = 28, kR8F_E5M2 = 
 enum : int32_t { kCompute32F = 68 };   // cublasComputeType_t CUBLAS_COMPUTE_32F
 enum : int32_t { kOpN = 0, kOpT = 1 };  // cublasOperation_t
 // cublasLtMatmulDescAttributes_t
-enum : int32_t { kDescTransA = 3, kDescTransB = 4, kDescAScalePointer = 17, kDescBScalePointer = 18, kDescFastAccum = 25 };
+enum : int32_t {
+  kDescTransA = 3,
+  kDescTransB = 4,
+  kDescEpilogue = 7,
+  kDescBiasPointer = 8,
+  kDescAScalePointer = 17,
+  kDescBScalePointer = 18,
+  kDescFastAccum = 25,
+  kDescBiasDataType = 26
+};
+// cublasLtEpilogue_t (the attribute is a uint32_t)
+enum : uint32_t { kEpilogueDefault = 1, kEpilogueBias = 4 };
 // cublasLtMatmulPreferenceAttributes_t
 enum : int32_t { kPrefMaxWorkspaceBytes = 1, kPrefMinAlignA = 5, kPrefMinAlignB = 6, kPrefMinAlignC = 7, kPrefMinAlignD = 8 };
 
@@ -169,10 +189,12 @@ struct Shape {
   int32_t ta, tb, td;     // cudaDataType of a, b (FP8) and out (bf16 / fp16 / fp32)
   int32_t fast_accum;     // cuBLASLt's FP8 fast accumulation (1) or the split accumulator (0)
   int64_t workspace;      // bytes of workspace the call provides
+  uint32_t epilogue = kEpilogueDefault;  // kEpilogueDefault, or kEpilogueBias: + bias[j] before the rounding
+  int32_t bias_type = kR16BF;            // cudaDataType of the bias (read with kEpilogueBias only)
 
   bool operator==(const Shape& o) const { return std::memcmp(this, &o, sizeof(Shape)) == 0; }
 };
-static_assert(sizeof(Shape) == 8 * 7 + 4 * 4, "Shape must have no padding (it is hashed and compared bytewise)");
+static_assert(sizeof(Shape) == 8 * 7 + 4 * 6, "Shape must have no padding (it is hashed and compared bytewise)");
 
 inline int64_t out_bytes(int32_t td) { return td == kR32F ? 4 : (td == kR16BF || td == kR16F) ? 2 : 0; }
 
@@ -205,6 +227,12 @@ inline std::string check_shape(const Shape& s) {
   if (s.ldd % 16) return at + "the output row stride must be a multiple of 16 elements; got " + std::to_string(s.ldd);
   if (s.fast_accum != 0 && s.fast_accum != 1) return at + "fast_accum must be 0 or 1";
   if (s.workspace < 0) return at + "negative workspace";
+  if (s.epilogue != kEpilogueDefault && s.epilogue != kEpilogueBias)
+    return at + "epilogue must be " + std::to_string(kEpilogueDefault) + " (none) or " + std::to_string(kEpilogueBias) +
+           " (bias); got " + std::to_string(s.epilogue);
+  if (s.epilogue == kEpilogueBias && (s.td == kR32F || s.bias_type != s.td))
+    return at + "the bias must have the output's type, bfloat16 or float16 (cuBLASLt's FP8 bias epilogue); got a " +
+           type_name(s.bias_type) + " bias for a " + type_name(s.td) + " output";
   return "";
 }
 
@@ -227,7 +255,9 @@ struct ShapeHash {
 
 // The heuristic assumes 256-byte aligned buffers unless told otherwise, and may pick an algorithm
 // that needs them; the key carries the alignment the algorithm was chosen for: the smallest of
-// the three pointers' (a power of two, 16..256). prepare() assumes 256 (XLA's own buffers).
+// the three pointers' (and the bias's) (a power of two, 16..256). prepare() assumes 256 (XLA's own
+// buffers). The heuristic reads the bias pointer's value for its alignment (cublasLt.h), so build()
+// hands it a stand-in of exactly the key's alignment.
 struct Key {
   int device;
   uint32_t align;
@@ -243,7 +273,7 @@ struct KeyHash {
 inline uint32_t alignment(std::initializer_list<const void*> ptrs) {
   uint32_t a = 256;
   for (const void* p : ptrs)
-    while (a > 16 && reinterpret_cast<uintptr_t>(p) % a) a /= 2;
+    while (p != nullptr && a > 16 && reinterpret_cast<uintptr_t>(p) % a) a /= 2;
   return a;
 }
 
@@ -271,6 +301,13 @@ inline std::string build(Handle h, const Shape& s, uint32_t align, Entry& e) {
   if ((st = a.desc_set(e.desc, kDescAScalePointer, &unit, sizeof unit)) ||
       (st = a.desc_set(e.desc, kDescBScalePointer, &unit, sizeof unit)))
     return fail("setting the scale pointers");
+  if (s.epilogue == kEpilogueBias) {
+    const void* aligned = reinterpret_cast<const void*>(static_cast<uintptr_t>(align));  // never read
+    if ((st = a.desc_set(e.desc, kDescEpilogue, &s.epilogue, sizeof s.epilogue)) ||
+        (st = a.desc_set(e.desc, kDescBiasDataType, &s.bias_type, sizeof s.bias_type)) ||
+        (st = a.desc_set(e.desc, kDescBiasPointer, &aligned, sizeof aligned)))
+      return fail("setting the bias epilogue");
+  }
   if ((st = a.layout_create(&e.la, s.tb, s.k, s.n, s.ldb)) || (st = a.layout_create(&e.lb, s.ta, s.k, s.m, s.lda)) ||
       (st = a.layout_create(&e.ld, s.td, s.n, s.m, s.ldd)))
     return fail("cublasLtMatrixLayoutCreate");
@@ -327,14 +364,18 @@ inline std::string entry(int device, const Shape& s, uint32_t align, Entry** out
   return "";
 }
 
-// Runs out = sa * sb * (a[:m] @ b[:n].T) on `stream` (device `device`, whose context is current).
+// Runs out = sa * sb * (a[:m] @ b[:n].T) (+ bias) on `stream` (device `device`, whose context is
+// current). `bias`: n elements of s.bias_type when s.epilogue is kEpilogueBias, else nullptr.
 inline std::string run(int device, const Shape& s, const void* a, const void* b, const float* sa, const float* sb,
-                       void* out, void* workspace, CUstream stream) {
-  for (const void* p : {a, b, static_cast<const void*>(out)})
+                       void* out, void* workspace, CUstream stream, const void* bias = nullptr) {
+  for (const void* p : {a, b, static_cast<const void*>(out), bias})
     if (reinterpret_cast<uintptr_t>(p) % 16)
-      return "fusedfp8 FP8 GEMM: the operands and the output must be 16-byte aligned (cuBLASLt FP8)";
+      return "fusedfp8 FP8 GEMM: the operands, the bias and the output must be 16-byte aligned (cuBLASLt FP8)";
+  if ((s.epilogue == kEpilogueBias) != (bias != nullptr))
+    return bias ? "fusedfp8 FP8 GEMM: a bias was given for a shape without the bias epilogue"
+                : "fusedfp8 FP8 GEMM: the bias epilogue needs a bias pointer";
   Entry* e = nullptr;
-  std::string err = entry(device, s, alignment({a, b, out}), &e);
+  std::string err = entry(device, s, alignment({a, b, out, bias}), &e);
   if (!err.empty()) return err;
   Handle h;
   {
@@ -346,6 +387,7 @@ inline std::string run(int device, const Shape& s, const void* a, const void* b,
   std::lock_guard<std::mutex> g(e->mu);
   Status st = lt.desc_set(e->desc, kDescAScalePointer, &sb, sizeof sb);  // cuBLASLt's A is our b
   if (st == 0) st = lt.desc_set(e->desc, kDescBScalePointer, &sa, sizeof sa);
+  if (st == 0 && bias != nullptr) st = lt.desc_set(e->desc, kDescBiasPointer, &bias, sizeof bias);
   if (st == 0)
     st = lt.matmul(h, e->desc, &one, b, e->la, a, e->lb, &zero, out, e->ld, out, e->ld, &e->algo, workspace,
                    static_cast<size_t>(s.workspace), stream);

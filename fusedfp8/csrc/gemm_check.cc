@@ -24,6 +24,11 @@ FF8_SAME(kDescTransB, CUBLASLT_MATMUL_DESC_TRANSB);
 FF8_SAME(kDescAScalePointer, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER);
 FF8_SAME(kDescBScalePointer, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER);
 FF8_SAME(kDescFastAccum, CUBLASLT_MATMUL_DESC_FAST_ACCUM);
+FF8_SAME(kDescEpilogue, CUBLASLT_MATMUL_DESC_EPILOGUE);
+FF8_SAME(kDescBiasPointer, CUBLASLT_MATMUL_DESC_BIAS_POINTER);
+FF8_SAME(kDescBiasDataType, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE);
+FF8_SAME(kEpilogueDefault, CUBLASLT_EPILOGUE_DEFAULT);
+FF8_SAME(kEpilogueBias, CUBLASLT_EPILOGUE_BIAS);
 FF8_SAME(kPrefMaxWorkspaceBytes, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES);
 FF8_SAME(kPrefMinAlignA, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES);
 FF8_SAME(kPrefMinAlignB, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES);
@@ -39,6 +44,7 @@ static_assert(sizeof(lt::HeuristicResult) == sizeof(cublasLtMatmulHeuristicResul
                   offsetof(lt::HeuristicResult, state) == offsetof(cublasLtMatmulHeuristicResult_t, state),
               "cublasLtMatmulHeuristicResult_t layout");
 // the enums and handles gemm.h passes as int32_t and void*
+static_assert(sizeof(cublasLtEpilogue_t) == sizeof(uint32_t), "the epilogue attribute is a uint32_t");
 static_assert(sizeof(cublasLtMatmulDescAttributes_t) == sizeof(int32_t) &&
                   sizeof(cublasLtMatmulPreferenceAttributes_t) == sizeof(int32_t) &&
                   sizeof(cudaDataType_t) == sizeof(int32_t) && sizeof(cublasComputeType_t) == sizeof(int32_t),

@@ -1,20 +1,36 @@
 // fusedfp8 host shim for torch: the cuBLASLt FP8 GEMM of gemm.h as the torch op
-// fusedfp8::fp8_gemm_lt (CUDA and Meta kernels; included by torch_ops.cc). Not used by the
-// library's torch layers yet (they call torch._scaled_mm): an opt-in, for the torch front end to
-// switch to behind its own flag.
+// fusedfp8::fp8_gemm_lt (CUDA and Meta kernels; included by torch_ops.cc). The torch layers run it
+// with gemm='cublaslt' (fusedfp8/pytorch/gemm.py; autograd.scaled_mm -> _cublaslt_mm), for their
+// forward (with its bias) and both gradients.
 //
 //   fp8_gemm_lt(Tensor a, Tensor b, Tensor scale_inv_a, Tensor scale_inv_b, ScalarType out_dtype,
-//               bool fast_accum=False) -> Tensor
-//   out (M, N) = out_dtype(scale_inv_a * scale_inv_b * (a @ b.T)), a (M, K) and b (N, K) contiguous
-//   FP8 (float8_e4m3fn / float8_e5m2, not both e5m2), K and N multiples of 16 (as torch._scaled_mm
-//   asks; the quantize kernels' pad_to=16 writes such operands), scales float32 of one element.
-// The workspace is one at::empty of kWorkspaceBytes per call (the caching allocator, stream-ordered).
+//               bool fast_accum=False, Tensor? bias=None) -> Tensor
+//   out (M, N) = out_dtype(scale_inv_a * scale_inv_b * (a @ b.T) + bias), a (M, K) and b (N, K)
+//   contiguous FP8 (float8_e4m3fn / float8_e5m2, not both e5m2), K and N multiples of 16 (as
+//   torch._scaled_mm asks; the quantize kernels' pad_to=16 writes such operands), scales float32
+//   of one element. bias: None, or (N,) of out_dtype, which must then be bfloat16 or float16 (as
+//   torch._scaled_mm's bias); it is added in cuBLASLt's epilogue in float32 and the sum rounded
+//   once (gemm.h). `bias` came last, with a default, so callers of the op without it are unchanged.
+// The workspace is one at::empty per call (the caching allocator, stream-ordered) of
+// workspace_bytes(): 32 MiB unless set (gemm_set_workspace of torch_ops.cc). fusedfp8.pytorch.gemm
+// sets it to torch's own cuBLASLt workspace size where torch tells it
+// (torch._C._cuda_getCublasLtWorkspaceSize), so that the heuristic is asked what torch._scaled_mm
+// asks it: torch's scaled_gemm passes that size as CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES and no
+// alignment preference (cuBLASLt then assumes 256-byte aligned buffers); gemm.h passes the
+// alignment the pointers have, 256 for the caching allocator's tensors: the same question. torch's
+// size: 32 MiB on Hopper where the cuBLAS and cuBLASLt workspaces are unified and the cuBLASLt size
+// defaults to the cuBLAS one (recent torch; 4096 * 8 KiB on sm_90 / sm_100 / sm_120), 1 MiB by the
+// older default (CUBLASLT_WORKSPACE_SIZE=1024 KiB); the environment variables CUBLASLT_WORKSPACE_SIZE
+// and CUBLAS_WORKSPACE_CONFIG change it. The size is part of gemm.h's cache key.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
+#include <optional>
 #include <string>
 
 #include "gemm.h"
@@ -23,6 +39,11 @@
 namespace ff8::torch_gemm {
 
 constexpr int64_t kWorkspaceBytes = 32 << 20;
+
+inline std::atomic<int64_t>& workspace_bytes() {
+  static std::atomic<int64_t> w{kWorkspaceBytes};
+  return w;
+}
 
 inline int32_t lt_type(at::ScalarType t) {
   switch (t) {
@@ -38,7 +59,7 @@ inline int32_t lt_type(at::ScalarType t) {
 // The gemm.h shape of the call, after the argument checks (TORCH_CHECK: ValueError / TypeError-like
 // messages naming the argument).
 inline lt::Shape checked_shape(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
-                               at::ScalarType out_dtype, bool fast_accum) {
+                               at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "fp8_gemm_lt: a and b must be 2-D; got ", a.sizes(), " and ", b.sizes());
   TORCH_CHECK(a.size(1) == b.size(1), "fp8_gemm_lt: a (M, K) and b (N, K) must agree on K; got ", a.sizes(), " and ",
               b.sizes());
@@ -50,8 +71,20 @@ inline lt::Shape checked_shape(const at::Tensor& a, const at::Tensor& b, const a
                 "fp8_gemm_lt: scale_inv_a and scale_inv_b must be float32 tensors of one element; got ",
                 s->scalar_type(), " ", s->sizes());
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
-  const lt::Shape s{m, n, k, k, k, n, lt_type(a.scalar_type()), lt_type(b.scalar_type()), lt_type(out_dtype),
-                    fast_accum ? 1 : 0, kWorkspaceBytes};
+  lt::Shape s{m, n, k, k, k, n, lt_type(a.scalar_type()), lt_type(b.scalar_type()), lt_type(out_dtype),
+              fast_accum ? 1 : 0, workspace_bytes().load()};
+  if (bias.has_value()) {
+    const at::Tensor& v = *bias;
+    TORCH_CHECK(v.dim() == 1 && v.size(0) == n, "fp8_gemm_lt: bias must be 1-D of N = b.size(0) = ", n,
+                " elements; got shape ", v.sizes());
+    TORCH_CHECK(v.device() == a.device(), "fp8_gemm_lt: bias must be on the operands' device (", a.device(), "); got ",
+                v.device());
+    TORCH_CHECK(v.scalar_type() == out_dtype && (out_dtype == at::kBFloat16 || out_dtype == at::kHalf),
+                "fp8_gemm_lt: bias must have out_dtype, which must then be bfloat16 or float16 (cuBLASLt's FP8 bias "
+                "epilogue, as torch._scaled_mm's); got a ", v.scalar_type(), " bias with out_dtype ", out_dtype);
+    s.epilogue = lt::kEpilogueBias;
+    s.bias_type = lt_type(v.scalar_type());
+  }
   if (m > 0 && n > 0 && k > 0) {
     std::string why = lt::check_shape(s);
     TORCH_CHECK(why.empty(), "fp8_gemm_lt: ", why);
@@ -62,25 +95,33 @@ inline lt::Shape checked_shape(const at::Tensor& a, const at::Tensor& b, const a
 }
 
 inline at::Tensor meta(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
-                       at::ScalarType out_dtype, bool fast_accum) {
-  checked_shape(a, b, sa, sb, out_dtype, fast_accum);
+                       at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias) {
+  checked_shape(a, b, sa, sb, out_dtype, fast_accum, bias);
   return at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
 }
 
 // `stream_of(device)`: torch's current CUDA stream there (torch_ops.cc's current_stream).
 template <void* (*stream_of)(const c10::Device&)>
 at::Tensor cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
-                at::ScalarType out_dtype, bool fast_accum) {
-  const lt::Shape s = checked_shape(a, b, sa, sb, out_dtype, fast_accum);
+                at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias) {
+  const lt::Shape s = checked_shape(a, b, sa, sb, out_dtype, fast_accum, bias);
   at::Tensor out = at::empty({s.m, s.n}, a.options().dtype(out_dtype));
   if (s.m == 0 || s.n == 0) return out;
-  if (s.k == 0) return out.zero_();
-  at::Tensor ws = at::empty({kWorkspaceBytes}, a.options().dtype(at::kByte));
+  if (s.k == 0) return bias ? out.copy_(bias->unsqueeze(0).expand({s.m, s.n})) : out.zero_();  // the empty sum
+  // The bias as the epilogue reads it: contiguous, and 256-byte aligned so that it does not lower
+  // the alignment the algorithm is chosen for (gemm.h's Key); a copy only for a strided or offset view.
+  at::Tensor v;
+  if (bias) {
+    v = bias->contiguous();
+    if (reinterpret_cast<uintptr_t>(v.data_ptr()) % 256) v = v.clone();
+  }
+  at::Tensor ws = at::empty({std::max<int64_t>(s.workspace, 1)}, a.options().dtype(at::kByte));
   const int device = a.device().index();
   std::string err = ensure_context(device);
   if (err.empty())
     err = lt::run(device, s, a.data_ptr(), b.data_ptr(), static_cast<const float*>(sa.data_ptr()),
-                  static_cast<const float*>(sb.data_ptr()), out.data_ptr(), ws.data_ptr(), stream_of(a.device()));
+                  static_cast<const float*>(sb.data_ptr()), out.data_ptr(), ws.data_ptr(), stream_of(a.device()),
+                  bias ? v.data_ptr() : nullptr);
   TORCH_CHECK(err.empty(), err);
   return out;
 }

@@ -591,6 +591,20 @@ PyObject* py_gemm_set_library(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+PyObject* py_gemm_set_workspace(PyObject*, PyObject* args) {
+  long long bytes = -1;
+  if (!PyArg_ParseTuple(args, "L", &bytes)) return nullptr;
+  if (bytes < 0 || bytes > (1LL << 32)) {
+    PyErr_Format(PyExc_ValueError, "gemm_set_workspace: bytes must be in 0 .. 2**32; got %lld", bytes);
+    return nullptr;
+  }
+  return PyLong_FromLongLong(ff8::torch_gemm::workspace_bytes().exchange(bytes));
+}
+
+PyObject* py_gemm_workspace(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(ff8::torch_gemm::workspace_bytes().load());
+}
+
 // The id of the stream capture in progress on `stream` (unique over the process's lifetime), 0 when the
 // stream is not capturing; None where the driver cannot say.
 PyObject* py_capture_id(PyObject*, PyObject* arg) {
@@ -620,6 +634,9 @@ PyMethodDef kMethods[] = {
      "capture_id(stream_handle) -> int | None: the stream capture in progress (unique per process), 0 if none"},
     {"gemm_set_library", py_gemm_set_library, METH_VARARGS,
      "gemm_set_library(path): where fusedfp8::fp8_gemm_lt loads cuBLASLt from when the process has none loaded"},
+    {"gemm_set_workspace", py_gemm_set_workspace, METH_VARARGS,
+     "gemm_set_workspace(bytes) -> previous: the cuBLASLt workspace of fusedfp8::fp8_gemm_lt's later calls"},
+    {"gemm_workspace", py_gemm_workspace, METH_NOARGS, "the cuBLASLt workspace bytes of fusedfp8::fp8_gemm_lt"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ff8_torch", "fusedfp8's torch launch shim (C++)", -1, kMethods,
@@ -630,7 +647,7 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ff8_torch", "fusedfp8's torch la
 // the cuBLASLt FP8 GEMM (torch_gemm.h): defined here, with its CUDA and Meta kernels
 TORCH_LIBRARY_FRAGMENT(fusedfp8, m) {
   m.def("fp8_gemm_lt(Tensor a, Tensor b, Tensor scale_inv_a, Tensor scale_inv_b, ScalarType out_dtype, "
-        "bool fast_accum=False) -> Tensor");
+        "bool fast_accum=False, Tensor? bias=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fusedfp8, CUDA, m) { m.impl("fp8_gemm_lt", &ff8::torch_gemm::cuda<&current_stream>); }
 TORCH_LIBRARY_IMPL(fusedfp8, Meta, m) { m.impl("fp8_gemm_lt", &ff8::torch_gemm::meta); }

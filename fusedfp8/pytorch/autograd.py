@@ -70,8 +70,8 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
     gemm : {'scaled_mm', 'cublaslt'}
         The CUDA backend (:func:`fusedfp8.pytorch.gemm.backend` of the layer's ``gemm``):
         ``torch._scaled_mm``, or the shim's ``torch.ops.fusedfp8.fp8_gemm_lt`` (then ``b`` must be
-        the ``.t()`` of a contiguous (N, K) tensor; a bias is added to its float32 product and the
-        sum rounded once, see :mod:`fusedfp8.pytorch.gemm`). Ignored on the CPU.
+        the ``.t()`` of a contiguous (N, K) tensor; a bias fused into its epilogue as into
+        ``_scaled_mm``'s, see :mod:`fusedfp8.pytorch.gemm`). Ignored on the CPU.
 
     Returns
     -------
@@ -101,10 +101,13 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tens
 
 def _cublaslt_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None,
                  out_dtype: torch.dtype, fast_accum: bool) -> Tensor:
-    """:func:`scaled_mm` through ``fusedfp8::fp8_gemm_lt`` (a (M, K), b.t() (N, K), both contiguous)."""
+    """:func:`scaled_mm` through ``fusedfp8::fp8_gemm_lt`` (a (M, K), b.t() (N, K), both contiguous).
+    A bias of the output's dtype (bf16 / fp16) goes into the op's epilogue, as into ``_scaled_mm``'s;
+    any other pairing (a float32 output, a bias of another dtype) is added to the float32 product
+    and rounded once, as :func:`scaled_mm` does for ``_scaled_mm``."""
     op = torch.ops.fusedfp8.fp8_gemm_lt.default
-    if bias is None:
-        return op(a, b.t(), scale_a, scale_b, out_dtype, fast_accum)
+    if bias is None or (out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype):
+        return op(a, b.t(), scale_a, scale_b, out_dtype, fast_accum, bias)
     y = op(a, b.t(), scale_a, scale_b, torch.float32, fast_accum).add_(bias)  # one rounding, as an epilogue
     return y if out_dtype == torch.float32 else y.to(out_dtype)
 

@@ -14,8 +14,9 @@ Every FP8 layer (:class:`~fusedfp8.pytorch.Fp8Linear`, :class:`~fusedfp8.pytorch
   ``scripts/bench_mlp_torch.py --torch-gemm``) the shim's GEMM made the eager MLP step at hidden
   1024 faster on the host (2.31 against 2.76 ms a step, ``scripts/profile_host.py --part gemm``)
   but the CUDA-graphed step slower on the GPU (0.388 against 0.328 ms at 1024, 8.09 against 7.23
-  ms at 4096): its bias is added outside the GEMM in float32 (below). 'auto' takes the faster GPU
-  path until the shim's GEMM is as fast there.
+  ms at 4096), when its bias was still added outside the GEMM in float32 (now in its epilogue,
+  below). ``scripts/gemm_backends.py`` times both on the GPU, per GEMM and per graphed step;
+  'auto' stays on the faster GPU path until those figures say otherwise.
 
 The choice is made once per process and value (the first CUDA forward loads, and if needed
 compiles, the shim), never per call; :func:`gemm_path` says what it is. On the CPU every value
@@ -25,11 +26,14 @@ Numerics. Both backends are one cuBLASLt FP8 matmul of the same operands with th
 and the same accumulation mode (``fast_accum``: the forward GEMM's fast accumulation, the
 backward GEMMs' split accumulator), so their results differ only by the order of the float32
 accumulation (the two may get different algorithms, tile shapes or split-K from cuBLASLt's
-heuristic: torch asks with its own workspace size and preferences). A bias is where they differ in
-form, not in rounding: ``_scaled_mm`` adds it in its epilogue, the shim's GEMM has no bias
-epilogue, so it writes the float32 product, the bias is added in float32 and the sum rounded to
-the output dtype once, as the epilogue does (two more elementwise kernels for a layer with a
-bias, in its forward only).
+heuristic; the shim asks it the same question torch does: torch's cuBLASLt workspace size (set
+when the backend is decided, where torch tells it: :func:`torch_lt_workspace`; else 32 MiB, torch's
+size on Hopper) and 256-byte alignment for the caching allocator's tensors, see
+fusedfp8/csrc/torch_gemm.h). A bias is
+added the same way too: a bias of the output's dtype (bf16 / fp16) in cuBLASLt's bias epilogue,
+``round(scale_a * scale_b * acc + bias)`` in float32 with one rounding to the output dtype; any other
+pairing (a float32 output, or a bias of another dtype, which cuBLASLt's FP8 epilogue and
+``_scaled_mm`` refuse) as the float32 product plus the bias, rounded once.
 """
 from __future__ import annotations
 
@@ -53,15 +57,33 @@ def check_gemm(gemm) -> str:
     return gemm
 
 
+def torch_lt_workspace() -> int | None:
+    """The cuBLASLt workspace bytes torch gives ``torch._scaled_mm`` in this process, or None where
+    torch does not say (no CUDA, a torch without ``torch._C._cuda_getCublasLtWorkspaceSize``)."""
+    get = getattr(torch._C, "_cuda_getCublasLtWorkspaceSize", None)
+    if get is None or not torch.cuda.is_available():
+        return None
+    try:
+        return int(get())
+    except RuntimeError:
+        return None
+
+
 def _lt_op():
-    """(the fp8_gemm_lt OpOverload, where it came from) or (None, why not); loads the shim."""
+    """(the fp8_gemm_lt OpOverload, where it came from) or (None, why not); loads the shim and
+    gives its GEMM torch's cuBLASLt workspace size (the heuristic then answers both alike)."""
     lib, why = _shim.library("torch")
     if lib is None:
         return None, f"the torch launch shim is not available: {why}"
     try:
-        return torch.ops.fusedfp8.fp8_gemm_lt.default, f"fusedfp8::fp8_gemm_lt of the torch shim ({why})"
+        op = torch.ops.fusedfp8.fp8_gemm_lt.default
     except (AttributeError, RuntimeError):
         return None, f"the torch shim ({why}) defines no fusedfp8::fp8_gemm_lt (an older build)"
+    ws = torch_lt_workspace()
+    if ws is not None and hasattr(lib, "gemm_set_workspace"):
+        lib.gemm_set_workspace(ws)
+        why += f"; cuBLASLt workspace {ws} bytes, as torch's"
+    return op, f"fusedfp8::fp8_gemm_lt of the torch shim ({why})"
 
 
 def _resolve(gemm: str) -> tuple[str, str]:

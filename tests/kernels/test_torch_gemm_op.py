@@ -49,6 +49,53 @@ def test_bad_arguments_are_refused_before_anything_runs(op, args, message):
         op(*args(), torch.bfloat16)
 
 
+def test_schema_takes_an_optional_bias_last():
+    """Old callers (six arguments, positional or by name) are unchanged: bias comes last, default None."""
+    built_shim("torch")
+    args = torch.ops.fusedfp8.fp8_gemm_lt.default._schema.arguments
+    assert [a.name for a in args] == ["a", "b", "scale_inv_a", "scale_inv_b", "out_dtype", "fast_accum", "bias"]
+    assert args[-1].default_value is None and str(args[-1].type) == "Optional[Tensor]"
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_meta_kernel_with_a_bias(op, out, how):
+    a, b, sa, sb = _meta(17, 48, 64, E4, E5)
+    bias = torch.empty(48, dtype=out, device="meta")
+    y = op(a, b, sa, sb, out, True, bias) if how == "positional" else op(a, b, sa, sb, out, fast_accum=True, bias=bias)
+    assert y.shape == (17, 48) and y.dtype == out and y.device.type == "meta"
+    assert op(a, b, sa, sb, out, bias=None).shape == (17, 48)
+
+
+@pytest.mark.parametrize("bias, out, message", [
+    (lambda: torch.empty(48, device="meta"), torch.bfloat16, "bias must have out_dtype.*got a Float bias"),
+    (lambda: torch.empty(48, dtype=torch.bfloat16, device="meta"), torch.float32,
+     "bias must have out_dtype, which must then be bfloat16 or float16"),
+    (lambda: torch.empty(48, dtype=torch.float16, device="meta"), torch.bfloat16, "got a Half bias"),
+    (lambda: torch.empty(64, dtype=torch.bfloat16, device="meta"), torch.bfloat16,
+     r"bias must be 1-D of N = b.size\(0\) = 48 elements; got shape \[64\]"),
+    (lambda: torch.empty(1, 48, dtype=torch.bfloat16, device="meta"), torch.bfloat16, "bias must be 1-D"),
+    (lambda: torch.empty(48, dtype=torch.bfloat16), torch.bfloat16, "bias must be on the operands' device"),
+], ids=["f32-bias", "f32-out", "f16-bias-bf16-out", "length", "2-d", "device"])
+def test_a_bad_bias_is_refused_naming_it(op, bias, out, message):
+    with pytest.raises(RuntimeError, match=message):
+        op(*_meta(32, 48, 64), out, False, bias())
+
+
+def test_the_workspace_is_settable_and_checked():
+    """gemm_set_workspace returns the previous size (32 MiB to begin with, unless the layers set
+    torch's); a negative size is refused naming the argument."""
+    lib = built_shim("torch")
+    before = lib.gemm_workspace()
+    try:
+        assert lib.gemm_set_workspace(1 << 20) == before and lib.gemm_workspace() == 1 << 20
+        with pytest.raises(ValueError, match="bytes must be in 0 .. 2\\*\\*32; got -1"):
+            lib.gemm_set_workspace(-1)
+        assert lib.gemm_workspace() == 1 << 20
+    finally:
+        lib.gemm_set_workspace(before)
+
+
 def test_no_cpu_kernel(op):
     a, b = torch.zeros(16, 16, dtype=E4), torch.zeros(16, 16, dtype=E4)
     with pytest.raises(NotImplementedError, match="fp8_gemm_lt"):
@@ -63,9 +110,22 @@ def _operands(m, n, k, ta, tb, seed=0):
     return a.cuda(), b.cuda()
 
 
-def _reference(a, b, sa, sb):
+def _reference(a, b, sa, sb, bias=None):
     a64, b64 = a.cpu().double().numpy(), b.cpu().double().numpy()
-    return (a64 @ b64.T) * sa * sb, (np.abs(a64) @ np.abs(b64).T) * sa * sb
+    ref, absref = (a64 @ b64.T) * sa * sb, (np.abs(a64) @ np.abs(b64).T) * sa * sb
+    if bias is None:
+        return ref, absref
+    v = bias.cpu().double().numpy()
+    return ref + v, absref + np.abs(v)
+
+
+def _within_accumulation(got, ref, absref, out, fast=False):
+    """The output's rounding plus the float32 accumulation allowance of tests/jax/test_jax_gemm.py
+    (split accumulator 2**-9; fast accumulation 2**-7, as tests/pytorch/test_gemm_backend.py)."""
+    eps = 2.0 ** -8 if out in (torch.bfloat16, torch.float16) else 2.0 ** -23
+    err = np.abs(got.double().cpu().numpy() - ref)
+    bound = eps * np.abs(ref) + (2.0 ** -7 if fast else 2.0 ** -9) * absref + 1e-30
+    return float((err / bound).max())
 
 
 @pytest.mark.gpu
@@ -81,13 +141,61 @@ def test_fp8_gemm_lt_matches_float64_and_scaled_mm(op, mnk, pair, out):
     sa, sb = 0.5, 2.0 ** -5
     s = (torch.tensor([sa], device="cuda"), torch.tensor([sb], device="cuda"))
     ref, absref = _reference(a, b, sa, sb)
-    eps = 2.0 ** -8 if out == torch.bfloat16 else 2.0 ** -23
     for name, got in (("fp8_gemm_lt", op(a, b, *s, out)),
                       ("_scaled_mm", torch._scaled_mm(a, b.t(), scale_a=s[0], scale_b=s[1], out_dtype=out))):
         assert got.shape == (m, n) and got.dtype == out, name
-        err = np.abs(got.double().cpu().numpy() - ref)
-        # the split accumulator's error allowance of tests/jax/test_jax_gemm.py
-        assert np.all(err <= eps * np.abs(ref) + 2.0 ** -9 * absref + 1e-30), (name, float(err.max()))
+        assert _within_accumulation(got, ref, absref, out) <= 1.0, name
+
+
+@pytest.mark.gpu
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("fast", [False, True], ids=["split", "fast"])
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("mnk", [(2048, 4096, 1024), (1000, 80, 48), (17, 64, 32)], ids=str)
+def test_fp8_gemm_lt_with_a_bias_matches_float64_and_scaled_mm(op, mnk, pair, out, fast):
+    """The bias epilogue: round(sa * sb * acc + bias) within the same bound against float64 of the
+    operands plus the bias, as torch._scaled_mm's bias on the same operands; a bias large against
+    the product, so a bias left out or added twice fails."""
+    m, n, k = mnk
+    a, b = _operands(m, n, k, *pair, seed=2)
+    sa, sb = 0.5, 2.0 ** -5
+    s = (torch.tensor([sa], device="cuda"), torch.tensor([sb], device="cuda"))
+    g = torch.Generator().manual_seed(3)
+    bias = (torch.randn(n, generator=g) * 4).to(out).cuda()
+    ref, absref = _reference(a, b, sa, sb, bias)
+    assert np.abs(bias.double().cpu().numpy()).mean() > 0.5 * np.abs(ref).mean()  # the bias matters
+    for name, got in (("fp8_gemm_lt", op(a, b, *s, out, fast, bias)),
+                      ("_scaled_mm", torch._scaled_mm(a, b.t(), scale_a=s[0], scale_b=s[1], bias=bias, out_dtype=out,
+                                                      use_fast_accum=fast))):
+        assert got.shape == (m, n) and got.dtype == out, name
+        assert _within_accumulation(got, ref, absref, out, fast) <= 1.0, name
+
+
+@pytest.mark.gpu
+@pytest.mark.fp8_gemm
+def test_fp8_gemm_lt_bias_views_empty_k_and_graph_replay(op):
+    """An offset bias view gives the bits of an aligned copy (the op copies it to an aligned buffer);
+    K = 0 gives the bias itself; a captured call reads the bias from device memory at replay."""
+    a, b = _operands(1000, 80, 48, E4, E4, seed=4)
+    s = torch.tensor([0.25], device="cuda")
+    store = torch.randn(81, device="cuda").to(torch.bfloat16)
+    view = store[1:]  # 2 bytes past a 512-byte aligned block
+    assert view.data_ptr() % 16
+    torch.testing.assert_close(op(a, b, s, s, torch.bfloat16, False, view),
+                               op(a, b, s, s, torch.bfloat16, False, view.clone()), rtol=0, atol=0)
+    empty = op(a[:, :0], b[:, :0], s, s, torch.bfloat16, False, view)
+    torch.testing.assert_close(empty, view.expand(1000, 80), rtol=0, atol=0)
+    bias = view.clone()
+    out = op(a, b, s, s, torch.bfloat16, True, bias)  # warm: the entry exists before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(a, b, s, s, torch.bfloat16, True, bias)
+    bias.add_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, op(a, b, s, s, torch.bfloat16, True, bias), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

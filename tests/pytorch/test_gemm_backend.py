@@ -101,6 +101,22 @@ def test_with_the_shim_cublaslt_takes_its_gemm_once_and_auto_stays_on_scaled_mm(
     assert G.backend("auto") == "scaled_mm" and lib.calls == 1
 
 
+def test_deciding_cublaslt_gives_the_shim_torchs_cublaslt_workspace(monkeypatch, fresh):
+    """Where torch says its cuBLASLt workspace size, the shim's GEMM takes it (the same heuristic
+    question as torch._scaled_mm's); where it does not (no CUDA here), the shim keeps its own."""
+    lib = built_shim("torch")
+    before = lib.gemm_workspace()
+    try:
+        assert G.torch_lt_workspace() is None or torch.cuda.is_available()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch._C, "_cuda_getCublasLtWorkspaceSize", lambda: 3 << 20, raising=False)
+        assert G.torch_lt_workspace() == 3 << 20
+        assert G.backend("cublaslt") == "cublaslt" and lib.gemm_workspace() == 3 << 20
+        assert f"workspace {3 << 20} bytes, as torch's" in G.gemm_path("cublaslt")[1]
+    finally:
+        lib.gemm_set_workspace(before)
+
+
 def test_the_decision_is_a_constant_under_torch_compile(monkeypatch, fresh):
     """Made at trace time outside the graph (assume_constant_result): fullgraph, no graph break,
     even when this is the first call of the process."""
@@ -137,14 +153,34 @@ def test_cpu_modules_never_decide(monkeypatch, fresh):
 @pytest.mark.parametrize("bias", [None, torch.bfloat16, torch.float32], ids=["no-bias", "bf16-bias", "f32-bias"])
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def test_cublaslt_call_layouts_on_meta(bias, out):
-    """a (M, K) row-major and b the .t() of a contiguous (N, K) tensor, as the layers pass them."""
+    """a (M, K) row-major and b the .t() of a contiguous (N, K) tensor, as the layers pass them. A
+    bias of the output's dtype (bf16) goes into the op's epilogue: one op, nothing after it; any
+    other pairing is the float32 product plus the bias, rounded once (the route of _scaled_mm)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append((func.overloadpacket.__name__, len(args) + len(kwargs or {})))
+            return func(*args, **(kwargs or {}))
+
     built_shim("torch")
     a = torch.empty(17, 64, dtype=torch.float8_e4m3fn, device="meta")
     w = torch.empty(48, 64, dtype=torch.float8_e5m2, device="meta")
     s = torch.empty(1, device="meta")
     b = None if bias is None else torch.empty(48, dtype=bias, device="meta")
-    y = A8._cublaslt_mm(a, w.t(), s, s, b, out, True)
+    with Ops() as ops:
+        y = A8._cublaslt_mm(a, w.t(), s, s, b, out, True)
     assert y.shape == (17, 48) and y.dtype == out and y.device.type == "meta"
+    fused = bias == out == torch.bfloat16
+    assert [n for n, count in ops.seen if n == "fp8_gemm_lt"] == ["fp8_gemm_lt"]
+    if bias is None or fused:  # one op and nothing after it; the bias handed to it
+        assert [(n, count) for n, count in ops.seen if n != "t"] == [("fp8_gemm_lt", 7 if fused else 6)], ops.seen
+    else:
+        assert "add_" in [n for n, _ in ops.seen], ops.seen  # the float32 route
     with pytest.raises(RuntimeError, match="must be contiguous"):
         A8._cublaslt_mm(a, torch.empty(64, 48, dtype=torch.float8_e4m3fn, device="meta"), s, s, b, out, True)
 
@@ -163,8 +199,8 @@ class _ByHand:
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 def test_every_layer_gemm_passes_the_ops_checks_on_fake_cuda(monkeypatch, kind, bias):
     """FakeTensorMode with CUDA-device fake tensors: the layers' whole cublaslt route, forward and
-    backward, through the op's Meta kernel (its contiguity, K and multiple-of-16 checks) and the
-    bias add; aligned shapes (slicing a fake CUDA tensor needs a CUDA build of torch)."""
+    backward, through the op's Meta kernel (its contiguity, K and multiple-of-16 checks, and its bias
+    checks: the bf16 layers' bias goes into the op); aligned shapes (slicing a fake CUDA tensor needs a CUDA build of torch)."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     if torch.cuda.is_available():
@@ -254,21 +290,29 @@ def _run(model, x, g):
 
 @pytest.mark.gpu
 @pytest.mark.fp8_gemm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_cublaslt_layers_match_scaled_mm_within_accumulation(monkeypatch, shape, kind, bias):
+def test_cublaslt_layers_match_scaled_mm_within_accumulation(monkeypatch, shape, kind, bias, dtype):
+    """bf16 layers: the bias in the GEMM's epilogue on both backends; float32 layers: the float32
+    product plus the bias on both."""
     built_shim("torch")
     tokens, hidden, ffn = shape
     torch.manual_seed(0)
     if kind == "linear":
-        base = fp8.Fp8Linear(hidden, ffn, bias, R, device="cuda", dtype=torch.bfloat16, gemm="scaled_mm")
+        base = fp8.Fp8Linear(hidden, ffn, bias, R, device="cuda", dtype=dtype, gemm="scaled_mm")
         out = ffn
     else:
-        base = fp8.Fp8MLP(hidden, ffn, R, bias=bias, device="cuda", dtype=torch.bfloat16, gemm="scaled_mm")
+        base = fp8.Fp8MLP(hidden, ffn, R, bias=bias, device="cuda", dtype=dtype, gemm="scaled_mm")
         out = hidden
-    x = inputs(tokens, hidden, torch.bfloat16, 1, device="cuda")
-    g = inputs(tokens, out, torch.bfloat16, 2, device="cuda") * 0.01
+    if bias:  # a bias that matters against the product (the default init's is small)
+        with torch.no_grad():
+            for m in base.modules():
+                if isinstance(m, fp8.Fp8Linear):
+                    m.bias.copy_(torch.randn_like(m.bias))
+    x = inputs(tokens, hidden, dtype, 1, device="cuda")
+    g = inputs(tokens, out, dtype, 2, device="cuda") * 0.01
     lt = copy.deepcopy(base)
     for m in lt.modules():
         if isinstance(m, fp8.Fp8Linear):
