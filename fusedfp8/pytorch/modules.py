@@ -325,6 +325,10 @@ class Fp8Linear(_StrictLoad, nn.Linear):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        for name in STATE_FIELDS:  # a linked module's buffers are column views of its group's arrays;
+            buf = self._buffers.get(name)  # the copy is unlinked, so each becomes a tensor of its own
+            if buf is not None and not buf.is_contiguous():  # (the kernels take contiguous state only)
+                self._buffers[name] = buf.contiguous()
         if "weight" in self._parameters:  # a copy's weight is a new tensor: its version counter starts over,
             self._pending_version = self.weight._version  # and a copy is not an optimizer step
 

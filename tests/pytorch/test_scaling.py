@@ -18,6 +18,7 @@ from fusedfp8 import ops
 from fusedfp8.numerics import reference as ref
 from fusedfp8.pytorch import scaling as fp8_scaling
 from fusedfp8.recipe import DelayedScaling
+from fusedfp8.state import STATE_FIELDS
 from support.frameworks import same_bytes
 from support.torch_helpers import inputs, train_step
 
@@ -182,6 +183,40 @@ def test_a_copy_made_after_a_backward_is_not_an_optimizer_step(how):
             p.add_(1.0)  # an optimizer step on the copy, with no update_model_scales
     with pytest.raises(fp8.MissedScaleUpdateError):
         twin(x).sum().backward()
+
+
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_linked_model_trains_like_the_original(device, how):
+    """update_model_scales links the modules' states as column views of one array per model; a
+    copy drops the link, and its states must be tensors of their own that the kernels take (a
+    column view is not contiguous: the CUDA ops refused the copy's first forward, found by
+    scripts/bench_shapes_accum.py on the GPU). The copy then trains bit for bit like the original,
+    and writing its state leaves the original's alone."""
+    model = _mlp_model("raise").to(device)
+    opts = {}
+
+    def loop(m, steps, seed):
+        opt = opts.setdefault(id(m), torch.optim.SGD(m.parameters(), lr=0.01))
+        for s in range(steps):
+            (m(inputs(16, 32, seed=seed + s, device=device)).float() ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            fp8.update_model_scales(m)
+
+    loop(model, 2, 0)  # linked now: every module's state is a view of the model-level arrays
+    assert not fp8.fp8_modules(model)[0].amax_history.is_contiguous()
+    twin = _copies()[how](model)
+    for m in fp8.fp8_modules(twin):
+        assert all(getattr(m, name).is_contiguous() for name in STATE_FIELDS), how
+    loop(model, 2, 10)
+    loop(twin, 2, 10)
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert same_bytes(a.detach().cpu(), b.detach().cpu()), name
+    before = fp8.fp8_modules(model)[0].scale.clone()
+    with torch.no_grad():
+        fp8.fp8_modules(twin)[0].scale.fill_(3.0)
+    assert torch.equal(fp8.fp8_modules(model)[0].scale, before)
 
 
 def test_forgotten_update_is_detected_in_copies_and_compiled_models():
