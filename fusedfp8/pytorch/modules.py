@@ -320,7 +320,8 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         state = super().__getstate__()
         state["_group"] = None  # copies and pickles get their own state; update_scales links them again
         state["_link"] = None
-        state["_wcache"] = F8.WeightCache()
+        state["_wcache"] = F8.WeightCache()  # the cached FP8 copy stays behind, the setting goes along
+        state["_wcache"].enabled = self._wcache.enabled
         return state
 
     def __setstate__(self, state):

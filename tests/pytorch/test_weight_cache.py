@@ -6,6 +6,7 @@ over several optimizer steps, and every way the weight or its scale can change."
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -109,6 +110,30 @@ def test_copies_do_not_share_a_cached_weight(device):
     with torch.no_grad():
         g.weight.mul_(2)
     torch.testing.assert_close(g(x), 2 * f(x) - f.bias, rtol=0.1, atol=0.1)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("on", [False, True])
+def test_a_copy_keeps_the_cache_setting(device, monkeypatch, how, on):
+    """cache_fp8_weight is the module's setting: a copy (deepcopy, a pickle through torch.save)
+    keeps it, and only the cached FP8 copy stays behind (a copy reset it to on, found by
+    scripts/bench_shapes_accum.py: its 'uncached' graph quantized each weight once)."""
+    f = fp8.Fp8Linear(32, 16, recipe=R, device=device)
+    f.cache_fp8_weight = on
+    x = torch.randn(8, 32, device=device)
+    f(x)
+    if how == "deepcopy":
+        g = copy.deepcopy(f)
+    else:
+        buf = io.BytesIO()
+        torch.save(f, buf)
+        buf.seek(0)
+        g = torch.load(buf, weights_only=False)
+    assert g.cache_fp8_weight is on and g._wcache.value is None
+    count = Count(monkeypatch, g)
+    for _ in range(3):
+        g(x)
+    assert count.n == (1 if on else 3)
 
 
 # ---- CUDA graphs: the cache keyed on the capture in progress ----------------------------------
