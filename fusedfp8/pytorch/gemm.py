@@ -10,13 +10,12 @@ Every FP8 layer (:class:`~fusedfp8.pytorch.Fp8Linear`, :class:`~fusedfp8.pytorch
   per ``_scaled_mm`` call on the H200, six GEMMs per MLP step). An error on the first CUDA
   forward where the shim cannot be had (no compiler, ``FUSEDFP8_NO_SHIM``, an old build).
 - ``'scaled_mm'``: ``torch._scaled_mm`` (the only GEMM before the shim's).
-- ``'auto'`` (the default): ``'scaled_mm'`` today. On the H200 (2026-12-03,
-  ``scripts/bench_mlp_torch.py --torch-gemm``) the shim's GEMM made the eager MLP step at hidden
-  1024 faster on the host (2.31 against 2.76 ms a step, ``scripts/profile_host.py --part gemm``)
-  but the CUDA-graphed step slower on the GPU (0.388 against 0.328 ms at 1024, 8.09 against 7.23
-  ms at 4096), when its bias was still added outside the GEMM in float32 (now in its epilogue,
-  below). ``scripts/gemm_backends.py`` times both on the GPU, per GEMM and per graphed step;
-  'auto' stays on the faster GPU path until those figures say otherwise.
+- ``'auto'`` (the default): ``'cublaslt'`` where the shim can be had, else ``'scaled_mm'`` (the
+  reason is in :func:`gemm_path`). With the bias in the GEMM's epilogue both run the same cuBLASLt
+  kernels: on the H200 (2026-12-04, ``scripts/gemm_backends.py``) each of the six GEMMs of the MLP
+  step took 0.98-1.02x of ``_scaled_mm``'s time, the CUDA-graphed step 0.321 against 0.322 ms at
+  hidden 1024 and 7.48 against 7.55 ms at 4096, while the eager step spent less time on the host
+  (``scripts/bench_mlp_torch.py --torch-gemm``, hidden 1024: 2.30 and 2.39 against 2.63 ms a step).
 
 The choice is made once per process and value (the first CUDA forward loads, and if needed
 compiles, the shim), never per call; :func:`gemm_path` says what it is. On the CPU every value
@@ -89,11 +88,9 @@ def _lt_op():
 def _resolve(gemm: str) -> tuple[str, str]:
     if gemm == "scaled_mm":
         return "scaled_mm", "torch._scaled_mm, as asked (gemm='scaled_mm')"
-    if gemm == "auto":
-        return "scaled_mm", "torch._scaled_mm (gemm='auto': faster on the GPU than the shim's GEMM, see fusedfp8.pytorch.gemm)"
     op, why = _lt_op()
     if op is not None:
-        return "cublaslt", why
+        return "cublaslt", why if gemm == "cublaslt" else f"{why}; gemm='auto'"
     if gemm == "cublaslt":
         raise RuntimeError(f"gemm='cublaslt': the shim's cuBLASLt FP8 GEMM cannot be used: {why}. gemm='auto' "
                            "falls back to torch._scaled_mm")
@@ -128,9 +125,11 @@ def gemm_path(gemm: str = "auto") -> tuple[str, str]:
     check_gemm(gemm)
     if gemm in _resolved:
         return _resolved[gemm]
-    if gemm in ("scaled_mm", "auto"):
+    if gemm == "scaled_mm":
         return _resolve(gemm)
     ready, why = _shim.status("torch")
     if ready is False:
+        if gemm == "auto":
+            return "scaled_mm", f"torch._scaled_mm (gemm='auto'): the torch launch shim is not available: {why}"
         return "error", f"the torch launch shim is not available: {why}"
     return "cublaslt", f"from the first CUDA forward on ({why})"

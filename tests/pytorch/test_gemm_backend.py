@@ -75,30 +75,39 @@ def fresh(monkeypatch):
     monkeypatch.setattr(G, "_resolved", {})
 
 
-def test_without_the_shim_cublaslt_raises_and_auto_never_loads_it(monkeypatch, fresh):
+def test_without_the_shim_cublaslt_raises_and_auto_falls_back_to_scaled_mm(monkeypatch, fresh):
     lib = _Library((None, "no C++ compiler to build it"))
     monkeypatch.setattr(G._shim, "library", lib)
     with pytest.raises(RuntimeError, match=r"gemm='cublaslt': .*no C\+\+ compiler.*gemm='auto' falls back"):
         G.backend("cublaslt")
     calls = lib.calls
-    for gemm in ("scaled_mm", "auto"):
-        assert G.backend(gemm) == "scaled_mm" and G.gemm_path(gemm)[0] == "scaled_mm"
-    assert lib.calls == calls  # 'auto' and 'scaled_mm' never load the shim
+    assert G.backend("scaled_mm") == "scaled_mm" and lib.calls == calls  # 'scaled_mm' never loads the shim
+    assert [G.backend("auto") for _ in range(3)] == ["scaled_mm"] * 3 and lib.calls == calls + 1
+    assert G.gemm_path("auto")[0] == "scaled_mm" and "no C++ compiler" in G.gemm_path("auto")[1]
     for _ in range(5):
         with pytest.raises(RuntimeError):
             G.backend("cublaslt")
 
 
-def test_with_the_shim_cublaslt_takes_its_gemm_once_and_auto_stays_on_scaled_mm(monkeypatch, fresh):
-    """'auto' is torch._scaled_mm while the shim's GEMM is slower on the GPU (the H200 figures in
-    fusedfp8.pytorch.gemm's docstring); 'cublaslt' loads the shim once."""
+def test_auto_says_scaled_mm_before_the_first_forward_where_the_shim_cannot_be_had(monkeypatch, fresh):
+    monkeypatch.setenv("FUSEDFP8_NO_SHIM", "1")
+    backend, why = G.gemm_path("auto")
+    assert backend == "scaled_mm" and "FUSEDFP8_NO_SHIM" in why
+    assert G.gemm_path("cublaslt")[0] == "error"
+
+
+def test_with_the_shim_cublaslt_and_auto_take_its_gemm_once(monkeypatch, fresh):
+    """'auto' is the shim's GEMM where it can be had: with the bias in its epilogue it runs the same
+    cuBLASLt kernels as torch._scaled_mm for less host time (the H200 figures in
+    fusedfp8.pytorch.gemm's docstring); each value loads the shim once."""
     built_shim("torch")  # defines fusedfp8::fp8_gemm_lt
     real = G._shim.library
     lib = _Library(real("torch"))
     monkeypatch.setattr(G._shim, "library", lib)
     assert [G.backend("cublaslt") for _ in range(4)] == ["cublaslt"] * 4 and lib.calls == 1
     assert G.gemm_path("cublaslt")[0] == "cublaslt" and "fp8_gemm_lt" in G.gemm_path("cublaslt")[1]
-    assert G.backend("auto") == "scaled_mm" and lib.calls == 1
+    assert [G.backend("auto") for _ in range(4)] == ["cublaslt"] * 4 and lib.calls == 2
+    assert "gemm='auto'" in G.gemm_path("auto")[1]
 
 
 def test_deciding_cublaslt_gives_the_shim_torchs_cublaslt_workspace(monkeypatch, fresh):
