@@ -89,8 +89,9 @@ def make_model(mode: str, hidden: int, ffn: int):
     return MLP(hidden, ffn, cls)
 
 
-def run_mode(mode: str, shape, args) -> dict:
-    hidden, ffn, tokens = shape
+def program(mode: str, hidden: int, ffn: int, tokens: int, donate: bool = False):
+    """The seed's program for ``mode``: (the jitted step, the TrainState, x, y). ``donate``
+    (never in this script's runs) gives the step ``donate_argnums=0``, for seed_host_trace.py."""
     model = make_model(mode, hidden, ffn)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     kx, ky, kp = jax.random.split(jax.random.key(0), 3)
@@ -113,7 +114,14 @@ def run_mode(mode: str, shape, args) -> dict:
 
     replicated = NamedSharding(mesh, P())
     batch = NamedSharding(mesh, P("data"))
-    step = jax.jit(train_step, in_shardings=(replicated, batch, batch), out_shardings=(replicated, replicated))
+    step = jax.jit(train_step, in_shardings=(replicated, batch, batch), out_shardings=(replicated, replicated),
+                   donate_argnums=(0,) if donate else ())
+    return step, state, x, y
+
+
+def run_mode(mode: str, shape, args) -> dict:
+    hidden, ffn, tokens = shape
+    step, state, x, y = program(mode, hidden, ffn, tokens)
     t0 = time.perf_counter()
     losses = []
     for _ in range(args.steps):
