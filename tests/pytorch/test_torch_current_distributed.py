@@ -130,3 +130,58 @@ def test_amax_op_is_the_amax_the_quantization_stages():
 
 def test_ranks_took_little_time(res):
     assert float(res[0]["seconds"]) < 30
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+AMAX_CASES = [(shape, dtype, op) for shape in [(0, 32), (1, 1), (7, 33), (256, 1024), (1000, 1030)]
+              for dtype in (torch.bfloat16, torch.float32) for op in ("identity", "gelu", "dgelu")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype,op", AMAX_CASES)
+def test_amax_kernel_equals_the_reference_and_the_quantize_kernel(shape, dtype, op):
+    from fusedfp8 import ops
+    from fusedfp8.pytorch import custom_ops as fops
+
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    x = torch.randn(shape, generator=g).to(dtype) * 5
+    z = torch.randn(shape, generator=g).to(dtype)
+    b = z if op == "dgelu" else None
+    got = fops.amax(x.cuda(), None if b is None else b.cuda(), op, "tanh").cpu()
+    cpu = fops.amax(x, b, op, "tanh")  # the reference
+    fn = {"identity": lambda t: ops.quantize(t, 1.0), "gelu": lambda t: ops.gelu_quantize(t, 1.0),
+          "dgelu": lambda t: ops.dgelu_quantize(t, z.cuda(), 1.0)}[op]
+    staged = fn(x.cuda()).amax.cpu()  # what the quantize kernel stages
+    assert got.view(torch.int32).tolist() == cpu.view(torch.int32).tolist(), (got, cpu)
+    assert got[0].view(torch.int32) == staged[0].view(torch.int32) and got[1] == 0
+    off = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:].view(shape)  # not 16-byte aligned
+    off.copy_(x.cuda())
+    if op != "dgelu":
+        assert fops.amax(off, None, op, "tanh").cpu().view(torch.int32).tolist() == cpu.view(torch.int32).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(0, 64), (3, 40), (300, 1024)])
+def test_layernorm_amax_kernel_equals_the_reference(shape):
+    from fusedfp8.pytorch import custom_ops as fops
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(shape, generator=g).to(torch.bfloat16) * 3 + 1
+    w, b = torch.randn(shape[1], generator=g), torch.randn(shape[1], generator=g)
+    got = fops.layernorm_amax(x.cuda(), w.cuda(), b.cuda(), 1e-5).cpu()
+    want = fops.layernorm_amax(x, w, b, 1e-5)
+    assert got.view(torch.int32).tolist() == want.view(torch.int32).tolist(), (got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.fp8_gemm
+def test_one_nccl_rank_equals_the_plain_current_scaling_run(tmp_path):
+    if not dist.is_nccl_available():
+        pytest.skip("torch has no NCCL")
+    res = D.spawn_nccl1(tmp_path)
+    for mode in ("eager", "compiled"):
+        plain, group = _group(res, f"{mode}/plain/"), _group(res, f"{mode}/group/")
+        assert plain.keys() == group.keys() and len(plain) > 10
+        for k in plain:
+            assert _equal(plain[k], group[k]), (mode, k)
+        assert np.isfinite(plain[f"y/{D.STEPS - 1}"]).all()

@@ -194,3 +194,52 @@ def spawn(out: Path, timeout: float = 120) -> list[dict]:
                 p.kill()
             raise TimeoutError(f"the {WORLD} spawned ranks did not finish within {timeout} s")
     return [dict(np.load(out / f"rank{r}.npz")) for r in range(WORLD)]
+
+
+# ---- one NCCL rank on a GPU (a gpu test): the group path equals the plain CurrentScaling run ----
+def nccl_worker(rank, tmp, port):
+    """World size 1 over NCCL: Net with amax_group=WORLD and without, eager and torch.compile'd,
+    a few SGD steps on CUDA; records every state, output and weight of both."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=120))
+    out = {}
+    for compiled in (False, True):
+        for tag, group in (("plain", None), ("group", dist.group.WORLD)):
+            model = Net(group).cuda().to(torch.bfloat16)
+            run = torch.compile(model) if compiled else model
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            key = f"{'compiled' if compiled else 'eager'}/{tag}"
+            for step in range(STEPS):
+                x = torch.cat([shard(r, step) for r in range(WORLD)]).cuda().to(torch.bfloat16)
+                x[3, 5] = 1.0  # (no NaN here: compared byte for byte, the NaN step is the gloo test's)
+                y = run(x)
+                (y.float() ** 2).sum().backward()
+                out[f"{key}/y/{step}"] = y.detach().float().cpu().numpy()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                fp8.update_model_scales(model)
+                for k, v in {f"{n}/{f}": getattr(model.get_submodule(n), f) for n in MODULES
+                             for f in STATE_FIELDS}.items():
+                    out[f"{key}/state/{step}/{k}"] = v.detach().cpu().numpy()
+                out[f"{key}/weights/{step}"] = np.concatenate(
+                    [p.detach().float().cpu().numpy().ravel() for p in model.parameters()])
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
+    np.savez(os.path.join(tmp, "nccl1.npz"), **out)
+
+
+def spawn_nccl1(out: Path, timeout: float = 300) -> dict:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.start_processes(nccl_worker, args=(str(out), port), nprocs=1, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"the NCCL rank did not finish within {timeout} s")
+    return dict(np.load(out / "nccl1.npz"))
