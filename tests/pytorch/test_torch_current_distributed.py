@@ -132,6 +132,11 @@ def test_ranks_took_little_time(res):
     assert float(res[0]["seconds"]) < 30
 
 
+def test_train_ddp_script_with_current_scaling(res):
+    # scripts/train_ddp.py --recipe current: DDP, amax_group=WORLD, identical FP8 states on both ranks
+    assert [int(r["script_rc"]) for r in res] == [0] * D.WORLD
+
+
 # ---- GPU ---------------------------------------------------------------------------------------
 AMAX_CASES = [(shape, dtype, op) for shape in [(0, 32), (1, 1), (7, 33), (256, 1024), (1000, 1030)]
               for dtype in (torch.bfloat16, torch.float32) for op in ("identity", "gelu", "dgelu")]

@@ -167,7 +167,16 @@ def oracle(out):
     out.update({f"oracle/q/state/{f}": getattr(st, f).numpy() for f in STATE_FIELDS})
 
 
-def worker(rank, tmp):
+def run_train_ddp_current(rank, tmp, port):
+    """scripts/train_ddp.py --recipe current (CurrentScaling, amax_group=WORLD) in this process, with
+    the environment torchrun would set; its exit code (0: identical states on the ranks)."""
+    from support.torch_distributed import run_train_ddp_script
+
+    return run_train_ddp_script(rank, WORLD, tmp, port, ("--recipe", "current", "--steps", "2"),
+                                "train_ddp_current.json")
+
+
+def worker(rank, tmp, port):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))  # a collective that hangs fails instead
@@ -181,12 +190,18 @@ def worker(rank, tmp):
     if rank == 0:
         oracle(out)
     out["seconds"] = np.array(time.perf_counter() - t0)
+    out["script_rc"] = np.array(run_train_ddp_current(rank, tmp, port))
     np.savez(os.path.join(tmp, f"rank{rank}.npz"), **out)
 
 
 def spawn(out: Path, timeout: float = 120) -> list[dict]:
     """Run the WORLD ranks to the end; each rank's record (dict of numpy arrays)."""
-    ctx = mp.start_processes(worker, args=(str(out),), nprocs=WORLD, join=False, start_method="spawn")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.start_processes(worker, args=(str(out), port), nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:
