@@ -302,7 +302,12 @@ def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dt
     out_dtype : the output dtype (x's by default)
     axis_name : None, or the mesh axis name(s) (inside ``shard_map``) over which the previous
         step's staged amaxes are MAX-reduced before the update (one ``lax.pmax``), so every
-        device quantizes with the same scales; see :func:`fusedfp8.jax.primitives.sync_staged`
+        device quantizes with the same scales; see :func:`fusedfp8.jax.primitives.sync_staged`.
+        Under :class:`fusedfp8.CurrentScaling` the amaxes of the quantizations themselves are
+        reduced instead, before each cast: one ``lax.pmax`` for (x, w) in the forward and one
+        for the output gradient in the backward (:func:`fusedfp8.jax.primitives.sync_current`;
+        :func:`fp8_mlp`: (LayerNorm(h) or h, w1), (gelu(z), w2), dy, the gelu gradient), so every
+        device casts with the scale of the global amax, as one device would cast the whole batch
     impl : backend of the quantize primitives (:data:`fusedfp8.jax.IMPLS`)
     forward_fast_accum : the forward GEMM with cuBLASLt's fast accumulation (the gradient GEMMs
         always use the split accumulator)

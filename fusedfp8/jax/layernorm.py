@@ -108,7 +108,9 @@ def _layernorm_amax_kernel(eps: float, has_weight: bool, has_bias: bool, backend
     # _cuda.LAYERNORM_SLOTS: x, weight, bias, then nothing but the amax (a (2,) buffer: the amax, the zeroed flag)
     sources = (("in", 0), ("in", 1) if has_weight else None, ("in", 1 + has_weight) if has_bias else None,
                *(None,) * 5, ("out", 0), *(None,) * 4)
-    return (callbacks.run(backend, plans, [jax.ShapeDtypeStruct((2,), jnp.float32)], (x, *params), sources, {})[0][0],)
+    ins = (x, *params, jnp.zeros((2,), jnp.float32))  # the amax buffer, aliased to the result (as primitives.amax)
+    return (callbacks.run(backend, plans, [jax.ShapeDtypeStruct((2,), jnp.float32)], ins, sources,
+                          {len(ins) - 1: 0})[0][0],)
 
 
 @P.compiled_when_eager(3, 4)

@@ -431,10 +431,12 @@ def _amax_kernel(op: str, approximate: str, backend: str, x, b):
     plans = {dev: _cuda.amax_plan(dev, x.dtype.name, kernel_op(op, approximate), math.prod(x.shape))
              for dev in callbacks.gpu_devices()}
     shapes = [jax.ShapeDtypeStruct((2,), jnp.float32)]
-    ins = (x,) if b is None else (x, b)
+    # the amax buffer comes in (aliased to the result, as the state buffers of the other kernels:
+    # the backends' common form) and the plan zeroes it first
+    ins = ((x,) if b is None else (x, b)) + (jnp.zeros((2,), jnp.float32),)
     # _cuda.QUANTIZE_SLOTS: x, b, then nothing but the amax (a (2,) buffer: the amax, the zeroed flag)
     sources = (("in", 0), None if b is None else ("in", 1), *(None,) * 6, ("out", 0), *(None,) * 4)
-    return (callbacks.run(backend, plans, shapes, ins, sources, {})[0][0],)
+    return (callbacks.run(backend, plans, shapes, ins, sources, {len(ins) - 1: 0})[0][0],)
 
 
 @compiled_when_eager(0, 1, 4)
