@@ -10,15 +10,20 @@ fusedfp8.demo.task, each rank on its own batches. Three variants, built from the
   current_group  CurrentScaling(), amax_group=WORLD: every amax MAX-reduced across the ranks
                  before its cast, one all_reduce per tensor group: (LayerNorm(x), w1),
                  (gelu(z), w2), dy, the gelu gradient: 4 per step, on the critical path
+  current_self   CurrentScaling(), amax_group = a group of this rank alone: the same amax-only
+                 passes and given-scale casts as current_group, the collectives over one rank:
+                 current_group - current_self is the price of the cross-rank collectives
   current_local  CurrentScaling() without a group: each rank its own amaxes (the ranks' scales
-                 differ; the same kernels otherwise): the baseline of the collectives' cost
+                 differ), the one-launch current kernels: current_self - current_local is the
+                 price of the separate amax pass and cast
   delayed        DelayedScaling(), update_model_scales(model, group): one all_reduce per step
 
 Each variant trains ``--steps`` steps after ``--warmup`` untimed ones; every step is timed with
 CUDA events on the current stream (forward, backward with DDP's all-reduce, Adam, the scale update),
-and the medians go to the JSON report with the difference current_group - current_local (the
-price of the 4 collectives and the amax-only passes) and the latency of one small all_reduce
-((2, 2) float32, MAX) timed alone. After training, current_group must hold bitwise the same weights
+and the medians go to the JSON report with the differences current_group - current_local (all
+of it), current_group - current_self (the 4 cross-rank collectives) and current_self -
+current_local (the amax-only passes and given-scale casts), and the latency of one small
+all_reduce ((2, 2) float32, MAX) timed alone. After training, current_group must hold bitwise the same weights
 and FP8 states on every rank (and has written every scale); the script exits 1 otherwise.
 ``--device cpu`` runs the same on gloo with wall-clock timers (a check of the script, no figure):
 
@@ -47,7 +52,7 @@ import fusedfp8  # noqa: E402
 import fusedfp8.pytorch as fp8  # noqa: E402
 from fusedfp8.demo.task import Task  # noqa: E402
 
-VARIANTS = ("current_group", "current_local", "delayed")
+VARIANTS = ("current_group", "current_self", "current_local", "delayed")
 COLLECTIVES_PER_STEP = 4  # Fp8MLP: (LayerNorm(x), w1), (gelu(z), w2), dy, the gelu gradient
 
 
@@ -94,18 +99,19 @@ class Timer:
             self.ms = (time.perf_counter() - self.t0) * 1e3
 
 
-def build(variant: str, args, device, group):
+def build(variant: str, args, device, group, own):
     torch.manual_seed(0)
     if variant == "delayed":
         recipe, amax_group = fusedfp8.DelayedScaling(), None
     else:
-        recipe, amax_group = fusedfp8.CurrentScaling(), (group if variant == "current_group" else None)
+        recipe = fusedfp8.CurrentScaling()
+        amax_group = {"current_group": group, "current_self": own, "current_local": None}[variant]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return fp8.Fp8MLP(args.hidden, args.ffn, recipe, amax_group=amax_group).to(device=device, dtype=dtype)
 
 
-def run_variant(variant: str, args, device, group, batches, td):
-    model = build(variant, args, device, group)
+def run_variant(variant: str, args, device, group, own, batches, td):
+    model = build(variant, args, device, group, own)
     ddp = td.wrap_ddp(model, device)
     opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
     update_group = group if variant == "delayed" else None
@@ -157,6 +163,7 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cpu")
     group = dist.group.WORLD
+    own = [dist.new_group([r]) for r in range(world)][rank]  # (every rank creates every group)
     td = _train_ddp()
     task = Task(args.hidden, args.tokens)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -168,19 +175,22 @@ def main(argv=None) -> int:
               "warmup": args.warmup, "collectives_per_step": COLLECTIVES_PER_STEP,
               "launch_path": fp8.custom_ops.launch_path()[0]}
     for v in VARIANTS:
-        report[v] = run_variant(v, args, device, group, batches, td)
+        report[v] = run_variant(v, args, device, group, own, batches, td)
         if rank == 0:
             print(f"{v}: median step {report[v]['median_step_ms']:.3f} ms", flush=True)
     report["allreduce_2x2_latency_ms"] = allreduce_latency_ms(device, group)
     g, loc = report["current_group"], report["current_local"]
     report["group_minus_local_ms"] = g["median_step_ms"] - loc["median_step_ms"]
     report["group_minus_local_per_collective_ms"] = report["group_minus_local_ms"] / COLLECTIVES_PER_STEP
+    report["group_minus_self_ms"] = g["median_step_ms"] - report["current_self"]["median_step_ms"]  # collectives
+    report["self_minus_local_ms"] = report["current_self"]["median_step_ms"] - loc["median_step_ms"]  # amax passes
     ok = (g["states_identical_across_ranks"] and g["weights_identical_across_ranks"] and g["every_scale_written"]
           and all(report[v]["loss_finite"] for v in VARIANTS))
     report["ok"] = bool(ok)
     if rank == 0:
         print(f"current_group - current_local: {report['group_minus_local_ms']:.3f} ms per step "
-              f"({COLLECTIVES_PER_STEP} collectives); one (2, 2) all_reduce alone: "
+              f"({COLLECTIVES_PER_STEP} collectives: {report['group_minus_self_ms']:.3f} ms, the amax passes: "
+              f"{report['self_minus_local_ms']:.3f} ms); one (2, 2) all_reduce alone: "
               f"{report['allreduce_2x2_latency_ms']:.3f} ms; identical across {world} ranks: "
               f"states {g['states_identical_across_ranks']}, weights {g['weights_identical_across_ranks']}", flush=True)
         if args.json is not None:
