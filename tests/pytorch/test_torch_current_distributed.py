@@ -92,6 +92,13 @@ def test_one_all_reduce_per_tensor_group(res):
             assert len(calls) == 6
 
 
+def test_a_group_of_one_rank_equals_no_group(res):
+    # ragged (padded GEMMs), LayerNorm fused and not, 3-D bf16 input, e4m3 gradients, margin 2
+    for r in range(D.WORLD):
+        cases = _group(res[r], "self/")
+        assert len(cases) == 3 and all(bool(v) for v in cases.values()), (r, cases)
+
+
 def test_amax_group_with_delayed_scaling_is_refused(res):
     for name in ("linear", "mlp", "convert", "setter"):
         msg = str(res[0][f"bad/{name}"])

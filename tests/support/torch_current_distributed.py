@@ -125,6 +125,37 @@ def scenario_quantize(rank, out):
     out.update({f"q/state/{f}": getattr(st, f).numpy() for f in STATE_FIELDS})
 
 
+def scenario_one_rank_group(rank, out):
+    """amax_group = a group of this rank alone equals no group, byte for byte: ragged shapes (the
+    padded GEMM path), the LayerNorm fused and not, a 3-D bf16 input, e4m3 gradients and a margin,
+    two steps with their updates. Records, per case, whether every output, state and gradient
+    matched."""
+    own = [dist.new_group([r]) for r in range(WORLD)][rank]  # (every rank creates every group)
+    recipe = fusedfp8.CurrentScaling(fp8_format="e4m3", margin=2)
+    for hid, ffn, fuse in ((20, 40, True), (32, 64, False), (20, 40, False)):
+        pair = []
+        for group in (None, own):
+            torch.manual_seed(rank)
+            mlp = fp8.Fp8MLP(hid, ffn, recipe, approximate="none", missed_update="ignore", amax_group=group)
+            mlp.fuse_layernorm = fuse
+            pair.append(nn.Sequential(mlp, fp8.Fp8Linear(hid, 24, recipe=recipe, missed_update="ignore",
+                                                         amax_group=group)))
+        same = True
+        for step in range(2):
+            x = torch.randn(3, 7, hid, generator=torch.Generator().manual_seed(10 * step + rank)).to(torch.bfloat16)
+            ys = [m(x) for m in pair]
+            for y in ys:
+                (y.float() ** 2).sum().backward()
+            same &= torch.equal(ys[0], ys[1])
+            a, b = pair
+            same &= all(torch.equal(t, b.state_dict()[n]) for n, t in a.state_dict().items())
+            same &= all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+            for m in pair:
+                fp8.update_model_scales(m)
+                m.zero_grad(set_to_none=True)
+        out[f"self/{hid}x{ffn}/{'fused' if fuse else 'unfused'}"] = np.array(bool(same))
+
+
 def scenario_bad_input(rank, out):
     """The refusals that need an initialized group (recorded, not raised)."""
     delayed = fusedfp8.DelayedScaling()
@@ -184,6 +215,7 @@ def worker(rank, tmp, port):
     t0 = time.perf_counter()
     scenario_training(rank, out)
     scenario_quantize(rank, out)
+    scenario_one_rank_group(rank, out)
     scenario_bad_input(rank, out)
     dist.barrier()
     dist.destroy_process_group()
