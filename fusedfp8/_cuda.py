@@ -431,6 +431,23 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     return _plan(QUANTIZE_SLOTS, steps)
 
 
+def build_amax_plan(refs: dict, sms: int, n: int) -> Plan:
+    """The amax-only plan over :data:`QUANTIZE_SLOTS`: ``amax`` (a (2,) float32 buffer) gets
+    ``max |op(x, b)|`` of the ``n`` elements in its word 0, nothing is cast. It is the first-step
+    pre-pass of :func:`build_quantize_plan` (the same kernel, so the same amax bits as the
+    quantization stages) with its first-step flag read from word 1 of the buffer, which the plan
+    zeroes with the amax: a memset of 8 bytes, then one grid-stride launch (none for n == 0). The
+    current-scaling path of several ranks takes it (the local amax, reduced across the ranks
+    before the cast with the given scale)."""
+    X, B, A = (QUANTIZE_SLOTS.index(s) for s in ("x", "b", "amax"))
+    steps = [Memset(A, 8)]
+    if n:
+        variants = [(refs[f"flat_vec{v}_store0"], _flat_grid(refs[f"flat_vec{v}_store0"], sms, n)) for v in (1, 0)]
+        steps.append(_launch(variants, _mask((X, B)), THREADS, (ptr(X), ptr(B), NULLPTR, NULLPTR, ptr(A), NULLPTR,
+                                                                NULLPTR, NULLPTR, ptr(A, 4), imm64(n), immf32(1.0))))
+    return _plan(QUANTIZE_SLOTS, steps)
+
+
 def layernorm_tile(cols: int, optin: int) -> tuple[int, int]:
     """(rows per transposed tile, dynamic shared bytes) of the layernorm kernel with q_t: the first
     of :data:`LN_TILES` whose tile of FP8 bytes (rows x cols rounded up to 16) fits both its cap and
@@ -495,6 +512,24 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
     return _plan(LAYERNORM_SLOTS, steps)
 
 
+def build_layernorm_amax_plan(refs: dict, sms: int, rows: int, cols: int, eps: float = 1e-5) -> Plan:
+    """The amax-only plan of LayerNorm over :data:`LAYERNORM_SLOTS`: ``amax`` (a (2,) float32
+    buffer) gets ``max |LayerNorm(x) * weight + bias|`` in word 0; nothing else is written. The
+    first-step pre-pass of :func:`build_layernorm_plan` (the same amax bits) with its flag read
+    from word 1, zeroed with the amax by the plan's memset."""
+    X, A = LAYERNORM_SLOTS.index("x"), LAYERNORM_SLOTS.index("amax")
+    steps = [Memset(A, 8)]
+    if rows:
+        tpr = _ln.threads_per_row(max(cols, 1))
+        block = max(LN_BLOCK, tpr)
+        pre = refs["layernorm_store0"]
+        steps.append(_launch([(pre, min(-(-rows // (block // tpr)), sms))], 0, block, (
+            ptr(X), ptr(X + 1), ptr(X + 2), NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(A), NULLPTR, NULLPTR,
+            NULLPTR, ptr(A, 4), imm64(rows), imm64(cols), imm32(tpr), imm32(0), flag((X, X + 1, X + 2), 16, cols % 8 == 0),
+            flag((), 16, False), immf32(eps), immf32(1.0))))
+    return _plan(LAYERNORM_SLOTS, steps)
+
+
 def build_dequantize_plan(refs: dict, sms: int, n: int) -> Plan:
     """``out[i] = dtype(float32(q[i]) * scale_inv[0])`` over :data:`DEQUANTIZE_SLOTS` (nothing for n == 0)."""
     if n == 0:
@@ -540,6 +575,19 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
             for role, k in ks.items()}
     return build_layernorm_plan(refs, sm_count(device), rows, cols, transpose, first, eps, margin_factor, offset, tile,
                                 pad_to)
+
+
+@functools.lru_cache(maxsize=1024)
+def amax_plan(device: int, dtype: str, op: str, n: int) -> Plan:
+    """:func:`build_amax_plan` for an input of ``dtype`` and kernel ``op`` on ``device``."""
+    return build_amax_plan(kernel_refs(ModuleKey("quantize", dtype, "e4m3", op), device), sm_count(device), n)
+
+
+@functools.lru_cache(maxsize=1024)
+def layernorm_amax_plan(device: int, dtype: str, param: str, rows: int, cols: int, eps: float = 1e-5) -> Plan:
+    """:func:`build_layernorm_amax_plan` for (dtype, param) on ``device``."""
+    refs = kernel_refs(ModuleKey("layernorm_quantize", dtype, "e4m3", param=param), device)
+    return build_layernorm_amax_plan(refs, sm_count(device), rows, cols, eps)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -8,6 +8,12 @@ in ONE all_reduce per step, so all ranks quantize with the same scales. At the e
 gathers every rank's scales and histories and checks they are bitwise identical (and reports
 whether the weights are).
 
+Recipes (``--recipe``): ``delayed`` (the default, as above) or ``current``: CurrentScaling with
+``amax_group=WORLD``, every activation, weight and gradient quantized with the scale of its amax
+MAX-reduced over the ranks before the cast (one all_reduce per tensor group, 4 per Fp8MLP step and
+2 per Fp8Linear, on the critical path); ``update_model_scales(model)`` then only closes the step,
+with no collective of its own (the staged amaxes are global already).
+
 Models (``--model``): ``fp8mlp`` (fusedfp8.pytorch.Fp8MLP: gelu fused into the quantization),
 ``convert`` (fusedfp8.demo.task.TorchMLP converted with convert_to_fp8: two Fp8Linear, gelu in
 torch), ``bf16`` (TorchMLP, no FP8: the baseline; no scale update).
@@ -25,7 +31,8 @@ Usage:
   CPU (gloo):    torchrun --nproc_per_node 2 scripts/train_ddp.py --device cpu --steps 3 \
                      --hidden 32 --ffn 64 --tokens 16 --json ddp_cpu.json
 Defaults: hidden 4096, ffn 16384, 8192 tokens per rank, bf16 parameters on CUDA (float32 on CPU),
-DelayedScaling() (hybrid, history 1024, 'max'). Exits 1 if the ranks' FP8 states differ, or never updated.
+DelayedScaling() (hybrid, history 1024, 'max'). Exits 1 if the ranks' FP8 states differ, or never updated
+(under --recipe current: if some scale was never written).
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ import fusedfp8.pytorch as fp8
 from fusedfp8.demo.task import Task, TorchMLP
 
 MODELS = ("fp8mlp", "convert", "bf16")
+RECIPES = ("delayed", "current")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -56,6 +64,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", choices=MODELS, default="fp8mlp")
+    p.add_argument("--recipe", choices=RECIPES, default="delayed",
+                   help="delayed: DelayedScaling, amaxes reduced once per step by update_model_scales; current: "
+                        "CurrentScaling with amax_group=WORLD, every amax reduced before its cast")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=16384)
     p.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step")
@@ -77,15 +88,18 @@ def parse_args(argv=None):
     return args
 
 
-def build(args, device, dtype):
+def build(args, device, dtype, group=None):
+    """The model; under ``--recipe current`` its FP8 modules reduce every amax over ``group``."""
     torch.manual_seed(0)  # same initial weights everywhere (DDP also broadcasts rank 0's)
-    recipe = fusedfp8.DelayedScaling(amax_history_len=args.history)
+    current = getattr(args, "recipe", "delayed") == "current"
+    recipe = fusedfp8.CurrentScaling() if current else fusedfp8.DelayedScaling(amax_history_len=args.history)
+    amax_group = group if current else None
     if args.model == "fp8mlp":
-        model = fp8.Fp8MLP(args.hidden, args.ffn, recipe)
+        model = fp8.Fp8MLP(args.hidden, args.ffn, recipe, amax_group=amax_group)
     else:
         model = TorchMLP(args.hidden, args.ffn)  # the plain-torch twin: --model bf16, or converted
         if args.model == "convert":
-            fp8.convert_to_fp8(model, recipe)
+            fp8.convert_to_fp8(model, recipe, amax_group=amax_group)
     return model.to(device=device, dtype=dtype)
 
 
@@ -132,7 +146,9 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     group = dist.group.WORLD
 
-    model = build(args, device, dtype)
+    model = build(args, device, dtype, group)
+    current = args.recipe == "current"
+    update_group = None if current else group  # current scaling: the step's close needs no collective
     fp8_mods = fp8.fp8_modules(model)
     ddp = wrap_ddp(model, device)
     opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
@@ -151,7 +167,7 @@ def main(argv=None) -> int:
         loss.backward()
         update_ms = None
         if fp8_mods and args.overlap:  # not timed on its own: it overlaps the optimizer
-            pending = fp8.update_model_scales(model, group, async_op=True)
+            pending = fp8.update_model_scales(model, update_group, async_op=True)
             opt.step()
             opt.zero_grad(set_to_none=True)
             pending.wait()
@@ -161,7 +177,7 @@ def main(argv=None) -> int:
         if fp8_mods and not args.overlap:
             sync(device)
             t1 = time.perf_counter()
-            fp8.update_model_scales(model, group)
+            fp8.update_model_scales(model, update_group)
             sync(device)
             update_ms = (time.perf_counter() - t1) * 1e3
         sync(device)
@@ -183,13 +199,16 @@ def main(argv=None) -> int:
     identical = identical_across_ranks(fp8_state_vector(model, device), group)
     weights_identical = identical_across_ranks(
         torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]), group)
-    scales_updated = bool(fp8_mods) and all(bool((m.updates > 0).all()) for m in fp8_mods)
+    if current:  # the updates stay 0: every scale must have been written by a quantization instead
+        scales_updated = bool(fp8_mods) and all(bool((m.scale != 1).all()) for m in fp8_mods)
+    else:
+        scales_updated = bool(fp8_mods) and all(bool((m.updates > 0).all()) for m in fp8_mods)
 
     timed = steps[args.warmup:] or steps
     report = {
         "script": "scripts/train_ddp.py", "argv": sys.argv[1:], "model": args.model,
         "hidden": args.hidden, "ffn": args.ffn, "tokens_per_rank": args.tokens, "dtype": str(dtype),
-        "amax_history_len": args.history, "world_size": world, "backend": backend, "device": args.device,
+        "recipe": args.recipe, "amax_history_len": None if current else args.history, "world_size": world, "backend": backend, "device": args.device,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__, "fusedfp8": getattr(fusedfp8, "__version__", None),
         "fp8_tensors": 3 * len(fp8_mods),

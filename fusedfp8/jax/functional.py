@@ -110,11 +110,33 @@ def _first_order_jvp(primals, tangents):
 def _advance(meta, cfg, grad=LINEAR_GRAD) -> ScalingState:
     """The state a use quantizes with: the first use decodes the stored meta and advances it once
     (the previous step's staged amaxes become scales); later uses of the same step continue from
-    the previous use's output meta."""
+    the previous use's output meta. Under CurrentScaling across devices the staged amaxes are
+    global already (:func:`_sync`), so closing the step needs no collective."""
     if not cfg.first:
         return meta_to_state(meta, grad)
     st = meta_to_state(decode(meta), grad)
-    return P.update_scales(st, cfg.recipe, axis_name=cfg.axis_name, impl=cfg.impl)
+    return P.update_scales(st, cfg.recipe, axis_name=None if _across(cfg) else cfg.axis_name, impl=cfg.impl)
+
+
+def _across(cfg) -> bool:
+    """CurrentScaling across the devices of ``cfg.axis_name``: every quantization takes the amax
+    of the tensor over the devices (:func:`_sync`)."""
+    return cfg.recipe.current and cfg.axis_name is not None
+
+
+def _sync(st: ScalingState, amaxes: list, cfg):
+    """(state, recipe to cast with): with CurrentScaling across devices, ``amaxes`` ([(index,
+    local amax)] of one tensor group) reduced in ONE ``lax.pmax`` and staged with the scales of
+    the global amaxes (:func:`fusedfp8.jax.primitives.sync_current`), and the recipe that casts
+    with those scales; otherwise ``st`` and ``cfg.recipe`` as they are (no amax computed)."""
+    if not _across(cfg):
+        return st, cfg.recipe
+    return P.sync_current(st, [(i, a()) for i, a in amaxes], cfg.axis_name, cfg.recipe), P.given_scale(cfg.recipe)
+
+
+def _weight_amax(w, fp8_weight, impl: str):
+    """A thunk: the local amax of the weight, or that of its FP8 copy (reduced when it was made)."""
+    return (lambda: fp8_weight.amax) if fp8_weight is not None else (lambda: P.amax(w, impl=impl))
 
 
 def _padded(a, pad: int):
@@ -144,9 +166,10 @@ def _dot_fwd(x, w, meta, fp8_weight, cfg: _Cfg, training: bool = True):
     (m, k), n = x.shape, w.shape[1]
     pad = gemm_pad_to(m, k, n)
     st = _advance(meta, cfg)
+    st, rec = _sync(st, [(0, lambda: P.amax(x, impl=cfg.impl)), (1, _weight_amax(w, fp8_weight, cfg.impl))], cfg)
     # ragged: the operands come out of the quantize kernels padded (pad_to), no copy
-    rx, st = P.quantize(x, st, 0, cfg.recipe, transpose=training, pad_to=pad, impl=cfg.impl)
-    rw, st = _weight(w, fp8_weight, st, cfg.recipe, cfg.impl, pad)
+    rx, st = P.quantize(x, st, 0, rec, transpose=training, pad_to=pad, impl=cfg.impl)
+    rw, st = _weight(w, fp8_weight, st, rec, cfg.impl, pad)
     y = gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype,
              fast_accum=cfg.forward_fast_accum, impl=cfg.impl, shape=(m, n))
     dtypes = (jnp.zeros((0, m, k), x.dtype), jnp.zeros((0, k, n), w.dtype))  # dtypes and real shapes
@@ -174,7 +197,8 @@ def _dot_bwd(cfg: _Cfg, res, cts):
     x_t, w_q, sx, sw, st, (xz, wz), fp8_weight = res
     (_, m, k), n = xz.shape, wz.shape[2]
     pad = gemm_pad_to(m, k, n)  # as the forward padded
-    rg, st = P.quantize(g, st, 2, cfg.recipe, transpose=True, pad_to=pad, impl=cfg.impl)
+    st, rec = _sync(st, [(2, lambda: P.amax(g, impl=cfg.impl))], cfg)
+    rg, st = P.quantize(g, st, 2, rec, transpose=True, pad_to=pad, impl=cfg.impl)
     dx = gemm(rg.data, w_q, rg.scale_inv, sw, xz.dtype, impl=cfg.impl, shape=(m, k))
     dw = gemm(x_t, rg.data_t, sx, rg.scale_inv, wz.dtype, impl=cfg.impl, shape=(k, n))
     return dx, dw, combine(later, state_to_meta(st)), _zeros_like(fp8_weight)
@@ -253,8 +277,9 @@ def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_
 
 @P.compiled_when_eager(2, 3)
 def _quantize_weight_call(w, meta, cfg: _Cfg, pad_to: int) -> Quantized:
-    rw, _ = P.quantize(lax.stop_gradient(w), _advance(meta, cfg), 1, cfg.recipe, transpose=True, pad_to=pad_to,
-                       impl=cfg.impl)
+    w = lax.stop_gradient(w)
+    st, rec = _sync(_advance(meta, cfg), [(1, lambda: P.amax(w, impl=cfg.impl))], cfg)
+    rw, _ = P.quantize(w, st, 1, rec, transpose=True, pad_to=pad_to, impl=cfg.impl)
     return rw
 
 
@@ -277,7 +302,12 @@ def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dt
     out_dtype : the output dtype (x's by default)
     axis_name : None, or the mesh axis name(s) (inside ``shard_map``) over which the previous
         step's staged amaxes are MAX-reduced before the update (one ``lax.pmax``), so every
-        device quantizes with the same scales; see :func:`fusedfp8.jax.primitives.sync_staged`
+        device quantizes with the same scales; see :func:`fusedfp8.jax.primitives.sync_staged`.
+        Under :class:`fusedfp8.CurrentScaling` the amaxes of the quantizations themselves are
+        reduced instead, before each cast: one ``lax.pmax`` for (x, w) in the forward and one
+        for the output gradient in the backward (:func:`fusedfp8.jax.primitives.sync_current`;
+        :func:`fp8_mlp`: (LayerNorm(h) or h, w1), (gelu(z), w2), dy, the gelu gradient), so every
+        device casts with the scale of the global amax, as one device would cast the whole batch
     impl : backend of the quantize primitives (:data:`fusedfp8.jax.IMPLS`)
     forward_fast_accum : the forward GEMM with cuBLASLt's fast accumulation (the gradient GEMMs
         always use the split accumulator)
@@ -342,7 +372,9 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
     ln = jax.tree.map(_first_order, ln)
     r, impl, dt = cfg.recipe, cfg.impl, jnp.dtype(cfg.dtype)
     if cfg.first:  # both linears' staged amaxes in one all-reduce, then the two (local) updates
-        st1, st2 = P.sync_staged([meta_to_state(decode(meta1)), meta_to_state(decode(meta2))], cfg.axis_name)
+        # (none under CurrentScaling across devices: the staged amaxes are global already)
+        st1, st2 = P.sync_staged([meta_to_state(decode(meta1)), meta_to_state(decode(meta2))],
+                                 None if _across(cfg) else cfg.axis_name)
         st1 = P.update_scales(st1, r, impl=impl)
         st2 = P.update_scales(st2, r, impl=impl)
     else:
@@ -350,19 +382,24 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
     (m, hid), ffn, out = h.shape, w1.shape[1], w2.shape[1]
     p = gemm_pad_to(m, hid, ffn, out)  # ragged: every FP8 operand written padded by its kernel, as fp8_dot
     ln_saved = None
+    q1, q2 = fp8_weights or (None, None)
+    h_amax = ((lambda: P.amax(h, impl=impl)) if cfg.ln_eps is None else
+              (lambda: LN.layernorm_amax(h, *ln, cfg.ln_eps, impl=impl)))
+    st1, r1 = _sync(st1, [(0, h_amax), (1, _weight_amax(w1, q1, impl))], cfg)  # (h, w1): one pmax
     if cfg.ln_eps is None:
-        rh, st1 = P.quantize(h, st1, 0, r, transpose=training, pad_to=p, impl=impl)
+        rh, st1 = P.quantize(h, st1, 0, r1, transpose=training, pad_to=p, impl=impl)
     else:  # LayerNorm(h) straight to FP8
-        rn, st1 = LN.layernorm_quantize(h, *ln, cfg.ln_eps, st1, 0, r, transpose=training, pad_to=p, impl=impl)
+        rn, st1 = LN.layernorm_quantize(h, *ln, cfg.ln_eps, st1, 0, r1, transpose=training, pad_to=p, impl=impl)
         rh = rn.quantized
         ln_saved = (h, rn.mean, rn.rstd, *ln) if training else None
-    q1, q2 = fp8_weights or (None, None)
-    rw1, st1 = _weight(w1, q1, st1, r, impl, p)
+    rw1, st1 = _weight(w1, q1, st1, r1, impl, p)
     fast = cfg.forward_fast_accum
     z = gemm(rh.data, rw1.data_t, rh.scale_inv, rw1.scale_inv, dt, fast_accum=fast, impl=impl,
              shape=(m, ffn)) + b1.astype(dt)
-    ra, st2 = P.gelu_quantize(z, st2, 0, r, approximate=cfg.approximate, transpose=training, pad_to=p, impl=impl)
-    rw2, st2 = _weight(w2, q2, st2, r, impl, p)
+    st2, r2 = _sync(st2, [(0, lambda: P.amax(z, op="gelu", approximate=cfg.approximate, impl=impl)),
+                          (1, _weight_amax(w2, q2, impl))], cfg)  # (gelu(z), w2): one pmax
+    ra, st2 = P.gelu_quantize(z, st2, 0, r2, approximate=cfg.approximate, transpose=training, pad_to=p, impl=impl)
+    rw2, st2 = _weight(w2, q2, st2, r2, impl, p)
     y = gemm(ra.data, rw2.data_t, ra.scale_inv, rw2.scale_inv, dt, fast_accum=fast,
              impl=impl, shape=(m, out)) + b2.astype(dt)
     # dtypes, and the real shapes of h, w1, w2 (zero-size arrays: static)
@@ -386,11 +423,13 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
     h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z), fp8_weights, ln_saved = res
     (_, m, hid), (_, ffn, out) = hz.shape, w2z.shape
     p = gemm_pad_to(m, hid, ffn, out)  # as the forward padded
-    r, impl = cfg.recipe, cfg.impl
+    impl = cfg.impl
+    st2, r = _sync(st2, [(2, lambda: P.amax(g, impl=impl))], cfg)
     rg, st2 = P.quantize(g, st2, 2, r, transpose=True, pad_to=p, impl=impl)
     da = gemm(rg.data, w2_q, rg.scale_inv, sw2, z.dtype, impl=impl, shape=(m, ffn))
     dw2 = gemm(a_t, rg.data_t, sa, rg.scale_inv, w2z.dtype, impl=impl, shape=(ffn, out))
     db2 = jnp.sum(g.reshape(-1, g.shape[-1]), axis=0, dtype=jnp.float32).astype(b2z.dtype)
+    st1, r = _sync(st1, [(2, lambda: P.amax(da, z, op="dgelu", approximate=cfg.approximate, impl=impl))], cfg)
     rdz, st1 = P.dgelu_quantize(da, z, st1, 2, r, approximate=cfg.approximate, transpose=True, dbias=True,
                                 pad_to=p, impl=impl)
     dw1 = gemm(h_t, rdz.data_t, sh, rdz.scale_inv, w1z.dtype, impl=impl, shape=(hid, ffn))

@@ -22,7 +22,7 @@ from ..types import FLOAT_INPUTS, LayerNormQuantized, Quantized, check_pad_to
 from . import callbacks
 from . import primitives as P
 
-__all__ = ["layernorm_quantize", "check_layernorm_params"]
+__all__ = ["layernorm_quantize", "layernorm_amax", "check_layernorm_params"]
 
 
 class _LnCfg(NamedTuple):
@@ -98,6 +98,46 @@ def _run_layernorm(cfg: _LnCfg, x, w, b, state: ScalingState, impl: str) -> tupl
     mean, rstd, si_used, hist, scale, scale_inv = outs
     new = state.replace(amax_history=hist, scale=scale, scale_inv=scale_inv)
     return LayerNormQuantized(Quantized(q, hist[0, cfg.index], q_t, None, si_used), mean, rstd), new
+
+
+def _layernorm_amax_kernel(eps: float, has_weight: bool, has_bias: bool, backend: str, x, *params):
+    rows, cols = P._rows_cols(x.shape)
+    param = params[0].dtype.name if params else "float32"
+    plans = {dev: _cuda.layernorm_amax_plan(dev, x.dtype.name, param, rows, cols, eps)
+             for dev in callbacks.gpu_devices()}
+    # _cuda.LAYERNORM_SLOTS: x, weight, bias, then nothing but the amax (a (2,) buffer: the amax, the zeroed flag)
+    sources = (("in", 0), ("in", 1) if has_weight else None, ("in", 1 + has_weight) if has_bias else None,
+               *(None,) * 5, ("out", 0), *(None,) * 4)
+    ins = (x, *params, jnp.zeros((2,), jnp.float32))  # the amax buffer, aliased to the result (as primitives.amax)
+    return (callbacks.run(backend, plans, [jax.ShapeDtypeStruct((2,), jnp.float32)], ins, sources,
+                          {len(ins) - 1: 0})[0][0],)
+
+
+@P.compiled_when_eager(3, 4)
+def _run_layernorm_amax(x, w, b, eps: float, impl: str):
+    params = tuple(p for p in (w, b) if p is not None)
+    has_w, has_b = w is not None, b is not None
+
+    def jnp_fn(x, *rest):
+        w_ = P._as_f32(rest[0]) if has_w else None
+        b_ = P._as_f32(rest[int(has_w)]) if has_b else None
+        return (jn.amax(jn.layernorm_f32(P._as_f32(x), w_, b_, eps)[0]),)
+
+    return P._dispatch(impl, jnp_fn, lambda be, *a: _layernorm_amax_kernel(eps, has_w, has_b, be, *a),
+                       *lax.stop_gradient((x, *params)))[0]
+
+
+def layernorm_amax(x, weight, bias, eps: float, *, impl: str = "auto"):
+    """``max |LayerNorm(x) * weight + bias|`` as a float32 scalar, without a cast: the amax that
+    :func:`layernorm_quantize` stages, bit for bit (on CUDA its kernel's first-step pre-pass
+    alone, :func:`fusedfp8._cuda.layernorm_amax_plan`). Arguments as there."""
+    P._check_impl(impl)
+    x = P._check_x(x, "x", True)
+    if x.shape[-1] == 0:
+        raise ValueError(f"x: the LayerNorm normalises over the last dimension, which must not be empty; got shape "
+                         f"{x.shape}")
+    weight, bias = check_layernorm_params(weight, bias, x.shape[-1])
+    return _run_layernorm_amax(x, weight, bias, _check_eps(eps), impl)
 
 
 def check_layernorm_params(weight, bias, cols: int, names=("weight", "bias"), x_name: str = "x"):

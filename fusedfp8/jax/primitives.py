@@ -37,7 +37,10 @@ quantizations of a step and that update, row 0 holds each device's own amaxes: c
 as a per-device (device-varying) value, not as a replicated one. With ``first_step='current'``
 a tensor's first scale comes from each device's own amax (no collective in the quantization),
 so the devices agree from the first update on; ``first_step='unit'`` makes them agree from the
-start. Under plain ``jax.jit`` on
+start. Under :class:`fusedfp8.CurrentScaling` the functional front ends (``fp8_dot``, ``fp8_mlp``)
+take ``axis_name`` to the quantizations themselves: each tensor's local amax (:func:`amax`, an
+amax-only kernel launch on CUDA), ONE ``lax.pmax`` per tensor group (:func:`sync_current`),
+then the cast with the scale of the global amax (:func:`given_scale`). Under plain ``jax.jit`` on
 sharded inputs (no named axis) the amax of a sharded tensor is already global: XLA inserts the
 reduction itself.
 """
@@ -64,7 +67,7 @@ from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_pad_to, ch
 from . import callbacks
 
 __all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "stage_amax", "update_scales", "sync_staged", "dequantize",
-           "IMPLS", "launch_path"]
+           "amax", "sync_current", "given_scale", "IMPLS", "launch_path"]
 
 IMPLS = ("auto", "jnp", "ffi", "callback", "callback_no_cmdbuf")
 _CUDA_IMPLS = ("ffi", "callback", "callback_no_cmdbuf")
@@ -423,6 +426,83 @@ def _update_kernel(recipe: DelayedScaling, backend: str, hist, scale, scale_inv,
     return tuple(callbacks.run(backend, plans, shapes, (*arrays, fmt_max), sources, {k: k for k in range(5)}))
 
 
+# ---- amax only, and current scaling across devices --------------------------------------------
+def _amax_kernel(op: str, approximate: str, backend: str, x, b):
+    plans = {dev: _cuda.amax_plan(dev, x.dtype.name, kernel_op(op, approximate), math.prod(x.shape))
+             for dev in callbacks.gpu_devices()}
+    shapes = [jax.ShapeDtypeStruct((2,), jnp.float32)]
+    # the amax buffer comes in (aliased to the result, as the state buffers of the other kernels:
+    # the backends' common form) and the plan zeroes it first
+    ins = ((x,) if b is None else (x, b)) + (jnp.zeros((2,), jnp.float32),)
+    # _cuda.QUANTIZE_SLOTS: x, b, then nothing but the amax (a (2,) buffer: the amax, the zeroed flag)
+    sources = (("in", 0), None if b is None else ("in", 1), *(None,) * 6, ("out", 0), *(None,) * 4)
+    return (callbacks.run(backend, plans, shapes, ins, sources, {len(ins) - 1: 0})[0][0],)
+
+
+@compiled_when_eager(0, 1, 4)
+def _run_amax(op: str, approximate: str, x, b, impl: str):
+    cfg = _QCfg(op, approximate, 0, None, False, False, 1.0, False)
+
+    def jnp_fn(x, *b):
+        y = _activation(cfg, x, b[0] if b else None)
+        return (jn.amax(jn.computed_once(y) if op != "identity" else y),)
+
+    args = (x,) if b is None else (x, b)
+    return _dispatch(impl, jnp_fn, lambda be, *a: _amax_kernel(op, approximate, be, a[0], a[1] if len(a) > 1 else None),
+                     *lax.stop_gradient(args))[0]
+
+
+def amax(x, b=None, *, op: str = "identity", approximate: str = "tanh", impl: str = "auto"):
+    """``max |op(x, b)|`` as a float32 scalar, without a cast: the amax that :func:`quantize`
+    (op 'identity'), :func:`gelu_quantize` ('gelu') or :func:`dgelu_quantize` ('dgelu': ``x`` is
+    dy, ``b`` the gelu's input) stages, bit for bit; on CUDA the quantize kernels' first-step
+    pre-pass alone (:func:`fusedfp8._cuda.amax_plan`: a memset and one launch), elsewhere
+    jax.numpy."""
+    _check_impl(impl)
+    if op not in ("identity", "gelu", "dgelu"):
+        raise ValueError(f"op must be 'identity', 'gelu' or 'dgelu'; got {op!r}")
+    x = _check_x(x, "x", False)
+    if (b is not None) != (op == "dgelu"):
+        raise ValueError(f"b is the dgelu's second input: given exactly for op 'dgelu'; got op {op!r}")
+    if b is not None:
+        b = _check_x(b, "b", False)
+        if b.shape != x.shape or b.dtype != x.dtype:
+            raise ValueError(f"b must match x's shape and dtype; got {b.shape} {b.dtype} and {x.shape} {x.dtype}")
+    return _run_amax(op, check_approximate(approximate), x, b, impl)
+
+
+def _pmax_amaxes(a, axis_name):
+    """The elementwise max over ``axis_name`` of the amaxes ``a`` (>= 0 or non-finite), in ONE
+    ``lax.pmax``: reduced as the int32 bit patterns of their magnitudes, which order as the
+    floats do (exact for denormals, which XLA:CPU's float max may flush, and independent of
+    how the collective treats NaN); a non-finite amax goes in as +inf, so a NaN or inf on any
+    device is +inf (an overflow) on every device."""
+    b = jnp.where(jnp.isfinite(a), jn.bits(a) & jn._MAG, jn._INF_BITS)
+    return jn.from_bits(lax.pmax(b, axis_name))
+
+
+def given_scale(recipe):
+    """The recipe that casts with the state's scale as it stands (``first_step='unit'``, no
+    current first step) in ``recipe``'s formats and history length: the cast after
+    :func:`sync_current` has written the scale of the global amax."""
+    return DelayedScaling(margin=recipe.margin, amax_history_len=recipe.amax_history_len,
+                          amax_compute_algo=recipe.amax_compute_algo, fp8_format=recipe.fp8_format, first_step="unit")
+
+
+def sync_current(state: ScalingState, amaxes: list, axis_name, recipe) -> ScalingState:
+    """CurrentScaling across the devices of mesh axis ``axis_name``: ``amaxes`` = [(index, local
+    amax)] of some tensors of ``state``, MAX-reduced in ONE ``lax.pmax`` (:func:`_pmax_amaxes`),
+    each then staged with its current scale as the tensor's quantization would stage it
+    (:func:`stage_amax`). Quantize the tensors next with :func:`given_scale` of the recipe: every
+    device casts with the scale of the global amax, as one device would cast the concatenated
+    tensors. Call inside ``shard_map``."""
+    idx = [i for i, _ in amaxes]
+    a = _pmax_amaxes(jnp.stack([jnp.reshape(v, ()).astype(jnp.float32) for _, v in amaxes]), axis_name)
+    for j, i in enumerate(idx):
+        state = stage_amax(state, i, a[j], recipe)
+    return state
+
+
 def _check_axis_name(axis_name):
     if axis_name is None or isinstance(axis_name, str):
         return axis_name
@@ -436,19 +516,15 @@ def sync_staged(states, axis_name) -> list:
     over the mesh axis ``axis_name`` (str or tuple of str), with ONE ``lax.pmax`` for all of
     them; call inside ``shard_map`` / ``pmap``. Rows 1.. and the other arrays are untouched.
 
-    The staged amaxes (>= 0, or non-finite) are reduced as the int32 bit patterns of their
-    magnitudes, which order as the floats do: exact for denormals (which XLA:CPU's float max
-    may flush) and independent of how the collective treats NaN. A non-finite amax is mapped to
-    +inf first, so a NaN or inf on any device is an overflow on every device.
+    The staged amaxes (>= 0, or non-finite) are reduced by :func:`_pmax_amaxes`: a NaN or inf on
+    any device is an overflow on every device.
     """
     axis_name = _check_axis_name(axis_name)
     states = list(states)
     if axis_name is None or not states:
         return states
     rows = [s.amax_history[0] for s in states]
-    a = jnp.concatenate(rows) if len(rows) > 1 else rows[0]
-    b = jnp.where(jnp.isfinite(a), jn.bits(a) & jn._MAG, jn._INF_BITS)
-    a = jn.from_bits(lax.pmax(b, axis_name))
+    a = _pmax_amaxes(jnp.concatenate(rows) if len(rows) > 1 else rows[0], axis_name)
     out, at = [], 0
     for s, r in zip(states, rows):
         out.append(s.replace(amax_history=s.amax_history.at[0].set(a[at:at + r.shape[0]])))

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..formats import get_format
 from ..recipe import DelayedScaling
 from ..state import ScalingState
 from .. import csrc as _shim
@@ -189,18 +190,36 @@ def _quantize(x: Tensor, state: tuple, index: int, fmt: str, margin_factor: floa
     return q, None, si
 
 
+def _amax(x: Tensor, b: Tensor | None = None, op: str = "identity", approximate: str = "tanh") -> Tensor:
+    """(2,) float32, the amax of ``op(x, b)`` in element 0 (:func:`fusedfp8.pytorch.custom_ops.amax`)."""
+    return fops.call(fops.amax, x.detach().contiguous(), None if b is None else b.detach().contiguous(), op,
+                     approximate)
+
+
+def reduce_current(amaxes: list, state: tuple, col: int, fmt: str, margin_factor: float, group: str) -> None:
+    """CurrentScaling across the ranks of process group ``group`` (its name) for the tensors of
+    columns ``col .. col + len(amaxes) - 1`` of ``state`` (amax_history, scale, scale_inv, ...):
+    their local amaxes (:func:`_amax`) MAX-reduced in ONE all_reduce, then staged with their
+    current scales (:func:`fusedfp8.pytorch.custom_ops.reduce_current_scales`); the tensors are
+    then quantized with ``current_first=False`` (the scale given)."""
+    fops.call(fops.reduce_current_scales, torch.stack(amaxes), state[0], state[1], state[2], col,
+              get_format(fmt).max, margin_factor, group)
+
+
 class _LinearFn(torch.autograd.Function):
     """y = x @ w.T + b with x (tensor 0) and w (tensor 1) in E4M3-style forward format, the
     output gradient (tensor 2) in the gradient format; see the module docstring for layouts.
 
     ``state`` = (amax_history, scale, scale_inv, updates) of the module; ``cfg`` = (fwd_fmt,
     grad_fmt, margin_factor, current_first); ``need_dgrad`` / ``need_wgrad`` say which
-    transposes the forward must produce.
+    transposes the forward must produce; ``amax_group``: None, or the name of the process group
+    over which the output gradient's amax is reduced before its cast (CurrentScaling across
+    ranks, :func:`reduce_current`; ``current_first`` is then False).
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_q, w_t, w_si, amax_history, scale, scale_inv, updates, col, fwd_fmt, grad_fmt,
-                margin_factor, current_first, need_dgrad, need_wgrad, pad, gemm):
+                margin_factor, current_first, need_dgrad, need_wgrad, pad, gemm, amax_group=None):
         state = (amax_history, scale, scale_inv, updates)
         x2 = _as_2d(x).contiguous()
         (m, k), n = x2.shape, weight.shape[0]
@@ -212,6 +231,7 @@ class _LinearFn(torch.autograd.Function):
         ctx.cfg = (grad_fmt, margin_factor, current_first)
         ctx.dims = (m, k, n, pad)
         ctx.gemm = gemm
+        ctx.amax_group = amax_group
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -225,6 +245,8 @@ class _LinearFn(torch.autograd.Function):
         if x_t is not None or w_t is not None:
             grad_fmt, margin_factor, current_first = ctx.cfg
             m, k, n, pad = ctx.dims
+            if ctx.amax_group is not None:
+                reduce_current([_amax(g2)], ctx.state, ctx.col + 2, grad_fmt, margin_factor, ctx.amax_group)
             g_q, g_t, g_si = fops.call(fops.quantize_t, g2, *ctx.state, ctx.col + 2, grad_fmt, margin_factor,
                                        current_first, pad)
             if w_t is not None:
@@ -234,7 +256,7 @@ class _LinearFn(torch.autograd.Function):
                 dw = _unpad(scaled_mm(g_t, x_t.t(), g_si, x_si, None, ctx.w_dtype, False, ctx.gemm), n, k).contiguous()
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _bias_grad(g2, ctx.bias_dtype)
-        return (dx, dw, db) + (None,) * 16
+        return (dx, dw, db) + (None,) * 17
 
 
 class WeightCache:
@@ -297,17 +319,25 @@ def quantized_weight(w: Tensor, state: tuple, col: int, fmt: str, margin_factor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: tuple, cfg: tuple, need_dgrad: bool,
-           need_wgrad: bool, cache: WeightCache | None = None, gemm: str = "scaled_mm") -> Tensor:
+           need_wgrad: bool, cache: WeightCache | None = None, gemm: str = "scaled_mm",
+           amax_group: str | None = None) -> Tensor:
     """The FP8 linear: ``state`` = (amax_history, scale, scale_inv, updates, col) with columns
     col, col + 1, col + 2 = (input, weight, output gradient); ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first);
-    ``gemm`` the CUDA backend of its three GEMMs (:func:`scaled_mm`'s).
+    ``gemm`` the CUDA backend of its three GEMMs (:func:`scaled_mm`'s); ``amax_group``: None, or the
+    name of the process group of CurrentScaling across ranks (one all_reduce for the input and
+    the weight before their casts, one for the output gradient in the backward).
     Inputs are checked by the caller (:class:`fusedfp8.pytorch.Fp8Linear`)."""
     *st, col = state
     fwd_fmt, _, mf, cf = cfg
+    if amax_group is not None:
+        reduce_current([_amax(x), _amax(weight)], st, col, fwd_fmt, mf, amax_group)
+        cf = False
+        cfg = (*cfg[:3], cf)
     m = math.prod(x.shape[:-1])
     pad = gemm_pad_to(x.shape[-1], weight.shape[0], *((m,) if need_wgrad else ()))  # tokens: a K only in wgrad
     w_q, w_t, w_si = quantized_weight(weight, tuple(st), col + 1, fwd_fmt, mf, cf, need_dgrad, pad, cache)
-    return _LinearFn.apply(x, weight, bias, w_q, w_t, w_si, *state, *cfg, need_dgrad, need_wgrad, pad, gemm)
+    return _LinearFn.apply(x, weight, bias, w_q, w_t, w_si, *state, *cfg, need_dgrad, need_wgrad, pad, gemm,
+                           amax_group)
 
 
 # ---- fused MLP core: Linear -> gelu -> Linear ------------------------------------------------
@@ -324,12 +354,19 @@ class _MLPFn(torch.autograd.Function):
     ``ln_w``, bias ``ln_b``) comes quantized from the layernorm_quantize kernel with its
     transpose and the per-row mean and rstd: h is never written in bf16. The LayerNorm backward
     runs in torch from the saved x, mean and rstd (``native_layer_norm_backward`` on CUDA).
+
+    ``amax_group`` (CurrentScaling across ranks, see :func:`reduce_current`): the name of the
+    process group over which the amaxes of gelu(z) and w2 are reduced (one all_reduce) before
+    their casts, here, since z exists only now: fc2's weight is then quantized in here (``w2_q``,
+    ``w2_t``, ``w2_si`` None; from ``w2_cache`` where it holds it), and in the backward those of
+    dy and of the gelu gradient, one all_reduce each. h and w1 were reduced by :func:`mlp`.
     """
 
     @staticmethod
     def forward(ctx, h, ln_w, ln_b, w1, b1, w2, b2, w1_q, w1_t, w1_si, w2_q, w2_t, w2_si, hist1, scale1, scale_inv1,
                 updates1, c1, hist2, scale2, scale_inv2, updates2, c2, fwd_fmt, grad_fmt, margin_factor,
-                current_first1, current_first2, approximate, training, pad, ln_eps, gemms):
+                current_first1, current_first2, approximate, training, pad, ln_eps, gemms, amax_group=None,
+                w2_cache=None):
         st1 = (hist1, scale1, scale_inv1, updates1)
         st2 = st1 if hist2 is None else (hist2, scale2, scale_inv2, updates2)
         mf = margin_factor
@@ -345,6 +382,9 @@ class _MLPFn(torch.autograd.Function):
             ln_saved = (h2, mean, rstd, ln_w, ln_b)
         z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, _padded_bias(b1, w1_q.shape[0]), h.dtype, True, gemms[0])
         z = _unpad(z, m, ffn).contiguous()  # the pad of z holds the bias: not an input of the activation
+        if amax_group is not None:  # gelu(z) and w2: one all_reduce, then their casts with the scales given
+            reduce_current([_amax(z, None, "gelu", approximate), _amax(w2)], st2, c2, fwd_fmt, mf, amax_group)
+            w2_q, w2_t, w2_si = quantized_weight(w2, st2, c2 + 1, fwd_fmt, mf, current_first2, training, pad, w2_cache)
         if training:
             a_q, a_t, a_si = fops.call(fops.gelu_quantize_t, z, *st2, c2, fwd_fmt, mf, current_first2, approximate,
                                        pad)
@@ -360,6 +400,7 @@ class _MLPFn(torch.autograd.Function):
             ctx.cfg = (grad_fmt, mf, current_first1, current_first2, approximate)
             ctx.dims = (m, hid, ffn, out, pad)
             ctx.gemms = gemms
+            ctx.amax_group = amax_group
             ctx.meta = (h.shape, h.dtype, w1.dtype, w2.dtype, None if b1 is None else b1.dtype,
                         None if b2 is None else b2.dtype)
         return y.reshape(*h.shape[:-1], y.shape[-1])
@@ -374,11 +415,15 @@ class _MLPFn(torch.autograd.Function):
         gy = _as_2d(grad).contiguous()
         c1, c2 = ctx.cols
         m, hid, ffn, out, pad = ctx.dims
+        if ctx.amax_group is not None:
+            reduce_current([_amax(gy)], st2, c2 + 2, grad_fmt, mf, ctx.amax_group)
         gy_q, gy_t, gy_si = fops.call(fops.quantize_t, gy, *st2, c2 + 2, grad_fmt, mf, cf2, pad)
         g1, g2 = ctx.gemms
         da = _unpad(scaled_mm(gy_q, w2_t.t(), gy_si, w2_si, None, z.dtype, False, g2), m, ffn).contiguous()
         dw2 = _unpad(scaled_mm(gy_t, a_t.t(), gy_si, a_si, None, w2_dtype, False, g2), out, ffn).contiguous()
         db2 = _bias_grad(gy, b2_dtype) if b2_dtype is not None else None
+        if ctx.amax_group is not None:
+            reduce_current([_amax(da, z, "dgelu", approximate)], st1, c1 + 2, grad_fmt, mf, ctx.amax_group)
         dz_q, dz_t, db1, dz_si = fops.call(fops.dgelu_quantize_t, da, z, *st1, c1 + 2, grad_fmt, mf, cf1,
                                            approximate, b1_dtype is not None, pad)
         dh = _unpad(scaled_mm(dz_q, w1_t.t(), dz_si, w1_si, None, h_dtype, False, g1), m, hid)
@@ -388,7 +433,7 @@ class _MLPFn(torch.autograd.Function):
         if ctx.ln[0]:
             dh, dlw, dlb = _layernorm_backward(dh.contiguous(), *ln_saved[:3], ln_saved[3] if ctx.ln[1] else None,
                                                ln_saved[-1] if ctx.ln[2] else None, ctx.needs_input_grad[1:3])
-        return (dh.reshape(h_shape), dlw, dlb, dw1, db1, dw2, db2) + (None,) * 26
+        return (dh.reshape(h_shape), dlw, dlb, dw1, db1, dw2, db2) + (None,) * 28
 
 
 def _layernorm_backward(dh: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, w: Tensor | None, b: Tensor | None,
@@ -410,20 +455,34 @@ def _layernorm_backward(dh: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, w: Te
 
 def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, state1: tuple, state2: tuple,
         cfg: tuple, approximate: str, training: bool, caches: tuple = (None, None), norm=None,
-        gemms: tuple = ("scaled_mm", "scaled_mm")) -> Tensor:
+        gemms: tuple = ("scaled_mm", "scaled_mm"), amax_group: str | None = None) -> Tensor:
     """fc2(gelu(fc1(h))) in FP8 with the fused activation kernels; ``state1``/``state2`` as in
     :func:`linear` (with their columns), ``cfg`` = (fwd_fmt, grad_fmt, margin_factor, current_first1, current_first2);
     ``training`` = a backward will follow (the forward then also writes the transposes);
     ``caches``: the :class:`WeightCache` of fc1 and fc2 (or None); ``norm``: an ``nn.LayerNorm``
     whose output h is (then ``h`` is its input, and the LayerNorm runs fused with the quantization
-    of h); ``gemms``: the CUDA GEMM backends of fc1's and fc2's GEMMs (:func:`scaled_mm`'s)."""
+    of h); ``gemms``: the CUDA GEMM backends of fc1's and fc2's GEMMs (:func:`scaled_mm`'s);
+    ``amax_group``: None, or the name of the process group of CurrentScaling across ranks (one
+    all_reduce per GEMM's operand pair in the forward, (h, w1) here and (gelu(z), w2) in
+    :class:`_MLPFn`, and one per quantized gradient in the backward: 4 per training step)."""
     fwd_fmt, _, mf, cf1, cf2 = cfg
     m = math.prod(h.shape[:-1])
     pad = gemm_pad_to(h.shape[-1], w1.shape[0], w2.shape[0], *((m,) if training else ()))
+    w2_cache = None
+    if amax_group is not None:
+        h2 = _as_2d(h)
+        ah = _amax(h2) if norm is None else fops.call(
+            fops.layernorm_amax, h2.detach().contiguous(), *(None if p is None else p.detach() for p in (
+                norm.weight, norm.bias)), float(norm.eps))
+        reduce_current([ah, _amax(w1)], state1[:4], state1[4], fwd_fmt, mf, amax_group)
+        cf1 = cf2 = False
+        cfg = (*cfg[:3], cf1, cf2)
+        w2_cache = None if torch.compiler.is_compiling() else caches[1]
     w1q = quantized_weight(w1, tuple(state1[:4]), state1[4] + 1, fwd_fmt, mf, cf1, training, pad, caches[0])
-    w2q = quantized_weight(w2, tuple(state2[:4]), state2[4] + 1, fwd_fmt, mf, cf2, training, pad, caches[1])
+    w2q = (None, None, None) if amax_group is not None else quantized_weight(
+        w2, tuple(state2[:4]), state2[4] + 1, fwd_fmt, mf, cf2, training, pad, caches[1])
     if all(a is b for a, b in zip(state1[:4], state2[:4])):  # both columns of one linked state:
         state2 = (None,) * 4 + tuple(state2[4:])  # passed once (dynamo refuses a tensor given twice)
     ln = (None, None, None) if norm is None else (norm.weight, norm.bias, float(norm.eps))
     return _MLPFn.apply(h, ln[0], ln[1], w1, b1, w2, b2, *w1q, *w2q, *state1, *state2, *cfg, approximate, training,
-                        pad, ln[2], tuple(gemms))
+                        pad, ln[2], tuple(gemms), amax_group, w2_cache)

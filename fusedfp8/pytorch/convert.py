@@ -11,7 +11,7 @@ from ..policy import ConversionReport, Decision, check_dims, check_mode, check_p
 from ..recipe import DelayedScaling
 from ..types import check_recipe
 from .gemm import check_gemm
-from .modules import MISSED_UPDATE_MODES, Fp8Linear
+from .modules import MISSED_UPDATE_MODES, Fp8Linear, check_amax_group
 
 __all__ = ["convert_to_fp8", "plan_fp8_conversion"]
 
@@ -78,7 +78,7 @@ def plan_fp8_conversion(model: nn.Module, filter_fn: Callable[[str, nn.Linear], 
 def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
                    filter_fn: Callable[[str, nn.Linear], bool] | None = None, *,
                    missed_update: str = "raise", policy: str | None = None, tokens: int | None = None,
-                   policy_table=None, mode: str | None = None, gemm: str = "auto") -> nn.Module:
+                   policy_table=None, mode: str | None = None, gemm: str = "auto", amax_group=None) -> nn.Module:
     """Swap the ``nn.Linear`` modules of ``model`` for :class:`Fp8Linear`, in place: every one, or
     those that ``filter_fn`` and ``policy`` select.
 
@@ -98,6 +98,9 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
     missed_update : {'raise', 'warn', 'ignore'}, see :class:`Fp8Linear`.
     gemm : {'auto', 'cublaslt', 'scaled_mm'}, the FP8 GEMM on CUDA of every converted module, see
         :class:`Fp8Linear` and :mod:`fusedfp8.pytorch.gemm`.
+    amax_group : torch.distributed ProcessGroup or None
+        CurrentScaling only: every converted module reduces its amaxes over this group before each
+        cast (see :class:`Fp8Linear`); with DelayedScaling pass the group to ``update_model_scales``.
     policy : {None, 'all', 'auto'}
         None or 'all': convert every module (that ``filter_fn`` accepts). 'auto': convert a
         module only where FP8 is predicted faster than bf16 for its (tokens, in_features,
@@ -143,16 +146,18 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
     if missed_update not in MISSED_UPDATE_MODES:
         raise ValueError(f"missed_update must be one of {MISSED_UPDATE_MODES}; got {missed_update!r}")
     check_gemm(gemm)
+    check_amax_group(amax_group, recipe)
     report = _plan(model, filter_fn, policy, tokens, policy_table, mode)
     converted = set(report.converted)
     if type(model) is nn.Linear:
-        out = Fp8Linear.from_linear(model, recipe, missed_update=missed_update, gemm=gemm) if "" in converted else model
+        out = Fp8Linear.from_linear(model, recipe, missed_update=missed_update, gemm=gemm,
+                                                         amax_group=amax_group) if "" in converted else model
         setattr(out, REPORT_ATTR, report)
         return out
     for fqn in report.converted:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, Fp8Linear.from_linear(getattr(parent, child), recipe, missed_update=missed_update,
-                                                               gemm=gemm))
+                                                               gemm=gemm, amax_group=amax_group))
     setattr(model, REPORT_ATTR, report)
     return model

@@ -55,7 +55,7 @@ from ..state import Slot
 from ..types import kernel_op
 
 __all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_quantize_t", "layernorm_quantize",
-           "dequantize", "call", "launch_path", "use_cpp"]
+           "dequantize", "amax", "layernorm_amax", "reduce_current_scales", "call", "launch_path", "use_cpp"]
 
 _MUTATED = ("amax_history", "scale", "scale_inv")
 _IMPLS: dict = {}  # custom op -> its Python implementation
@@ -473,3 +473,126 @@ def dequantize(q: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
 @dequantize.register_fake
 def _(q, scale_inv, dtype):
     return q.new_empty(q.shape, dtype=dtype)
+
+
+# ---- amax only, and the cross-rank current scales (CurrentScaling with an amax_group) ----------
+def _amax_buffer(x: Tensor) -> Tensor:
+    return x.new_zeros((2,), dtype=torch.float32)
+
+
+def _check_amax_input(x: Tensor, b: Tensor | None, op: str) -> None:
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"x must be float32, float16 or bfloat16; got {x.dtype}")
+    if (b is not None) != (op == "dgelu"):
+        raise ValueError(f"b is the dgelu's second input: given exactly for op 'dgelu'; got op {op!r} and "
+                         f"b {'given' if b is not None else 'None'}")
+    if b is not None and (b.shape != x.shape or b.dtype != x.dtype or b.device != x.device):
+        raise ValueError(f"b must match x's shape, dtype and device; got {tuple(b.shape)} {b.dtype} {b.device} and "
+                         f"{tuple(x.shape)} {x.dtype} {x.device}")
+    if not (x.is_contiguous() and (b is None or b.is_contiguous())):
+        raise ValueError("fusedfp8 custom ops need contiguous inputs")
+
+
+@_register("amax", ())
+def amax(x: Tensor, b: Tensor | None, op: str, approximate: str) -> Tensor:
+    """``max |op(x, b)|`` without a cast: a (2,) float32 tensor, the amax in element 0 (element 1 is
+    0). ``op``: 'identity', 'gelu' or 'dgelu' (then ``b`` is the gelu's input x and ``x`` the
+    incoming gradient, as :func:`dgelu_quantize_t`). The same bits as the amax the quantizing op
+    stages: on CUDA the quantize kernels' first-step pre-pass (:func:`fusedfp8._cuda.amax_plan`,
+    one memset and one launch), on the CPU the reference."""
+    _check_amax_input(x, b, op)
+    if not x.is_cuda:
+        if op == "identity":
+            r = _ops.quantize(x, 1.0)
+        elif op == "gelu":
+            r = _ops.gelu_quantize(x, 1.0, approximate=approximate)
+        else:
+            r = _ops.dgelu_quantize(x, b, 1.0, approximate=approximate)
+        return torch.cat([r.amax.reshape(1), r.amax.new_zeros((1,))])
+    out = _amax_buffer(x)
+    plan = _cuda.amax_plan(x.get_device(), str(x.dtype)[6:], kernel_op(op, approximate), x.numel())
+    ptrs = [0] * len(_cuda.QUANTIZE_SLOTS)
+    ptrs[0], ptrs[1], ptrs[_cuda.QUANTIZE_SLOTS.index("amax")] = x.data_ptr(), 0 if b is None else b.data_ptr(), \
+        out.data_ptr()
+    _cuda.execute(plan, ptrs, torch._C._cuda_getCurrentRawStream(x.get_device()))
+    return out
+
+
+@amax.register_fake
+def _(x, b, op, approximate):
+    return _amax_buffer(x)
+
+
+@_register("layernorm_amax", ())
+def layernorm_amax(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    """``max |LayerNorm(x) * weight + bias|`` without a cast, as :func:`amax` (a (2,) float32
+    tensor, the amax in element 0): the amax :func:`layernorm_quantize` stages, from its
+    kernel's first-step pre-pass on CUDA (:func:`fusedfp8._cuda.layernorm_amax_plan`), from the
+    reference on the CPU."""
+    _check_amax_input(x, None, "identity")
+    if not x.is_cuda:
+        r = _ops.layernorm_quantize(x, weight, bias, eps, 1.0).quantized
+        return torch.cat([r.amax.reshape(1), r.amax.new_zeros((1,))])
+    params = [t for t in (weight, bias) if t is not None]
+    if any(t.dtype != params[0].dtype or t.device != x.device or not t.is_contiguous()
+           or tuple(t.shape) != (int(x.shape[-1]),) for t in params):
+        raise ValueError(f"weight / bias must be contiguous ({x.shape[-1]},) tensors of one dtype on x's device")
+    out = _amax_buffer(x)
+    param = str(params[0].dtype)[6:] if params else "float32"
+    plan = _cuda.layernorm_amax_plan(x.get_device(), str(x.dtype)[6:], param, _rows(x), int(x.shape[-1]), float(eps))
+    ptrs = [0] * len(_cuda.LAYERNORM_SLOTS)
+    ptrs[0] = x.data_ptr()
+    ptrs[1], ptrs[2] = (0 if t is None else t.data_ptr() for t in (weight, bias))
+    ptrs[_cuda.LAYERNORM_SLOTS.index("amax")] = out.data_ptr()
+    _cuda.execute(plan, ptrs, torch._C._cuda_getCurrentRawStream(x.get_device()))
+    return out
+
+
+@layernorm_amax.register_fake
+def _(x, weight, bias, eps):
+    return _amax_buffer(x)
+
+
+def _nan_max(a: Tensor, b: Tensor) -> Tensor:
+    """max of staged amaxes ``a`` and amaxes ``b`` (>= 0 or NaN / inf), NaN-propagating; -0 counts as 0."""
+    return torch.where(torch.isnan(a) | torch.isnan(b), torch.full_like(a, float("nan")), torch.maximum(a.abs(), b))
+
+
+@_register("reduce_current_scales", ("amax", "amax_history", "scale", "scale_inv"))
+def reduce_current_scales(amax: Tensor, amax_history: Tensor, scale: Tensor, scale_inv: Tensor, index: int,
+                          fmt_max: float, margin_factor: float, group_name: str) -> None:
+    """Current scaling across ranks for the tensors ``index .. index + k - 1`` of a state.
+
+    ``amax``: (k, 2) float32, row j = :func:`amax` of tensor ``index + j`` on this rank, reduced in
+    place: NaN sent as +inf, then ONE ``all_reduce(MAX)`` over the process group named
+    ``group_name`` (element 1 of every row is 0 on every rank and stays 0). Then, per tensor, as
+    the current-scaled first step of a quantizing op stages and scales (the reference's
+    ``_host_quantize``): ``a = nan_max(amax_history[0, i], global amax)`` is staged, and
+    ``scale[i]`` / ``scale_inv[i]`` become :func:`fusedfp8.numerics.scaling.current_scale` of it
+    (the old scale where ``a`` is 0 or non-finite) and its inverse. A quantizing op called with
+    ``current_first=False`` then casts with that scale: every rank holds bitwise the same scale,
+    staged amax (a local NaN aside, which makes the slot NaN where the other ranks hold +inf:
+    both an overflow at the step's close) and FP8 bytes as one process quantizing the
+    concatenated tensors."""
+    import torch.distributed as dist
+
+    from ..numerics.scaling import current_scale
+    from ..numerics.xp import TorchNamespace
+
+    k = amax.shape[0]
+    amax.copy_(torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax))
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=dist.distributed_c10d._resolve_process_group(group_name))
+    staged = amax_history[0, index:index + k]
+    acc = _nan_max(staged, amax[:, 0])
+    # tensors on both sides of every division: torch computes ``float / tensor`` as a reciprocal
+    # times the float, which is not the correctly rounded quotient the kernels compute
+    s = current_scale(TorchNamespace(), acc, torch.full_like(acc, fmt_max), torch.full_like(acc, margin_factor),
+                      scale[index:index + k])
+    staged.copy_(acc)
+    scale[index:index + k] = s
+    scale_inv[index:index + k] = torch.ones_like(s) / s
+
+
+@reduce_current_scales.register_fake
+def _(amax, amax_history, scale, scale_inv, index, fmt_max, margin_factor, group_name):
+    return None

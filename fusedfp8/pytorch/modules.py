@@ -33,6 +33,15 @@ Current scaling. With a :class:`fusedfp8.CurrentScaling` recipe every step is a 
 once per optimizer step, only closes the step (overflows counted, the last amax kept, the
 staging row cleared), so the missed-update check applies as well: without it the staged amax
 of the next step would start from this one's.
+
+Current scaling across ranks. With ``amax_group`` (a torch.distributed ProcessGroup; CurrentScaling
+only) every quantization of an activation, a weight or a gradient takes the amax of the tensor
+over all ranks of the group: its local amax (an amax-only pass), ONE ``all_reduce(MAX)`` per
+tensor group (a GEMM's input and weight together; each gradient alone), then the cast with the
+scale of the global amax (:func:`fusedfp8.pytorch.autograd.reduce_current`). Every rank then
+holds bitwise the same scales and casts its rows as one process would cast the concatenated
+batch. The collective sits on the critical path of every GEMM (a scale cannot be known before
+the amax): 2 per Fp8Linear and 4 per Fp8MLP training step (see docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -109,6 +118,25 @@ class _UpdateHook:
             module._after_update()
 
 
+def check_amax_group(amax_group, recipe) -> str | None:
+    """The name of the process group ``amax_group`` (None for None), after checking that it can
+    carry current scaling across ranks (raises before anything is built or written)."""
+    if amax_group is None:
+        return None
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise RuntimeError("amax_group: torch.distributed is not available in this build of torch; pass "
+                           "amax_group=None")
+    if not isinstance(amax_group, dist.ProcessGroup):
+        raise TypeError(f"amax_group must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD) or "
+                        f"None; got {type(amax_group).__name__}")
+    if not recipe.current:
+        raise ValueError(f"amax_group is for CurrentScaling (the amax reduced across ranks before every cast); got "
+                         f"{recipe!r}, whose staged amaxes are reduced once per step instead: pass the group to "
+                         f"fusedfp8.pytorch.update_model_scales(model, group=...) and leave amax_group=None")
+    return amax_group.group_name
+
+
 def _check_input(layer: str, x: torch.Tensor, features: int, weight: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{layer}: input must be a torch.Tensor; got {type(x).__name__}")
@@ -165,6 +193,10 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         The FP8 GEMM on CUDA (:mod:`fusedfp8.pytorch.gemm`; also a settable attribute): the shim's
         ``fusedfp8::fp8_gemm_lt``, ``torch._scaled_mm``, or 'auto' (the first where the shim can be
         had). They differ only by float32 accumulation order. The CPU emulates either.
+    amax_group : torch.distributed ProcessGroup or None
+        CurrentScaling only: the ranks over which every amax is MAX-reduced before its cast (see
+        the module docstring; 1 all_reduce in the forward, 1 in the backward). Every rank of the
+        group must run the module the same number of times. Also a settable attribute.
 
     Input: (..., in_features), float32 / float16 / bfloat16; output (..., out_features) in the
     input's dtype; weight and bias of any of those dtypes (e.g. float32 master weights).
@@ -172,10 +204,11 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     Raises
     ------
     TypeError
-        At construction, on a recipe that is not a DelayedScaling or a CurrentScaling; in forward
+        At construction, on a recipe that is not a DelayedScaling or a CurrentScaling or an amax_group that
+        is not a ProcessGroup; in forward
         (before anything runs or is written), on a non-float input or weight.
     ValueError
-        At construction, on a bad ``missed_update`` or ``gemm``; in forward, on a wrong feature
+        At construction, on a bad ``missed_update`` or ``gemm``, or an ``amax_group`` with DelayedScaling; in forward, on a wrong feature
         count, input and weight on different devices, or (CUDA only) a GEMM dimension that is not a multiple
         of 16: in_features, out_features, and the number of tokens when the weight gradient is
         needed (padding is left to the caller: it would copy the input). On load, on a state
@@ -188,12 +221,14 @@ class Fp8Linear(_StrictLoad, nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  recipe: DelayedScaling = DelayedScaling(), device=None, dtype=None, *,
-                 missed_update: str = "raise", gemm: str = "auto"):
+                 missed_update: str = "raise", gemm: str = "auto", amax_group=None):
         check_recipe(recipe)
         if missed_update not in MISSED_UPDATE_MODES:
             raise ValueError(f"missed_update must be one of {MISSED_UPDATE_MODES}; got {missed_update!r}")
         G.check_gemm(gemm)
+        group_name = check_amax_group(amax_group, recipe)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._amax_group = group_name  # the name: a module stays deep-copyable and picklable
         self.gemm = gemm
         self._recipe = recipe
         self.missed_update = missed_update
@@ -206,14 +241,14 @@ class Fp8Linear(_StrictLoad, nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: DelayedScaling = DelayedScaling(), *,
-                    missed_update: str = "raise", gemm: str = "auto") -> "Fp8Linear":
+                    missed_update: str = "raise", gemm: str = "auto", amax_group=None) -> "Fp8Linear":
         """An Fp8Linear that takes over ``linear``'s Parameter objects (not copies: an optimizer
         built before the conversion keeps working) with a fresh state on their device."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear; got {type(linear).__name__}")
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, recipe=recipe,
-                      dtype=linear.weight.dtype, missed_update=missed_update, gemm=gemm)
+                      dtype=linear.weight.dtype, missed_update=missed_update, gemm=gemm, amax_group=amax_group)
         new.weight = linear.weight
         new.bias = linear.bias
         new._init_state(linear.weight.device)
@@ -247,6 +282,18 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     def _gemm_backend(self, x: torch.Tensor) -> str:
         """:func:`fusedfp8.pytorch.autograd.scaled_mm`'s backend for ``x`` (the CPU emulates either)."""
         return G.backend(self._gemm) if x.is_cuda else "scaled_mm"
+
+    @property
+    def amax_group(self):
+        """The ProcessGroup of current scaling across ranks, or None (see the class docstring)."""
+        if self._amax_group is None:
+            return None
+        import torch.distributed as dist
+        return dist.distributed_c10d._resolve_process_group(self._amax_group)
+
+    @amax_group.setter
+    def amax_group(self, group) -> None:
+        self._amax_group = check_amax_group(group, self._recipe)
 
     @property
     def fp8_state(self) -> ScalingState:
@@ -330,6 +377,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
             buf = self._buffers.get(name)  # the copy is unlinked, so each becomes a tensor of its own
             if buf is not None and not buf.is_contiguous():  # (the kernels take contiguous state only)
                 self._buffers[name] = buf.contiguous()
+        self.__dict__.setdefault("_amax_group", None)  # pickled before amax_group existed
         if "weight" in self._parameters:  # a copy's weight is a new tensor: its version counter starts over,
             self._pending_version = self.weight._version  # and a copy is not an optimizer step
 
@@ -390,7 +438,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         if not torch.compiler.is_compiling():
             self._ensure_hook()
         return F8.linear(x, self.weight, self.bias, self._state(), self._kernel_cfg(), need_dgrad, need_wgrad,
-                         self._wcache, self._gemm_backend(x))
+                         self._wcache, self._gemm_backend(x), self._amax_group)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self._recipe}, gemm={self.gemm!r}"
@@ -420,6 +468,10 @@ class Fp8MLP(_StrictLoad, nn.Module):
     bias : bool
     device, dtype, missed_update, gemm : as :class:`Fp8Linear` (``gemm`` is given to fc1 and fc2;
         each runs its own three GEMMs with its own ``gemm`` attribute).
+    amax_group : torch.distributed ProcessGroup or None
+        CurrentScaling across ranks, as :class:`Fp8Linear`'s (given to fc1 and fc2, which must
+        agree): one all_reduce for (LayerNorm(x), w1), one for (gelu(z), w2), one for each of the
+        two quantized gradients; 4 per training step.
 
     Attributes: ``norm`` (nn.LayerNorm), ``fc1``, ``fc2`` (Fp8Linear, owning the states),
     ``fuse_layernorm`` (default True; False runs ``norm`` in torch and quantizes its bf16 output,
@@ -429,15 +481,19 @@ class Fp8MLP(_StrictLoad, nn.Module):
 
     def __init__(self, hidden: int, ffn: int, recipe: DelayedScaling = DelayedScaling(), *,
                  approximate: str = "tanh", bias: bool = True, device=None, dtype=None,
-                 missed_update: str = "raise", gemm: str = "auto"):
+                 missed_update: str = "raise", gemm: str = "auto", amax_group=None):
         check_approximate(approximate)
         G.check_gemm(gemm)
+        check_recipe(recipe)
+        check_amax_group(amax_group, recipe)
         super().__init__()
         self.approximate = approximate
         self.fuse_layernorm = True
         self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
-        self.fc1 = Fp8Linear(hidden, ffn, bias, recipe, device, dtype, missed_update=missed_update, gemm=gemm)
-        self.fc2 = Fp8Linear(ffn, hidden, bias, recipe, device, dtype, missed_update=missed_update, gemm=gemm)
+        self.fc1 = Fp8Linear(hidden, ffn, bias, recipe, device, dtype, missed_update=missed_update, gemm=gemm,
+                             amax_group=amax_group)
+        self.fc2 = Fp8Linear(ffn, hidden, bias, recipe, device, dtype, missed_update=missed_update, gemm=gemm,
+                             amax_group=amax_group)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -451,6 +507,9 @@ class Fp8MLP(_StrictLoad, nn.Module):
         fc1, fc2 = self.fc1, self.fc2
         if fc1.recipe != fc2.recipe:
             raise ValueError(f"Fp8MLP: fc1 and fc2 must share one recipe; got {fc1.recipe} and {fc2.recipe}")
+        if fc1._amax_group != fc2._amax_group:
+            raise ValueError(f"Fp8MLP: fc1 and fc2 must share one amax_group; got the groups named "
+                             f"{fc1._amax_group!r} and {fc2._amax_group!r}")
         layer = type(self).__name__
         _check_input(layer, x, fc1.in_features, fc1.weight)
         _check_state_writable(layer, fc1, fc2)
@@ -469,4 +528,5 @@ class Fp8MLP(_StrictLoad, nn.Module):
         cfg = fc1._kernel_cfg() + fc2._kernel_cfg()[-1:]
         gemms = (fc1._gemm_backend(h), fc2._gemm_backend(h))
         return F8.mlp(h, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1._state(), fc2._state(), cfg,
-                      self.approximate, training, (fc1._wcache, fc2._wcache), norm if fused else None, gemms)
+                      self.approximate, training, (fc1._wcache, fc2._wcache), norm if fused else None, gemms,
+                      fc1._amax_group)

@@ -68,7 +68,11 @@ def other_plans():
                 _cuda.layernorm_tile(_cuda.padded(r, c, p)[1], 227 << 10) if t else (0, 0), p))
                for r, c, p in [(2048, 1024, 1), (303, 300, 1), (0, 8, 1), (5, 20000, 1),  # (pad_to: padded kernels)
                                (303, 300, 16), (1, 8, 16), (8190, 1024, 16), (17, 40, 3)]
-               for t in (False, True) for f in (False, True)])
+               for t in (False, True) for f in (False, True)]
+            # the amax-only plans (current scaling across ranks): a memset, then the pre-pass kernel
+            + [(("amax", n), _cuda.build_amax_plan(fake_refs(QKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
+            + [(("layernorm_amax", r, c), _cuda.build_layernorm_amax_plan(fake_refs(LNKEY), SMS, r, c, 1e-5))
+               for r, c in [(0, 8), (303, 300), (2048, 1024)]])
 
 
 def pointer_sets(n_slots: int):

@@ -283,21 +283,27 @@ def _case_one_reduce():
     assert counts == {("update", "d"): 1, ("update", None): 0, ("fp8_mlp", "d"): 1}, counts
 
 
-def main(out_path: str) -> None:
+def run_cases(cases, namespace: dict, out_path: str) -> None:
+    """Run ``namespace['_case_<name>']`` for each name of ``cases`` on the 4 devices and write one
+    verdict per case ('ok' or the traceback) to ``out_path`` as JSON."""
     import jax
 
     assert jax.device_count() == 4, jax.devices()
     verdicts = {}
-    for name in CASES:
+    for name in cases:
         t0 = time.monotonic()
         try:
-            globals()[f"_case_{name}"]()
+            namespace[f"_case_{name}"]()
             verdicts[name] = "ok"
         except Exception:  # noqa: BLE001  (reported to the parent test)
             verdicts[name] = traceback.format_exc()
         print(f"{name}: {time.monotonic() - t0:.1f} s", flush=True)
     with open(out_path, "w") as f:
         json.dump(verdicts, f)
+
+
+def main(out_path: str) -> None:
+    run_cases(CASES, globals(), out_path)
 
 
 if __name__ == "__main__":

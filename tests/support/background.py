@@ -53,7 +53,9 @@ def _flax_checkpoint(out: Path) -> list:
 
 def _jax_multidevice(out: Path) -> list:
     flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    return [(_script("jax_multidevice.py", out / "verdicts.json"), _env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu"))]
+    env = _env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    return [(_script("jax_multidevice.py", out / "verdicts.json"), env),
+            (_script("jax_current_multidevice.py", out / "current.json"), env)]  # CurrentScaling across devices
 
 
 # name -> steps (argv, environment) given the job's output folder; the order is the order the

@@ -238,8 +238,9 @@ def scenario_fsdp2(rank, world, out):
         dist.barrier()  # the other ranks may be waiting in a collective of the failed step; resync
 
 
-def run_train_ddp_script(rank, world, tmp, port):
-    """scripts/train_ddp.py's main() in this process, with the environment torchrun would set."""
+def run_train_ddp_script(rank, world, tmp, port, extra=(), name="train_ddp.json"):
+    """scripts/train_ddp.py's main() in this process, with the environment torchrun would set
+    (``extra``: more arguments; ``name``: of the JSON report in ``tmp``)."""
     import importlib.util
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -248,7 +249,7 @@ def run_train_ddp_script(rank, world, tmp, port):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     return script.main(["--device", "cpu", "--steps", "3", "--hidden", "32", "--ffn", "64", "--tokens", "16",
-                        "--json", os.path.join(tmp, "train_ddp.json")])
+                        "--json", os.path.join(tmp, name), *extra])
 
 
 def worker(rank, world, tmp, port):
