@@ -90,7 +90,7 @@ def test_without_the_shim_cublaslt_raises_and_auto_falls_back_to_scaled_mm(monke
 
 
 def test_auto_says_scaled_mm_before_the_first_forward_where_the_shim_cannot_be_had(monkeypatch, fresh):
-    monkeypatch.setenv("FUSEDFP8_NO_SHIM", "1")
+    monkeypatch.setattr(G._shim, "status", lambda target: (False, "FUSEDFP8_NO_SHIM is set"))
     backend, why = G.gemm_path("auto")
     assert backend == "scaled_mm" and "FUSEDFP8_NO_SHIM" in why
     assert G.gemm_path("cublaslt")[0] == "error"
