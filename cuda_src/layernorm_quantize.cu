@@ -71,6 +71,7 @@ using namespace ff8;
 #define LN_THREADS 512  // the largest block (and the most threads per row)
 #define LN_CHUNK 8      // columns per chunk
 #define LN_CACHED 4     // chunks per thread kept in registers
+#define LN_STAGES 4     // the deepest prefetch ring (stages of the cached chunks of a pass, in shared memory)
 
 // 8 consecutive elements as loaded: one uint4 for 2-byte types, two for float32.
 template <typename T> struct Raw8 { uint4 w[sizeof(T) / 2]; };
@@ -100,6 +101,19 @@ template <typename T> __device__ __forceinline__ void unpack(const Raw8<T>& r, f
     const T* e = reinterpret_cast<const T*>(&r);
 #pragma unroll
     for (int j = 0; j < LN_CHUNK; ++j) v[j] = to_f32(e[j]);
+}
+
+// 16 bytes global -> shared, asynchronously (cp.async, through L2 only); !full: 16 zero bytes, nothing read.
+__device__ __forceinline__ void cp_async16(uint4* dst, const void* src, bool full) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "r"(full ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Wait until at most n (1 .. LN_STAGES - 1) of this thread's committed groups are pending.
+__device__ __forceinline__ void cp_async_wait(int n) {
+    if (n <= 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
+    else if (n == 2) asm volatile("cp.async.wait_group 2;" ::: "memory");
+    else asm volatile("cp.async.wait_group 3;" ::: "memory");
 }
 
 // A parameter chunk (weight or bias) as float32, `dflt` where the pointer is null.
@@ -236,9 +250,10 @@ __device__ __forceinline__ void layernorm_rows(
     const T* __restrict__ x, const P* __restrict__ weight, const P* __restrict__ bias, u8* __restrict__ q,
     u8* __restrict__ q_t, float* __restrict__ mean_out, float* __restrict__ rstd_out, const float* __restrict__ scale,
     float* amax, float* scale_out, float* scale_inv_out, float* scale_inv_used, const int* updates, i64 rows,
-    i64 cols, i64 prows, i64 pcols, int tpr, int tile_rows, int vec, int vec_t, float eps, float margin_factor)
+    i64 cols, i64 prows, i64 pcols, int tpr, int tile_rows, int vec, int vec_t, int stages, float eps,
+    float margin_factor)
 {
-    extern __shared__ __align__(16) u8 tile[];       // [tile_rows][pitch] when q_t
+    extern __shared__ __align__(16) u8 dyn[];         // the prefetch ring (stages > 1 and vec), then the tile
     __shared__ float red[2][LN_THREADS / 32];         // per-warp partial sums (sum, sum of squares)
     if (!STORE && *updates != 0) return;  // pre-pass only runs on a first step
     float s = 1.0f;
@@ -257,14 +272,26 @@ __device__ __forceinline__ void layernorm_rows(
     const i64 qcols = PAD ? pcols : cols;  // the row pitch of q
     const i64 pitch = (qcols + 15) & ~(i64)15;
     const float n = (float)cols;  // exact: cols < 2**24
+    // The prefetch ring: nst stages, each the first rk chunks of every thread of one pass (W 16-byte
+    // words a chunk), thread-major so that a warp's 16-byte accesses are contiguous. A thread reads
+    // only the words it copied itself: its own cp.async.wait_group orders them, no barrier.
+    constexpr int W = (int)(sizeof(T) / 2);
+    const int rk = (int)min((i64)LN_CACHED, (i64)steps);
+    const int nst = vec && stages > 1 ? min(stages, LN_STAGES) : 1;
+    const int bd = (int)blockDim.x, stage_words = rk * W * bd;
+    uint4* ring = reinterpret_cast<uint4*>(dyn);
+    u8* tile = dyn + (nst > 1 ? (i64)nst * stage_words * 16 : 0);  // [tile_rows][pitch] when q_t
     const bool affine = weight != nullptr && bias != nullptr;
     u32 m = 0;
     // One row (r = r0 + tr) of one pass. VEC: whole chunks, 16-byte loads issued together and
     // predicated (a missing chunk reads as +0: it adds nothing), no branch between them; else
     // element loads within the row. Three variants: vector loads with weight and bias (the fast
-    // path), vector loads with a null weight or bias, element loads.
-    auto row = [&](auto vec_tag, auto affine_tag, i64 r0, int tr) {
+    // path), vector loads with a null weight or bias, element loads. STAGED (with VEC): the first
+    // rk chunks of this thread are its words of the ring at `staged` (zeros where it has none), read
+    // there in each of the three passes instead of being held in registers across the reductions.
+    auto row = [&](auto vec_tag, auto affine_tag, auto staged_tag, i64 r0, int tr, const uint4* staged) {
         constexpr bool VEC = decltype(vec_tag)::value;
+        constexpr bool STAGED = VEC && decltype(staged_tag)::value;
         constexpr bool AFFINE = decltype(affine_tag)::value;  // weight and bias both given: no defaults to select
         const i64 r = r0 + tr;
         const bool active = r < rows;
@@ -283,13 +310,20 @@ __device__ __forceinline__ void layernorm_rows(
         for (int k = 0; k < LN_CACHED; ++k) {
             i64 col;
             nks[k] = valid(k, col);
-            cache[k] = load_chunk<T, VEC>(xr + col, nks[k]);
+            if (!STAGED) cache[k] = load_chunk<T, VEC>(xr + col, nks[k]);
         }
+        auto cached = [&](int k) -> Raw8<T> {  // chunk k < LN_CACHED as loaded
+            if (!STAGED) return cache[k];
+            Raw8<T> v;
+#pragma unroll
+            for (int i = 0; i < W; ++i) v.w[i] = k < rk ? staged[(k * W + i) * bd] : make_uint4(0u, 0u, 0u, 0u);
+            return v;
+        };
 #pragma unroll
         for (int j = 0; j < LN_CHUNK; ++j) a[j] = 0.0f;
 #pragma unroll
         for (int k = 0; k < LN_CACHED; ++k) {
-            unpack<T>(cache[k], e);
+            unpack<T>(cached(k), e);
 #pragma unroll
             for (int j = 0; j < LN_CHUNK; ++j) a[j] = fadd(a[j], e[j]);
         }
@@ -314,7 +348,7 @@ __device__ __forceinline__ void layernorm_rows(
 #pragma unroll
         for (int j = 0; j < LN_CHUNK; ++j) a[j] = 0.0f;
 #pragma unroll
-        for (int k = 0; k < LN_CACHED; ++k) squares(cache[k], nks[k]);
+        for (int k = 0; k < LN_CACHED; ++k) squares(cached(k), nks[k]);
         for (int k = LN_CACHED; k < steps; ++k) {
             i64 col;
             const int nk = valid(k, col);
@@ -354,7 +388,7 @@ __device__ __forceinline__ void layernorm_rows(
             }
         };
 #pragma unroll
-        for (int k = 0; k < LN_CACHED; ++k) output(cache[k], ((i64)k * tpr + t) * LN_CHUNK, nks[k]);
+        for (int k = 0; k < LN_CACHED; ++k) output(cached(k), ((i64)k * tpr + t) * LN_CHUNK, nks[k]);
         for (int k = LN_CACHED; k < steps; ++k) {
             i64 col;
             const int nk = valid(k, col);
@@ -369,17 +403,59 @@ __device__ __forceinline__ void layernorm_rows(
             rstd_out[r] = canonical(rstd);
         }
     };
-    for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
-        const i64 r0 = g * group_rows;
-        for (int p = 0; p < group_rows; p += per_pass) {
-            if (vec && affine) row(Bool<true>(), Bool<true>(), r0, p + lr);
-            else if (vec) row(Bool<true>(), Bool<false>(), r0, p + lr);
-            else row(Bool<false>(), Bool<false>(), r0, p + lr);
+    auto flush_tile = [&](i64 r0) {
+        __syncthreads();
+        store_transposed<PAD>(tile, q_t, rows, cols, prows, pcols, r0, pitch, tile_rows, vec_t);
+        __syncthreads();  // the tile is rewritten by the next group
+    };
+    if (nst > 1) {
+        // The same rows in the same order, the copies of the next nst - 1 passes in flight while a
+        // pass reduces: the block's pass `it` is pass it % ppg of its group number it / ppg.
+        const int ppg = group_rows / per_pass;
+        auto at = [&](int it, i64& r0, int& tr) -> bool {
+            const i64 g = blockIdx.x + (i64)(it / ppg) * gridDim.x;
+            r0 = g * group_rows;
+            tr = (it % ppg) * per_pass + lr;
+            return g < groups;
+        };
+        auto prefetch = [&](int it) {  // one commit group a pass (empty past the last)
+            i64 r0;
+            int tr;
+            if (at(it, r0, tr)) {
+                const i64 r = r0 + tr;
+                uint4* st = ring + (it % nst) * stage_words + threadIdx.x;
+#pragma unroll
+                for (int k = 0; k < LN_CACHED; ++k) {
+                    const i64 c = (i64)k * tpr + t;
+                    const bool full = r < rows && c < nchunks;  // else zeros, as load_chunk's
+                    const uint4* src = reinterpret_cast<const uint4*>(full ? x + r * cols + c * LN_CHUNK : x);
+#pragma unroll
+                    for (int i = 0; i < W; ++i)
+                        if (k < rk) cp_async16(st + (k * W + i) * bd, src + (full ? i : 0), full);
+                }
+            }
+            cp_async_commit();
+        };
+        for (int it = 0; it < nst - 1; ++it) prefetch(it);
+        i64 r0;
+        int tr;
+        for (int it = 0; at(it, r0, tr); ++it) {
+            prefetch(it + nst - 1);
+            cp_async_wait(nst - 1);  // this thread's copies of pass it have landed
+            const uint4* st = ring + (it % nst) * stage_words + threadIdx.x;
+            if (affine) row(Bool<true>(), Bool<true>(), Bool<true>(), r0, tr, st);
+            else row(Bool<true>(), Bool<false>(), Bool<true>(), r0, tr, st);
+            if (transposed && it % ppg == ppg - 1) flush_tile(r0);
         }
-        if (transposed) {
-            __syncthreads();
-            store_transposed<PAD>(tile, q_t, rows, cols, prows, pcols, r0, pitch, tile_rows, vec_t);
-            __syncthreads();  // the tile is rewritten by the next group
+    } else {
+        for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
+            const i64 r0 = g * group_rows;
+            for (int p = 0; p < group_rows; p += per_pass) {
+                if (vec && affine) row(Bool<true>(), Bool<true>(), Bool<false>(), r0, p + lr, nullptr);
+                else if (vec) row(Bool<true>(), Bool<false>(), Bool<false>(), r0, p + lr, nullptr);
+                else row(Bool<false>(), Bool<false>(), Bool<false>(), r0, p + lr, nullptr);
+            }
+            if (transposed) flush_tile(r0);
         }
     }
     if (!fresh) block_amax_atomic<LN_THREADS>(m, amax, blockDim.x >> 5);  // on a first step the pre-pass did it
@@ -405,12 +481,14 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize(
     int tile_rows,                    // rows per transposed tile (16, 8 or 4; a multiple of blockDim / tpr)
     int vec,                          // 1: x, weight, bias, q 16-byte aligned and cols % 8 == 0
     int vec_t,                        // 1: q_t 16-byte aligned and rows % tile_rows == 0
+    int stages,                       // prefetch ring depth (with vec; 1: loads straight into registers)
     float eps,                        // added to the variance
     float margin_factor)              // 2**margin, for the first-step scale
 {
     layernorm_rows<T, P, FMT, STORE, TRANSPOSE, false>(x, weight, bias, q, q_t, mean_out, rstd_out, scale, amax,
                                                        scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
-                                                       rows, cols, tpr, tile_rows, vec, vec_t, eps, margin_factor);
+                                                       rows, cols, tpr, tile_rows, vec, vec_t, stages, eps,
+                                                       margin_factor);
 }
 
 // layernorm_quantize writing padded outputs (the quantize family's pad_to): the same parameters
@@ -437,10 +515,12 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize_padded(
     int tile_rows,                    // rows per transposed tile (16, 8 or 4; a multiple of blockDim / tpr)
     int vec,                          // 1: x, weight, bias, q 16-byte aligned and cols % 8 == 0 == pcols % 8
     int vec_t,                        // 1: q_t 16-byte aligned and prows % tile_rows == 0
+    int stages,                       // prefetch ring depth (with vec; 1: loads straight into registers)
     float eps,                        // added to the variance
     float margin_factor)              // 2**margin, for the first-step scale
 {
     layernorm_rows<T, P, FMT, true, TRANSPOSE, true>(x, weight, bias, q, q_t, mean_out, rstd_out, scale, amax,
                                                      scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
-                                                     prows, pcols, tpr, tile_rows, vec, vec_t, eps, margin_factor);
+                                                     prows, pcols, tpr, tile_rows, vec, vec_t, stages, eps,
+                                                     margin_factor);
 }
