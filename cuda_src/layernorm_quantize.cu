@@ -277,7 +277,7 @@ __device__ __forceinline__ void layernorm_rows(
     // only the words it copied itself: its own cp.async.wait_group orders them, no barrier.
     constexpr int W = (int)(sizeof(T) / 2);
     const int rk = (int)min((i64)LN_CACHED, (i64)steps);
-    const int nst = vec && stages > 1 ? min(stages, LN_STAGES) : 1;
+    const int nst = STORE && vec && stages > 1 ? min(stages, LN_STAGES) : 1;  // (the pre-pass: none)
     const int bd = (int)blockDim.x, stage_words = rk * W * bd;
     uint4* ring = reinterpret_cast<uint4*>(dyn);
     u8* tile = dyn + (nst > 1 ? (i64)nst * stage_words * 16 : 0);  // [tile_rows][pitch] when q_t
