@@ -20,7 +20,7 @@
 // cols by the host: numerics/layernorm.py threads_per_row) share a row: thread t takes chunks
 // t, t + tpr, t + 2 tpr, ... so that a warp's loads are contiguous. The first LN_CACHED (4)
 // chunks of a thread stay in registers as loaded (raw 16-bit values for 2-byte types), so x is
-// read ONCE for rows up to 32 * tpr columns (16384 at tpr = 512); wider rows read their further
+// read ONCE (or staged in the prefetch ring, below) for rows up to 32 * tpr columns (16384 at tpr = 512); wider rows read their further
 // chunks again in each of the three passes (sum, sum of squares, output). 1024 columns: one warp
 // per row, 32 values a lane, no shared memory and no barrier in the reductions; 4096: 4 warps.
 //
@@ -31,8 +31,8 @@
 // ends with the same bits, as IEEE addition commutes), and over the row's tpr / 32 warps through
 // shared memory (a second butterfly over lanes 0 .. warps-1 of each warp, offsets warps/2 .. 1).
 //
-// Grid and block: blockDim = max(256, tpr) threads (the host's choice; the kernel reads blockDim),
-// blockDim / tpr rows per pass; grid = min(row groups, resident blocks) from the occupancy, grid-
+// Grid and block: blockDim = max(256, tpr) threads, with q_t and the ring min(512, tpr * tile_rows)
+// (the host's choice: _cuda.layernorm_block; the kernel reads blockDim), blockDim / tpr rows per pass; grid = min(row groups, resident blocks) from the occupancy, grid-
 // stride over the groups; one atomicMax per block. Without q_t (TRANSPOSE = false) a group is one
 // pass. With q_t a group is a tile of tile_rows rows (16, 8 or 4, from cols: the host keeps
 // tile_rows * pitch within its shared-memory budget): every pass also writes its FP8 bytes into a
@@ -41,8 +41,24 @@
 // store each when q_t is aligned and rows % tile_rows == 0). Why: for hidden 1024 and 4096 a row is
 // 2-8 KiB of bf16, which 32-128 threads hold in registers (4 independent 16-byte loads each):
 // x is read once, q written once with 8-byte stores, and a 1024-wide row needs no barrier at all.
-// Registers (sm_90, NVRTC, bf16 in, float32 / bf16 params): 108 / 98 without q_t, 126 with it,
-// 126 / 110 in the pre-pass: two blocks of 256 per multiprocessor.
+// Registers (sm_90, NVRTC, bf16 in, float32 / bf16 params): 128 / 116 without q_t, 128 with it (bf16
+// params: 22 bytes spilled, reloaded a few times a row), 127 / 109 in the pre-pass: two blocks of 256
+// (one of 512) per multiprocessor, as before the ring (108 / 98, 126, 126 / 110).
+//
+// Prefetch ring (stages > 1 and vec; the host's choice, _cuda.layernorm_stages: the deepest of up to
+// LN_STAGES that keeps the resident blocks). Without it a block loads a pass's rows, then reduces them
+// with nothing in flight: the loads of one pass (64 bytes a thread) are all the memory parallelism,
+// and at 2048 x 4096 (4 passes a block) or 8192 x 16384 (62 rows a block, one at a time) the latency
+// of every pass is exposed. With it, the first rk = min(steps, LN_CACHED) chunks of every thread of a
+// pass are copied by cp.async (16 bytes, through L2, zero-filled where load_chunk reads +0) into stage
+// it % stages of a ring in dynamic shared memory (before the tile), the copies of the next stages - 1
+// passes of the block (the same rows in the same order, across groups and tiles) in flight while a
+// pass reduces. A thread's words are thread-major in a stage (a warp's 16-byte accesses contiguous,
+// no bank conflict), it reads only the words it copied (its own cp.async.wait_group orders them: no
+// barrier), and reads them in each of the three passes instead of holding them in registers across
+// the reductions. The values, the op sequence and the reduction order are those of the register
+// path, so the bytes are (stages = 1 is that path: the A/B switch FUSEDFP8_LN_STAGES=1). The
+// element path (no vec) and the pre-pass take no ring.
 //
 // Padding (layernorm_quantize_padded, the quantize family's pad_to): q is (prows x pcols) and q_t
 // (pcols x prows), rounded up (to 16 for cuBLASLt's FP8 GEMMs), zeros outside the rows x cols
