@@ -46,7 +46,8 @@ LN_STATIC_SHARED = 2048  # room left for the kernel's static shared memory (1216
 # each thread's first CACHED_CHUNKS chunks, the next passes' copies (cp.async) in flight while a pass
 # reduces. The plan takes the deepest ring, up to FUSEDFP8_LN_STAGES (default LN_STAGES, at most
 # LN_STAGES in layernorm_quantize.cu), that keeps the kernel's resident blocks; FUSEDFP8_LN_STAGES=1 is
-# the scheme before the ring (loads straight into registers, LN_BLOCK-thread transposed tiles), for A/B.
+# the scheme before the ring (loads straight into registers, LN_BLOCK-thread transposed tiles), for A/B
+# (read when a plan is built: plans are cached for the process, so A/B in separate processes).
 LN_STAGES = 4
 LN_TILE_BLOCK = 512  # the block of a transposed tile with the ring (at most tile rows x threads per row)
 LN_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -599,7 +600,7 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
     stage = layernorm_stage_bytes(cols, layernorm_block(cols, transpose, tile[0], want), LN_ITEMSIZE[dtype])
     stages = layernorm_stages(ks[main], layernorm_block(cols, transpose, tile[0], want), tile[1], stage, optin, want)
     ring = (stages, stage) if stages > 1 else (1, 0)
-    shared = tile[1] + ring[0] * ring[1] if stages > 1 else tile[1]
+    shared = tile[1] + ring[0] * ring[1]
     ks[main].allow_shared(shared)
     refs = {role: KernelRef(k.func, k.name, role,
                             k.blocks_per_sm(layernorm_block(cols, transpose, tile[0], stages), shared) if role == main
