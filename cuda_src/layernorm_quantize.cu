@@ -41,9 +41,10 @@
 // store each when q_t is aligned and rows % tile_rows == 0). Why: for hidden 1024 and 4096 a row is
 // 2-8 KiB of bf16, which 32-128 threads hold in registers (4 independent 16-byte loads each):
 // x is read once, q written once with 8-byte stores, and a 1024-wide row needs no barrier at all.
-// Registers (sm_90, NVRTC, bf16 in, float32 / bf16 params): 128 / 116 without q_t, 128 with it (bf16
-// params: 22 bytes spilled, reloaded a few times a row), 127 / 109 in the pre-pass: two blocks of 256
-// (one of 512) per multiprocessor, as before the ring (108 / 98, 126, 126 / 110).
+// Registers (sm_90, NVRTC, bf16 in, float32 / bf16 params): 128 without q_t, 128 with it (one 2-byte
+// spill, stored at entry and reloaded at exit; the padded kernel with q_t and float32 params spills 22
+// bytes), 126 / 109 in the pre-pass: two blocks of 256 (one of 512) per multiprocessor, as before the
+// ring (108 / 98, 126, 126 / 110).
 //
 // Prefetch ring (stages > 1 and vec; the host's choice, _cuda.layernorm_stages: the deepest of up to
 // LN_STAGES that keeps the resident blocks). Without it a block loads a pass's rows, then reduces them
@@ -425,21 +426,15 @@ __device__ __forceinline__ void layernorm_rows(
         __syncthreads();  // the tile is rewritten by the next group
     };
     if (nst > 1) {
-        // The same rows in the same order, the copies of the next nst - 1 passes in flight while a
-        // pass reduces: the block's pass `it` is pass it % ppg of its group number it / ppg.
-        const int ppg = group_rows / per_pass;
-        auto at = [&](int it, i64& r0, int& tr) -> bool {
-            const i64 g = blockIdx.x + (i64)(it / ppg) * gridDim.x;
-            r0 = g * group_rows;
-            tr = (it % ppg) * per_pass + lr;
-            return g < groups;
-        };
-        auto prefetch = [&](int it) {  // one commit group a pass (empty past the last)
-            i64 r0;
-            int tr;
-            if (at(it, r0, tr)) {
-                const i64 r = r0 + tr;
-                uint4* st = ring + (it % nst) * stage_words + threadIdx.x;
+        // The same rows in the same order as below, the copies of the next nst - 1 passes of the
+        // block (across groups) in flight while a pass reduces. Pass j of the block goes to stage
+        // j % nst; the copy cursor (group fg, pass fp, stage fs) runs nst - 1 passes ahead.
+        i64 fg = blockIdx.x;
+        int fp = 0, fs = 0, cs = 0;
+        auto prefetch = [&]() {  // one commit group a pass (empty past the last)
+            if (fg < groups) {
+                const i64 r = fg * group_rows + fp + lr;
+                uint4* st = ring + fs * stage_words + threadIdx.x;
 #pragma unroll
                 for (int k = 0; k < LN_CACHED; ++k) {
                     const i64 c = (i64)k * tpr + t;
@@ -449,19 +444,27 @@ __device__ __forceinline__ void layernorm_rows(
                     for (int i = 0; i < W; ++i)
                         if (k < rk) cp_async16(st + (k * W + i) * bd, src + (full ? i : 0), full);
                 }
+                fp += per_pass;
+                if (fp == group_rows) {
+                    fp = 0;
+                    fg += gridDim.x;
+                }
             }
             cp_async_commit();
+            fs = fs + 1 == nst ? 0 : fs + 1;
         };
-        for (int it = 0; it < nst - 1; ++it) prefetch(it);
-        i64 r0;
-        int tr;
-        for (int it = 0; at(it, r0, tr); ++it) {
-            prefetch(it + nst - 1);
-            cp_async_wait(nst - 1);  // this thread's copies of pass it have landed
-            const uint4* st = ring + (it % nst) * stage_words + threadIdx.x;
-            if (affine) row(Bool<true>(), Bool<true>(), Bool<true>(), r0, tr, st);
-            else row(Bool<true>(), Bool<false>(), Bool<true>(), r0, tr, st);
-            if (transposed && it % ppg == ppg - 1) flush_tile(r0);
+        for (int j = 0; j < nst - 1; ++j) prefetch();
+        for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
+            const i64 r0 = g * group_rows;
+            for (int p = 0; p < group_rows; p += per_pass) {
+                prefetch();
+                cp_async_wait(nst - 1);  // this thread's copies of this pass have landed
+                const uint4* st = ring + cs * stage_words + threadIdx.x;
+                cs = cs + 1 == nst ? 0 : cs + 1;
+                if (affine) row(Bool<true>(), Bool<true>(), Bool<true>(), r0, p + lr, st);
+                else row(Bool<true>(), Bool<false>(), Bool<true>(), r0, p + lr, st);
+            }
+            if (transposed) flush_tile(r0);
         }
     } else {
         for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
