@@ -20,7 +20,7 @@
 // cols by the host: numerics/layernorm.py threads_per_row) share a row: thread t takes chunks
 // t, t + tpr, t + 2 tpr, ... so that a warp's loads are contiguous. The first LN_CACHED (4)
 // chunks of a thread stay in registers as loaded (raw 16-bit values for 2-byte types), so x is
-// read ONCE (or staged in the prefetch ring, below) for rows up to 32 * tpr columns (16384 at tpr = 512); wider rows read their further
+// read ONCE for rows up to 32 * tpr columns (16384 at tpr = 512); wider rows read their further
 // chunks again in each of the three passes (sum, sum of squares, output). 1024 columns: one warp
 // per row, 32 values a lane, no shared memory and no barrier in the reductions; 4096: 4 warps.
 //
@@ -31,8 +31,8 @@
 // ends with the same bits, as IEEE addition commutes), and over the row's tpr / 32 warps through
 // shared memory (a second butterfly over lanes 0 .. warps-1 of each warp, offsets warps/2 .. 1).
 //
-// Grid and block: blockDim = max(256, tpr) threads, with q_t and the ring min(512, tpr * tile_rows)
-// (the host's choice: _cuda.layernorm_block; the kernel reads blockDim), blockDim / tpr rows per pass; grid = min(row groups, resident blocks) from the occupancy, grid-
+// Grid and block: blockDim = max(256, tpr) threads (the host's choice; the kernel reads blockDim),
+// blockDim / tpr rows per pass; grid = min(row groups, resident blocks) from the occupancy, grid-
 // stride over the groups; one atomicMax per block. Without q_t (TRANSPOSE = false) a group is one
 // pass. With q_t a group is a tile of tile_rows rows (16, 8 or 4, from cols: the host keeps
 // tile_rows * pitch within its shared-memory budget): every pass also writes its FP8 bytes into a
@@ -41,25 +41,8 @@
 // store each when q_t is aligned and rows % tile_rows == 0). Why: for hidden 1024 and 4096 a row is
 // 2-8 KiB of bf16, which 32-128 threads hold in registers (4 independent 16-byte loads each):
 // x is read once, q written once with 8-byte stores, and a 1024-wide row needs no barrier at all.
-// Registers (sm_90, NVRTC, bf16 in, float32 / bf16 params): 128 without q_t, 128 with it (one 2-byte
-// spill, stored at entry and reloaded at exit; the padded kernel with q_t and float32 params spills 22
-// bytes), 126 / 109 in the pre-pass: two blocks of 256 (one of 512) per multiprocessor, as before the
-// ring (108 / 98, 126, 126 / 110).
-//
-// Prefetch ring (stages > 1 and vec; the host's choice, _cuda.layernorm_stages: the deepest of up to
-// LN_STAGES that keeps the resident blocks). Without it a block loads a pass's rows, then reduces them
-// with nothing in flight: the loads of one pass (64 bytes a thread) are all the memory parallelism,
-// and at 2048 x 4096 (4 passes a block) or 8192 x 16384 (62 rows a block, one at a time) the latency
-// of every pass is exposed. With it, the first rk = min(steps, LN_CACHED) chunks of every thread of a
-// pass are copied by cp.async (16 bytes, through L2, zero-filled where load_chunk reads +0) into stage
-// it % stages of a ring in dynamic shared memory (before the tile), the copies of the next stages - 1
-// passes of the block (the same rows in the same order, across groups and tiles) in flight while a
-// pass reduces. A thread's words are thread-major in a stage (a warp's 16-byte accesses contiguous,
-// no bank conflict), it reads only the words it copied (its own cp.async.wait_group orders them: no
-// barrier), and reads them in each of the three passes instead of holding them in registers across
-// the reductions. The values, the op sequence and the reduction order are those of the register
-// path, so the bytes are (stages = 1 is that path: the A/B switch FUSEDFP8_LN_STAGES=1). The
-// element path (no vec) and the pre-pass take no ring.
+// Registers (sm_90, NVRTC, bf16 in, float32 / bf16 params): 108 / 98 without q_t, 126 with it,
+// 126 / 110 in the pre-pass: two blocks of 256 per multiprocessor.
 //
 // Padding (layernorm_quantize_padded, the quantize family's pad_to): q is (prows x pcols) and q_t
 // (pcols x prows), rounded up (to 16 for cuBLASLt's FP8 GEMMs), zeros outside the rows x cols
@@ -88,7 +71,6 @@ using namespace ff8;
 #define LN_THREADS 512  // the largest block (and the most threads per row)
 #define LN_CHUNK 8      // columns per chunk
 #define LN_CACHED 4     // chunks per thread kept in registers
-#define LN_STAGES 4     // the deepest prefetch ring (stages of the cached chunks of a pass, in shared memory)
 
 // 8 consecutive elements as loaded: one uint4 for 2-byte types, two for float32.
 template <typename T> struct Raw8 { uint4 w[sizeof(T) / 2]; };
@@ -118,19 +100,6 @@ template <typename T> __device__ __forceinline__ void unpack(const Raw8<T>& r, f
     const T* e = reinterpret_cast<const T*>(&r);
 #pragma unroll
     for (int j = 0; j < LN_CHUNK; ++j) v[j] = to_f32(e[j]);
-}
-
-// 16 bytes global -> shared, asynchronously (cp.async, through L2 only); !full: 16 zero bytes, nothing read.
-__device__ __forceinline__ void cp_async16(uint4* dst, const void* src, bool full) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "r"(full ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Wait until at most n (1 .. LN_STAGES - 1) of this thread's committed groups are pending.
-__device__ __forceinline__ void cp_async_wait(int n) {
-    if (n <= 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
-    else if (n == 2) asm volatile("cp.async.wait_group 2;" ::: "memory");
-    else asm volatile("cp.async.wait_group 3;" ::: "memory");
 }
 
 // A parameter chunk (weight or bias) as float32, `dflt` where the pointer is null.
@@ -267,10 +236,9 @@ __device__ __forceinline__ void layernorm_rows(
     const T* __restrict__ x, const P* __restrict__ weight, const P* __restrict__ bias, u8* __restrict__ q,
     u8* __restrict__ q_t, float* __restrict__ mean_out, float* __restrict__ rstd_out, const float* __restrict__ scale,
     float* amax, float* scale_out, float* scale_inv_out, float* scale_inv_used, const int* updates, i64 rows,
-    i64 cols, i64 prows, i64 pcols, int tpr, int tile_rows, int vec, int vec_t, int stages, float eps,
-    float margin_factor)
+    i64 cols, i64 prows, i64 pcols, int tpr, int tile_rows, int vec, int vec_t, float eps, float margin_factor)
 {
-    extern __shared__ __align__(16) u8 dyn[];         // the prefetch ring (stages > 1 and vec), then the tile
+    extern __shared__ __align__(16) u8 tile[];       // [tile_rows][pitch] when q_t
     __shared__ float red[2][LN_THREADS / 32];         // per-warp partial sums (sum, sum of squares)
     if (!STORE && *updates != 0) return;  // pre-pass only runs on a first step
     float s = 1.0f;
@@ -289,26 +257,14 @@ __device__ __forceinline__ void layernorm_rows(
     const i64 qcols = PAD ? pcols : cols;  // the row pitch of q
     const i64 pitch = (qcols + 15) & ~(i64)15;
     const float n = (float)cols;  // exact: cols < 2**24
-    // The prefetch ring: nst stages, each the first rk chunks of every thread of one pass (W 16-byte
-    // words a chunk), thread-major so that a warp's 16-byte accesses are contiguous. A thread reads
-    // only the words it copied itself: its own cp.async.wait_group orders them, no barrier.
-    constexpr int W = (int)(sizeof(T) / 2);
-    const int rk = (int)min((i64)LN_CACHED, (i64)steps);
-    const int nst = STORE && vec && stages > 1 ? min(stages, LN_STAGES) : 1;  // (the pre-pass: none)
-    const int bd = (int)blockDim.x, stage_words = rk * W * bd;
-    uint4* ring = reinterpret_cast<uint4*>(dyn);
-    u8* tile = dyn + (nst > 1 ? (i64)nst * stage_words * 16 : 0);  // [tile_rows][pitch] when q_t
     const bool affine = weight != nullptr && bias != nullptr;
     u32 m = 0;
     // One row (r = r0 + tr) of one pass. VEC: whole chunks, 16-byte loads issued together and
     // predicated (a missing chunk reads as +0: it adds nothing), no branch between them; else
     // element loads within the row. Three variants: vector loads with weight and bias (the fast
-    // path), vector loads with a null weight or bias, element loads. STAGED (with VEC): the first
-    // rk chunks of this thread are its words of the ring at `staged` (zeros where it has none), read
-    // there in each of the three passes instead of being held in registers across the reductions.
-    auto row = [&](auto vec_tag, auto affine_tag, auto staged_tag, i64 r0, int tr, const uint4* staged) {
+    // path), vector loads with a null weight or bias, element loads.
+    auto row = [&](auto vec_tag, auto affine_tag, i64 r0, int tr) {
         constexpr bool VEC = decltype(vec_tag)::value;
-        constexpr bool STAGED = VEC && decltype(staged_tag)::value;
         constexpr bool AFFINE = decltype(affine_tag)::value;  // weight and bias both given: no defaults to select
         const i64 r = r0 + tr;
         const bool active = r < rows;
@@ -327,20 +283,13 @@ __device__ __forceinline__ void layernorm_rows(
         for (int k = 0; k < LN_CACHED; ++k) {
             i64 col;
             nks[k] = valid(k, col);
-            if (!STAGED) cache[k] = load_chunk<T, VEC>(xr + col, nks[k]);
+            cache[k] = load_chunk<T, VEC>(xr + col, nks[k]);
         }
-        auto cached = [&](int k) -> Raw8<T> {  // chunk k < LN_CACHED as loaded
-            if (!STAGED) return cache[k];
-            Raw8<T> v;
-#pragma unroll
-            for (int i = 0; i < W; ++i) v.w[i] = k < rk ? staged[(k * W + i) * bd] : make_uint4(0u, 0u, 0u, 0u);
-            return v;
-        };
 #pragma unroll
         for (int j = 0; j < LN_CHUNK; ++j) a[j] = 0.0f;
 #pragma unroll
         for (int k = 0; k < LN_CACHED; ++k) {
-            unpack<T>(cached(k), e);
+            unpack<T>(cache[k], e);
 #pragma unroll
             for (int j = 0; j < LN_CHUNK; ++j) a[j] = fadd(a[j], e[j]);
         }
@@ -365,7 +314,7 @@ __device__ __forceinline__ void layernorm_rows(
 #pragma unroll
         for (int j = 0; j < LN_CHUNK; ++j) a[j] = 0.0f;
 #pragma unroll
-        for (int k = 0; k < LN_CACHED; ++k) squares(cached(k), nks[k]);
+        for (int k = 0; k < LN_CACHED; ++k) squares(cache[k], nks[k]);
         for (int k = LN_CACHED; k < steps; ++k) {
             i64 col;
             const int nk = valid(k, col);
@@ -405,7 +354,7 @@ __device__ __forceinline__ void layernorm_rows(
             }
         };
 #pragma unroll
-        for (int k = 0; k < LN_CACHED; ++k) output(cached(k), ((i64)k * tpr + t) * LN_CHUNK, nks[k]);
+        for (int k = 0; k < LN_CACHED; ++k) output(cache[k], ((i64)k * tpr + t) * LN_CHUNK, nks[k]);
         for (int k = LN_CACHED; k < steps; ++k) {
             i64 col;
             const int nk = valid(k, col);
@@ -420,61 +369,17 @@ __device__ __forceinline__ void layernorm_rows(
             rstd_out[r] = canonical(rstd);
         }
     };
-    auto flush_tile = [&](i64 r0) {
-        __syncthreads();
-        store_transposed<PAD>(tile, q_t, rows, cols, prows, pcols, r0, pitch, tile_rows, vec_t);
-        __syncthreads();  // the tile is rewritten by the next group
-    };
-    if (nst > 1) {
-        // The same rows in the same order as below, the copies of the next nst - 1 passes of the
-        // block (across groups) in flight while a pass reduces. Pass j of the block goes to stage
-        // j % nst; the copy cursor (group fg, pass fp, stage fs) runs nst - 1 passes ahead.
-        i64 fg = blockIdx.x;
-        int fp = 0, fs = 0, cs = 0;
-        auto prefetch = [&]() {  // one commit group a pass (empty past the last)
-            if (fg < groups) {
-                const i64 r = fg * group_rows + fp + lr;
-                uint4* st = ring + fs * stage_words + threadIdx.x;
-#pragma unroll
-                for (int k = 0; k < LN_CACHED; ++k) {
-                    const i64 c = (i64)k * tpr + t;
-                    const bool full = r < rows && c < nchunks;  // else zeros, as load_chunk's
-                    const uint4* src = reinterpret_cast<const uint4*>(full ? x + r * cols + c * LN_CHUNK : x);
-#pragma unroll
-                    for (int i = 0; i < W; ++i)
-                        if (k < rk) cp_async16(st + (k * W + i) * bd, src + (full ? i : 0), full);
-                }
-                fp += per_pass;
-                if (fp == group_rows) {
-                    fp = 0;
-                    fg += gridDim.x;
-                }
-            }
-            cp_async_commit();
-            fs = fs + 1 == nst ? 0 : fs + 1;
-        };
-        for (int j = 0; j < nst - 1; ++j) prefetch();
-        for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
-            const i64 r0 = g * group_rows;
-            for (int p = 0; p < group_rows; p += per_pass) {
-                prefetch();
-                cp_async_wait(nst - 1);  // this thread's copies of this pass have landed
-                const uint4* st = ring + cs * stage_words + threadIdx.x;
-                cs = cs + 1 == nst ? 0 : cs + 1;
-                if (affine) row(Bool<true>(), Bool<true>(), Bool<true>(), r0, p + lr, st);
-                else row(Bool<true>(), Bool<false>(), Bool<true>(), r0, p + lr, st);
-            }
-            if (transposed) flush_tile(r0);
+    for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
+        const i64 r0 = g * group_rows;
+        for (int p = 0; p < group_rows; p += per_pass) {
+            if (vec && affine) row(Bool<true>(), Bool<true>(), r0, p + lr);
+            else if (vec) row(Bool<true>(), Bool<false>(), r0, p + lr);
+            else row(Bool<false>(), Bool<false>(), r0, p + lr);
         }
-    } else {
-        for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
-            const i64 r0 = g * group_rows;
-            for (int p = 0; p < group_rows; p += per_pass) {
-                if (vec && affine) row(Bool<true>(), Bool<true>(), Bool<false>(), r0, p + lr, nullptr);
-                else if (vec) row(Bool<true>(), Bool<false>(), Bool<false>(), r0, p + lr, nullptr);
-                else row(Bool<false>(), Bool<false>(), Bool<false>(), r0, p + lr, nullptr);
-            }
-            if (transposed) flush_tile(r0);
+        if (transposed) {
+            __syncthreads();
+            store_transposed<PAD>(tile, q_t, rows, cols, prows, pcols, r0, pitch, tile_rows, vec_t);
+            __syncthreads();  // the tile is rewritten by the next group
         }
     }
     if (!fresh) block_amax_atomic<LN_THREADS>(m, amax, blockDim.x >> 5);  // on a first step the pre-pass did it
@@ -500,14 +405,12 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize(
     int tile_rows,                    // rows per transposed tile (16, 8 or 4; a multiple of blockDim / tpr)
     int vec,                          // 1: x, weight, bias, q 16-byte aligned and cols % 8 == 0
     int vec_t,                        // 1: q_t 16-byte aligned and rows % tile_rows == 0
-    int stages,                       // prefetch ring depth (with vec; 1: loads straight into registers)
     float eps,                        // added to the variance
     float margin_factor)              // 2**margin, for the first-step scale
 {
     layernorm_rows<T, P, FMT, STORE, TRANSPOSE, false>(x, weight, bias, q, q_t, mean_out, rstd_out, scale, amax,
                                                        scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
-                                                       rows, cols, tpr, tile_rows, vec, vec_t, stages, eps,
-                                                       margin_factor);
+                                                       rows, cols, tpr, tile_rows, vec, vec_t, eps, margin_factor);
 }
 
 // layernorm_quantize writing padded outputs (the quantize family's pad_to): the same parameters
@@ -534,12 +437,10 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize_padded(
     int tile_rows,                    // rows per transposed tile (16, 8 or 4; a multiple of blockDim / tpr)
     int vec,                          // 1: x, weight, bias, q 16-byte aligned and cols % 8 == 0 == pcols % 8
     int vec_t,                        // 1: q_t 16-byte aligned and prows % tile_rows == 0
-    int stages,                       // prefetch ring depth (with vec; 1: loads straight into registers)
     float eps,                        // added to the variance
     float margin_factor)              // 2**margin, for the first-step scale
 {
     layernorm_rows<T, P, FMT, true, TRANSPOSE, true>(x, weight, bias, q, q_t, mean_out, rstd_out, scale, amax,
                                                      scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
-                                                     prows, pcols, tpr, tile_rows, vec, vec_t, stages, eps,
-                                                     margin_factor);
+                                                     prows, pcols, tpr, tile_rows, vec, vec_t, eps, margin_factor);
 }

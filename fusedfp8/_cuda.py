@@ -42,15 +42,6 @@ LN_BLOCK = 256  # its block when a row takes fewer threads (blockDim / threads-p
 # the layernorm kernel's transposed tile: (rows per tile, most shared bytes), first that fits wins
 LN_TILES = ((16, 64 << 10), (8, 128 << 10), (4, 1 << 30))
 LN_STATIC_SHARED = 2048  # room left for the kernel's static shared memory (1216 bytes on sm_90)
-# The layernorm kernel's prefetch ring (dynamic shared memory before the tile): `stages` passes of
-# each thread's first CACHED_CHUNKS chunks, the next passes' copies (cp.async) in flight while a pass
-# reduces. The plan takes the deepest ring, up to FUSEDFP8_LN_STAGES (default LN_STAGES, at most
-# LN_STAGES in layernorm_quantize.cu), that keeps the kernel's resident blocks; FUSEDFP8_LN_STAGES=1 is
-# the scheme before the ring (loads straight into registers, LN_BLOCK-thread transposed tiles), for A/B
-# (read when a plan is built: plans are cached for the process, so A/B in separate processes).
-LN_STAGES = 4
-LN_TILE_BLOCK = 512  # the block of a transposed tile with the ring (at most tile rows x threads per row)
-LN_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 CPP_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 FMT_IDS = {"e4m3": 0, "e5m2": 1}
 OPS = {"identity": 0, "gelu_tanh": 1, "gelu_erf": 2, "dgelu_tanh": 3, "dgelu_erf": 4}  # types.kernel_op names
@@ -177,10 +168,10 @@ SIGNATURES = {
     "tiled": "@13Pqqqqiif",  # quantize_tiled: 13 pointers, rows, cols, prows, pcols, vec, vec_t, margin
     "coop_flat": "@9Pqf",    # the same two kernels of current_quantize.cu (GridAmax), cooperative launches
     "coop_tiled": "@13Pqqqqiif",
-    "layernorm": "@13Pqq5i2f",  # layernorm_quantize: 13 pointers, rows, cols, tpr, tile_rows, vec, vec_t, stages,
-                                #                     eps, margin
-    "padded_layernorm": "@13Pqqqq5i2f",  # layernorm_quantize_padded: 13 pointers, rows, cols, prows, pcols, tpr,
-                                         #                            tile_rows, vec, vec_t, stages, eps, margin
+    "layernorm": "@13Pqq4i2f",  # layernorm_quantize: 13 pointers, rows, cols, tpr, tile_rows, vec, vec_t, eps,
+                                #                     margin
+    "padded_layernorm": "@13Pqqqq4i2f",  # layernorm_quantize_padded: 13 pointers, rows, cols, prows, pcols, tpr,
+                                         #                            tile_rows, vec, vec_t, eps, margin
     "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
     "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
 }
@@ -471,50 +462,9 @@ def layernorm_tile(cols: int, optin: int) -> tuple[int, int]:
                      f"shared memory ({optin} bytes on this GPU), so at most {most} columns; got {cols}")
 
 
-def layernorm_stages_wanted() -> int:
-    """The deepest prefetch ring a layernorm plan may take: ``FUSEDFP8_LN_STAGES`` (1 .. LN_STAGES;
-    1: no ring), else :data:`LN_STAGES`."""
-    raw = os.environ.get("FUSEDFP8_LN_STAGES", "").strip()
-    if not raw:
-        return LN_STAGES
-    if not raw.isdigit() or not 1 <= int(raw) <= LN_STAGES:
-        raise ValueError(f"FUSEDFP8_LN_STAGES must be an integer from 1 to {LN_STAGES}; got {raw!r}")
-    return int(raw)
-
-
-def layernorm_block(cols: int, transpose: bool = False, tile_rows: int = 0, stages: int = 1) -> int:
-    """Threads of a layernorm block: max(LN_BLOCK, threads per row); a transposed tile with the
-    prefetch ring (``stages`` > 1) takes up to LN_TILE_BLOCK threads, at most a pass of the whole tile
-    (so ``tile_rows`` stays a multiple of the rows a pass)."""
-    tpr = _ln.threads_per_row(max(cols, 1))
-    if transpose and stages > 1 and tile_rows:
-        return max(tpr, min(LN_TILE_BLOCK, tpr * tile_rows))
-    return max(LN_BLOCK, tpr)
-
-
-def layernorm_stage_bytes(cols: int, block: int, itemsize: int) -> int:
-    """Shared bytes of one stage of the prefetch ring: each of ``block`` threads' first
-    min(chunk steps, CACHED_CHUNKS) chunks of CHUNK elements of ``itemsize`` bytes."""
-    _, steps = _ln.layout(max(cols, 1))
-    return min(steps, _ln.CACHED_CHUNKS) * _ln.CHUNK * itemsize * block
-
-
-def layernorm_stages(kernel, block: int, tile_bytes: int, stage_bytes: int, optin: int, want: int) -> int:
-    """The deepest ring (``want`` .. 2 stages of ``stage_bytes``) after the ``tile_bytes`` of the
-    transposed tile that fits ``optin`` less the static shared memory and keeps ``kernel``'s resident
-    blocks of ``block`` threads (``kernel.blocks_per_sm``); 1 (no ring) when none does."""
-    room = optin - LN_STATIC_SHARED - tile_bytes
-    fits = [s for s in range(want, 1, -1) if s * stage_bytes <= room]
-    if not fits or stage_bytes <= 0:
-        return 1
-    kernel.allow_shared(tile_bytes + fits[0] * stage_bytes)  # (the occupancy of a larger size counts 0 blocks)
-    base = kernel.blocks_per_sm(block, tile_bytes)
-    return next((s for s in fits if kernel.blocks_per_sm(block, tile_bytes + s * stage_bytes) >= base), 1)
-
-
 def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, first: bool = False,
                          eps: float = 1e-5, margin_factor: float = 1.0, offset: int = 0,
-                         tile: tuple[int, int] = (0, 0), pad_to: int = 1, ring: tuple[int, int] = (1, 0)) -> Plan:
+                         tile: tuple[int, int] = (0, 0), pad_to: int = 1) -> Plan:
     """The plan of one layernorm_quantize call over :data:`LAYERNORM_SLOTS` (``refs``: role ->
     KernelRef, the main kernel's ``per_sm`` counted with the tile's shared memory; ``tile``: (rows
     per tile, shared bytes) from :func:`layernorm_tile`, used with ``transpose``). ``offset``: the
@@ -525,20 +475,14 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
     ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
     pad, written by the padded main kernel (its groups run to the padded rows; ``tile`` must then
     be the one of the padded columns); a shape that needs no pad (or 0 rows) launches exactly what
-    ``pad_to=1`` launches. ``ring``: (stages, bytes a stage) of the main kernel's prefetch ring
-    (:func:`layernorm_stages`, :func:`layernorm_stage_bytes` of the :func:`layernorm_block` for those
-    stages); (1, 0): none, the launches before the ring. The pre-pass and a launch for no rows take none."""
+    ``pad_to=1`` launches."""
     X, W, B, Q, QT, MEAN, RSTD, S, A, SO, SIO, SIU, U = range(len(LAYERNORM_SLOTS))
     prows, pcols = padded(rows, cols, pad_to)
     pad = rows > 0 and (prows, pcols) != (rows, cols)
     tpr = _ln.threads_per_row(max(cols, 1))
-    block = layernorm_block(cols)  # the pre-pass's, and the main kernel's without a transposed ring
+    block = max(LN_BLOCK, tpr)
     per_pass = block // tpr
     tile_rows, shared = tile if transpose else (0, 0)
-    stages = ring[0] if rows else 1
-    main_block = layernorm_block(cols, transpose, tile_rows, stages)
-    if stages > 1:
-        shared += stages * ring[1]
     vec_in = flag((X, W, B, Q), 16, cols % 8 == 0)  # the pre-pass (and a launch for no rows) writes no q
     vec = flag((X, W, B, Q), 16, cols % 8 == 0 and pcols % 8 == 0)  # q's rows start 8-byte aligned
     main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if transpose else "layernorm_store1")]
@@ -547,10 +491,9 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
     def st(slot):
         return ptr(slot, offset)
 
-    def params(q, q_t, mean, rstd, so, sio, siu, u, n_rows, t_rows, vec_t, padded_shape=(), vec=vec, stages=1):
+    def params(q, q_t, mean, rstd, so, sio, siu, u, n_rows, t_rows, vec_t, padded_shape=(), vec=vec):
         return (ptr(X), ptr(W), ptr(B), q, q_t, mean, rstd, st(S), st(A), so, sio, siu, u, imm64(n_rows), imm64(cols),
-                *map(imm64, padded_shape), imm32(tpr), imm32(t_rows), vec, vec_t, imm32(stages), immf32(eps),
-                immf32(margin_factor))
+                *map(imm64, padded_shape), imm32(tpr), imm32(t_rows), vec, vec_t, immf32(eps), immf32(margin_factor))
 
     if rows == 0:  # nothing to normalise: still hand out 1 / scale (one block, no row)
         return _plan(LAYERNORM_SLOTS, [_launch([(main, 1)], 0, block, params(
@@ -563,10 +506,9 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
             vec=vec_in)))
     so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
     groups = -(-prows // (tile_rows if transpose else per_pass))
-    steps.append(_launch([(main, max(1, min(groups, main.per_sm * sms)))], 0, main_block, params(
+    steps.append(_launch([(main, max(1, min(groups, main.per_sm * sms)))], 0, block, params(
         ptr(Q), ptr(QT) if transpose else NULLPTR, ptr(MEAN), ptr(RSTD), so, sio, ptr(SIU), u, rows, tile_rows,
-        flag((QT,), 16, transpose and prows % max(tile_rows, 1) == 0), (prows, pcols) if pad else (),
-        stages=stages), shared))
+        flag((QT,), 16, transpose and prows % max(tile_rows, 1) == 0), (prows, pcols) if pad else ()), shared))
     return _plan(LAYERNORM_SLOTS, steps)
 
 
@@ -584,7 +526,7 @@ def build_layernorm_amax_plan(refs: dict, sms: int, rows: int, cols: int, eps: f
         steps.append(_launch([(pre, min(-(-rows // (block // tpr)), sms))], 0, block, (
             ptr(X), ptr(X + 1), ptr(X + 2), NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(A), NULLPTR, NULLPTR,
             NULLPTR, ptr(A, 4), imm64(rows), imm64(cols), imm32(tpr), imm32(0), flag((X, X + 1, X + 2), 16, cols % 8 == 0),
-            flag((), 16, False), imm32(1), immf32(eps), immf32(1.0))))  # (stages 1: the pre-pass has no ring)
+            flag((), 16, False), immf32(eps), immf32(1.0))))
     return _plan(LAYERNORM_SLOTS, steps)
 
 
@@ -623,26 +565,16 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
                    first: bool = False, eps: float = 1e-5, margin_factor: float = 1.0, offset: int = 0,
                    pad_to: int = 1) -> Plan:
     """:func:`build_layernorm_plan` for module (dtype, fmt, param) on ``device`` (compiles it on first
-    use; allows the main kernel the shared memory of its prefetch ring (:func:`layernorm_stages`) and,
-    with ``transpose``, of the tile of the padded columns)."""
+    use; with ``transpose``, allows the kernel the tile's shared memory: the tile of the padded columns)."""
     ks = kernels(ModuleKey("layernorm_quantize", dtype, fmt, param=param), device)
-    prows, pcols = padded(rows, cols, pad_to)
-    optin = shared_optin(device)
-    tile = layernorm_tile(pcols, optin) if transpose and rows else (0, 0)
-    main = ("padded_" if rows and (prows, pcols) != (rows, cols) else "") + (
-        "layernorm_store1_t" if transpose else "layernorm_store1")
-    want = layernorm_stages_wanted() if rows else 1
-    stage = layernorm_stage_bytes(cols, layernorm_block(cols, transpose, tile[0], want), LN_ITEMSIZE[dtype])
-    stages = layernorm_stages(ks[main], layernorm_block(cols, transpose, tile[0], want), tile[1], stage, optin, want)
-    ring = (stages, stage) if stages > 1 else (1, 0)
-    shared = tile[1] + ring[0] * ring[1]
-    ks[main].allow_shared(shared)
-    refs = {role: KernelRef(k.func, k.name, role,
-                            k.blocks_per_sm(layernorm_block(cols, transpose, tile[0], stages), shared) if role == main
-                            else k.blocks_per_sm(layernorm_block(cols), 0))
+    tile = layernorm_tile(padded(rows, cols, pad_to)[1], shared_optin(device)) if transpose and rows else (0, 0)
+    block = max(LN_BLOCK, _ln.threads_per_row(max(cols, 1)))
+    for role in ("layernorm_store1_t", "padded_layernorm_store1_t"):
+        ks[role].allow_shared(tile[1])
+    refs = {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(block, tile[1] if role.endswith("_t") else 0))
             for role, k in ks.items()}
     return build_layernorm_plan(refs, sm_count(device), rows, cols, transpose, first, eps, margin_factor, offset, tile,
-                                pad_to, ring)
+                                pad_to)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -3,7 +3,6 @@ needed) and disassembled with cuobjdump (the CUDA toolkit's, or the one Triton's
 triton/backends/nvidia/bin/):
 
     python scripts/sass_count.py --cuobjdump /path/to/cuobjdump --dtype bfloat16 --fmt e4m3 gelu_tanh dgelu_tanh
-    python scripts/sass_count.py --cuobjdump /path/to/cuobjdump --dtype bfloat16 --layernorm float32
 
 Prints, per op and kernel role, the instruction count and the most frequent opcodes; ``--json``
 writes them. The count that matters for speed is that of the straight-line fast path, printed as
@@ -178,11 +177,11 @@ def per_loop_tile(ins: list[tuple[int, str]], head: int, end: int, dbias: bool) 
             "tiles_per_iteration": k, "loads_per_tile": best[2] // k}
 
 
-def disassemble(cuobjdump: str, key) -> dict:
-    """Role -> (instructions [(address, text)], registers) of module ``key``, compiled for sm_90."""
+def count(cuobjdump: str, dtype: str, fmt: str, op: str) -> dict:
+    key = _cuda.ModuleKey("quantize", dtype, fmt, op)
     names = _cuda.name_expressions(key)
     opts = list(_cuda.COMPILE_OPTIONS) + [f"-I{d}" for d in _cuda.cuda_include_dirs()]
-    binary, lowered = cubin(_cuda.family_source(key.family), list(names.values()), opts)
+    binary, lowered = cubin(_cuda.family_source("quantize"), list(names.values()), opts)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(binary)
         f.flush()
@@ -194,33 +193,8 @@ def disassemble(cuobjdump: str, key) -> dict:
     for role, expr in names.items():
         body = next((fn for fn in functions if fn.startswith(lowered[expr])), "")
         ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", body)]  # (5+ digits past 0xfff0)
-        out[role] = (ins, int(regs.get(lowered[expr], -1)))
-    return out
-
-
-# the memory and barrier instructions counted per layernorm kernel (global loads, cp.async copies,
-# shared loads, local-memory spills, barriers)
-LN_OPCODES = ("LDG", "LDGSTS", "LDS", "STL", "LDL", "BAR")
-
-
-def count_layernorm(cuobjdump: str, dtype: str, fmt: str, param: str) -> dict:
-    """Per role of the layernorm_quantize module: instructions, registers, per element (the output
-    blocks: the row's y, amax and FP8 bytes; every variant's), the counts of LN_OPCODES, top opcodes."""
-    out = {}
-    for role, (ins, regs) in disassemble(cuobjdump, _cuda.ModuleKey("layernorm_quantize", dtype, fmt,
-                                                                     param=param)).items():
         opcodes = Counter(opcode(t) for _, t in ins)
-        out[role] = {"instructions": len(ins), "registers": regs, "per_element": per_element(ins),
-                     "memory": {o: opcodes[o] for o in LN_OPCODES}, "top": opcodes.most_common(12)}
-    return out
-
-
-def count(cuobjdump: str, dtype: str, fmt: str, op: str) -> dict:
-    key = _cuda.ModuleKey("quantize", dtype, fmt, op)
-    out = {}
-    for role, (ins, regs) in disassemble(cuobjdump, key).items():
-        opcodes = Counter(opcode(t) for _, t in ins)
-        out[role] = {"instructions": len(ins), "registers": regs,
+        out[role] = {"instructions": len(ins), "registers": int(regs.get(lowered[expr], -1)),
                      "per_element": per_element(ins), "top": opcodes.most_common(12)}
         if role.endswith("tiled"):
             out[role]["per_tile"] = per_tile(ins, dbias=False)
@@ -236,20 +210,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fmt", default="e4m3", choices=list(_cuda.FMT_IDS))
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump"), help="path to cuobjdump")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--layernorm", metavar="PARAM", choices=list(_cuda.CPP_TYPES),
-                    help="count the layernorm_quantize kernels instead (weight / bias dtype PARAM); no ops")
     args = ap.parse_args(argv)
     if not args.cuobjdump:
         ap.error("no cuobjdump on PATH: pass --cuobjdump (Triton's wheel carries one)")
-    if args.layernorm:
-        res = count_layernorm(args.cuobjdump, args.dtype, args.fmt, args.layernorm)
-        for role, r in res.items():
-            print(f"{role:26s} {r['instructions']:6d}  regs {r['registers']:3d}  {r['memory']}  per element "
-                  f"{r['per_element']}")
-        if args.json:
-            args.json.write_text(json.dumps({"dtype": args.dtype, "fmt": args.fmt, "param": args.layernorm,
-                                             "counts": res}, indent=1))
-        return 0
     res = {op: count(args.cuobjdump, args.dtype, args.fmt, op) for op in args.ops}
     for op, roles in res.items():
         for role, r in roles.items():

@@ -72,17 +72,7 @@ def other_plans():
             # the amax-only plans (current scaling across ranks): a memset, then the pre-pass kernel
             + [(("amax", n), _cuda.build_amax_plan(fake_refs(QKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
             + [(("layernorm_amax", r, c), _cuda.build_layernorm_amax_plan(fake_refs(LNKEY), SMS, r, c, 1e-5))
-               for r, c in [(0, 8), (303, 300), (2048, 1024)]]
-            + [(("layernorm-ring", r, c, t, p, s), ln_ring_plan(r, c, t, p, s))  # (the prefetch ring's stages)
-               for r, c, t, p, s in [(2048, 4096, False, 1, 4), (2048, 4096, True, 1, 4), (8190, 1024, True, 16, 2),
-                                     (5, 20000, False, 1, 3)]])
-
-
-def ln_ring_plan(rows, cols, transpose, pad_to, stages):
-    tile = _cuda.layernorm_tile(_cuda.padded(rows, cols, pad_to)[1], 227 << 10) if transpose else (0, 0)
-    stage = _cuda.layernorm_stage_bytes(cols, _cuda.layernorm_block(cols, transpose, tile[0], stages), 2)
-    return _cuda.build_layernorm_plan(fake_refs(LNKEY), SMS, rows, cols, transpose, True, 1e-5, 0.5, 4, tile, pad_to,
-                                      (stages, stage))
+               for r, c in [(0, 8), (303, 300), (2048, 1024)]])
 
 
 def pointer_sets(n_slots: int):

@@ -529,19 +529,19 @@ def test_plan_launches(rows, cols, transpose, first, pad_to):
     if rows == 0:
         want.append((refs["layernorm_store1_t" if transpose else "layernorm_store1"].func, 1, block, 0, pack(
             s["x"], s["weight"], s["bias"], 0, 0, 0, 0, st("scale"), st("amax"), 0, 0, s["scale_inv_used"], 0, 0, cols,
-            tpr, 0, int(cols % 8 == 0), 0, 1, 1e-5, 0.5)))
+            tpr, 0, int(cols % 8 == 0), 0, 1e-5, 0.5)))
     else:
         if first:
             want.append((refs["layernorm_store0"].func, min(-(-rows // (block // tpr)), SMS), block, 0, pack(
                 s["x"], s["weight"], s["bias"], 0, 0, 0, 0, st("scale"), st("amax"), 0, 0, 0, st("updates"), rows,
-                cols, tpr, 0, int(cols % 8 == 0), 0, 1, 1e-5, 0.5)))
+                cols, tpr, 0, int(cols % 8 == 0), 0, 1e-5, 0.5)))
         group = tile[0] if transpose else block // tpr
         main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if transpose else "layernorm_store1")]
         want.append((main.func, min(-(-prows // group), 2 * SMS), block, tile[1], pack_main(
             s["x"], s["weight"], s["bias"], s["q"], s["q_t"] if transpose else 0, s["mean"], s["rstd"], st("scale"),
             st("amax"), st("scale_out") if first else 0, st("scale_inv_out") if first else 0, s["scale_inv_used"],
             st("updates") if first else 0, rows, cols, tpr, tile[0], int(cols % 8 == 0 and pcols % 8 == 0),
-            int(transpose and prows % tile[0] == 0), 1, 1e-5, 0.5)))
+            int(transpose and prows % tile[0] == 0), 1e-5, 0.5)))
     got = []
     dry = P.dry_run(plan, ptrs)
     at = 0
@@ -555,164 +555,3 @@ def test_plan_launches(rows, cols, transpose, first, pad_to):
     if not pad:  # pad_to changes nothing where there is nothing to pad
         same = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile)
         assert plan.steps == same.steps
-
-
-# ---- the prefetch ring (cp.async stages of the next passes' rows in shared memory) ----------------
-@pytest.mark.parametrize("cols, transpose, tile_rows, stages, want", [
-    (1024, False, 0, 4, 256), (4096, False, 0, 4, 256), (16384, False, 0, 4, 512), (20000, False, 0, 3, 512),
-    (1024, True, 16, 4, 512), (2048, True, 16, 2, 512), (4096, True, 16, 4, 512), (8192, True, 8, 4, 512),
-    (16384, True, 8, 3, 512), (300, True, 16, 4, 512), (8, True, 4, 4, 128),
-    # without the ring (stages 1) a transposed tile keeps the block of before
-    (1024, True, 16, 1, 256), (4096, True, 16, 1, 256),
-])
-def test_layernorm_block(cols, transpose, tile_rows, stages, want):
-    """max(256, threads per row); with the ring a transposed tile takes up to 512 threads, never more
-    than its tile_rows rows a pass (so the tile is whole passes)."""
-    block = _cuda.layernorm_block(cols, transpose, tile_rows, stages)
-    assert block == want
-    if transpose and tile_rows:
-        assert tile_rows % (block // ln.threads_per_row(cols)) == 0
-
-
-@pytest.mark.parametrize("cols, block, itemsize, want", [
-    (4096, 256, 2, 4 * 16 * 256), (4096, 256, 4, 4 * 32 * 256), (1024, 512, 2, 4 * 16 * 512),
-    (300, 256, 2, 2 * 16 * 256),  # 38 chunks over 32 threads: 2 steps
-    (8, 256, 2, 1 * 16 * 256), (20000, 512, 2, 4 * 16 * 512),  # (wider: the chunks past 4 are read again)
-])
-def test_layernorm_stage_bytes(cols, block, itemsize, want):
-    assert _cuda.layernorm_stage_bytes(cols, block, itemsize) == want
-
-
-class FakeKernel:
-    """blocks_per_sm from registers (``regs`` a thread of 64 Ki) and shared memory (228 KiB an SM,
-    1 KiB reserved a block, 192 static bytes); records allow_shared."""
-
-    def __init__(self, regs: int):
-        self.regs, self.allowed = regs, 0
-
-    def allow_shared(self, nbytes):
-        self.allowed = max(self.allowed, nbytes)
-
-    def blocks_per_sm(self, block, shared=0):
-        assert shared <= self.allowed or shared <= 48 << 10, "occupancy asked before allow_shared"
-        return max(0, min(65536 // (self.regs * block), 2048 // block, (228 << 10) // (shared + 192 + 1024)))
-
-
-@pytest.mark.parametrize("regs, block, tile, stage, optin, want, stages", [
-    (116, 256, 0, 16 << 10, 227 << 10, 4, 4),     # bf16 4096: 2 blocks with 64 KiB each
-    (120, 256, 0, 32 << 10, 227 << 10, 4, 3),     # f32 4096: 4 x 32 KiB would leave one block
-    (116, 512, 0, 32 << 10, 227 << 10, 4, 4),     # bf16 16384: one block (registers), 128 KiB
-    (128, 512, 64 << 10, 32 << 10, 227 << 10, 4, 4),   # transposed 2048x4096: tile + 128 KiB
-    (128, 512, 128 << 10, 32 << 10, 227 << 10, 4, 3),  # transposed 16384 (8-row tile): the 97 KiB left
-    (128, 512, 128 << 10, 64 << 10, 227 << 10, 4, 1),  # f32 16384 transposed: no room for 2 stages
-    (116, 256, 0, 16 << 10, 227 << 10, 1, 1),     # FUSEDFP8_LN_STAGES=1: no ring
-    (116, 256, 0, 25 << 10, 99 << 10, 4, 3),      # a 99 KiB opt-in: 4 x 25 KiB would not fit, 3 do
-    (116, 256, 0, 40 << 10, 99 << 10, 4, 2),      # 2 x 40 KiB fit and keep 2 blocks (228 KiB an SM)
-])
-def test_layernorm_stages(regs, block, tile, stage, optin, want, stages):
-    """The deepest ring that fits the opt-in shared memory and keeps the resident blocks."""
-    k = FakeKernel(regs)
-    assert _cuda.layernorm_stages(k, block, tile, stage, optin, want) == stages
-    if stages > 1:
-        assert k.blocks_per_sm(block, tile + stages * stage) == k.blocks_per_sm(block, tile)
-        assert tile + stages * stage <= optin - _cuda.LN_STATIC_SHARED
-
-
-def test_layernorm_stages_wanted(monkeypatch):
-    monkeypatch.delenv("FUSEDFP8_LN_STAGES", raising=False)
-    assert _cuda.layernorm_stages_wanted() == _cuda.LN_STAGES == 4
-    for v in ("1", "2", " 3 ", "4"):
-        monkeypatch.setenv("FUSEDFP8_LN_STAGES", v)
-        assert _cuda.layernorm_stages_wanted() == int(v)
-    for bad in ("0", "5", "-1", "two", "2.5"):
-        monkeypatch.setenv("FUSEDFP8_LN_STAGES", bad)
-        with pytest.raises(ValueError, match=f"FUSEDFP8_LN_STAGES must be an integer from 1 to 4; got '{bad}'"):
-            _cuda.layernorm_stages_wanted()
-
-
-@pytest.mark.parametrize("rows, cols, transpose, first, pad_to, stages", [
-    (2048, 4096, False, False, 1, 4), (2048, 4096, True, True, 1, 4), (2048, 1024, True, False, 1, 3),
-    (8192, 16384, False, True, 1, 4), (8192, 16384, True, False, 1, 2), (303, 300, True, False, 16, 2),
-    (0, 64, True, True, 1, 4),
-])
-def test_plan_with_the_ring(rows, cols, transpose, first, pad_to, stages):
-    """With a ring the main launch takes its block (512 for a transposed tile), the tile's and the
-    ring's shared memory and the stages parameter; the pre-pass is the one without the ring; no rows:
-    the launch without the ring."""
-    refs = fake_refs()
-    prows, pcols = _cuda.padded(rows, cols, pad_to)
-    pad = rows > 0 and (prows, pcols) != (rows, cols)
-    tile = _cuda.layernorm_tile(pcols, 227 << 10) if transpose else (0, 0)
-    block = _cuda.layernorm_block(cols, transpose, tile[0], stages)
-    stage = _cuda.layernorm_stage_bytes(cols, block, 2)
-    plan = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, pad_to,
-                                      (stages, stage))
-    old = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, pad_to)
-    assert len(plan.steps) == len(old.steps) == 1 + (first and rows > 0)
-    if first and rows:
-        assert plan.steps[0] == old.steps[0]  # the pre-pass: no ring
-    main, before = plan.steps[-1], old.steps[-1]
-    at = 21 if pad else 19  # the stages parameter
-    assert before.params[at] == P.imm32(1)
-    if rows == 0:
-        assert main == before
-        return
-    assert main.params[at] == P.imm32(stages)
-    assert main.params[:at] + main.params[at + 1:] == before.params[:at] + before.params[at + 1:]
-    assert main.block == block and main.shared == tile[1] + stages * stage
-    per_pass = block // ln.threads_per_row(cols)
-    groups = -(-prows // (tile[0] if transpose else per_pass))
-    assert [v.grid for v in main.variants] == [min(groups, 2 * SMS)]
-    assert main.layout == _cuda.signature("padded_layernorm" if pad else "layernorm")
-
-
-# (shape, transpose, pad_to, dtype): a pass of 2 to 16 rows, tiles of 16, 8 and 4 rows (the ring across
-# the passes of a tile and across tiles), a ragged last tile, rows past 4 chunks a thread (read again),
-# the padded kernel, a float32 input (2 words a chunk), more passes than stages and fewer
-RING_CASES = [((2048, 1024), True, 1, "bfloat16"), ((2048, 4096), False, 1, "bfloat16"),
-              ((2048, 4096), True, 1, "bfloat16"), ((100, 4096), True, 1, "float32"),
-              ((256, 8192), True, 1, "float16"), ((300, 16384), False, 1, "bfloat16"),
-              ((300, 16384), True, 1, "bfloat16"), ((64, 20000), True, 1, "bfloat16"),
-              ((333, 1000), True, 16, "bfloat16"), ((3, 64), False, 1, "float32")]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-@pytest.mark.parametrize("shape, transpose, pad_to, dtype", RING_CASES, ids=lambda v: str(v))
-def test_every_ring_depth_writes_the_reference_bytes(monkeypatch, shape, transpose, pad_to, dtype, stages):
-    """FUSEDFP8_LN_STAGES = 1 (no ring: the kernel before it) .. 4, through the launch interface into
-    outputs filled with 0xA5: every byte of q, q_t, amax, mean and rstd is the reference's, and the
-    plan took the ring it could (as deep as asked, where the shared memory allows)."""
-    monkeypatch.setenv("FUSEDFP8_LN_STAGES", str(stages))
-    _cuda.layernorm_plan.cache_clear()
-    try:
-        rng = seeded("ring", shape, transpose, pad_to, dtype)
-        xn = activations(rng, shape, dtype)
-        wn, bn = layer_params(rng, shape[-1], "bfloat16")
-        rows, cols, prows, pcols = padded_shape(shape, pad_to)
-        want, mean, rstd = ln.layernorm_quantize(xn, wn, bn, 1e-5, np.float32(8.0), "e4m3", transpose,
-                                                 pad_to=pad_to)
-        x, w, b = (to_torch(a, "cuda") for a in (xn, wn, bn))
-        q = torch.full((prows, pcols), 0xA5, dtype=torch.uint8, device="cuda")
-        q_t = torch.full((pcols, prows), 0xA5, dtype=torch.uint8, device="cuda") if transpose else None
-        m, r = torch.full((rows,), 7.0, device="cuda"), torch.full((rows,), 7.0, device="cuda")
-        scale, amax, siu = (torch.tensor([v], device="cuda") for v in (8.0, 0.0, 0.0))
-        _cuda.launch_layernorm_quantize(
-            0, torch.cuda.current_stream().cuda_stream, dtype=dtype, param="bfloat16", fmt="e4m3", x=x.data_ptr(),
-            weight=w.data_ptr(), bias=b.data_ptr(), q=q.data_ptr(), mean=m.data_ptr(), rstd=r.data_ptr(),
-            scale=scale.data_ptr(), amax=amax.data_ptr(), rows=rows, cols=cols, eps=1e-5,
-            q_t=q_t.data_ptr() if transpose else 0, scale_inv_used=siu.data_ptr(), pad_to=pad_to)
-        torch.cuda.synchronize()
-        assert bytes_of(q) == want.data.tobytes()
-        if transpose:
-            assert bytes_of(q_t) == want.data_t.tobytes()
-        assert bytes_of(amax) == np.float32(want.amax).tobytes()
-        assert bytes_of(m) == mean.tobytes() and bytes_of(r) == rstd.tobytes()
-        plan = _cuda.layernorm_plan(0, dtype, "bfloat16", "e4m3", rows, cols, transpose, False, 1e-5, 1.0, 0, pad_to)
-        pad = (prows, pcols) != (rows, cols)
-        took = plan.steps[-1].params[21 if pad else 19]
-        assert took == P.imm32(1) if stages == 1 else took in {P.imm32(s) for s in range(1, stages + 1)}
-        if stages > 1 and shape in ((2048, 4096), (2048, 1024)):  # room on an H200 for 2 stages at least
-            assert took != P.imm32(1)
-    finally:
-        _cuda.layernorm_plan.cache_clear()
