@@ -21,6 +21,7 @@ from torch import nn
 
 import fusedfp8.pytorch as fp8
 from fusedfp8 import ops
+from fusedfp8.pytorch import scaling as fp8_scaling
 from fusedfp8.recipe import DelayedScaling
 from fusedfp8.state import STATE_FIELDS, ScalingState
 from support.frameworks import bytes_of
@@ -48,7 +49,10 @@ class World:
     def fresh(cls) -> "World":
         if cls._template is None:
             cls._template = cls()
-        return copy.deepcopy(cls._template)
+        w = copy.deepcopy(cls._template)
+        for m in (w.linear, w.mlp, w.model):  # a copy is unlinked (states of its own): link it again, as
+            fp8_scaling._groups(fp8.fp8_modules(m))  # update_model_scales does, without updating anything
+        return w
 
     def __init__(self):
         rng = np.random.default_rng(0)
