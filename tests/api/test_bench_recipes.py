@@ -3,7 +3,7 @@ use in bench_mlp_torch.py, bench_mlp_jax.py, seed_flax_mlp.py; issue 21).
 
 The helpers on hand-made results (names, the summary's ratios, the FP8 state check, which must be
 able to fail); the jax benchmark run on the CPU under both recipes (slow: XLA:CPU compiles each FP8
-step for tens of seconds); the seed program's models per recipe; on the GPU, the torch step eager
+step for tens of seconds; a background job beside the other tests); the seed program's models per recipe; on the GPU, the torch step eager
 and CUDA-graphed and the jax jitted step under both recipes. The torch script's CPU run under both
 recipes is tests/api/test_cli.py's ``bench --tiny`` test.
 """
@@ -155,17 +155,15 @@ def test_seed_program_models_take_the_recipe(scripts):
 
 
 @pytest.mark.slow
-def test_jax_benchmark_on_cpu_under_both_recipes(scripts, tmp_path, capsys):
-    """bench_mlp_jax.py's CPU smoke run with ``--recipes delayed,current``: both fused steps train,
-    the flax metas end as each recipe says, the JSON names every row's recipe and the summary
-    compares current with bf16 and with delayed."""
+@pytest.mark.background("bench_jax")
+def test_jax_benchmark_on_cpu_under_both_recipes(background):
+    """bench_mlp_jax.py's CPU smoke run with ``--recipes delayed,current`` (the 'bench_jax'
+    background job, tests/support/background.py: exit code 0): both fused steps train, the flax
+    metas end as each recipe says, the JSON names every row's recipe and the summary compares
+    current with bf16 and with delayed."""
     pytest.importorskip("flax")
-    bench_jax = importlib.import_module("bench_mlp_jax")
-    rc = bench_jax.main(["--device", "cpu", "--shapes", "16x32x16", "--modes", "bf16_jit,fp8_fused", "--recipes",
-                         "delayed,current", "--steps", "3", "--block", "1", "--reps", "1", "--no-profile",
-                         "--out", str(tmp_path)])
-    assert rc == 0, capsys.readouterr().out
-    data = json.loads((tmp_path / "bench_mlp_jax.json").read_text())
+    job = background.result("bench_jax").check()
+    data = json.loads((job.out / "bench_mlp_jax.json").read_text())
     res = data["results"][0]
     assert {m: r["recipe"] for m, r in res["modes"].items()} == {"bf16_jit": None, "fp8_fused": "delayed",
                                                                   "fp8_fused@current": "current"}
@@ -178,7 +176,7 @@ def test_jax_benchmark_on_cpu_under_both_recipes(scripts, tmp_path, capsys):
     s = res["summary"]
     assert {"current_ms", "delayed_ms", "current_vs_bf16", "current_vs_delayed"} <= set(s["recipes"]["fp8_fused"])
     assert "fp8_fused@current_loss_within_2pct" in s and "best@current" in s
-    assert "fp8_fused@current" in capsys.readouterr().out
+    assert "fp8_fused@current" in (job.out / "step0.log").read_text()
 
 
 def _fp8_rows(res: dict) -> dict:

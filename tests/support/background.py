@@ -51,6 +51,15 @@ def _flax_checkpoint(out: Path) -> list:
             (_script("flax_checkpoint.py", 50, 100, out / "resumed.npz", "--load", ckpt), env)]
 
 
+def _bench_jax(out: Path) -> list:
+    """scripts/bench_mlp_jax.py's CPU smoke run under both recipes (tests/api/test_bench_recipes.py):
+    tens of seconds of XLA:CPU compiles of the FP8 train steps, off the in-process tests' path."""
+    argv = [sys.executable, str(TESTS.parent / "scripts" / "bench_mlp_jax.py"), "--device", "cpu", "--shapes",
+            "16x32x16", "--modes", "bf16_jit,fp8_fused", "--recipes", "delayed,current", "--steps", 3, "--block", 1,
+            "--reps", 1, "--no-profile", "--out", out]
+    return [(list(map(str, argv)), _env())]
+
+
 def _jax_multidevice(out: Path) -> list:
     flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
     env = _env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
@@ -60,11 +69,12 @@ def _jax_multidevice(out: Path) -> list:
 
 # name -> steps (argv, environment) given the job's output folder; the order is the order the
 # jobs start in (and the order of their tests at the end of the session): the longest first (CPU
-# seconds on 2 cores: NVRTC ~200 on its 2 processes, jax_multidevice ~70, the others ~20-30), so
-# that the session does not end waiting for a long job started late.
+# seconds on 2 cores: NVRTC ~200 on its 2 processes, jax_multidevice ~70, bench_jax ~40, the others
+# ~20-30), so that the session does not end waiting for a long job started late.
 JOBS = {
     "nvrtc": lambda out: [(_script("nvrtc_compile.py", out / "verdicts.json"), _env())],
     "jax_multidevice": _jax_multidevice,
+    "bench_jax": _bench_jax,
     "flax_checkpoint": _flax_checkpoint,
     "torch_distributed": lambda out: [(_script("torch_distributed.py", out), _env())],
     "readme": lambda out: [(_script("readme_blocks.py", out / "verdicts.json"), _env())],
