@@ -3,9 +3,10 @@ use in bench_mlp_torch.py, bench_mlp_jax.py, seed_flax_mlp.py; issue 21).
 
 The helpers on hand-made results (names, the summary's ratios, the FP8 state check, which must be
 able to fail); the jax benchmark run on the CPU under both recipes (slow: XLA:CPU compiles each FP8
-step for tens of seconds; a background job beside the other tests); the seed program's models per recipe; on the GPU, the torch step eager
-and CUDA-graphed and the jax jitted step under both recipes. The torch script's CPU run under both
-recipes is tests/api/test_cli.py's ``bench --tiny`` test.
+step for tens of seconds; the 'bench_jax' background job, beside the other tests); the seed
+program's models per recipe; on the GPU, the torch step eager and CUDA-graphed and the jax jitted
+step under both recipes. The torch script's CPU run under both recipes is tests/api/test_cli.py's
+``bench --tiny`` test.
 """
 import argparse
 import importlib
