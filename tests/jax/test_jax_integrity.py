@@ -54,7 +54,7 @@ class _NoCotangent(nn.Module):
 
 
 def _train(model, state_cls, steps):
-    v = model.init(jax.random.key(2), X)
+    v = jax.jit(model.init)(jax.random.key(2), X)
     st = state_cls.create(apply_fn=model.apply, params=v, tx=optax.adam(1e-3))
 
     @jax.jit
