@@ -53,11 +53,12 @@ def _flax_checkpoint(out: Path) -> list:
 
 def _bench_jax(out: Path) -> list:
     """scripts/bench_mlp_jax.py's CPU smoke run under both recipes (tests/api/test_bench_recipes.py):
-    tens of seconds of XLA:CPU compiles of the FP8 train steps, off the in-process tests' path."""
+    tens of seconds of XLA:CPU compiles of the FP8 train steps, off the in-process tests' path.
+    JAX_PLATFORMS=cpu: on a GPU machine the process would otherwise also take its share of the GPU."""
     argv = [sys.executable, str(TESTS.parent / "scripts" / "bench_mlp_jax.py"), "--device", "cpu", "--shapes",
             "16x32x16", "--modes", "bf16_jit,fp8_fused", "--recipes", "delayed,current", "--steps", 3, "--block", 1,
             "--reps", 1, "--no-profile", "--out", out]
-    return [(list(map(str, argv)), _env())]
+    return [(list(map(str, argv)), _env(JAX_PLATFORMS="cpu"))]
 
 
 def _jax_multidevice(out: Path) -> list:
