@@ -41,6 +41,7 @@ def _union(*groups):
 _DEMO = _union(_TORCH, _PLOTS)
 _TEST = _union([
     "pytest>=8",
+    "pytest-xdist>=3",  # two workers by default (tests/conftest.py)
     "hypothesis>=6",
     "ml_dtypes>=0.5",
     "nvidia-cuda-nvrtc",
