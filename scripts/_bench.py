@@ -205,12 +205,17 @@ def copy_ceiling_tbps() -> float:
 def torch_profile(step, clock: Clock, steps: int = 3, warmup: int = 2) -> dict:
     """Device time per kernel category (:data:`KERNEL_CATEGORIES`) of one call of ``step``, in ms,
     averaged over ``steps`` calls traced by the torch profiler after ``warmup`` untraced ones, with
-    the total (the GPU busy time of a step) and the busiest kernels; or ``{"error": ...}`` (a
-    profiler problem must not lose the timings)."""
+    the total (``device_ms_total``: the kernels' and copies' times added up) and the busiest
+    kernels; and, from the same trace's Chrome export, :func:`trace_busy`'s figures (the GPU busy
+    time per step as the union of the intervals, the kernels per step, the top kernels, the CUDA
+    graph launches and their kernels). When the trace misses the kernels (none at all, or none of
+    a CUDA graph replay) every figure is None and ``reason`` says why. On a profiler failure
+    ``{"error": ...}`` with the figures None (a profiler problem must not lose the timings)."""
     try:
         return _torch_profile(step, clock, steps, warmup)
     except Exception as e:  # noqa: BLE001 - report any profiler failure as text
-        return {"error": f"{type(e).__name__}: {e}"}
+        error = f"{type(e).__name__}: {e}"
+        return {"error": error, **no_profile(f"the profiler failed: {error}")}
 
 
 def device_events(prof):
@@ -228,6 +233,8 @@ def device_events(prof):
 
 
 def _torch_profile(step, clock: Clock, steps: int, warmup: int) -> dict:
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -245,8 +252,70 @@ def _torch_profile(step, clock: Clock, steps: int, warmup: int) -> dict:
         kernels[key[:120]] = kernels.get(key[:120], 0.0) + ms
     ranked = dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
     top = dict(list(ranked.items())[:12])
-    return {"device_ms_per_step": cats, "device_ms_total": sum(cats.values()), "top_kernels_ms": top,
-            "all_kernels_ms": ranked}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        busy = trace_busy(json.loads(path.read_text())["traceEvents"], steps)
+    if busy["busy_ms_per_step"] is None:  # the per-category figures miss the same kernels
+        cats = top = ranked = None
+    return {"device_ms_per_step": cats, "device_ms_total": None if cats is None else sum(cats.values()),
+            "top_kernels_ms": top, "all_kernels_ms": ranked, **busy}
+
+
+GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # the Chrome trace categories of GPU work
+GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")  # runtime / driver calls replaying a CUDA graph
+PROFILE_FIGURES = ("busy_ms_per_step", "span_ms_per_step", "kernels_per_step", "top_kernels")
+
+
+def no_profile(reason: str) -> dict:
+    """The figures of :func:`trace_busy`, each None, and the ``reason`` there are none."""
+    return {**dict.fromkeys(PROFILE_FIGURES), "reason": reason}
+
+
+def trace_busy(events: list, steps: int, top: int = 12) -> dict:
+    """The GPU figures of a torch profiler trace of ``steps`` steps, from its Chrome export's
+    ``traceEvents``: ``busy_ms_per_step``, the union of the intervals of every kernel, memcpy and
+    memset (on every stream: work overlapping on two streams counts once; the gaps between them
+    do not count), per step; ``span_ms_per_step``, the first one's start to the last one's end,
+    per step; ``kernels_per_step``; ``top_kernels``, the kernels and copies taking most time
+    (name, calls and ms per step); ``graph_launches_per_step`` (cudaGraphLaunch calls) and
+    ``graph_kernels_per_step``, the kernels whose correlation id is a graph launch's (CUPTI gives
+    a kernel replayed from a CUDA graph the correlation id of the launch). When the trace holds
+    no kernel, or graph launches but none of their kernels (a profiler that does not see graph
+    replays), the figures are None and ``reason`` says which (``reason`` is None otherwise)."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_ACTIVITY]
+    kernels = [e for e in gpu if e["cat"] == "kernel"]
+    launches = {e.get("args", {}).get("correlation") for e in events
+                if e.get("cat") not in GPU_ACTIVITY and str(e.get("name", "")).startswith(GRAPH_LAUNCHES)}
+    launches.discard(None)
+    from_graphs = sum(1 for e in kernels if e.get("args", {}).get("correlation") in launches)
+    out = {"steps": steps, "graph_launches_per_step": len(launches) / steps,
+           "graph_kernels_per_step": from_graphs / steps}
+    if not kernels:
+        return {**out, **no_profile("the trace holds no GPU kernel")}
+    if launches and not from_graphs:
+        return {**out, **no_profile(f"the trace holds {len(launches)} CUDA graph launches but none of their kernels "
+                                    "(this torch's profiler does not see the kernels of a graph replay)")}
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in gpu)
+    busy_us, (lo, hi) = 0.0, spans[0]
+    for start, end in spans[1:]:
+        if start > hi:
+            busy_us, lo, hi = busy_us + hi - lo, start, end
+        else:
+            hi = max(hi, end)
+    busy_us += hi - lo
+    by_name = {}
+    for e in gpu:
+        k = by_name.setdefault(e.get("name", "?"), [0, 0.0])
+        k[0] += 1
+        k[1] += float(e.get("dur", 0.0)) / 1e3
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {**out, "busy_ms_per_step": busy_us / 1e3 / steps,
+            "span_ms_per_step": (max(end for _, end in spans) - spans[0][0]) / 1e3 / steps,
+            "kernels_per_step": len(kernels) / steps,
+            "top_kernels": [{"name": n[:160], "calls_per_step": c / steps, "ms_per_step": ms / steps}
+                            for n, (c, ms) in ranked],
+            "reason": None}
 
 
 # ---- numbers ---------------------------------------------------------------------------------

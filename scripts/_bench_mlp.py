@@ -32,7 +32,8 @@ def mlp_arguments(doc: str, framework: str, modes: list[str], argv=None):
     ap.add_argument("--block", type=int, default=10, help="steps per timed block")
     ap.add_argument("--reps", type=int, default=7, help="timed blocks (the median is reported)")
     ap.add_argument("--no-profile", action="store_true",
-                    help="skip the per-kernel profile (torch: of the eager steps; jax: of 10 jitted steps)")
+                    help="skip the per-kernel profile and GPU busy time (torch: of 5 steps of every mode; jax: of "
+                         "10 jitted steps)")
     ap.add_argument("--device", default="cuda", help="'cuda' (the benchmark) or 'cpu' (a smoke test of the script)")
     _bench_recipes.add_argument(ap)
     if framework == "torch":
@@ -111,13 +112,19 @@ def summarize(shape, res: dict, steps: int, targets: dict, recipes=("delayed",))
     _bench_recipes.summarize(res, list(recipes), twin_of)
 
 
+def _cell(row: dict) -> str:
+    """A mode's step time, and the GPU busy time of its profile where it has one."""
+    busy = (row.get("profile") or {}).get("busy_ms_per_step")
+    return f"{row['step_ms']:.3f} ms" + ("" if busy is None else f" (busy {busy:.3f})")
+
+
 def print_mlp_table(results: list, all_modes: list[str]) -> None:
     header = (["shape (hidden/ffn/tokens)", *all_modes, "best FP8 / best bf16", "best FP8 / best bf16 eager+compiled",
                "loss 91-100 vs bf16"])
     rows = []
     for res in results:
         sh, s = res["shape"], res["summary"]
-        cells = [f"{res['modes'][m]['step_ms']:.3f} ms" if m in res["modes"] else "-" for m in all_modes]
+        cells = [_cell(res["modes"][m]) if m in res["modes"] else "-" for m in all_modes]
         sp = [f"{b['speedup']:.2f}x ({b['fp8']} / {b['bf16']})" if b else "-"
               for b in (s.get("best"), s.get("issue_baseline"))]
         loss = ", ".join(f"{k.split('_loss')[0]} {v:+.2%}" for k, v in s.items() if k.endswith("_loss_tail_rel"))

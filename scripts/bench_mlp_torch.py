@@ -24,9 +24,15 @@ Per shape (``hidden x ffn x tokens``), in this order:
    them (``fp8_state``: under delayed scaling every tensor's ``updates`` counter equals the
    steps, under current scaling it stays 0 and the last amax is kept), then timing: CUDA events
    around blocks of ``--block`` steps on one batch, ``--reps`` blocks, median per step;
-3. a profile of three eager steps of bf16 and FP8 (``--no-profile`` skips it): device time per
-   kernel category (GEMM, fusedfp8 kernels, LayerNorm, Adam, other) against the step time,
-   which shows where the step goes and how much is host overhead.
+3. per mode, eager, compiled and CUDA-graphed alike, a torch profiler trace of 5 more steps
+   (``profile``; ``--no-profile`` skips it): the GPU busy time per step beside the step time
+   (``busy_ms_per_step``: the union of the kernels' and copies' intervals, so ``wall_over_busy``
+   = step_ms / busy says how much of the step the GPU idled: host overhead), ``kernels_per_step``,
+   ``top_kernels``, and the device time per kernel category (GEMM, fusedfp8 kernels, LayerNorm,
+   Adam, other). The kernels of a CUDA graph replay carry the correlation id of its
+   cudaGraphLaunch in the trace (``graph_launches_per_step``, ``graph_kernels_per_step``); a
+   trace with graph launches but none of their kernels, or with no kernel, gives None with the
+   ``reason``, as does the CPU ('no GPU') and ``--no-profile``.
 
 Targets checked here (the first design's; docs/design.md has the current ones): fusedfp8 >= 1.40x
 bf16 at 4096/16384/8192 and >= 1.0x at 1024/4096/2048 (graphs allowed); mean loss of steps 91-100
@@ -68,6 +74,7 @@ MODES = ["bf16_eager", "bf16_compiled", "bf16_reduceoverhead", "bf16_graphed", "
          "fp8_reduceoverhead", "fp8_graphed"]
 TARGET_SPEEDUP = {(4096, 16384, 8192): 1.40, (1024, 4096, 2048): 1.0}
 GRAPH_WARMUP = 3
+PROFILE_STEPS = 5
 
 
 def takes_recipe(mode: str) -> bool:
@@ -155,9 +162,18 @@ def check_correctness(hidden, ffn, weights, x, y, device, gemm: str = "auto", re
     return {**res, "ok": all(v >= _bench.SQNR_MIN_DB for sq in res.values() for v in sq.values())}
 
 
-def profile_step(runner: Runner, clock: _bench.Clock) -> dict:
-    """Device time per kernel category over 3 eager steps, per step, in ms (_bench.torch_profile)."""
-    return _bench.torch_profile(runner.step, clock)
+def profile_steps(runner: Runner, clock: _bench.Clock, device, skip: bool) -> dict:
+    """The torch profiler's trace of PROFILE_STEPS more steps of the mode as timed (eager,
+    compiled or CUDA-graph replays), after one untraced: _bench.torch_profile, with the GPU busy
+    time per step (``busy_ms_per_step``: the union of the kernels' and copies' intervals),
+    ``kernels_per_step``, ``top_kernels`` and the device time per kernel category. Its figures are
+    None with the ``reason`` on the CPU ('no GPU'), with ``--no-profile``, and where the trace
+    misses the kernels of a graph replay."""
+    if device.type != "cuda":
+        return _bench.no_profile("no GPU")
+    if skip:
+        return _bench.no_profile("--no-profile")
+    return _bench.torch_profile(runner.step, clock, steps=PROFILE_STEPS, warmup=1)
 
 
 def run_shape(shape, modes, args, device, clock) -> dict:
@@ -191,15 +207,19 @@ def run_shape(shape, modes, args, device, clock) -> dict:
             row["fp8_state"] = state
         if device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if not args.no_profile and runner.how == "eager" and device.type == "cuda":
-            row["profile"] = profile_step(runner, clock)
+        row["profile"] = profile_steps(runner, clock, device, args.no_profile)
+        busy = row["profile"]["busy_ms_per_step"]
+        row["wall_over_busy"] = None if busy is None else row["step_ms"] / busy
         runner.close()
         del runner
         if device.type == "cuda":
             torch.cuda.empty_cache()
         res["modes"][mode] = row
-        print(f"[{hidden}x{ffn}x{tokens}] {mode:<22} {row['step_ms']:8.3f} ms/step  loss {row['loss'][0]:.4f} -> "
-              f"{row['loss'][-1]:.4f}  ({row['wall_s']:.0f} s)"
+        p = row["profile"]
+        on_gpu = (f"GPU busy {busy:.3f} ms ({p['kernels_per_step']:.0f} kernels)" if busy is not None
+                  else f"GPU busy - ({p['reason']})")
+        print(f"[{hidden}x{ffn}x{tokens}] {mode:<22} {row['step_ms']:8.3f} ms/step, {on_gpu}  "
+              f"loss {row['loss'][0]:.4f} -> {row['loss'][-1]:.4f}  ({row['wall_s']:.0f} s)"
               + (f"  fp8 state ok={state['ok']} updates {state['updates']}" if state else ""), flush=True)
     _bench_mlp.summarize(shape, res, args.steps, TARGET_SPEEDUP, args.recipes)
     return res

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
             row[f"{name}_graphed_ms_{tokens}"] = time_step(graphed)
             prof = B.torch_profile(graphed, clock)
             row[f"{name}_busy_ms_{tokens}"] = prof.get("device_ms_total")
-            kernels[tokens] = prof.get("all_kernels_ms", {})
+            kernels[tokens] = prof.get("all_kernels_ms") or {}  # (None: the trace missed the kernels)
         keys = set(kernels[args.tokens]) | set(kernels[aligned])
         diff = {k: kernels[args.tokens].get(k, 0.0) - kernels[aligned].get(k, 0.0) for k in keys}
         row[f"{name}_kernel_ms_ragged_minus_aligned"] = dict(sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:8])

@@ -134,6 +134,33 @@ def identical_across_ranks(vec: torch.Tensor, group) -> bool:
     return all(torch.equal(e.view(torch.int32), every[0].view(torch.int32)) for e in every)
 
 
+def rank_agreement(model, device, group, current: bool) -> dict:
+    """What the ranks of ``group`` must agree on after training (collective: every rank calls it):
+    ``scales_identical_across_ranks`` (every FP8 state array of ``model`` bitwise the same on every
+    rank), ``weights_identical_across_ranks`` (every parameter) and ``scales_updated``: every FP8
+    module's scales written, by a quantization under CurrentScaling (``current``: scale != 1; its
+    update counters stay 0), by update_scales otherwise (updates > 0); False without FP8 modules."""
+    mods = fp8.fp8_modules(model)
+    if current:
+        updated = all(bool((m.scale != 1).all()) for m in mods)
+    else:
+        updated = all(bool((m.updates > 0).all()) for m in mods)
+    weights = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    return {"scales_identical_across_ranks": identical_across_ranks(fp8_state_vector(model, device), group),
+            "weights_identical_across_ranks": identical_across_ranks(weights, group),
+            "scales_updated": bool(mods) and updated}
+
+
+def finish(report: dict, path: Path | None, rank: int) -> None:
+    """Rank 0 writes ``report`` to ``path`` (if given); then every rank leaves the process group,
+    after a barrier (rank 0 hosts the store: no rank leaves while another still needs it)."""
+    if rank == 0 and path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -196,13 +223,8 @@ def main(argv=None) -> int:
             print(f"step {step:4d}  loss {steps[-1]['loss']:.5f}  step {step_ms:8.3f} ms  update_scales {upd}  "
                   f"amax all_reduce {allreduce_ms:7.3f} ms", flush=True)
 
-    identical = identical_across_ranks(fp8_state_vector(model, device), group)
-    weights_identical = identical_across_ranks(
-        torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]), group)
-    if current:  # the updates stay 0: every scale must have been written by a quantization instead
-        scales_updated = bool(fp8_mods) and all(bool((m.scale != 1).all()) for m in fp8_mods)
-    else:
-        scales_updated = bool(fp8_mods) and all(bool((m.updates > 0).all()) for m in fp8_mods)
+    agreement = rank_agreement(model, device, group, current)
+    identical = agreement["scales_identical_across_ranks"]
 
     timed = steps[args.warmup:] or steps
     report = {
@@ -217,8 +239,7 @@ def main(argv=None) -> int:
         "median_update_scales_ms": (None if args.overlap or not fp8_mods
                                     else statistics.median(s["update_scales_ms"] for s in timed)),
         "median_amax_allreduce_ms": statistics.median(s["amax_allreduce_ms"] for s in timed),
-        "scales_identical_across_ranks": identical,
-        "weights_identical_across_ranks": weights_identical, "scales_updated": scales_updated, "steps": steps,
+        **agreement, "steps": steps,
     }
     if rank == 0:
         upd = report["median_update_scales_ms"]
@@ -226,12 +247,8 @@ def main(argv=None) -> int:
               f"{'-' if upd is None else f'{upd:.3f} ms'}, amax all_reduce "
               f"{report['median_amax_allreduce_ms']:.3f} ms; states identical across "
               f"{world} ranks: {identical}", flush=True)
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2))
-    dist.barrier()  # rank 0 hosts the store: no rank leaves while another still needs it
-    dist.destroy_process_group()
-    return 0 if identical and (scales_updated or args.model == "bf16") else 1
+    finish(report, args.json, rank)
+    return 0 if identical and (agreement["scales_updated"] or args.model == "bf16") else 1
 
 
 if __name__ == "__main__":

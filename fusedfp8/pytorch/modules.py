@@ -123,13 +123,8 @@ def check_amax_group(amax_group, recipe) -> str | None:
     carry current scaling across ranks (raises before anything is built or written)."""
     if amax_group is None:
         return None
-    import torch.distributed as dist
-    if not dist.is_available():
-        raise RuntimeError("amax_group: torch.distributed is not available in this build of torch; pass "
-                           "amax_group=None")
-    if not isinstance(amax_group, dist.ProcessGroup):
-        raise TypeError(f"amax_group must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD) or "
-                        f"None; got {type(amax_group).__name__}")
+    from .scaling import check_group  # (scaling imports this module)
+    check_group(amax_group, "amax_group")
     if not recipe.current:
         raise ValueError(f"amax_group is for CurrentScaling (the amax reduced across ranks before every cast); got "
                          f"{recipe!r}, whose staged amaxes are reduced once per step instead: pass the group to "

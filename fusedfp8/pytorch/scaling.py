@@ -201,7 +201,7 @@ def update_model_scales(model: nn.Module, group=None, *, async_op: bool = False)
         raise TypeError(f"async_op must be a bool; got {type(async_op).__name__}")
     modules = fp8_modules(model)
     if group is not None:
-        check_group(group)
+        check_group(group, "group")
     if not modules and any(getattr(m, "fp8_conversion_report", None) is not None for m in model.modules()):
         # convert_to_fp8 kept every layer in high precision (its filter_fn or policy): nothing to do
         done = PendingScaleUpdate([], None, [])
@@ -223,17 +223,19 @@ def update_model_scales(model: nn.Module, group=None, *, async_op: bool = False)
 
 
 # ---- the cross-rank MAX of the staged amaxes ----------------------------------------------
-def check_group(group) -> None:
-    """Raise if ``group`` cannot carry the reduction (before anything is written)."""
+def check_group(group, argname: str) -> None:
+    """Raise if ``group``, passed as the argument ``argname`` (``group`` of update_model_scales,
+    ``amax_group`` of the modules and convert_to_fp8), cannot carry a reduction of amaxes across
+    ranks (before anything is built or written)."""
     if not dist.is_available():
-        raise RuntimeError("group: torch.distributed is not available in this build of torch, so the amaxes cannot "
-                           "be reduced across ranks; pass group=None")
-    if not dist.is_initialized():
-        raise RuntimeError("group: torch.distributed is not initialized; call torch.distributed.init_process_group "
-                           "first, or pass group=None for a single-process update")
+        raise RuntimeError(f"{argname}: torch.distributed is not available in this build of torch, so amaxes cannot "
+                           f"be reduced across ranks; pass {argname}=None")
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD or one "
-                        f"made by torch.distributed.new_group) or None; got {type(group).__name__}")
+        raise TypeError(f"{argname} must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD or "
+                        f"one made by torch.distributed.new_group) or None; got {type(group).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError(f"{argname}: torch.distributed is not initialized; call "
+                           f"torch.distributed.init_process_group first, or pass {argname}=None")
 
 
 class _Reduction:

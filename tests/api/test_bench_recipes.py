@@ -2,11 +2,12 @@
 use in bench_mlp_torch.py, bench_mlp_jax.py, seed_flax_mlp.py; issue 21).
 
 The helpers on hand-made results (names, the summary's ratios, the FP8 state check, which must be
-able to fail); the jax benchmark run on the CPU under both recipes (slow: XLA:CPU compiles each FP8
-step for tens of seconds; the 'bench_jax' background job, beside the other tests); the seed
-program's models per recipe; on the GPU, the torch step eager and CUDA-graphed and the jax jitted
-step under both recipes. The torch script's CPU run under both recipes is tests/api/test_cli.py's
-``bench --tiny`` test.
+able to fail, and _bench.trace_busy's GPU busy time on a hand-made profiler trace); the jax
+benchmark run on the CPU under both recipes (slow: XLA:CPU compiles each FP8 step for tens of
+seconds; the 'bench_jax' background job, beside the other tests); the seed program's models per
+recipe; on the GPU, the torch step eager and CUDA-graphed under both recipes (with the GPU busy
+time of each from the torch profiler) and the jax jitted step under both recipes. The torch
+script's CPU run under both recipes is tests/api/test_cli.py's ``bench --tiny`` test.
 """
 import argparse
 import importlib
@@ -28,7 +29,8 @@ def scripts():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         yield argparse.Namespace(bench=importlib.import_module("_bench_mlp"),
-                                 recipes=importlib.import_module("_bench_recipes"))
+                                 recipes=importlib.import_module("_bench_recipes"),
+                                 core=importlib.import_module("_bench"))
     finally:
         sys.path.remove(str(REPO / "scripts"))
 
@@ -141,6 +143,44 @@ def test_state_check_passes_and_fails(scripts):
     assert not check([], "delayed", 0)["ok"]
 
 
+def _gpu(cat, name, ts, dur, corr, stream=7):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
+            "args": {"correlation": corr, "stream": stream}}
+
+
+def test_trace_busy_is_the_union_of_the_gpu_intervals(scripts):
+    busy = scripts.core.trace_busy
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 100.0, "args": {}},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0.0, "dur": 2.0,
+               "args": {"correlation": 1}},
+              _gpu("gpu_user_annotation", "Optimizer.step#Adam.step", 0.0, 400.0, 0),  # spans the rest: left out
+              _gpu("kernel", "gemm_a", 100.0, 40.0, 1),
+              _gpu("kernel", "quantize_flat", 120.0, 40.0, 2, stream=8),  # overlaps gemm_a on another stream
+              _gpu("gpu_memcpy", "Memcpy DtoD", 200.0, 20.0, 3),
+              _gpu("kernel", "gemm_a", 300.0, 10.0, 4)]
+    p = busy(events, 2)
+    # union: [100, 160] + [200, 220] + [300, 310] = 90 us over 2 steps (the sum of durations would be 110)
+    assert p["busy_ms_per_step"] == pytest.approx(0.045) and p["span_ms_per_step"] == pytest.approx(0.105)
+    assert p["kernels_per_step"] == 1.5 and p["reason"] is None
+    assert p["graph_launches_per_step"] == 0 and p["graph_kernels_per_step"] == 0
+    assert p["top_kernels"][0] == {"name": "gemm_a", "calls_per_step": 1.0, "ms_per_step": pytest.approx(0.025)}
+    assert [k["name"] for k in p["top_kernels"]] == ["gemm_a", "quantize_flat", "Memcpy DtoD"]
+    # a CUDA graph replay: its kernels carry the correlation id of the launch
+    launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0.0, "dur": 5.0,
+              "args": {"correlation": 9}}
+    replayed = busy([launch, _gpu("kernel", "gemm_a", 10.0, 30.0, 9), _gpu("kernel", "adam", 40.0, 10.0, 9)], 1)
+    assert replayed["busy_ms_per_step"] == pytest.approx(0.04) and replayed["kernels_per_step"] == 2
+    assert replayed["graph_launches_per_step"] == 1 and replayed["graph_kernels_per_step"] == 2
+    # graph launches whose kernels the trace lacks, or no kernel at all: None with the reason, not a small number
+    unseen = busy([launch, _gpu("kernel", "fill", 10.0, 1.0, 8)], 1)
+    assert unseen["busy_ms_per_step"] is None and unseen["kernels_per_step"] is None and unseen["top_kernels"] is None
+    assert "1 CUDA graph launches but none of their kernels" in unseen["reason"]
+    empty = busy(events[:3], 3)
+    assert empty["busy_ms_per_step"] is None and empty["reason"] == "the trace holds no GPU kernel"
+    assert scripts.core.no_profile("no GPU") == {"busy_ms_per_step": None, "span_ms_per_step": None,
+                                                 "kernels_per_step": None, "top_kernels": None, "reason": "no GPU"}
+
+
 def test_seed_program_models_take_the_recipe(scripts):
     pytest.importorskip("flax")
     seed = importlib.import_module("seed_flax_mlp")
@@ -194,7 +234,7 @@ def test_torch_benchmark_on_gpu_under_both_recipes(scripts, tmp_path, capsys):
     bench_torch = importlib.import_module("bench_mlp_torch")
     rc = bench_torch.main(["--shapes", "1024x4096x2048", "--modes", "bf16_eager,bf16_graphed,fp8_eager,fp8_graphed",
                            "--recipes", "delayed,current", "--steps", "12", "--block", "2", "--reps", "1",
-                           "--no-profile", "--out", str(tmp_path)])
+                           "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     res = json.loads((tmp_path / "bench_mlp_torch.json").read_text())["results"][0]
@@ -207,6 +247,22 @@ def test_torch_benchmark_on_gpu_under_both_recipes(scripts, tmp_path, capsys):
     assert s["fp8_graphed@current_vs_eager_max_rel_loss_diff"] == 0.0
     assert s["fp8_eager@current_loss_within_2pct"] and s["fp8_graphed@current_loss_within_2pct"], s
     assert {"current_vs_bf16", "current_vs_delayed"} <= set(s["recipes"]["fp8_graphed"])
+    # the GPU busy time beside every step time, from the torch profiler: a graph replay's kernels
+    # are seen (one launch per step, the step's kernels from it: CUDAGraph.replay may add a few
+    # fills of its own), about as many as its eager twin's
+    for mode, row in res["modes"].items():
+        p = row["profile"]
+        assert p["reason"] is None and 0 < p["busy_ms_per_step"] <= p["span_ms_per_step"], (mode, p)
+        assert p["busy_ms_per_step"] <= 1.1 * row["step_ms"], (mode, p, row["step_ms"])
+        assert row["wall_over_busy"] == row["step_ms"] / p["busy_ms_per_step"]
+        assert p["kernels_per_step"] >= 4 and p["top_kernels"], (mode, p)
+        if "graphed" in mode:
+            eager = res["modes"][mode.replace("graphed", "eager")]["profile"]
+            assert p["graph_launches_per_step"] == 1 and p["graph_kernels_per_step"] >= 0.9 * p["kernels_per_step"], p
+            assert abs(p["kernels_per_step"] - eager["kernels_per_step"]) <= 0.1 * eager["kernels_per_step"], (p, eager)
+        else:
+            assert p["graph_launches_per_step"] == 0, (mode, p)
+    assert "GPU busy" in out
 
 
 @pytest.mark.gpu

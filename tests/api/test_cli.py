@@ -244,6 +244,11 @@ def test_bench_tiny_on_cpu_runs_the_mlp_script(monkeypatch, capsys, tmp_path):
     assert s["recipes"]["fp8_eager"]["current_vs_bf16"] == ms["bf16_eager"] / ms["fp8_eager@current"]
     assert s["fp8_eager@current_loss_within_2pct"] is True and s["fp8_eager_loss_within_2pct"] is True
     assert s["best"]["fp8"] == "fp8_eager" and s["best@current"]["fp8"] == "fp8_eager@current"
+    # no GPU busy time on the CPU: the profile's figures are null with the reason
+    for row in res["modes"].values():
+        assert row["profile"] == {"busy_ms_per_step": None, "span_ms_per_step": None, "kernels_per_step": None,
+                                  "top_kernels": None, "reason": "no GPU"} and row["wall_over_busy"] is None
+    assert "GPU busy - (no GPU)" in (out / "bench_mlp_torch.log").read_text()
     assert "| 32/64/48 |" in text  # the script's markdown table, collected
     assert "fp8_eager@current" in text
     assert "![bench_mlp_torch](bench_mlp_torch.png)" in text

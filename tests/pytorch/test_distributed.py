@@ -146,8 +146,11 @@ def test_group_errors_change_nothing():
     model = Net()
     model(torch.randn(4, 32)).sum().backward()
     before = snapshot(model)
-    with pytest.raises(RuntimeError, match="not initialized"):
+    with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup .* or None; got object"):
         fp8.update_model_scales(model, group=object())
+    assert not dist.is_initialized()  # a real group, but no init_process_group in this process
+    with pytest.raises(RuntimeError, match="group: torch.distributed is not initialized; .* pass group=None"):
+        fp8.update_model_scales(model, group=dist.ProcessGroup(0, 1))
     with pytest.raises(TypeError, match="process_group"):  # the 0.1 alias is gone: group= only
         fp8.update_model_scales(model, process_group=object())
     with pytest.raises(TypeError, match="async_op must be a bool"):

@@ -106,12 +106,18 @@ def test_amax_group_with_delayed_scaling_is_refused(res):
     assert bool(res[0]["bad/copy_group"])  # a deep copy keeps the group
 
 
-@pytest.mark.parametrize("bad", ["world", 0, object()])
-def test_amax_group_of_the_wrong_type_is_refused(bad):
+@pytest.mark.parametrize("bad", ["world", 0, object(), "uninitialized"])
+def test_amax_group_of_the_wrong_type_or_uninitialized_is_refused(bad):
     r = fusedfp8.CurrentScaling()
+    if bad == "uninitialized":  # a real group, but no init_process_group in this process
+        assert not dist.is_initialized()
+        bad, err, match = dist.ProcessGroup(0, 1), RuntimeError, "amax_group: torch.distributed is not initialized; "
+    else:
+        err = TypeError
+        match = f"amax_group must be a torch.distributed.ProcessGroup .* or None; got {type(bad).__name__}$"
     for make in (lambda: fp8.Fp8Linear(4, 4, recipe=r, amax_group=bad), lambda: fp8.Fp8MLP(4, 8, r, amax_group=bad),
                  lambda: fp8.convert_to_fp8(torch.nn.Linear(4, 4), r, amax_group=bad)):
-        with pytest.raises(TypeError, match="amax_group must be a torch.distributed.ProcessGroup"):
+        with pytest.raises(err, match=match):
             make()
 
 

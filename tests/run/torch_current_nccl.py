@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -127,14 +126,10 @@ def run_variant(variant: str, args, device, group, own, batches, td):
         if step >= args.warmup:
             times.append(t.ms)
         losses.append(loss.item())
-    mods = fp8.fp8_modules(model)
     out = {"median_step_ms": statistics.median(times), "step_ms": times, "losses": losses,
            "loss_finite": all(map(lambda v: v == v and abs(v) != float("inf"), losses))}
-    if variant == "current_group":
-        out["states_identical_across_ranks"] = td.identical_across_ranks(td.fp8_state_vector(model, device), group)
-        out["weights_identical_across_ranks"] = td.identical_across_ranks(
-            torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]), group)
-        out["every_scale_written"] = all(bool((m.scale != 1).all()) for m in mods)
+    if variant == "current_group":  # (collective: every rank runs this variant)
+        out.update(td.rank_agreement(model, device, group, current=True))
     del ddp, model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -184,7 +179,7 @@ def main(argv=None) -> int:
     report["group_minus_local_per_collective_ms"] = report["group_minus_local_ms"] / COLLECTIVES_PER_STEP
     report["group_minus_self_ms"] = g["median_step_ms"] - report["current_self"]["median_step_ms"]  # collectives
     report["self_minus_local_ms"] = report["current_self"]["median_step_ms"] - loc["median_step_ms"]  # amax passes
-    ok = (g["states_identical_across_ranks"] and g["weights_identical_across_ranks"] and g["every_scale_written"]
+    ok = (g["scales_identical_across_ranks"] and g["weights_identical_across_ranks"] and g["scales_updated"]
           and all(report[v]["loss_finite"] for v in VARIANTS))
     report["ok"] = bool(ok)
     if rank == 0:
@@ -192,12 +187,8 @@ def main(argv=None) -> int:
               f"({COLLECTIVES_PER_STEP} collectives: {report['group_minus_self_ms']:.3f} ms, the amax passes: "
               f"{report['self_minus_local_ms']:.3f} ms); one (2, 2) all_reduce alone: "
               f"{report['allreduce_2x2_latency_ms']:.3f} ms; identical across {world} ranks: "
-              f"states {g['states_identical_across_ranks']}, weights {g['weights_identical_across_ranks']}", flush=True)
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+              f"states {g['scales_identical_across_ranks']}, weights {g['weights_identical_across_ranks']}", flush=True)
+    td.finish(report, args.json, rank)
     return 0 if ok else 1
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import fusedfp8
@@ -23,6 +22,7 @@ import fusedfp8.pytorch as fp8
 from fusedfp8.pytorch import custom_ops as fops
 from fusedfp8.pytorch.autograd import _amax, reduce_current
 from fusedfp8.state import STATE_FIELDS, ScalingState
+from support.torch_distributed import run_train_ddp_script, spawn_ranks
 
 WORLD = 2
 RECIPE = fusedfp8.CurrentScaling(margin=1)
@@ -201,8 +201,6 @@ def oracle(out):
 def run_train_ddp_current(rank, tmp, port):
     """scripts/train_ddp.py --recipe current (CurrentScaling, amax_group=WORLD) in this process, with
     the environment torchrun would set; its exit code (0: identical states on the ranks)."""
-    from support.torch_distributed import run_train_ddp_script
-
     return run_train_ddp_script(rank, WORLD, tmp, port, ("--recipe", "current", "--steps", "2"),
                                 "train_ddp_current.json")
 
@@ -228,18 +226,7 @@ def worker(rank, tmp, port):
 
 def spawn(out: Path, timeout: float = 120) -> list[dict]:
     """Run the WORLD ranks to the end; each rank's record (dict of numpy arrays)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.start_processes(worker, args=(str(out), port), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"the {WORLD} spawned ranks did not finish within {timeout} s")
+    spawn_ranks(worker, (str(out),), WORLD, timeout, f"the {WORLD} spawned ranks")
     return [dict(np.load(out / f"rank{r}.npz")) for r in range(WORLD)]
 
 
@@ -277,16 +264,5 @@ def nccl_worker(rank, tmp, port):
 
 
 def spawn_nccl1(out: Path, timeout: float = 300) -> dict:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.start_processes(nccl_worker, args=(str(out), port), nprocs=1, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"the NCCL rank did not finish within {timeout} s")
+    spawn_ranks(nccl_worker, (str(out),), 1, timeout, "the NCCL rank")
     return dict(np.load(out / "nccl1.npz"))

@@ -279,18 +279,25 @@ def worker(rank, world, tmp, port):
         np.savez(os.path.join(tmp, f"script{rank}.npz"), script_rc=np.array(rc))
 
 
-def spawn_world(world: int, out: Path, timeout: float = 180) -> None:
-    """Run ``world`` ranks (spawned processes) to the end; their .npz files land in ``out``."""
+def spawn_ranks(fn, args: tuple, nprocs: int, timeout: float, what: str) -> None:
+    """Run ``fn(rank, *args, port)`` in ``nprocs`` spawned processes to the end (``port``: a
+    free TCP port on 127.0.0.1, for a MASTER_PORT); past ``timeout`` s they are killed and a
+    TimeoutError names ``what``. A rank that raises raises here (torch.multiprocessing)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.start_processes(worker, args=(world, str(out), port), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(fn, args=(*args, port), nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            raise TimeoutError(f"the {world} spawned ranks did not finish within {timeout} s")
+            raise TimeoutError(f"{what} did not finish within {timeout} s")
+
+
+def spawn_world(world: int, out: Path, timeout: float = 180) -> None:
+    """Run ``world`` ranks (spawned processes) to the end; their .npz files land in ``out``."""
+    spawn_ranks(worker, (world, str(out)), world, timeout, f"the {world} spawned ranks")
 
 
 def results(world: int, out: Path) -> list[dict]:
