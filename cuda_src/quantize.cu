@@ -285,8 +285,10 @@ __global__ void __launch_bounds__(256, tiled_lean<T, OP, Pre>() ? 3 : 0) quantiz
                                 cs[j] = p == 0 ? y : fadd(cs[j], y);
                             } else {  // row 0's values wait in colsum, not in registers
                                 float* c = &colsum[lr][lc + (j & ~3)];
-                                if (p == 1 && (j & 3) == 0)
-                                    *reinterpret_cast<float4*>(cs + j) = *reinterpret_cast<const float4*>(c);
+                                if (p == 1 && (j & 3) == 0) {
+                                    const float4 c0s = *reinterpret_cast<const float4*>(c);
+                                    cs[j] = c0s.x, cs[j + 1] = c0s.y, cs[j + 2] = c0s.z, cs[j + 3] = c0s.w;
+                                }
                                 cs[j] = p == 0 ? y : fadd(cs[j], y);
                                 if ((j & 3) == 3)
                                     *reinterpret_cast<float4*>(c) = make_float4(cs[j - 3], cs[j - 2], cs[j - 1], cs[j]);
