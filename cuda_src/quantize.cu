@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 #define TILE_C 64
 #define T2_LOADS (2 * (int)sizeof(T))  // 16-byte loads per thread, tile and input (2 rows x 16 columns)
 
-// Issue 18, small and medium tensors: with FF8_TILED_LEAN=1 (the host's -D, _cuda.launch_config() "new"; 0: the
+// Issue 18, small and medium tensors: with FF8_TILED_LEAN=1 (the host's -D under FUSEDFP8_LAUNCH=new; 0: the
 // kernel as it was) the dgelu instantiations of 2-byte types hold one tile's inputs, not two (no prefetch of the
 // next tile: a third resident block's warps hide the latency instead), and row 0's dbias sums wait in colsum,
 // not in registers, so that three blocks of 256 fit a multiprocessor (bf16, sm_90, NVRTC: 80 registers and no
