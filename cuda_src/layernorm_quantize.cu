@@ -31,7 +31,8 @@
 // ends with the same bits, as IEEE addition commutes), and over the row's tpr / 32 warps through
 // shared memory (a second butterfly over lanes 0 .. warps-1 of each warp, offsets warps/2 .. 1).
 //
-// Grid and block: blockDim = max(256, tpr) threads (the host's choice; the kernel reads blockDim),
+// Grid and block: blockDim = max(256, tpr) threads (the host's choice, _cuda.layernorm_block; the kernel
+// reads blockDim; with q_t, FUSEDFP8_LAUNCH=new: min(512, tile_rows * tpr), a tile in one pass),
 // blockDim / tpr rows per pass; grid = min(row groups, resident blocks) from the occupancy, grid-
 // stride over the groups; one atomicMax per block. Without q_t (TRANSPOSE = false) a group is one
 // pass. With q_t a group is a tile of tile_rows rows (16, 8 or 4, from cols: the host keeps

@@ -177,8 +177,23 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 #define TILE_C 64
 #define T2_LOADS (2 * (int)sizeof(T))  // 16-byte loads per thread, tile and input (2 rows x 16 columns)
 
-template <typename T, int FMT, int OP, class Pre = StagedAmax>
-__global__ void __launch_bounds__(256) quantize_tiled(
+// Issue 18, small and medium tensors: with FF8_TILED_LEAN=1 (the host's -D under FUSEDFP8_LAUNCH=new; 0: the
+// kernel as it was) the dgelu instantiations of 2-byte types hold one tile's inputs, not two (no prefetch of the
+// next tile: a third resident block's warps hide the latency instead), and row 0's dbias sums wait in colsum,
+// not in registers, so that three blocks of 256 fit a multiprocessor (bf16, sm_90, NVRTC: 80 registers and no
+// spill, against 128 and two blocks; __launch_bounds__(256, 4) spills). The arithmetic is the same.
+#ifndef FF8_TILED_LEAN
+#define FF8_TILED_LEAN 0
+#endif
+// (StagedAmax only: GridAmax's first-step amax in the same launch spills at 80 registers)
+template <class Pre> struct LeanPre { static constexpr bool value = false; };
+template <> struct LeanPre<StagedAmax> { static constexpr bool value = true; };
+template <typename T, int OP, class Pre> __host__ __device__ constexpr bool tiled_lean() {
+    return FF8_TILED_LEAN && OP >= 3 && sizeof(T) == 2 && LeanPre<Pre>::value;
+}
+
+template <typename T, int FMT, int OP, class Pre = StagedAmax>  // (a minimum of 0 blocks: none given)
+__global__ void __launch_bounds__(256, tiled_lean<T, OP, Pre>() ? 3 : 0) quantize_tiled(
     const T* __restrict__ x,          // [rows, cols] input (dy for OP 3/4)
     const T* __restrict__ b,          // [rows, cols] second input (x for OP 3/4), else null
     u8* __restrict__ q,               // [prows, pcols] FP8 output
@@ -200,6 +215,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
 {
     constexpr int PER_ROW = T2_LOADS / 2;       // 16-byte loads per row
     constexpr int ELEMS = 16 / (int)sizeof(T);  // elements per 16-byte load
+    constexpr bool PREFETCH = !tiled_lean<T, OP, Pre>();  // else the next tile is loaded after this one
     __shared__ __align__(16) u8 tile[2][TILE_R * TILE_C];
     __shared__ __align__(16) float colsum[64][TILE_C + 4];  // dbias: each thread's two-row sums
     __shared__ float colsum4[4][TILE_C];                    // dbias: the 16-row groups' sums
@@ -250,7 +266,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
         if (ntc >= tiles_c) { ntc -= tiles_c; ++ntr; }
         uint4 xn[T2_LOADS], bn[OP >= 3 ? T2_LOADS : 1];
         const bool nfast = id + gridDim.x < ntiles && is_fast(ntr, ntc);
-        if (nfast) load(xn, bn, ntr, ntc);  // the next tile's loads fly while this one is computed
+        if (PREFETCH && nfast) load(xn, bn, ntr, ntc);  // the next tile's loads fly while this one is computed
         u8* tl = tile[buf];
         if (fast) {
             auto body = [&](auto with_dbias) {
@@ -264,7 +280,20 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                         float y = apply_op<OP>(raw_elem<T>(xc + p * PER_ROW, j),
                                                OP >= 3 ? raw_elem<T>(bc + p * PER_ROW, j) : 0.0f);
                         m = amax_update<OP>(m, y);
-                        if (DB) cs[j] = p == 0 ? y : fadd(cs[j], y);
+                        if (DB) {
+                            if (PREFETCH) {
+                                cs[j] = p == 0 ? y : fadd(cs[j], y);
+                            } else {  // row 0's values wait in colsum, not in registers
+                                float* c = &colsum[lr][lc + (j & ~3)];
+                                if (p == 1 && (j & 3) == 0) {
+                                    const float4 c0s = *reinterpret_cast<const float4*>(c);
+                                    cs[j] = c0s.x, cs[j + 1] = c0s.y, cs[j + 2] = c0s.z, cs[j + 3] = c0s.w;
+                                }
+                                cs[j] = p == 0 ? y : fadd(cs[j], y);
+                                if ((j & 3) == 3)
+                                    *reinterpret_cast<float4*>(c) = make_float4(cs[j - 3], cs[j - 2], cs[j - 1], cs[j]);
+                            }
+                        }
                         v[j] = fmul(y, s);
                     }
                     const u64 lo = cvt8<FMT>(v), hi = cvt8<FMT>(v + 8);
@@ -280,7 +309,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                             p == 0 ? make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32))
                                    : make_uint4((u32)hi, (u32)(hi >> 32), (u32)lo, (u32)(lo >> 32));
                 }
-                if (DB) {
+                if (DB && PREFETCH) {
 #pragma unroll
                     for (int j = 0; j < 16; j += 4)
                         *reinterpret_cast<float4*>(&colsum[lr][lc + j]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
@@ -369,10 +398,14 @@ __global__ void __launch_bounds__(256) quantize_tiled(
         tr = ntr;
         tc = ntc;
         fast = nfast;
+        if (!PREFETCH) {
+            if (nfast) load(xc, bc, ntr, ntc);
+        } else {
 #pragma unroll
-        for (int k = 0; k < T2_LOADS; ++k) {
-            xc[k] = xn[k];
-            if (OP >= 3) bc[k] = bn[k];
+            for (int k = 0; k < T2_LOADS; ++k) {
+                xc[k] = xn[k];
+                if (OP >= 3) bc[k] = bn[k];
+            }
         }
     }
     if (!fresh) block_amax_atomic<256>(m, amax);

@@ -45,7 +45,24 @@ LN_STATIC_SHARED = 2048  # room left for the kernel's static shared memory (1216
 CPP_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 FMT_IDS = {"e4m3": 0, "e5m2": 1}
 OPS = {"identity": 0, "gelu_tanh": 1, "gelu_erf": 2, "dgelu_tanh": 3, "dgelu_erf": 4}  # types.kernel_op names
-COMPILE_OPTIONS = ("-std=c++17", f"-DFF8_THREADS={THREADS}")
+LAUNCH_CONFIGS = ("old", "new")
+
+
+def _launch_config() -> str:
+    """The launch configuration of the small- and medium-tensor changes of issue 18, from the
+    environment variable FUSEDFP8_LAUNCH at import ('new', the default, or 'old': the kernels and
+    launches as they were, for an A/B in one benchmark run; the same bytes either way). 'new':
+    the dgelu tiled kernels of 2-byte inputs built lean (FF8_TILED_LEAN in quantize.cu: three
+    blocks per multiprocessor, not two) and layernorm_quantize with q_t one pass per tile
+    (:func:`layernorm_block`)."""
+    value = os.environ.get("FUSEDFP8_LAUNCH", "new")
+    if value not in LAUNCH_CONFIGS:
+        raise ValueError(f"fusedfp8: FUSEDFP8_LAUNCH must be one of {LAUNCH_CONFIGS}, got {value!r}")
+    return value
+
+
+LAUNCH = _launch_config()
+COMPILE_OPTIONS = ("-std=c++17", f"-DFF8_THREADS={THREADS}", f"-DFF8_TILED_LEAN={int(LAUNCH == 'new')}")
 
 
 def source_dir() -> Path:
@@ -462,6 +479,20 @@ def layernorm_tile(cols: int, optin: int) -> tuple[int, int]:
                      f"shared memory ({optin} bytes on this GPU), so at most {most} columns; got {cols}")
 
 
+def layernorm_block(tpr: int, tile_rows: int = 0, launch: str | None = None) -> int:
+    """Threads per block of the layernorm kernel for ``tpr`` threads per row: at least
+    :data:`LN_BLOCK`, one row wide. With q_t (``tile_rows`` > 0) and the 'new' launch
+    configuration (``launch``, default :data:`LAUNCH`), enough rows for one pass per tile, up to
+    :data:`LN_THREADS`: the rows of a tile are normalised side by side, not in tile_rows / 8
+    passes one after another (at hidden 1024 a tile of 16 rows is 16 warps in one pass; the grid
+    of a 2048-row tensor is only 128 tiles, so the warps a block holds are all an SM gets). The
+    rows per tile stay a multiple of the rows per pass: both are powers of two."""
+    block = max(LN_BLOCK, tpr)
+    if tile_rows and (launch or LAUNCH) == "new":
+        block = max(block, min(LN_THREADS, tile_rows * tpr))
+    return block
+
+
 def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, first: bool = False,
                          eps: float = 1e-5, margin_factor: float = 1.0, offset: int = 0,
                          tile: tuple[int, int] = (0, 0), pad_to: int = 1) -> Plan:
@@ -480,9 +511,9 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
     prows, pcols = padded(rows, cols, pad_to)
     pad = rows > 0 and (prows, pcols) != (rows, cols)
     tpr = _ln.threads_per_row(max(cols, 1))
-    block = max(LN_BLOCK, tpr)
-    per_pass = block // tpr
     tile_rows, shared = tile if transpose else (0, 0)
+    block = layernorm_block(tpr)  # the pre-pass's (and without q_t the main kernel's)
+    per_pass = block // tpr
     vec_in = flag((X, W, B, Q), 16, cols % 8 == 0)  # the pre-pass (and a launch for no rows) writes no q
     vec = flag((X, W, B, Q), 16, cols % 8 == 0 and pcols % 8 == 0)  # q's rows start 8-byte aligned
     main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if transpose else "layernorm_store1")]
@@ -506,7 +537,7 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
             vec=vec_in)))
     so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
     groups = -(-prows // (tile_rows if transpose else per_pass))
-    steps.append(_launch([(main, max(1, min(groups, main.per_sm * sms)))], 0, block, params(
+    steps.append(_launch([(main, max(1, min(groups, main.per_sm * sms)))], 0, layernorm_block(tpr, tile_rows), params(
         ptr(Q), ptr(QT) if transpose else NULLPTR, ptr(MEAN), ptr(RSTD), so, sio, ptr(SIU), u, rows, tile_rows,
         flag((QT,), 16, transpose and prows % max(tile_rows, 1) == 0), (prows, pcols) if pad else ()), shared))
     return _plan(LAYERNORM_SLOTS, steps)
@@ -568,10 +599,11 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
     use; with ``transpose``, allows the kernel the tile's shared memory: the tile of the padded columns)."""
     ks = kernels(ModuleKey("layernorm_quantize", dtype, fmt, param=param), device)
     tile = layernorm_tile(padded(rows, cols, pad_to)[1], shared_optin(device)) if transpose and rows else (0, 0)
-    block = max(LN_BLOCK, _ln.threads_per_row(max(cols, 1)))
+    tpr = _ln.threads_per_row(max(cols, 1))
     for role in ("layernorm_store1_t", "padded_layernorm_store1_t"):
         ks[role].allow_shared(tile[1])
-    refs = {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(block, tile[1] if role.endswith("_t") else 0))
+    refs = {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(layernorm_block(tpr, tile[0]), tile[1])
+                            if role.endswith("_t") else k.blocks_per_sm(layernorm_block(tpr)))
             for role, k in ks.items()}
     return build_layernorm_plan(refs, sm_count(device), rows, cols, transpose, first, eps, margin_factor, offset, tile,
                                 pad_to)

@@ -483,6 +483,33 @@ def test_transposed_tile(cols, optin, want):
     assert _cuda.layernorm_tile(cols, optin) == want
 
 
+@pytest.mark.parametrize("cols, tile_rows, old, new", [
+    (1024, 16, 256, 512), (4096, 16, 256, 512), (300, 16, 256, 512), (8, 16, 256, 512), (16384, 8, 512, 512),
+    (20000, 4, 512, 512), (1024, 0, 256, 256), (16384, 0, 512, 512),
+])
+def test_layernorm_block(cols, tile_rows, old, new):
+    """Threads per block of the layernorm kernel: max(256, threads per row) as before ('old', and
+    without q_t); 'new' with q_t: a tile's rows in one pass, at most 512 threads, so that the rows
+    per tile stay a multiple of the rows per pass."""
+    tpr = ln.threads_per_row(cols)
+    assert _cuda.layernorm_block(tpr, tile_rows, "old") == old
+    got = _cuda.layernorm_block(tpr, tile_rows, "new")
+    assert got == new and tile_rows % (got // tpr) == 0
+
+
+def test_launch_config_from_the_environment(monkeypatch):
+    """FUSEDFP8_LAUNCH picks the launch configuration (default 'new'); anything else is refused
+    with the variable's name, the choices and the value."""
+    monkeypatch.delenv("FUSEDFP8_LAUNCH", raising=False)
+    assert _cuda._launch_config() == "new"
+    monkeypatch.setenv("FUSEDFP8_LAUNCH", "old")
+    assert _cuda._launch_config() == "old"
+    monkeypatch.setenv("FUSEDFP8_LAUNCH", "fast")
+    with pytest.raises(ValueError, match=r"FUSEDFP8_LAUNCH must be one of \('old', 'new'\), got 'fast'"):
+        _cuda._launch_config()
+    assert f"-DFF8_TILED_LEAN={int(_cuda.LAUNCH == 'new')}" in _cuda.COMPILE_OPTIONS
+
+
 def test_transposed_tile_too_wide_is_refused():
     with pytest.raises(ValueError, match=r"transpose=True needs 4 rows .* at most 24832 columns; got 30000"):
         _cuda.layernorm_tile(30000, 99 << 10)
@@ -497,12 +524,16 @@ def test_transposed_tile_too_wide_is_refused():
     # nothing to pad (aligned, or no rows): what pad_to=1 launches
     (2048, 1024, True, True, 16), (0, 20, True, True, 16),
 ])
-def test_plan_launches(rows, cols, transpose, first, pad_to):
+@pytest.mark.parametrize("launch", _cuda.LAUNCH_CONFIGS)
+def test_plan_launches(rows, cols, transpose, first, pad_to, launch, monkeypatch):
     """The launches of a plan, packed as the driver gets them: the pre-pass on a first step (at
     most one block per multiprocessor, no outputs), the main kernel (the transposed role with the
     tile's shared memory), block max(256, threads per row), one resident wave at most; for 0 rows
     one block that only hands out 1 / scale. With a pad: the padded main kernel, with the padded
-    shape after the logical one, its groups (and the tile's columns) those of the padded shape."""
+    shape after the logical one, its groups (and the tile's columns) those of the padded shape.
+    Under the 'new' launch configuration the transposed main kernel takes a tile's rows in one
+    pass: tile_rows * threads per row threads (at most 512, at least 256)."""
+    monkeypatch.setattr(_cuda, "LAUNCH", launch)
     refs = fake_refs()
     prows, pcols = _cuda.padded(rows, cols, pad_to)
     pad = rows > 0 and (prows, pcols) != (rows, cols)
@@ -537,7 +568,8 @@ def test_plan_launches(rows, cols, transpose, first, pad_to):
                 cols, tpr, 0, int(cols % 8 == 0), 0, 1e-5, 0.5)))
         group = tile[0] if transpose else block // tpr
         main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if transpose else "layernorm_store1")]
-        want.append((main.func, min(-(-prows // group), 2 * SMS), block, tile[1], pack_main(
+        main_block = min(512, max(block, tile[0] * tpr)) if transpose and launch == "new" else block
+        want.append((main.func, min(-(-prows // group), 2 * SMS), main_block, tile[1], pack_main(
             s["x"], s["weight"], s["bias"], s["q"], s["q_t"] if transpose else 0, s["mean"], s["rstd"], st("scale"),
             st("amax"), st("scale_out") if first else 0, st("scale_inv_out") if first else 0, s["scale_inv_used"],
             st("updates") if first else 0, rows, cols, tpr, tile[0], int(cols % 8 == 0 and pcols % 8 == 0),
