@@ -102,7 +102,9 @@ struct GridAmax {
 
     // quantize_tiled: the block's tiles are blockIdx.x + k * gridDim.x over the padded tile grid; the
     // thread's part of a tile is rows lr, lr + 64 and columns lc..lc+15; the first tile is in xc / bc
-    // when `fast`. Only the rows x cols corner counts (the pad takes no part in the amax).
+    // when `fast` (zeros past the edge). Only the rows x cols corner counts (the pad takes no part in
+    // the amax): the other tiles are loaded row by row as the cast loads them (load_row16: 16-byte
+    // loads for a row wholly inside, element loads at the edge, zeros past it).
     template <typename T, int FMT, int OP>
     static __device__ __forceinline__ bool tiled(const T* x, const T* b, i64 rows, i64 cols, i64 prows, i64 pcols,
                                                  int vec, const uint4* xc, const uint4* bc, bool fast,
@@ -110,7 +112,7 @@ struct GridAmax {
                                                  float margin_factor, float* s) {
         if (updates == nullptr || *updates != 0) return launch_scale(scale, amax, updates, FormatMax<FMT>::value,
                                                                      margin_factor, s);
-        constexpr int PER_ROW = T2_LOADS / 2, ELEMS = 16 / (int)sizeof(T);
+        constexpr int PER_ROW = T2_LOADS / 2;
         const int lr = threadIdx.x >> 2, lc = (threadIdx.x & 3) * 16;
         const i64 tiles_c = (pcols + TILE_C - 1) / TILE_C, ntiles = (prows + TILE_R - 1) / TILE_R * tiles_c;
         u32 m = 0;
@@ -120,25 +122,12 @@ struct GridAmax {
             if (id == blockIdx.x && fast) {
 #pragma unroll
                 for (int p = 0; p < 2; ++p) m = vec_amax<T, OP>(xc + p * PER_ROW, bc + p * PER_ROW, m);
-            } else if (vec && r0 + TILE_R <= rows && c0 + TILE_C <= cols) {
-#pragma unroll
-                for (int p = 0; p < 2; ++p) {
-                    const i64 off = (r0 + lr + 64 * p) * cols + c0 + lc;
-                    uint4 xr[PER_ROW], br[OP >= 3 ? PER_ROW : 1];
-#pragma unroll
-                    for (int k = 0; k < PER_ROW; ++k) {
-                        xr[k] = ldg_nc16(x + off + k * ELEMS);
-                        if (OP >= 3) br[k] = ldg_nc16(b + off + k * ELEMS);
-                    }
-                    m = vec_amax<T, OP>(xr, br, m);
-                }
             } else {
-#pragma unroll 1
+#pragma unroll
                 for (int p = 0; p < 2; ++p) {
-                    const i64 gr = r0 + lr + 64 * p;
-#pragma unroll 1
-                    for (int j = 0; j < 16; ++j)
-                        if (gr < rows && c0 + lc + j < cols) m = elem_amax<T, OP>(x, b, gr * cols + c0 + lc + j, m);
+                    uint4 xr[PER_ROW], br[OP >= 3 ? PER_ROW : 1];
+                    load_row16<T, OP>(x, b, rows, cols, r0 + lr + 64 * p, c0 + lc, vec, xr, br);
+                    m = vec_amax<T, OP>(xr, br, m);
                 }
             }
         }

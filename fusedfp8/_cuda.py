@@ -163,10 +163,10 @@ compile_count = 0  # modules compiled (or loaded from CuPy's disk cache) in this
 # against the parameter bank size NVRTC records in the cubin, and every plan below is checked
 # against these when it is built.
 SIGNATURES = {
-    "flat": "@9Pqf",         # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
-                             #                updates, n, margin
+    "flat": "@9Pqqf",        # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
+                             #                updates, n, npad, margin
     "tiled": "@13Pqqqqiif",  # quantize_tiled: 13 pointers, rows, cols, prows, pcols, vec, vec_t, margin
-    "coop_flat": "@9Pqf",    # the same two kernels of current_quantize.cu (GridAmax), cooperative launches
+    "coop_flat": "@9Pqqf",   # the same two kernels of current_quantize.cu (GridAmax), cooperative launches
     "coop_tiled": "@13Pqqqqiif",
     "layernorm": "@13Pqq4i2f",  # layernorm_quantize: 13 pointers, rows, cols, tpr, tile_rows, vec, vec_t, eps,
                                 #                     margin
@@ -378,7 +378,9 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     (default) that is ONE cooperative launch of the current_quantize kernels (the amax, a grid-wide
     barrier, the cast); without, the two-pass path: an amax pre-pass launch, then the cast.
     ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
-    pad; a padded shape always takes the tiled kernel."""
+    pad. A shape padded in rows only, without q_t or dbias, takes the flat kernel (q's first
+    rows * cols bytes are x's, row-major, in either shape) with the (prows - rows) * cols zeros
+    after them written by the same launch (npad); any other padded shape the tiled kernel."""
     X, B, Q, QT, DB, PART, CNT, S, A, SO, SIO, SIU, U = range(len(QUANTIZE_SLOTS))
     n = rows * cols
     prows, pcols = padded(rows, cols, pad_to)
@@ -393,7 +395,7 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     if n == 0:  # nothing to quantize: still hand out 1 / scale (amax max-accumulates 0)
         r = refs["flat_vec0_store1"]
         steps.append(_launch([(r, 1)], 0, THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
-                                                    ptr(SIU), NULLPTR, imm64(0), mf)))
+                                                    ptr(SIU), NULLPTR, imm64(0), imm64(0), mf)))
         return _plan(QUANTIZE_SLOTS, steps)
     if dbias:
         steps.append(Memset(CNT, 4 * dbias_workspace(rows, cols, pad_to)[1]))
@@ -409,16 +411,16 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     coop = coop and first
     if first and not coop:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
         steps.append(_launch(flat(0), _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
-                                                            NULLPTR, st(U), imm64(n), mf)))
+                                                            NULLPTR, st(U), imm64(n), imm64(0), mf)))
     so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
-    if transpose or dbias or (prows, pcols) != (rows, cols):
+    if transpose or dbias or pcols != cols:
         r = refs["coop_tiled" if coop else "tiled"]
         opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((QT, transpose), (DB, dbias), (PART, dbias),
                                                                     (CNT, dbias))}
         grid = _tiled_grid(r, sms, prows, pcols)
         steps.append(_launch([(r, _resident(r, sms, grid) if coop else grid)], 0, TILED_BLOCK, (
             ptr(X), ptr(B), ptr(Q), opt[QT], opt[DB], opt[PART], opt[CNT], st(S), st(A), so, sio, ptr(SIU), u,
-            imm64(rows), imm64(cols), imm64(prows), imm64(pcols), flag(vec, 16, cols % 8 == 0 and pcols % 8 == 0),
+            imm64(rows), imm64(cols), imm64(prows), imm64(pcols), flag((X, B), 16, cols % 8 == 0),
             flag((QT,), 8, transpose and prows % 8 == 0), mf), coop=coop))
     else:
         if coop:
@@ -427,7 +429,7 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
         else:
             main = flat(1)
         steps.append(_launch(main, _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), so, sio, ptr(SIU), u,
-                                                         imm64(n), mf), coop=coop))
+                                                         imm64(n), imm64((prows - rows) * cols), mf), coop=coop))
     return _plan(QUANTIZE_SLOTS, steps)
 
 
@@ -444,7 +446,8 @@ def build_amax_plan(refs: dict, sms: int, n: int) -> Plan:
     if n:
         variants = [(refs[f"flat_vec{v}_store0"], _flat_grid(refs[f"flat_vec{v}_store0"], sms, n)) for v in (1, 0)]
         steps.append(_launch(variants, _mask((X, B)), THREADS, (ptr(X), ptr(B), NULLPTR, NULLPTR, ptr(A), NULLPTR,
-                                                                NULLPTR, NULLPTR, ptr(A, 4), imm64(n), immf32(1.0))))
+                                                                NULLPTR, NULLPTR, ptr(A, 4), imm64(n), imm64(0),
+                                                                immf32(1.0))))
     return _plan(QUANTIZE_SLOTS, steps)
 
 
