@@ -246,8 +246,9 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 // prows x pcols with the same 16-byte stores (byte stores only where a row's 16 bytes cross pcols).
 // Their dbias rows are added from +0 in row order (as the element-wise path that did them before:
 // the same bits; a full tile of a tensor that is not vec, which that path also took, now adds
-// y0 + y1 like every full tile: the same sum but for the sign of a zero). A tensor that is not vec (cols % 8 != 0, or x / b not 16-byte aligned) loads every
-// row element-wise and still stores q and q_t 16 bytes at a time. One atomicMax per block.
+// y0 + y1 like every full tile: the same sum but for the sign of a zero). A tensor that is not vec
+// (cols % 8 != 0, or x / b not 16-byte aligned) loads every row element-wise and still stores q and
+// q_t 16 bytes at a time. One atomicMax per block.
 // Padding (prows >= rows, pcols >= cols; both rounded up to 16 for cuBLASLt's FP8 GEMMs, which
 // need every dimension a multiple of 16): q and q_t are written with the padded pitches and hold
 // zeros outside the rows x cols corner, so a GEMM over the padded operands sums exact zeros there;
@@ -322,7 +323,8 @@ __global__ void __launch_bounds__(256) quantize_tiled(
         } else {
 #pragma unroll
             for (int p = 0; p < 2; ++p)
-                load_row16<T, OP>(x, b, rows, cols, gr + 64 * p, gc, vec, xr + p * PER_ROW, br + p * PER_ROW);
+                load_row16<T, OP>(x, b, rows, cols, gr + 64 * p, gc, vec, xr + p * PER_ROW,
+                                  OP >= 3 ? br + p * PER_ROW : br);
         }
     };
 

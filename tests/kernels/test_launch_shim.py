@@ -585,10 +585,9 @@ def test_torch_cpu_ops_unchanged_with_the_cpp_kernels(cpp_ops):
     assert same_bytes(q, want.data) and same_bytes(q_t, want.data_t)
 
 
-@pytest.mark.parametrize("rows, cols, transpose, dbias", [(303, 300, False, False), (303, 300, True, True),
-                                                      (8190, 64, True, False), (5, 16, False, True), (32, 48, False, False),
-                                                      (8190, 64, False, False), (1, 4096, False, False),
-                                                      (16, 300, False, False)])
+@pytest.mark.parametrize("rows, cols, transpose, dbias", [
+    (303, 300, False, False), (303, 300, True, True), (8190, 64, True, False), (5, 16, False, True),
+    (32, 48, False, False), (8190, 64, False, False), (1, 4096, False, False), (16, 300, False, False)])
 def test_padded_plans_take_the_tiled_kernel_with_the_padded_shape(rows, cols, transpose, dbias):
     refs = fake_refs(QKEY)
     plan = _cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True, 1.0, 0, 16, False)
