@@ -103,8 +103,8 @@ struct GridAmax {
     // quantize_tiled: the block's tiles are blockIdx.x + k * gridDim.x over the padded tile grid; the
     // thread's part of a tile is rows lr, lr + 64 and columns lc..lc+15; the first tile is in xc / bc
     // when `fast` (zeros past the edge). Only the rows x cols corner counts (the pad takes no part in
-    // the amax): the other tiles are loaded row by row as the cast loads them (load_row16: 16-byte
-    // loads for a row wholly inside, element loads at the edge, zeros past it).
+    // the amax): an edge tile is loaded row by row as the cast loads it (load_row16: 16-byte loads
+    // for a row wholly inside, element loads where a row crosses cols, nothing past rows).
     template <typename T, int FMT, int OP>
     static __device__ __forceinline__ bool tiled(const T* x, const T* b, i64 rows, i64 cols, i64 prows, i64 pcols,
                                                  int vec, const uint4* xc, const uint4* bc, bool fast,
@@ -112,7 +112,7 @@ struct GridAmax {
                                                  float margin_factor, float* s) {
         if (updates == nullptr || *updates != 0) return launch_scale(scale, amax, updates, FormatMax<FMT>::value,
                                                                      margin_factor, s);
-        constexpr int PER_ROW = T2_LOADS / 2;
+        constexpr int PER_ROW = T2_LOADS / 2, ELEMS = 16 / (int)sizeof(T);
         const int lr = threadIdx.x >> 2, lc = (threadIdx.x & 3) * 16;
         const i64 tiles_c = (pcols + TILE_C - 1) / TILE_C, ntiles = (prows + TILE_R - 1) / TILE_R * tiles_c;
         u32 m = 0;
@@ -122,7 +122,19 @@ struct GridAmax {
             if (id == blockIdx.x && fast) {
 #pragma unroll
                 for (int p = 0; p < 2; ++p) m = vec_amax<T, OP>(xc + p * PER_ROW, bc + p * PER_ROW, m);
-            } else {
+            } else if (vec && r0 + TILE_R <= rows && c0 + TILE_C <= cols) {
+#pragma unroll
+                for (int p = 0; p < 2; ++p) {
+                    const i64 off = (r0 + lr + 64 * p) * cols + c0 + lc;
+                    uint4 xr[PER_ROW], br[OP >= 3 ? PER_ROW : 1];
+#pragma unroll
+                    for (int k = 0; k < PER_ROW; ++k) {
+                        xr[k] = ldg_nc16(x + off + k * ELEMS);
+                        if (OP >= 3) br[k] = ldg_nc16(b + off + k * ELEMS);
+                    }
+                    m = vec_amax<T, OP>(xr, br, m);
+                }
+            } else {  // an edge tile (or a tensor that is not vec)
 #pragma unroll
                 for (int p = 0; p < 2; ++p) {
                     uint4 xr[PER_ROW], br[OP >= 3 ? PER_ROW : 1];

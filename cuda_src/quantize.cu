@@ -141,7 +141,8 @@ struct StagedAmax {
 // to their first use to save registers.) The < 16-element tail is done element-wise by the last
 // threads. VEC=false: element-wise.
 // npad: zero bytes of q after its n (the pad rows of a q padded in rows only, prows x cols: x's bytes,
-// then (prows - rows) * cols zeros), 16-byte stores when VEC and n % 16 == 0.
+// then (prows - rows) * cols zeros), byte stores grid-stride (fewer than 16 * cols bytes: a byte or
+// two per thread of a grid that quantizes the rest).
 // STORE=false is the first-step pre-pass: amax only, and only if *updates == 0.
 // One atomicMax per block.
 // ---------------------------------------------------------------------------------------------
@@ -202,10 +203,8 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
         m = amax_update<OP>(m, y);
         if (STORE) q[i] = cvt1<FMT>(fmul(y, s));
     }
-    if (STORE && npad > 0) {  // the pad after the n bytes (q + n 16-byte aligned when VEC and n % 16 == 0)
-        const i64 nz = VEC && (n & 15) == 0 ? npad / 16 : 0;
-        for (i64 i = tid; i < nz; i += nthreads) *reinterpret_cast<uint4*>(q + n + i * 16) = make_uint4(0u, 0u, 0u, 0u);
-        for (i64 i = n + nz * 16 + tid; i < n + npad; i += nthreads) q[i] = 0;
+    if (STORE) {  // the pad after the n bytes: at most a byte or two per thread
+        for (i64 i = n + tid; i < n + npad; i += nthreads) q[i] = 0;
     }
     if (!fresh) block_amax_atomic<FF8_THREADS>(m, amax);  // on a first step the pre-pass already did it
 }
@@ -235,9 +234,10 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 // per column, so 8 lanes write one full 128-byte line of q_t and a warp store writes 4 lines
 // (when q_t is 16-byte aligned and prows % 16 == 0, in every tile: a 16-row group lies wholly inside
 // prows or wholly past it; else byte stores with bounds).
-// dbias: each thread adds its two rows (y0 + y1, per column), a thread per (column, 16-row group)
-// adds its 16 rows in order, one per column adds the 4 groups ((g0 + g1) + (g2 + g3)), then the
-// partials of the tiles of a column strip in tile order by the last tile of the strip.
+// dbias (OP 3/4 only: the plan refuses it with another op): each thread adds its two rows (y0 + y1,
+// per column), a thread per (column, 16-row group) adds its 16 rows in order, one per column adds the
+// 4 groups ((g0 + g1) + (g2 + g3)), then the partials of the tiles of a column strip in tile order
+// by the last tile of the strip.
 // Edge tiles (a tile that reaches past rows or cols: the last row / column strip of a ragged or
 // padded shape) take the same vector path, decided per thread row rather than per tile: a row of
 // 16 columns wholly inside is loaded with 16-byte loads (when vec), a row that crosses cols with
@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                     *reinterpret_cast<float4*>(&colsum[lr][lc + j]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
             }
         };
-        if (dbias != nullptr) body(Flag<true>());
+        if (OP >= 3 && dbias != nullptr) body(Flag<true>());  // (dbias: OP 3/4 only, see above)
         else body(Flag<false>());
         __syncthreads();
         if (q_t != nullptr) {

@@ -555,7 +555,10 @@ def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: i
                   dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0,
                   pad_to: int = 1, coop: bool = True) -> Plan:
     """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device`` (and, for a first step
-    in one launch, its current_quantize twin)."""
+    in one launch, its current_quantize twin). ``dbias`` goes with the dgelu ops only (the column
+    sums of a gradient: the tiled kernel sums nothing for another op); ValueError otherwise."""
+    if dbias and OPS[op] < OPS["dgelu_tanh"]:
+        raise ValueError(f"dbias: the column sums come with op 'dgelu_tanh' or 'dgelu_erf' (a gradient); got op {op!r}")
     refs = kernel_refs(ModuleKey("quantize", dtype, fmt, op), device)
     if first and coop:
         refs = {**refs, **kernel_refs(ModuleKey("current_quantize", dtype, fmt, op), device)}
@@ -619,7 +622,7 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
     op : one of :data:`OPS`; for 'dgelu_*' ``x`` is dy and ``b`` is the forward input.
     x, b, q : input(s) (rows x cols, row-major) and the FP8 output (same shape, bytes).
     scale : (1,) float32, read.  amax : (1,) float32, max-accumulated (NaN-propagating).
-    q_t : (cols, rows) FP8 transpose, or 0.  dbias : (cols,) float32 column sums, or 0; needs
+    q_t : (cols, rows) FP8 transpose, or 0.  dbias : (cols,) float32 column sums (dgelu ops only), or 0; needs
         ``partial`` and ``counters`` (:func:`dbias_workspace`; the plan zeroes the counters first,
         and zeroes dbias itself when rows * cols is 0).
     scale_inv_used : (1,) float32 receiving ``1 / scale`` as used (written even when rows*cols

@@ -616,6 +616,15 @@ def test_padded_plans_take_the_tiled_kernel_with_the_padded_shape(rows, cols, tr
         assert _cuda.dbias_workspace(rows, cols, 16)[1] == -(-(-(-cols // 16) * 16) // _cuda.TILE_C)
 
 
+@pytest.mark.parametrize("op", ["identity", "gelu_tanh", "gelu_erf"])
+def test_dbias_goes_with_the_dgelu_ops_only(op):
+    """The tiled kernel sums columns for the dgelu ops only: any other op with dbias is refused by
+    name before anything compiles or launches."""
+    with pytest.raises(ValueError, match=f"dbias: the column sums come with op 'dgelu_tanh' or 'dgelu_erf'.*"
+                                         f"got op '{op}'"):
+        _cuda.quantize_plan(0, "bfloat16", "e4m3", op, 303, 300, True, True)
+
+
 def test_torch_direct_call_refuses_cpu_tensors(cpp_ops):
     import torch
 
