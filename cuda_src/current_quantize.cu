@@ -102,7 +102,9 @@ struct GridAmax {
 
     // quantize_tiled: the block's tiles are blockIdx.x + k * gridDim.x over the padded tile grid; the
     // thread's part of a tile is rows lr, lr + 64 and columns lc..lc+15; the first tile is in xc / bc
-    // when `fast`. Only the rows x cols corner counts (the pad takes no part in the amax).
+    // when `fast` (zeros past the edge). Only the rows x cols corner counts (the pad takes no part in
+    // the amax): an edge tile is loaded row by row as the cast loads it (load_row16: 16-byte loads
+    // for a row wholly inside, element loads where a row crosses cols, nothing past rows).
     template <typename T, int FMT, int OP>
     static __device__ __forceinline__ bool tiled(const T* x, const T* b, i64 rows, i64 cols, i64 prows, i64 pcols,
                                                  int vec, const uint4* xc, const uint4* bc, bool fast,
@@ -132,13 +134,12 @@ struct GridAmax {
                     }
                     m = vec_amax<T, OP>(xr, br, m);
                 }
-            } else {
-#pragma unroll 1
+            } else {  // an edge tile (or a tensor that is not vec)
+#pragma unroll
                 for (int p = 0; p < 2; ++p) {
-                    const i64 gr = r0 + lr + 64 * p;
-#pragma unroll 1
-                    for (int j = 0; j < 16; ++j)
-                        if (gr < rows && c0 + lc + j < cols) m = elem_amax<T, OP>(x, b, gr * cols + c0 + lc + j, m);
+                    uint4 xr[PER_ROW], br[OP >= 3 ? PER_ROW : 1];
+                    load_row16<T, OP>(x, b, rows, cols, r0 + lr + 64 * p, c0 + lc, vec, xr, br);
+                    m = vec_amax<T, OP>(xr, br, m);
                 }
             }
         }

@@ -40,6 +40,70 @@ template <> __device__ __forceinline__ float raw_elem<__half>(const uint4* c, in
     return __half2float(__ushort_as_half((unsigned short)((j & 1) ? (w >> 16) : (w & 0xffffu))));
 }
 
+// The raw bits of one element, as raw_elem reads them back (a 2-byte type in the low half).
+__device__ __forceinline__ u32 raw_bits(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ u32 raw_bits(__half v) { return __half_as_ushort(v); }
+__device__ __forceinline__ u32 raw_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+
+// Elements p[0..15] as raw 16-byte chunks c[] (the layout raw_elem reads): 16-byte loads when `whole`
+// (all 16 there, p 16-byte aligned), else element loads of p[0..n-1] (all issued before the first
+// is used) and zeros after them.
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, int n, bool whole, uint4* c) {
+    constexpr int LOADS = (int)sizeof(T);  // 16-byte chunks for 16 elements
+    if (whole) {
+#pragma unroll
+        for (int k = 0; k < LOADS; ++k) c[k] = ldg_nc16(p + k * (16 / LOADS));
+        return;
+    }
+    u32 w[4 * LOADS];
+#pragma unroll
+    for (int k = 0; k < 4 * LOADS; ++k) w[k] = 0u;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        if (j < n) {
+            const u32 e = raw_bits(p[j]);
+            if constexpr (LOADS == 4) w[j] = e;
+            else w[j >> 1] |= e << (16 * (j & 1));
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < LOADS; ++k) c[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
+}
+
+// Columns gc..gc+15 of row gr of x (and b), rows x cols row-major, as raw chunks: 16-byte loads when
+// all 16 are inside and `vec` (x, b 16-byte aligned, cols % 8 == 0), else element loads of those
+// inside (none in a row >= rows), zeros for the rest. Returns how many are inside (0..16).
+template <typename T, int OP>
+__device__ __forceinline__ int load_row16(const T* x, const T* b, i64 rows, i64 cols, i64 gr, i64 gc, int vec,
+                                          uint4* xr, uint4* br) {
+    const int n = gr < rows ? (int)max((i64)0, min((i64)16, cols - gc)) : 0;
+    const i64 off = gr * cols + gc;
+    load16<T>(x + off, n, vec && n == 16, xr);
+    if (OP >= 3) load16<T>(b + off, n, vec && n == 16, br);
+    return n;
+}
+
+// The low k bytes of a u64 set (k <= 0: none, k >= 8: all).
+__device__ __forceinline__ u64 low_bytes(int k) {
+    return k <= 0 ? 0ull : k >= 8 ? ~0ull : (1ull << (8 * k)) - 1ull;
+}
+
+// Bytes 0..n-1 of (lo, hi) to p: one 16-byte store (mode 2: p 16-byte aligned) or two 8-byte stores
+// (mode 1: 8-byte aligned) when n == 16, else byte stores.
+__device__ __forceinline__ void store16(u8* p, u64 lo, u64 hi, int n, int mode) {
+    if (n == 16 && mode == 2) {
+        *reinterpret_cast<uint4*>(p) = make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32));
+    } else if (n == 16 && mode == 1) {
+        reinterpret_cast<u64*>(p)[0] = lo;
+        reinterpret_cast<u64*>(p)[1] = hi;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+            if (j < n) p[j] = (u8)((j < 8 ? lo : hi) >> (8 * (j & 7)));
+    }
+}
+
 // Byte offset of tile element (r, c) in quantize_tiled's swizzled 128 x 64 shared tile (see its header).
 __device__ __forceinline__ int tile_at(int r, int c) {
     return 64 * r + 16 * ((c >> 4) ^ ((r >> 4) & 3)) + 8 * (((c >> 3) & 1) ^ ((r >> 6) & 1)) + (c & 7);
@@ -76,6 +140,9 @@ struct StagedAmax {
 // issued ahead, or of two steps side by side, do not survive ptxas: in the sm_90 SASS it sinks them
 // to their first use to save registers.) The < 16-element tail is done element-wise by the last
 // threads. VEC=false: element-wise.
+// npad: zero bytes of q after its n (the pad rows of a q padded in rows only, prows x cols: x's bytes,
+// then (prows - rows) * cols zeros), byte stores grid-stride (fewer than 16 * cols bytes: a byte or
+// two per thread of a grid that quantizes the rest).
 // STORE=false is the first-step pre-pass: amax only, and only if *updates == 0.
 // One atomicMax per block.
 // ---------------------------------------------------------------------------------------------
@@ -91,6 +158,7 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
     float* scale_inv_used,            // [1] or null: 1 / the scale this launch used (any step)
     const int* updates,               // [1] or null: first-step flag (0 = first step)
     i64 n,                            // number of elements
+    i64 npad,                         // zero bytes of q after the n (STORE only)
     float margin_factor)              // 2**margin, for the first-step scale
 {
     constexpr int LOADS = (int)sizeof(T);  // 16-byte loads per input and step (16 elements)
@@ -135,6 +203,9 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
         m = amax_update<OP>(m, y);
         if (STORE) q[i] = cvt1<FMT>(fmul(y, s));
     }
+    if (STORE) {  // the pad after the n bytes: at most a byte or two per thread
+        for (i64 i = n + tid; i < n + npad; i += nthreads) q[i] = 0;
+    }
     if (!fresh) block_amax_atomic<FF8_THREADS>(m, amax);  // on a first step the pre-pass already did it
 }
 
@@ -153,23 +224,36 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 // in flight while the block computes and stores: per thread 2 rows x 16 columns of x (and b), i.e.
 // 4 loads of 16 bytes for a 2-byte type (8 for float32) per input, current + next tile.
 // Thread t owns rows t/4 and t/4 + 64, columns 16(t%4)..+15 of the tile: q is written with one
-// 16-byte store per row (two 8-byte stores when pcols % 16 != 0), and the FP8 bytes go to a shared
+// 16-byte store per row (two 8-byte stores when pcols % 16 != 0, byte stores when pcols % 8 != 0 or q
+// is not 8-byte aligned), and the FP8 bytes go to a shared
 // 128 x 64-byte tile (two of them, alternating, so one barrier a tile suffices) at a swizzled place
 //     phys(r, c) = 64 r + 16 ((c / 16) ^ (r / 16 % 4)) + 8 ((c / 8 % 2) ^ (r / 64)) + c % 8
 // (16-byte chunks permuted within a row: the stores and the transposed reads are conflict-free).
 // Transposed store: lane l of warp w takes tile rows 16(l%8)..+15 and columns 2p, 2p+1 with
 // p = 4w + l/8: 16 4-byte reads (the word of columns 4(p/2)..+3), byte_perm, and one 16-byte store
 // per column, so 8 lanes write one full 128-byte line of q_t and a warp store writes 4 lines
-// (when the tile is full, q_t 16-byte aligned and prows % 16 == 0; else byte stores with bounds).
-// dbias: each thread adds its two rows (y0 + y1, per column), a thread per (column, 16-row group)
-// adds its 16 rows in order, one per column adds the 4 groups ((g0 + g1) + (g2 + g3)), then the
-// partials of the tiles of a column strip in tile order by the last tile of the strip.
-// Edge tiles (and every tile when !vec) are done element by element with bounds checks, their
-// dbias rows added from +0 in row order. One atomicMax per block.
+// (when q_t is 16-byte aligned and prows % 16 == 0, in every tile: a 16-row group lies wholly inside
+// prows or wholly past it; else byte stores with bounds).
+// dbias (OP 3/4 only: the plan refuses it with another op): each thread adds its two rows (y0 + y1,
+// per column), a thread per (column, 16-row group) adds its 16 rows in order, one per column adds the
+// 4 groups ((g0 + g1) + (g2 + g3)), then the partials of the tiles of a column strip in tile order
+// by the last tile of the strip.
+// Edge tiles (a tile that reaches past rows or cols: the last row / column strip of a ragged or
+// padded shape) take the same vector path, decided per thread row rather than per tile: a row of
+// 16 columns wholly inside is loaded with 16-byte loads (when vec), a row that crosses cols with
+// element loads (all issued at once) and zeros after, a row past rows loads nothing; the values
+// past the edge count as 0 (no amax, no dbias, FP8 byte 0 = the pad), and q is stored up to
+// prows x pcols with the same 16-byte stores (byte stores only where a row's 16 bytes cross pcols).
+// Their dbias rows are added from +0 in row order (as the element-wise path that did them before:
+// the same bits; a full tile of a tensor that is not vec, which that path also took, now adds
+// y0 + y1 like every full tile: the same sum but for the sign of a zero). A tensor that is not vec
+// (cols % 8 != 0, or x / b not 16-byte aligned) loads every row element-wise and still stores q and
+// q_t 16 bytes at a time. One atomicMax per block.
 // Padding (prows >= rows, pcols >= cols; both rounded up to 16 for cuBLASLt's FP8 GEMMs, which
 // need every dimension a multiple of 16): q and q_t are written with the padded pitches and hold
 // zeros outside the rows x cols corner, so a GEMM over the padded operands sums exact zeros there;
-// the pad takes no part in the amax or dbias. Tiles cover the padded shape (for a pad to 16 that
+// the pad takes no part in the amax or dbias (the plan sends a shape padded in rows only, without
+// q_t or dbias, to quantize_flat with npad). Tiles cover the padded shape (for a pad to 16 that
 // is the same tile grid: 128 and 64 are multiples of 16); the dbias workspace has one row per
 // row tile and one counter per column strip of the padded shape.
 // ---------------------------------------------------------------------------------------------
@@ -177,23 +261,8 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 #define TILE_C 64
 #define T2_LOADS (2 * (int)sizeof(T))  // 16-byte loads per thread, tile and input (2 rows x 16 columns)
 
-// Issue 18, small and medium tensors: with FF8_TILED_LEAN=1 (the host's -D under FUSEDFP8_LAUNCH=new; 0: the
-// kernel as it was) the dgelu instantiations of 2-byte types hold one tile's inputs, not two (no prefetch of the
-// next tile: a third resident block's warps hide the latency instead), and row 0's dbias sums wait in colsum,
-// not in registers, so that three blocks of 256 fit a multiprocessor (bf16, sm_90, NVRTC: 80 registers and no
-// spill, against 128 and two blocks; __launch_bounds__(256, 4) spills). The arithmetic is the same.
-#ifndef FF8_TILED_LEAN
-#define FF8_TILED_LEAN 0
-#endif
-// (StagedAmax only: GridAmax's first-step amax in the same launch spills at 80 registers)
-template <class Pre> struct LeanPre { static constexpr bool value = false; };
-template <> struct LeanPre<StagedAmax> { static constexpr bool value = true; };
-template <typename T, int OP, class Pre> __host__ __device__ constexpr bool tiled_lean() {
-    return FF8_TILED_LEAN && OP >= 3 && sizeof(T) == 2 && LeanPre<Pre>::value;
-}
-
-template <typename T, int FMT, int OP, class Pre = StagedAmax>  // (a minimum of 0 blocks: none given)
-__global__ void __launch_bounds__(256, tiled_lean<T, OP, Pre>() ? 3 : 0) quantize_tiled(
+template <typename T, int FMT, int OP, class Pre = StagedAmax>
+__global__ void __launch_bounds__(256) quantize_tiled(
     const T* __restrict__ x,          // [rows, cols] input (dy for OP 3/4)
     const T* __restrict__ b,          // [rows, cols] second input (x for OP 3/4), else null
     u8* __restrict__ q,               // [prows, pcols] FP8 output
@@ -209,13 +278,12 @@ __global__ void __launch_bounds__(256, tiled_lean<T, OP, Pre>() ? 3 : 0) quantiz
     const int* updates,               // [1] or null: first-step flag
     i64 rows, i64 cols,               // logical shape
     i64 prows, i64 pcols,             // padded shape of q (q_t: pcols x prows), >= rows, cols
-    int vec,                          // 1: x, b, q 16-byte aligned and cols % 8 == 0 == pcols % 8
+    int vec,                          // 1: x, b 16-byte aligned and cols % 8 == 0 (16-byte loads)
     int vec_t,                        // 1: q_t 8-byte aligned and prows % 8 == 0
     float margin_factor)              // 2**margin
 {
     constexpr int PER_ROW = T2_LOADS / 2;       // 16-byte loads per row
     constexpr int ELEMS = 16 / (int)sizeof(T);  // elements per 16-byte load
-    constexpr bool PREFETCH = !tiled_lean<T, OP, Pre>();  // else the next tile is loaded after this one
     __shared__ __align__(16) u8 tile[2][TILE_R * TILE_C];
     __shared__ __align__(16) float colsum[64][TILE_C + 4];  // dbias: each thread's two-row sums
     __shared__ float colsum4[4][TILE_C];                    // dbias: the 16-row groups' sums
@@ -228,123 +296,103 @@ __global__ void __launch_bounds__(256, tiled_lean<T, OP, Pre>() ? 3 : 0) quantiz
     const int rd_base = tile_at(16 * rm, 4 * wc);
     // the tile stores: row lr + 64 p, chunk t % 4 (tile_at(lr + 64 p, lc) = wr_base + 4096 p, halves swapped for p = 1)
     const int wr_base = tile_at(lr, lc);
-    const bool q16 = (pcols & 15) == 0;                                             // (q 16-byte aligned when vec)
+    // q's stores: 16 bytes (q 16-byte aligned, pcols % 16 == 0), 8 (8-byte aligned, pcols % 8 == 0), else 1
+    const int qmode = (reinterpret_cast<u64>(q) & 15) == 0 && (pcols & 15) == 0 ? 2
+                      : (reinterpret_cast<u64>(q) & 7) == 0 && (pcols & 7) == 0 ? 1 : 0;
     const bool t16 = vec_t && (prows & 15) == 0 && (reinterpret_cast<u64>(q_t) & 15) == 0;
-    const bool fast_ok = vec && (OP >= 3 || dbias == nullptr);  // (dbias with OP < 3: the element-wise path)
 
     // tile coordinates advance by the grid in both dimensions (no division in the loop)
     const u32 step_r = gridDim.x / tiles_c, step_c = gridDim.x % tiles_c;
     u32 tr = blockIdx.x / tiles_c, tc = blockIdx.x % tiles_c;
-    auto is_fast = [&](u32 r, u32 c) {
-        return fast_ok && (i64)(r + 1) * TILE_R <= rows && (i64)(c + 1) * TILE_C <= cols;
+    auto is_full = [&](u32 r, u32 c) {  // no edge, no pad
+        return (i64)(r + 1) * TILE_R <= rows && (i64)(c + 1) * TILE_C <= cols;
     };
+    // a tile's loads: 16-byte ones for a full tile of a vec tensor; else row by row (load_row16):
+    // 16-byte loads for each thread row whose 16 columns are inside, element loads at the edge
     auto load = [&](uint4* xr, uint4* br, u32 r, u32 c) {
-        const i64 off = ((i64)r * TILE_R + lr) * cols + (i64)c * TILE_C + lc;
+        const i64 gr = (i64)r * TILE_R + lr, gc = (i64)c * TILE_C + lc;
+        if (vec && is_full(r, c)) {
+            const i64 off = gr * cols + gc;
 #pragma unroll
-        for (int p = 0; p < 2; ++p)
+            for (int p = 0; p < 2; ++p)
 #pragma unroll
-            for (int k = 0; k < PER_ROW; ++k) {
-                xr[p * PER_ROW + k] = ldg_nc16(x + off + p * 64 * cols + k * ELEMS);
-                if (OP >= 3) br[p * PER_ROW + k] = ldg_nc16(b + off + p * 64 * cols + k * ELEMS);
-            }
+                for (int k = 0; k < PER_ROW; ++k) {
+                    xr[p * PER_ROW + k] = ldg_nc16(x + off + p * 64 * cols + k * ELEMS);
+                    if (OP >= 3) br[p * PER_ROW + k] = ldg_nc16(b + off + p * 64 * cols + k * ELEMS);
+                }
+        } else {
+#pragma unroll
+            for (int p = 0; p < 2; ++p)
+                load_row16<T, OP>(x, b, rows, cols, gr + 64 * p, gc, vec, xr + p * PER_ROW,
+                                  OP >= 3 ? br + p * PER_ROW : br);
+        }
     };
 
     uint4 xc[T2_LOADS], bc[OP >= 3 ? T2_LOADS : 1];
-    bool fast = blockIdx.x < ntiles && is_fast(tr, tc);
-    if (fast) load(xc, bc, tr, tc);  // before the scale: the first loads wait on nothing
+    const bool first_loaded = blockIdx.x < ntiles;
+    if (first_loaded) load(xc, bc, tr, tc);  // before the scale: the first loads wait on nothing
 
     float s;
-    const bool fresh = Pre::template tiled<T, FMT, OP>(x, b, rows, cols, prows, pcols, vec, xc, bc, fast, scale, amax,
-                                                        updates, margin_factor, &s);
+    const bool fresh = Pre::template tiled<T, FMT, OP>(x, b, rows, cols, prows, pcols, vec, xc, bc, first_loaded,
+                                                        scale, amax, updates, margin_factor, &s);
     if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
     u32 m = 0;  // the running amax (amax_update)
     int buf = 0;
     for (i64 id = blockIdx.x; id < ntiles; id += gridDim.x) {
         const i64 r0 = (i64)tr * TILE_R, c0 = (i64)tc * TILE_C;
-        const bool full = r0 + TILE_R <= rows && c0 + TILE_C <= cols;  // no edge, no pad
+        const bool full = is_full(tr, tc);
         u32 ntr = tr + step_r, ntc = tc + step_c;
         if (ntc >= tiles_c) { ntc -= tiles_c; ++ntr; }
         uint4 xn[T2_LOADS], bn[OP >= 3 ? T2_LOADS : 1];
-        const bool nfast = id + gridDim.x < ntiles && is_fast(ntr, ntc);
-        if (PREFETCH && nfast) load(xn, bn, ntr, ntc);  // the next tile's loads fly while this one is computed
+        if (id + gridDim.x < ntiles) load(xn, bn, ntr, ntc);  // the next tile's loads fly while this one is computed
         u8* tl = tile[buf];
-        if (fast) {
-            auto body = [&](auto with_dbias) {
-                constexpr bool DB = decltype(with_dbias)::value;
-                float cs[16];
+        // Every tile takes this path. Each thread row has n of its 16 columns inside rows x cols (16
+        // but at an edge); the loads left zeros past them, whose values (op(0) = +-0) take no part in
+        // the amax or the column sums, and whose FP8 bytes are masked to 0 (the pad, whatever the
+        // scale); q is written where the row and its columns are inside prows x pcols.
+        auto body = [&](auto with_dbias) {
+            constexpr bool DB = decltype(with_dbias)::value;
+            float cs[16];
 #pragma unroll
-                for (int p = 0; p < 2; ++p) {
-                    float v[16];
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) {
-                        float y = apply_op<OP>(raw_elem<T>(xc + p * PER_ROW, j),
-                                               OP >= 3 ? raw_elem<T>(bc + p * PER_ROW, j) : 0.0f);
-                        m = amax_update<OP>(m, y);
-                        if (DB) {
-                            if (PREFETCH) {
-                                cs[j] = p == 0 ? y : fadd(cs[j], y);
-                            } else {  // row 0's values wait in colsum, not in registers
-                                float* c = &colsum[lr][lc + (j & ~3)];
-                                if (p == 1 && (j & 3) == 0) {
-                                    const float4 c0s = *reinterpret_cast<const float4*>(c);
-                                    cs[j] = c0s.x, cs[j + 1] = c0s.y, cs[j + 2] = c0s.z, cs[j + 3] = c0s.w;
-                                }
-                                cs[j] = p == 0 ? y : fadd(cs[j], y);
-                                if ((j & 3) == 3)
-                                    *reinterpret_cast<float4*>(c) = make_float4(cs[j - 3], cs[j - 2], cs[j - 1], cs[j]);
-                            }
-                        }
-                        v[j] = fmul(y, s);
-                    }
-                    const u64 lo = cvt8<FMT>(v), hi = cvt8<FMT>(v + 8);
-                    u8* qp = q + (r0 + lr + 64 * p) * pcols + c0 + lc;
-                    if (q16) {
-                        *reinterpret_cast<uint4*>(qp) = make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32));
-                    } else {
-                        reinterpret_cast<u64*>(qp)[0] = lo;
-                        reinterpret_cast<u64*>(qp)[1] = hi;
-                    }
-                    if (q_t != nullptr)  // the 8-byte halves swapped in rows 64..127 (tile_at)
-                        *reinterpret_cast<uint4*>(tl + wr_base + 4096 * p) =
-                            p == 0 ? make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32))
-                                   : make_uint4((u32)hi, (u32)(hi >> 32), (u32)lo, (u32)(lo >> 32));
-                }
-                if (DB && PREFETCH) {
-#pragma unroll
-                    for (int j = 0; j < 16; j += 4)
-                        *reinterpret_cast<float4*>(&colsum[lr][lc + j]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
-                }
-            };
-            if (OP >= 3 && dbias != nullptr) body(Flag<true>());
-            else body(Flag<false>());
-        } else {
-            if (dbias != nullptr) {
-#pragma unroll
-                for (int j = 0; j < 16; ++j) colsum[lr][lc + j] = 0.0f;
-            }
-#pragma unroll 1
             for (int p = 0; p < 2; ++p) {
-                const int r = lr + 64 * p;
-                const i64 gr = r0 + r;
-#pragma unroll 1
+                const i64 gr = r0 + lr + 64 * p, gc = c0 + lc;
+                float v[16];
+#pragma unroll
                 for (int j = 0; j < 16; ++j) {
-                    const int c = lc + j;
-                    const i64 gc = c0 + c;
-                    u8 byte = 0;
-                    if (gr < rows && gc < cols) {
-                        const i64 off = gr * cols + gc;
-                        float y = apply_op<OP>(to_f32(x[off]), OP >= 3 ? to_f32(b[off]) : 0.0f);
-                        m = amax_update<OP>(m, y);
-                        if (dbias != nullptr) colsum[lr][c] = fadd(colsum[lr][c], y);
-                        byte = cvt1<FMT>(fmul(y, s));
-                        q[gr * pcols + gc] = byte;
-                    } else if (gr < prows && gc < pcols) {
-                        q[gr * pcols + gc] = 0;  // the pad
-                    }
-                    if (q_t != nullptr) tl[tile_at(r, c)] = byte;
+                    float y = apply_op<OP>(raw_elem<T>(xc + p * PER_ROW, j),
+                                           OP >= 3 ? raw_elem<T>(bc + p * PER_ROW, j) : 0.0f);
+                    m = amax_update<OP>(m, y);
+                    if (DB) cs[j] = p == 0 ? y : fadd(cs[j], y);
+                    v[j] = fmul(y, s);
                 }
+                u64 lo = cvt8<FMT>(v), hi = cvt8<FMT>(v + 8);
+                int nq = 16;
+                if (!full) {
+                    const int n = gr < rows ? (int)max((i64)0, min((i64)16, cols - gc)) : 0;
+                    lo &= low_bytes(n);
+                    hi &= low_bytes(n - 8);
+                    nq = gr < prows ? (int)max((i64)0, min((i64)16, pcols - gc)) : 0;
+                }
+                store16(q + gr * pcols + gc, lo, hi, nq, qmode);
+                if (q_t != nullptr)  // the 8-byte halves swapped in rows 64..127 (tile_at)
+                    *reinterpret_cast<uint4*>(tl + wr_base + 4096 * p) =
+                        p == 0 ? make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32))
+                               : make_uint4((u32)hi, (u32)(hi >> 32), (u32)lo, (u32)(lo >> 32));
             }
-        }
+            if (DB) {
+                // an edge tile's sums start from +0, as the element-wise path's did: (+0 + y0) + y1 ==
+                // +0 + (y0 + y1) bit for bit, and a pad's +-0 changes neither
+                if (!full) {
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) cs[j] = fadd(0.0f, cs[j]);
+                }
+#pragma unroll
+                for (int j = 0; j < 16; j += 4)
+                    *reinterpret_cast<float4*>(&colsum[lr][lc + j]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
+            }
+        };
+        if (OP >= 3 && dbias != nullptr) body(Flag<true>());  // (dbias: OP 3/4 only, see above)
+        else body(Flag<false>());
         __syncthreads();
         if (q_t != nullptr) {
             u32 wd[16];
@@ -360,7 +408,7 @@ __global__ void __launch_bounds__(256, tiled_lean<T, OP, Pre>() ? 3 : 0) quantiz
                     o[i] = __byte_perm(__byte_perm(wd[4 * i], wd[4 * i + 1], sel),
                                        __byte_perm(wd[4 * i + 2], wd[4 * i + 3], sel), 0x5410);
                 const i64 gc = c0 + 2 * cp + k;
-                if (full && t16) {
+                if (t16 && gc < pcols && gr < prows) {  // (gr % 16 == 0 == prows % 16: all 16 inside)
                     *reinterpret_cast<uint4*>(q_t + gc * prows + gr) = make_uint4(o[0], o[1], o[2], o[3]);
                 } else if (gc < pcols) {
 #pragma unroll
@@ -397,15 +445,10 @@ __global__ void __launch_bounds__(256, tiled_lean<T, OP, Pre>() ? 3 : 0) quantiz
         buf ^= 1;
         tr = ntr;
         tc = ntc;
-        fast = nfast;
-        if (!PREFETCH) {
-            if (nfast) load(xc, bc, ntr, ntc);
-        } else {
 #pragma unroll
-            for (int k = 0; k < T2_LOADS; ++k) {
-                xc[k] = xn[k];
-                if (OP >= 3) bc[k] = bn[k];
-            }
+        for (int k = 0; k < T2_LOADS; ++k) {
+            xc[k] = xn[k];
+            if (OP >= 3) bc[k] = bn[k];
         }
     }
     if (!fresh) block_amax_atomic<256>(m, amax);

@@ -52,9 +52,10 @@ def _launch_config() -> str:
     """The launch configuration of the small- and medium-tensor changes of issue 18, from the
     environment variable FUSEDFP8_LAUNCH at import ('new', the default, or 'old': the kernels and
     launches as they were, for an A/B in one benchmark run; the same bytes either way). 'new':
-    the dgelu tiled kernels of 2-byte inputs built lean (FF8_TILED_LEAN in quantize.cu: three
-    blocks per multiprocessor, not two) and layernorm_quantize with q_t one pass per tile
-    (:func:`layernorm_block`)."""
+    layernorm_quantize with q_t one pass per tile (:func:`layernorm_block`). (A lean dgelu tiled
+    kernel, three blocks per multiprocessor at 80 registers, was measured on the H200 and left
+    out: 2048x4096 dgelu_dbias_t 26.3 vs 24.7 us, slower at the seed's size; faster only at
+    8192x16384, 289 vs 315 us.)"""
     value = os.environ.get("FUSEDFP8_LAUNCH", "new")
     if value not in LAUNCH_CONFIGS:
         raise ValueError(f"fusedfp8: FUSEDFP8_LAUNCH must be one of {LAUNCH_CONFIGS}, got {value!r}")
@@ -62,7 +63,7 @@ def _launch_config() -> str:
 
 
 LAUNCH = _launch_config()
-COMPILE_OPTIONS = ("-std=c++17", f"-DFF8_THREADS={THREADS}", f"-DFF8_TILED_LEAN={int(LAUNCH == 'new')}")
+COMPILE_OPTIONS = ("-std=c++17", f"-DFF8_THREADS={THREADS}")
 
 
 def source_dir() -> Path:
@@ -180,10 +181,10 @@ compile_count = 0  # modules compiled (or loaded from CuPy's disk cache) in this
 # against the parameter bank size NVRTC records in the cubin, and every plan below is checked
 # against these when it is built.
 SIGNATURES = {
-    "flat": "@9Pqf",         # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
-                             #                updates, n, margin
+    "flat": "@9Pqqf",        # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
+                             #                updates, n, npad, margin
     "tiled": "@13Pqqqqiif",  # quantize_tiled: 13 pointers, rows, cols, prows, pcols, vec, vec_t, margin
-    "coop_flat": "@9Pqf",    # the same two kernels of current_quantize.cu (GridAmax), cooperative launches
+    "coop_flat": "@9Pqqf",   # the same two kernels of current_quantize.cu (GridAmax), cooperative launches
     "coop_tiled": "@13Pqqqqiif",
     "layernorm": "@13Pqq4i2f",  # layernorm_quantize: 13 pointers, rows, cols, tpr, tile_rows, vec, vec_t, eps,
                                 #                     margin
@@ -395,7 +396,9 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     (default) that is ONE cooperative launch of the current_quantize kernels (the amax, a grid-wide
     barrier, the cast); without, the two-pass path: an amax pre-pass launch, then the cast.
     ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
-    pad; a padded shape always takes the tiled kernel."""
+    pad. A shape padded in rows only, without q_t or dbias, takes the flat kernel (q's first
+    rows * cols bytes are x's, row-major, in either shape) with the (prows - rows) * cols zeros
+    after them written by the same launch (npad); any other padded shape the tiled kernel."""
     X, B, Q, QT, DB, PART, CNT, S, A, SO, SIO, SIU, U = range(len(QUANTIZE_SLOTS))
     n = rows * cols
     prows, pcols = padded(rows, cols, pad_to)
@@ -410,7 +413,7 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     if n == 0:  # nothing to quantize: still hand out 1 / scale (amax max-accumulates 0)
         r = refs["flat_vec0_store1"]
         steps.append(_launch([(r, 1)], 0, THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
-                                                    ptr(SIU), NULLPTR, imm64(0), mf)))
+                                                    ptr(SIU), NULLPTR, imm64(0), imm64(0), mf)))
         return _plan(QUANTIZE_SLOTS, steps)
     if dbias:
         steps.append(Memset(CNT, 4 * dbias_workspace(rows, cols, pad_to)[1]))
@@ -426,16 +429,16 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     coop = coop and first
     if first and not coop:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
         steps.append(_launch(flat(0), _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
-                                                            NULLPTR, st(U), imm64(n), mf)))
+                                                            NULLPTR, st(U), imm64(n), imm64(0), mf)))
     so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
-    if transpose or dbias or (prows, pcols) != (rows, cols):
+    if transpose or dbias or pcols != cols:
         r = refs["coop_tiled" if coop else "tiled"]
         opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((QT, transpose), (DB, dbias), (PART, dbias),
                                                                     (CNT, dbias))}
         grid = _tiled_grid(r, sms, prows, pcols)
         steps.append(_launch([(r, _resident(r, sms, grid) if coop else grid)], 0, TILED_BLOCK, (
             ptr(X), ptr(B), ptr(Q), opt[QT], opt[DB], opt[PART], opt[CNT], st(S), st(A), so, sio, ptr(SIU), u,
-            imm64(rows), imm64(cols), imm64(prows), imm64(pcols), flag(vec, 16, cols % 8 == 0 and pcols % 8 == 0),
+            imm64(rows), imm64(cols), imm64(prows), imm64(pcols), flag((X, B), 16, cols % 8 == 0),
             flag((QT,), 8, transpose and prows % 8 == 0), mf), coop=coop))
     else:
         if coop:
@@ -444,7 +447,7 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
         else:
             main = flat(1)
         steps.append(_launch(main, _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), so, sio, ptr(SIU), u,
-                                                         imm64(n), mf), coop=coop))
+                                                         imm64(n), imm64((prows - rows) * cols), mf), coop=coop))
     return _plan(QUANTIZE_SLOTS, steps)
 
 
@@ -461,7 +464,8 @@ def build_amax_plan(refs: dict, sms: int, n: int) -> Plan:
     if n:
         variants = [(refs[f"flat_vec{v}_store0"], _flat_grid(refs[f"flat_vec{v}_store0"], sms, n)) for v in (1, 0)]
         steps.append(_launch(variants, _mask((X, B)), THREADS, (ptr(X), ptr(B), NULLPTR, NULLPTR, ptr(A), NULLPTR,
-                                                                NULLPTR, NULLPTR, ptr(A, 4), imm64(n), immf32(1.0))))
+                                                                NULLPTR, NULLPTR, ptr(A, 4), imm64(n), imm64(0),
+                                                                immf32(1.0))))
     return _plan(QUANTIZE_SLOTS, steps)
 
 
@@ -583,7 +587,10 @@ def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: i
                   dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0,
                   pad_to: int = 1, coop: bool = True) -> Plan:
     """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device`` (and, for a first step
-    in one launch, its current_quantize twin)."""
+    in one launch, its current_quantize twin). ``dbias`` goes with the dgelu ops only (the column
+    sums of a gradient: the tiled kernel sums nothing for another op); ValueError otherwise."""
+    if dbias and OPS[op] < OPS["dgelu_tanh"]:
+        raise ValueError(f"dbias: the column sums come with op 'dgelu_tanh' or 'dgelu_erf' (a gradient); got op {op!r}")
     refs = kernel_refs(ModuleKey("quantize", dtype, fmt, op), device)
     if first and coop:
         refs = {**refs, **kernel_refs(ModuleKey("current_quantize", dtype, fmt, op), device)}
@@ -648,7 +655,7 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
     op : one of :data:`OPS`; for 'dgelu_*' ``x`` is dy and ``b`` is the forward input.
     x, b, q : input(s) (rows x cols, row-major) and the FP8 output (same shape, bytes).
     scale : (1,) float32, read.  amax : (1,) float32, max-accumulated (NaN-propagating).
-    q_t : (cols, rows) FP8 transpose, or 0.  dbias : (cols,) float32 column sums, or 0; needs
+    q_t : (cols, rows) FP8 transpose, or 0.  dbias : (cols,) float32 column sums (dgelu ops only), or 0; needs
         ``partial`` and ``counters`` (:func:`dbias_workspace`; the plan zeroes the counters first,
         and zeroes dbias itself when rows * cols is 0).
     scale_inv_used : (1,) float32 receiving ``1 / scale`` as used (written even when rows*cols

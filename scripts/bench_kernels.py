@@ -16,6 +16,13 @@ Writes DIR/bench_kernels.json and DIR/bench_kernels.png.
        python scripts/bench_kernels.py --recipe current [--sizes ...] [--jobs quantize,quantize_t,...]
 Current scaling (scripts/_bench_current.py): the one-launch kernel beside the delayed kernel and
 the two-pass path, same run, correctness first; writes DIR/bench_kernels_current.json.
+
+       python scripts/bench_kernels.py --ragged [--sizes 8190x4096,2046x1024] [--jobs quantize,quantize_t,...]
+Ragged shapes (issue 19.1): fusedfp8 alone, each size as the layers run it (pad_to=16: q and q_t
+padded to multiples of 16, zeros in the pad) beside the next aligned size (rows and cols rounded up
+to 16, the same kernels with nothing to pad) and the ragged size unpadded (pad_to=1), same run;
+bytes first (a block of the last rows, which holds the edge tiles, against the reference, padded);
+writes DIR/bench_kernels_ragged.json. Target: padded / aligned <= 1.02.
 """
 from __future__ import annotations
 
@@ -45,6 +52,9 @@ TARGETS = {  # fraction of the copy ceiling, at 8192x16384 (and 4096x4096 for qu
     ("layernorm", "2048x4096"): 0.70, ("layernorm_t", "2048x4096"): 0.70,
 }
 LN_EPS = 1e-5
+RAGGED_SIZES = [(8190, 4096), (2046, 1024), (4096, 1000)]
+RAGGED_JOBS = ["quantize", "quantize_t", "gelu_t", "dgelu_dbias_t"]
+RAGGED_TARGET = 1.02  # padded time / aligned time
 
 
 def job_bytes(job: str, m: int, n: int) -> int:
@@ -68,17 +78,19 @@ def ln_params(n: int, device="cuda"):
 
 
 # ---- implementations -------------------------------------------------------------------------
-def fused(job, x, b, scale, amax):
+def fused(job, x, b, scale, amax, pad_to=1):
     t = job.endswith("_t")
     if job.startswith("quantize"):
-        r = fusedfp8.quantize(x, scale, "e4m3", amax=amax, transpose=t)
+        r = fusedfp8.quantize(x, scale, "e4m3", amax=amax, transpose=t, pad_to=pad_to)
     elif job.startswith("gelu"):
-        r = fusedfp8.gelu_quantize(x, scale, "e4m3", approximate="tanh", amax=amax, transpose=t)
+        r = fusedfp8.gelu_quantize(x, scale, "e4m3", approximate="tanh", amax=amax, transpose=t, pad_to=pad_to)
     elif job.startswith("layernorm"):
         w, bias = ln_params(x.shape[-1])
-        r = fusedfp8.layernorm_quantize(x, w, bias, LN_EPS, scale, "e4m3", amax=amax, transpose=t).quantized
+        r = fusedfp8.layernorm_quantize(x, w, bias, LN_EPS, scale, "e4m3", amax=amax, transpose=t,
+                                        pad_to=pad_to).quantized
     else:
-        r = fusedfp8.dgelu_quantize(x, b, scale, "e5m2", approximate="tanh", amax=amax, transpose=t, dbias=True)
+        r = fusedfp8.dgelu_quantize(x, b, scale, "e5m2", approximate="tanh", amax=amax, transpose=t, dbias=True,
+                                    pad_to=pad_to)
     return r.data, r.data_t, r.dbias
 
 
@@ -182,14 +194,20 @@ def to_np_bf16(t):
     return t.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
 
 
-def check_fused(job, x, b, m, n):
+def check_fused(job, x, b, m, n, pad_to=1):
     """fusedfp8 against the reference, byte for byte, on a row block of the input (the same
-    functions on NumPy arrays run the reference)."""
-    rows = min(m, 256)
-    xs, bs = x[:rows].contiguous(), b[:rows].contiguous()
+    functions on NumPy arrays run the reference). With ``pad_to``: the padded outputs against the
+    reference's in a corner of zeros, on a block of the last rows (256 + m % 128 of them: the
+    row tiles' edge is where it is in the whole tensor)."""
+    if pad_to == 1:
+        rows = min(m, 256)
+        xs, bs = x[:rows].contiguous(), b[:rows].contiguous()
+    else:
+        rows = min(m, 256 + m % 128)
+        xs, bs = x[m - rows:].contiguous(), b[m - rows:].contiguous()
     s = torch.full((1,), 2.0, device="cuda")
     amax = torch.zeros(1, device="cuda")
-    q, qt, db = fused(job, xs, bs, s, amax)
+    q, qt, db = fused(job, xs, bs, s, amax, pad_to)
     xn, bn = to_np_bf16(xs), to_np_bf16(bs)
     sn = np.array([2.0], np.float32)
     t = job.endswith("_t")
@@ -208,6 +226,12 @@ def check_fused(job, x, b, m, n):
             return False
     else:
         want = fusedfp8.dgelu_quantize(xn, bn, sn, "e5m2", approximate="tanh", transpose=t, dbias=True)
+    if pad_to > 1:
+        from fusedfp8.numerics.reference import pad2d
+
+        prows, pcols = -(-rows // pad_to) * pad_to, -(-n // pad_to) * pad_to
+        want = want._replace(data=pad2d(want.data, prows, pcols),
+                             data_t=pad2d(want.data_t, pcols, prows) if t else None)
     ok = np.array_equal(q.cpu().view(torch.uint8).numpy(), want.data.view(np.uint8))
     ok &= np.float32(amax.item()) == np.float32(np.asarray(want.amax).reshape(-1)[0])
     if t:
@@ -232,7 +256,20 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default="eager,compile,xla", help="peers to run ('none': fusedfp8 alone)")
     ap.add_argument("--recipe", default="delayed", choices=("delayed", "current"),
                     help="current: one-launch current scaling against the delayed kernel and the two-pass path")
+    ap.add_argument("--ragged", action="store_true",
+                    help="ragged sizes padded to 16 against the next aligned size (fusedfp8 alone)")
     args = ap.parse_args(argv)
+    if args.ragged:
+        if args.recipe != "delayed":
+            ap.error("--ragged runs the delayed kernels; leave --recipe out")
+        sizes = _bench.parse_sizes(args.sizes or ",".join(f"{m}x{n}" for m, n in RAGGED_SIZES), 2, "--sizes",
+                                   ap.error)
+        jobs = (args.jobs or ",".join(RAGGED_JOBS)).split(",")
+        if set(jobs) - set(JOBS):
+            ap.error(f"--jobs: unknown {sorted(set(jobs) - set(JOBS))}; choose from {JOBS}")
+        if not torch.cuda.is_available():
+            ap.error("needs a CUDA GPU that runs the fused kernels (this machine has none)")
+        return run_ragged(args, sizes, jobs)
     current = args.recipe == "current"
     own_jobs, own_sizes = (_bench_current.JOBS, _bench_current.SIZES) if current else (JOBS, SIZES)
     sizes = _bench.parse_sizes(args.sizes or ",".join(f"{m}x{n}" for m, n in own_sizes), 2, "--sizes", ap.error)
@@ -334,6 +371,43 @@ def main(argv=None) -> int:
     plot(results, out / "bench_kernels.png", meta)
     print_table(results)
     return 0 if all(r["fusedfp8_correct"] for r in results) else 1
+
+
+def run_ragged(args, sizes, jobs) -> int:
+    """Each (m, n) as the layers run it (pad_to=16) against the next aligned shape and against
+    itself unpadded; every launch checked byte for byte (check_fused) before it is timed."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for m, n in sizes:
+        am, an = -(-m // 16) * 16, -(-n // 16) * 16
+        row = {"size": f"{m}x{n}", "aligned": f"{am}x{an}"}
+        shapes = {"padded": (m, n, 16), "aligned": (am, an, 16), "unpadded": (m, n, 1)}
+        for job in jobs:
+            r = dict(row, job=job, correct=True)
+            for name, (rows, cols, pad_to) in shapes.items():
+                k = max(2, min(64, -(-(200 << 20) // (2 * rows * cols))))  # input sets: >= 200 MB, > 3x the L2
+                gen = torch.Generator(device="cuda").manual_seed(rows * 31 + cols)
+                xs = [torch.randn(rows, cols, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(k)]
+                bs = [torch.randn(rows, cols, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(k)]
+                scale, amax = torch.full((1,), 2.0, device="cuda"), torch.zeros(1, device="cuda")
+                ok = check_fused(job, xs[0], bs[0], rows, cols, pad_to)
+                r["correct"] &= ok
+                r[f"{name}_correct"] = ok
+                r[f"{name}_us"] = _bench.graph_us(lambda *a, _p=pad_to: fused(job, *a, pad_to=_p),
+                                                  [(x, b, scale, amax) for x, b in zip(xs, bs)])
+                del xs, bs
+                torch.cuda.empty_cache()
+            r["padded_vs_aligned"] = r["padded_us"] / r["aligned_us"]
+            r["meets_target"] = r["padded_vs_aligned"] <= RAGGED_TARGET
+            results.append(r)
+            print(f"{r['size']:>10} {job:<14} ok={r['correct']}  padded {r['padded_us']:8.1f}us  aligned "
+                  f"{r['aligned']} {r['aligned_us']:8.1f}us  unpadded {r['unpadded_us']:8.1f}us  padded/aligned "
+                  f"{r['padded_vs_aligned']:.4f} ({'met' if r['meets_target'] else 'MISSED'} <= {RAGGED_TARGET})",
+                  flush=True)
+    meta = _bench.run_meta(device=torch.cuda.get_device_name(), torch=torch.__version__, target=RAGGED_TARGET)
+    _bench.write_json(out / "bench_kernels_ragged.json", meta, results)
+    return 0 if all(r["correct"] for r in results) else 1
 
 
 def run_current(args, sizes, jobs) -> int:

@@ -5,7 +5,7 @@
     FUSEDFP8_LAUNCH=old python scripts/reg_usage.py layernorm_quantize bfloat16 e4m3 float32
 
 Arguments: family, dtype, fmt, then the op (quantize, current_quantize) or the parameter dtype
-(layernorm_quantize); extra arguments are passed to NVRTC (e.g. -DFF8_TILED_LEAN=0). One line per
+(layernorm_quantize); extra arguments are passed to NVRTC (e.g. -DFF8_THREADS=128). One line per
 kernel role: registers per thread, stack frame, spill stores and spill loads (bytes).
 """
 from __future__ import annotations

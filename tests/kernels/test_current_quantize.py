@@ -20,7 +20,8 @@ pytestmark = pytest.mark.gpu
 
 OPS = [("identity", "tanh"), ("gelu", "tanh"), ("gelu", "none"), ("dgelu", "tanh"), ("dgelu", "none")]
 DTYPES = ("float32", "bfloat16", "float16")
-SMALL = [(33, 48), (1, 1), (7, 13), (303, 300), (16, 16 * 97 + 5)]  # (odd tails: no 16-element vector fits)
+SMALL = [(33, 48), (1, 1), (7, 13), (303, 300), (16, 16 * 97 + 5),  # (odd tails: no 16-element vector fits)
+         (271, 200)]  # (16-byte loads but for the last 8 columns: a thread row that ends mid-vector)
 LARGE = [(2048, 4096), (3000, 4100)]  # more than the grid holds on chip (about 4M elements): the rest is read again
 f32 = np.float32
 

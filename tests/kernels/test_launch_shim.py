@@ -107,7 +107,9 @@ def legacy_quantize(refs, *, x, b, q, scale, amax, rows, cols, q_t=0, dbias=0, p
                     pad_to=1):
     """The launches of fusedfp8._cuda.launch_quantize as it was before plans (2026-12-03), as
     (func, grid, block, parameter bytes): the plans must launch exactly these. (Since: the tiled
-    kernel takes the padded shape, and takes every padded call.)"""
+    kernel takes the padded shape, and every padded call but one padded in rows only without q_t or
+    dbias, which the flat kernel takes with the pad's zeros after x's bytes (npad, a parameter it
+    gained then); the tiled kernel's vec flag covers x and b only, q's stores look at q itself.)"""
     out = []
 
     def launch(role, grid, block, *args):
@@ -123,22 +125,23 @@ def legacy_quantize(refs, *, x, b, q, scale, amax, rows, cols, q_t=0, dbias=0, p
         updates = scale_out = scale_inv_out = 0
     if n == 0:
         if scale_inv_used:
-            launch("flat_vec0_store1", 1, THREADS, x, b, q, scale, amax, 0, 0, scale_inv_used, 0, 0, margin_factor)
+            launch("flat_vec0_store1", 1, THREADS, x, b, q, scale, amax, 0, 0, scale_inv_used, 0, 0, 0,
+                   margin_factor)
         return out
     vec = _cuda.aligned(x, b, q)
     if first:
         launch(f"flat_vec{int(vec)}_store0", flat_grid(f"flat_vec{int(vec)}_store0", n), THREADS, x, b, q, scale,
-               amax, 0, 0, 0, updates, n, margin_factor)
-    if q_t or dbias or (prows, pcols) != (rows, cols):
+               amax, 0, 0, 0, updates, n, 0, margin_factor)
+    if q_t or dbias or pcols != cols:
         tiles = -(-prows // _cuda.TILE_R) * -(-pcols // _cuda.TILE_C)
         launch("tiled", max(1, min(tiles, refs["tiled"].per_sm * SMS)), 256, x, b, q, q_t, dbias, partial, counters,
                scale, amax, scale_out, scale_inv_out, scale_inv_used, updates, rows, cols, prows, pcols,
-               int(vec and cols % 8 == 0 and pcols % 8 == 0), int(bool(q_t) and q_t % 8 == 0 and prows % 8 == 0),
+               int(_cuda.aligned(x, b) and cols % 8 == 0), int(bool(q_t) and q_t % 8 == 0 and prows % 8 == 0),
                margin_factor)
     else:
         role = f"flat_vec{int(vec)}_store1"
         launch(role, flat_grid(role, n), THREADS, x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
-               updates, n, margin_factor)
+               updates, n, (prows - rows) * cols, margin_factor)
     return out
 
 
@@ -582,8 +585,9 @@ def test_torch_cpu_ops_unchanged_with_the_cpp_kernels(cpp_ops):
     assert same_bytes(q, want.data) and same_bytes(q_t, want.data_t)
 
 
-@pytest.mark.parametrize("rows, cols, transpose, dbias", [(303, 300, False, False), (303, 300, True, True),
-                                                      (8190, 64, True, False), (5, 16, False, True), (32, 48, False, False)])
+@pytest.mark.parametrize("rows, cols, transpose, dbias", [
+    (303, 300, False, False), (303, 300, True, True), (8190, 64, True, False), (5, 16, False, True),
+    (32, 48, False, False), (8190, 64, False, False), (1, 4096, False, False), (16, 300, False, False)])
 def test_padded_plans_take_the_tiled_kernel_with_the_padded_shape(rows, cols, transpose, dbias):
     refs = fake_refs(QKEY)
     plan = _cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True, 1.0, 0, 16, False)
@@ -596,13 +600,29 @@ def test_padded_plans_take_the_tiled_kernel_with_the_padded_shape(rows, cols, tr
                            scale_out=s["scale_out"], scale_inv_out=s["scale_inv_out"], pad_to=16)
     got = [(r[1], r[2], r[3], r[5]) for r in records(P.dry_run(plan, ptrs)) if r[0] == "launch"]
     assert got == want
-    padded = rows % 16 or cols % 16  # then the tiled kernel, also without transpose / dbias
+    padded = cols % 16  # then the tiled kernel, also without transpose / dbias
     assert (got[-1][0] == refs["tiled"].func) == bool(padded or transpose or dbias)
+    if not (padded or transpose or dbias):  # rows padded only (or none): the flat kernel, the pad's zeros after x's
+        assert got[-1][0] == refs["flat_vec1_store1"].func
+        assert struct.unpack_from("<qqf", got[-1][3], 9 * 8) == (rows * cols, (-rows % 16) * cols, 1.0)
     one = [r[:2] for r in records(P.dry_run(_cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True,
                                                                        1.0, 0, 16), ptrs)) if r[0] != "memset"]
     assert one == [("coop", refs["coop_tiled" if padded or transpose or dbias else "coop_flat_vec1"].func)]
+    if not (padded or transpose or dbias):
+        coop_step = [r for r in records(P.dry_run(_cuda.build_quantize_plan(
+            refs, SMS, rows, cols, transpose, dbias, True, 1.0, 0, 16), ptrs)) if r[0] != "memset"][0]
+        assert struct.unpack_from("<qq", coop_step[5], 9 * 8) == (rows * cols, (-rows % 16) * cols)
     if dbias:
         assert _cuda.dbias_workspace(rows, cols, 16)[1] == -(-(-(-cols // 16) * 16) // _cuda.TILE_C)
+
+
+@pytest.mark.parametrize("op", ["identity", "gelu_tanh", "gelu_erf"])
+def test_dbias_goes_with_the_dgelu_ops_only(op):
+    """The tiled kernel sums columns for the dgelu ops only: any other op with dbias is refused by
+    name before anything compiles or launches."""
+    with pytest.raises(ValueError, match=f"dbias: the column sums come with op 'dgelu_tanh' or 'dgelu_erf'.*"
+                                         f"got op '{op}'"):
+        _cuda.quantize_plan(0, "bfloat16", "e4m3", op, 303, 300, True, True)
 
 
 def test_torch_direct_call_refuses_cpu_tensors(cpp_ops):
