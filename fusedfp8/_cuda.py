@@ -215,6 +215,14 @@ class Kernel:
                f"reading the static shared memory of {self.name}")
         return n.value
 
+    def prefer_shared(self) -> None:
+        """Ask for the largest shared memory carveout of the multiprocessor (L1 gets the rest): the
+        ChipAmax kernels' plans count on all of it, and the occupancy calculator then answers for it."""
+        if not getattr(self, "_prefers_shared", False):
+            _check(driver().cuFuncSetAttribute(ctypes.c_void_p(self.func), 9, ctypes.c_int(100)),  # PREFERRED_CARVEOUT
+                   f"preferring shared memory for {self.name}")
+            self._prefers_shared = True
+
     def allow_shared(self, nbytes: int) -> None:
         """Let launches ask for ``nbytes`` of dynamic shared memory (beyond 48 KiB needs the
         attribute; set once per size, before any launch that uses it)."""
@@ -271,11 +279,13 @@ def sm_count(device_id: int) -> int:
 def chip_room(device_id: int) -> tuple[int, int, int]:
     """(shared memory per multiprocessor, the most one block may opt in to, the driver's reserve per
     resident block) of ``device_id``, bytes: what the ChipAmax kernels' dynamic shared memory is cut from."""
-    import cupy
-
-    a = cupy.cuda.Device(device_id).attributes
-    return (int(a["MaxSharedMemoryPerMultiprocessor"]), int(a["MaxSharedMemoryPerBlockOptin"]),
-            int(a.get("ReservedSharedMemoryPerBlock", 1024)))
+    drv, dev, out = driver(), ctypes.c_int(0), []
+    _check(drv.cuDeviceGet(ctypes.byref(dev), device_id), f"getting CUDA device {device_id}")
+    for attr in (81, 97, 111):  # MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, ..._PER_BLOCK_OPTIN, RESERVED_..._PER_BLOCK
+        v = ctypes.c_int(0)
+        _check(drv.cuDeviceGetAttribute(ctypes.byref(v), attr, dev), f"reading attribute {attr} of device {device_id}")
+        out.append(v.value)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -651,7 +661,7 @@ def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: i
     twin = kernels(ModuleKey("current_quantize", dtype, fmt, op), device)
     refs = {**refs, **kernel_refs(ModuleKey("current_quantize", dtype, fmt, op), device)}
     chip = None
-    if chip_default() if onchip is None else onchip:
+    if (chip_default() if onchip is None else onchip):
         chip = Chip(*chip_room(device), CPP_SIZES[dtype] * (2 if OPS[op] >= 3 else 1))
     while True:
         plan = build_quantize_plan(refs, sm_count(device), rows, cols, transpose, dbias, first, margin_factor,
@@ -661,6 +671,7 @@ def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: i
             return plan
         by_func = {k.func: k for k in twin.values()}
         for v in main.variants:
+            by_func[v.func].prefer_shared()
             by_func[v.func].allow_shared(main.shared)
         if all(by_func[v.func].blocks_per_sm(main.block, main.shared) * sm_count(device) >= v.grid
                for v in main.variants):
