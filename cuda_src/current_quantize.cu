@@ -1,5 +1,5 @@
 // fusedfp8: current scaling in ONE launch. The quantize kernels of quantize.cu (flat and tiled, every
-// T / FMT / OP, transpose, dbias, padding) instantiated with the GridAmax policy: on a first step
+// T / FMT / OP, transpose, dbias, padding) instantiated with the GridAmax and ChipAmax policies: on a first step
 // (*updates == 0, every step under CurrentScaling) each block first computes the amax of the elements
 // it will quantize, max-accumulates it into the amax slot (block_amax_atomic, one atomic per block, as
 // the pre-pass of the two-launch path does), and the grid waits at a grid-wide barrier; then every
@@ -14,10 +14,14 @@
 // letting the barrier wait for a block that never runs). Launched with cuLaunchCooperativeKernel
 // (fusedfp8.csrc.plan: the launch step's `coop`).
 // On chip: each thread's first 16-element vector (flat) or each block's first tile (tiled, 2 rows x 16
-// columns a thread) is loaded once, into registers, before the barrier and cast from there after it;
-// the rest of a block's share is read twice, the second time mostly from L2 (50 MB on an H200). The
-// amax pass walks a block's share backwards, so that the cast, which walks it forwards, first reads
-// what was read last (a tensor near the L2's size is not evicted just ahead of its second read).
+// columns a thread) is loaded once, into registers, before the barrier and cast from there after it.
+// GridAmax: the rest of a block's share is read twice, the second time mostly from L2 (50 MB on an
+// H200). ChipAmax (the default where at least half the tensor stays on chip; fusedfp8._cuda.chip_stage
+// sizes it): the next vectors / tiles also go to the launch's dynamic shared memory during the amax pass
+// (cp.async) and the cast takes them from there; only what does not fit is read twice. An H200 holds
+// 132 x (64 KB of first vectors in registers + up to ~220 KB of shared memory): bf16 4096x4096 whole
+// (flat). The amax pass walks what is read twice backwards, so that the cast, which walks it forwards,
+// first reads what was read last (a tensor near the L2's size is not evicted just ahead of its second read).
 // Barrier: the driver's grid workspace that a cooperative launch provides (what cooperative_groups'
 // grid.sync() uses; its headers need libcu++, which NVRTC does not find here): a self-resetting
 // arrive counter whose top bit flips once every block has arrived. No workspace of ours, no memset.
