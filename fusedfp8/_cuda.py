@@ -658,7 +658,6 @@ def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: i
     if not (first and coop):
         return build_quantize_plan(refs, sm_count(device), rows, cols, transpose, dbias, first, margin_factor,
                                    offset, pad_to, coop)
-    twin = kernels(ModuleKey("current_quantize", dtype, fmt, op), device)
     refs = {**refs, **kernel_refs(ModuleKey("current_quantize", dtype, fmt, op), device)}
     chip = None
     if (chip_default() if onchip is None else onchip):
@@ -669,7 +668,7 @@ def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: i
         main = plan.steps[-1]
         if chip is None or not main.shared:
             return plan
-        by_func = {k.func: k for k in twin.values()}
+        by_func = {k.func: k for k in kernels(ModuleKey("current_quantize", dtype, fmt, op), device).values()}
         for v in main.variants:
             by_func[v.func].prefer_shared()
             by_func[v.func].allow_shared(main.shared)

@@ -53,9 +53,12 @@ QUANTIZE_CASES = [(r, c, t, d, f, m, o) for (r, c) in [(256, 1024), (303, 300), 
 
 
 def quantize_plans():
-    refs = fake_refs(QKEY)  # (a first step: the one-launch plan, and the two-pass one beside it)
+    refs = fake_refs(QKEY)  # (a first step: the one-launch plan, the two-pass one and the ChipAmax one beside it)
+    chip = _cuda.Chip(*_cuda.H200_ROOM, 4)  # (bf16 dgelu: two 2-byte inputs)
     return ([(case, _cuda.build_quantize_plan(refs, SMS, *case)) for case in QUANTIZE_CASES]
             + [((*case, "two-pass"), _cuda.build_quantize_plan(refs, SMS, *case, 1, False)) for case in QUANTIZE_CASES
+               if case[4]]
+            + [((*case, "chip"), _cuda.build_quantize_plan(refs, SMS, *case, 1, True, chip)) for case in QUANTIZE_CASES
                if case[4]])
 
 
@@ -353,6 +356,8 @@ def test_python_executor_packs_into_the_driver_call(monkeypatch):
 
     monkeypatch.setattr(P, "driver", lambda: FakeDriver())
     monkeypatch.setattr(_cuda, "kernel_refs", lambda key, dev: fake_refs(key))
+    monkeypatch.setattr(_cuda, "chip_room", lambda dev: _cuda.H200_ROOM)  # (the default: ChipAmax where it fits)
+    monkeypatch.delenv(_cuda.CHIP_ENV, raising=False)
     monkeypatch.setattr(_cuda, "sm_count", lambda dev: SMS)
     for cached in (_cuda.quantize_plan, _cuda.dequantize_plan, _cuda.update_plan):
         cached.cache_clear()
@@ -365,6 +370,8 @@ def test_python_executor_packs_into_the_driver_call(monkeypatch):
         plan = _cuda.quantize_plan(0, "bfloat16", "e4m3", "dgelu_tanh", 300, 64, True, True, True, 0.5, 0)
         slots = tuple(ptrs.get(n, 0) for n in P.QUANTIZE_SLOTS)
         assert seen == records(P.dry_run(plan, slots)) and [r[0] for r in seen] == ["memset", "coop"]
+        assert plan.steps[-1].variants[0].name == fake_refs(QKEY)["chip_tiled"].name  # (3 tiles: no slot needed)
+        assert plan.steps[-1].shared == 0
         seen.clear()
         _cuda.launch_quantize(0, 0x5, dtype="bfloat16", fmt="e4m3", op="dgelu_tanh", rows=300, cols=64, first=True,
                               margin_factor=0.5, coop=False, **ptrs)
@@ -502,7 +509,7 @@ def test_every_plan_packs_exactly_the_parameter_size_the_cubin_declares(cubin_si
     by_func = {}
     for family, key in keys.items():
         for ref in fake_refs(key).values():  # (quantize's come with their current_quantize twins)
-            twin = ref.role.startswith("coop_")
+            twin = ref.role.startswith(("coop_", "chip_"))
             assert not twin or N.SIGNATURE_KEYS["current_quantize"] == key._replace(family="current_quantize")
             by_func[ref.func] = cubin_sizes["current_quantize" if twin else family][ref.name]
     seen = set()
