@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import re
 import threading
@@ -362,6 +363,10 @@ class Chip(NamedTuple):
 
 H200_ROOM = (233472, 232448, 1024)  # chip_room on an H200 (sm_90): 228 KiB, 227 KiB, 1 KiB
 CHIP_MIN_FRACTION = 0.5  # a ChipAmax launch when at least this fraction of the tensor stays on chip, else GridAmax's
+# the fewest resident blocks a ChipAmax launch may take, as a fraction of the kernel's occupancy without shared
+# memory (fewer hold more shared memory each, but fewer threads: less in registers, less latency hidden; the
+# delayed recipe's later steps, which run the first-step plan, run with them too)
+CHIP_MIN_OCCUPANCY = 0.5
 CHIP_ENV = "FUSEDFP8_CURRENT_ONCHIP"  # "0": the GridAmax kernels for every one-launch first step (an A/B switch)
 
 
@@ -383,10 +388,12 @@ def chip_stage(ref: KernelRef, sms: int, units: int, first_round: int, slot_byte
     block (its first, held in registers: a vector a thread, a tile a block), the next ones in slots of
     ``slot_bytes`` of the block's dynamic shared memory, as many as a block needs (its rounds - 1) and
     fits. Blocks per multiprocessor from the kernel's occupancy down to half of it (fewer resident
-    threads hold less in registers and hide less latency): the one that keeps the most of the tensor on
-    chip (ties: the most blocks). Every block resident: the cooperative launch's condition."""
+    threads hold less in registers and hide less latency; :data:`CHIP_MIN_OCCUPANCY`): the one that keeps
+    the most of the tensor on chip (ties: the most blocks). Every block resident: the cooperative launch's
+    condition."""
     best = None
-    for bps in range(max(ref.per_sm, 1), (max(ref.per_sm, 1) + 1) // 2 - 1, -1):
+    top = max(ref.per_sm, 1)
+    for bps in range(top, max(1, math.ceil(top * CHIP_MIN_OCCUPANCY)) - 1, -1):
         grid = max(1, min(bps * sms, -(-units // first_round)))
         rounds = -(-units // (grid * first_round))
         room = min(chip.per_block, chip.per_sm // bps - chip.reserved) - ref.static_shared

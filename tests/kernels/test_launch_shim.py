@@ -241,6 +241,7 @@ def test_chip_stage_is_resident_and_keeps_what_it_says_on_chip(rows, cols, elem_
         assert slots <= max(rounds - 1, 0)  # no slot a block cannot use
         assert st.fraction == (min(1.0, st.grid * first * (1 + slots) / units) if units else 1.0)
         # no resident configuration down to half the occupancy keeps more on chip
+        assert _cuda.CHIP_MIN_OCCUPANCY == 0.5 and st.grid >= min((ref.per_sm + 1) // 2 * SMS, -(-units // first))
         for bps in range((ref.per_sm + 1) // 2, ref.per_sm + 1):
             grid = max(1, min(bps * SMS, -(-units // first)))
             room = min(chip.per_block, chip.per_sm // bps - chip.reserved) - ref.static_shared
