@@ -115,8 +115,16 @@ template <bool V> struct Flag { static constexpr bool value = V; };
 // thread's first loads, with those loads; returns whether first-step mode applied, see launch_scale).
 // StagedAmax: launch_scale() as it stands: on a first step a separate pre-pass launch has already
 // staged the tensor's amax in *amax. (GridAmax in current_quantize.cu stages it in the same launch,
-// behind a grid-wide barrier.)
+// behind a grid-wide barrier; ChipAmax there also keeps the block's share in shared memory.)
+// fetch_flat / fetch_tiled: where the cast takes the thread's k-th vector / the block's k-th tile
+// (k >= 1) from: true when the policy filled xr / br (from on chip), false for the global loads.
+// flat_min_blocks: quantize_flat's __launch_bounds__ minimum of resident blocks (0: no bound).
 struct StagedAmax {
+    template <typename T, int OP> __host__ __device__ static constexpr int flat_min_blocks() { return 0; }
+    template <typename T, int OP>
+    static __device__ __forceinline__ bool fetch_flat(bool, int, uint4*, uint4*) { return false; }
+    template <typename T, int OP>
+    static __device__ __forceinline__ bool fetch_tiled(bool, int, uint4*, uint4*) { return false; }
     template <typename T, int FMT, int OP, bool VEC>
     static __device__ __forceinline__ bool flat(const T*, const T*, i64, const uint4*, const uint4*, const float* scale,
                                                 float* amax, const int* updates, float margin_factor, float* s) {
@@ -147,7 +155,7 @@ struct StagedAmax {
 // One atomicMax per block.
 // ---------------------------------------------------------------------------------------------
 template <typename T, int FMT, int OP, bool VEC, bool STORE, class Pre = StagedAmax>
-__global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
+__global__ void __launch_bounds__(FF8_THREADS, Pre::template flat_min_blocks<T, OP>()) quantize_flat(
     const T* __restrict__ x,          // [n] input (dy for OP 3/4)
     const T* __restrict__ b,          // [n] second input (x for OP 3/4), else null
     u8* __restrict__ q,               // [n] FP8 output (bytes)
@@ -183,8 +191,10 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
     }
     u32 m = 0;  // the running amax (amax_update)
     if (VEC) {
-        for (i64 i = tid; i < nvec; i += nthreads) {
-            if (i != tid) load(xc, bc, i);  // (the first step's were issued before the scale)
+        int kv = 0;  // (the thread's kv-th vector)
+        for (i64 i = tid; i < nvec; i += nthreads, ++kv) {
+            if (i != tid && !Pre::template fetch_flat<T, OP>(fresh, kv, xc, bc))
+                load(xc, bc, i);  // (the first step's were issued before the scale)
             float v[16];
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
@@ -338,13 +348,18 @@ __global__ void __launch_bounds__(256) quantize_tiled(
     if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
     u32 m = 0;  // the running amax (amax_update)
     int buf = 0;
-    for (i64 id = blockIdx.x; id < ntiles; id += gridDim.x) {
+    int kt = 0;  // (the block's kt-th tile)
+    for (i64 id = blockIdx.x; id < ntiles; id += gridDim.x, ++kt) {
         const i64 r0 = (i64)tr * TILE_R, c0 = (i64)tc * TILE_C;
         const bool full = is_full(tr, tc);
         u32 ntr = tr + step_r, ntc = tc + step_c;
         if (ntc >= tiles_c) { ntc -= tiles_c; ++ntr; }
         uint4 xn[T2_LOADS], bn[OP >= 3 ? T2_LOADS : 1];
-        if (id + gridDim.x < ntiles) load(xn, bn, ntr, ntc);  // the next tile's loads fly while this one is computed
+        // the next tile's loads fly while this one is computed; a full tile of a vec tensor may be on
+        // chip already (ChipAmax stages exactly those: fetch_tiled)
+        const bool nfull = vec && is_full(ntr, ntc);
+        if (id + gridDim.x < ntiles && !(nfull && Pre::template fetch_tiled<T, OP>(fresh, kt + 1, xn, bn)))
+            load(xn, bn, ntr, ntc);
         u8* tl = tile[buf];
         // Every tile takes this path. Each thread row has n of its 16 columns inside rows x cols (16
         // but at an edge); the loads left zeros past them, whose values (op(0) = +-0) take no part in

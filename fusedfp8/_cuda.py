@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import re
 import threading
@@ -43,6 +44,7 @@ LN_BLOCK = 256  # its block when a row takes fewer threads (blockDim / threads-p
 LN_TILES = ((16, 64 << 10), (8, 128 << 10), (4, 1 << 30))
 LN_STATIC_SHARED = 2048  # room left for the kernel's static shared memory (1216 bytes on sm_90)
 CPP_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+CPP_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FMT_IDS = {"e4m3": 0, "e5m2": 1}
 OPS = {"identity": 0, "gelu_tanh": 1, "gelu_erf": 2, "dgelu_tanh": 3, "dgelu_erf": 4}  # types.kernel_op names
 LAUNCH_CONFIGS = ("old", "new")
@@ -140,9 +142,11 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
         return names
     if key.family == "current_quantize":  # the same kernels with the first step's amax in the launch
         t, f, o = CPP_TYPES[key.dtype], FMT_IDS[key.fmt], OPS[key.op]
-        names = {f"coop_flat_vec{int(v)}": f"quantize_flat<{t}, {f}, {o}, {str(v).lower()}, true, GridAmax>"
-                 for v in (True, False)}
-        names["coop_tiled"] = f"quantize_tiled<{t}, {f}, {o}, GridAmax>"
+        names = {}
+        for prefix, policy in (("coop", "GridAmax"), ("chip", "ChipAmax")):  # (chip: the share kept on chip)
+            names.update({f"{prefix}_flat_vec{int(v)}": f"quantize_flat<{t}, {f}, {o}, {str(v).lower()}, true, "
+                          f"{policy}>" for v in (True, False)})
+            names[f"{prefix}_tiled"] = f"quantize_tiled<{t}, {f}, {o}, {policy}>"
         return names
     if key.family == "layernorm_quantize":
         t, p, f = CPP_TYPES[key.dtype], CPP_TYPES[key.param], FMT_IDS[key.fmt]
@@ -186,6 +190,8 @@ SIGNATURES = {
     "tiled": "@13Pqqqqiif",  # quantize_tiled: 13 pointers, rows, cols, prows, pcols, vec, vec_t, margin
     "coop_flat": "@9Pqqf",   # the same two kernels of current_quantize.cu (GridAmax), cooperative launches
     "coop_tiled": "@13Pqqqqiif",
+    "chip_flat": "@9Pqqf",   # the same with ChipAmax (dynamic shared memory, sized by the plan)
+    "chip_tiled": "@13Pqqqqiif",
     "layernorm": "@13Pqq4i2f",  # layernorm_quantize: 13 pointers, rows, cols, tpr, tile_rows, vec, vec_t, eps,
                                 #                     margin
     "padded_layernorm": "@13Pqqqq4i2f",  # layernorm_quantize_padded: 13 pointers, rows, cols, prows, pcols, tpr,
@@ -219,6 +225,22 @@ class Kernel:
         err = driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(self.func),
                                                                      block, ctypes.c_size_t(shared))
         return n.value if err == 0 and n.value > 0 else 1
+
+    @functools.cached_property
+    def static_shared(self) -> int:
+        """Bytes of static shared memory the kernel declares (its dynamic shared memory comes after)."""
+        n = ctypes.c_int(0)
+        _check(driver().cuFuncGetAttribute(ctypes.byref(n), 1, ctypes.c_void_p(self.func)),  # SHARED_SIZE_BYTES
+               f"reading the static shared memory of {self.name}")
+        return n.value
+
+    def prefer_shared(self) -> None:
+        """Ask for the largest shared memory carveout of the multiprocessor (L1 gets the rest): the
+        ChipAmax kernels' plans count on all of it, and the occupancy calculator then answers for it."""
+        if not getattr(self, "_prefers_shared", False):
+            _check(driver().cuFuncSetAttribute(ctypes.c_void_p(self.func), 9, ctypes.c_int(100)),  # PREFERRED_CARVEOUT
+                   f"preferring shared memory for {self.name}")
+            self._prefers_shared = True
 
     def allow_shared(self, nbytes: int) -> None:
         """Let launches ask for ``nbytes`` of dynamic shared memory (beyond 48 KiB needs the
@@ -270,6 +292,19 @@ def sm_count(device_id: int) -> int:
     import cupy
 
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+@functools.lru_cache(maxsize=None)
+def chip_room(device_id: int) -> tuple[int, int, int]:
+    """(shared memory per multiprocessor, the most one block may opt in to, the driver's reserve per
+    resident block) of ``device_id``, bytes: what the ChipAmax kernels' dynamic shared memory is cut from."""
+    drv, dev, out = driver(), ctypes.c_int(0), []
+    _check(drv.cuDeviceGet(ctypes.byref(dev), device_id), f"getting CUDA device {device_id}")
+    for attr in (81, 97, 111):  # MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, ..._PER_BLOCK_OPTIN, RESERVED_..._PER_BLOCK
+        v = ctypes.c_int(0)
+        _check(drv.cuDeviceGetAttribute(ctypes.byref(v), attr, dev), f"reading attribute {attr} of device {device_id}")
+        out.append(v.value)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -330,11 +365,67 @@ class KernelRef(NamedTuple):
     name: str  # name expression (for errors)
     role: str  # its role (SIGNATURES key prefix)
     per_sm: int  # resident blocks per multiprocessor at the block size it is launched with
+    static_shared: int = 0  # bytes of static shared memory (the ChipAmax kernels' plans count it)
+
+
+class Chip(NamedTuple):
+    """What the plan of a ChipAmax launch (current_quantize.cu: the block's share kept in shared memory
+    through the grid barrier) sizes its dynamic shared memory from: the device (:func:`chip_room`) and
+    the bytes of input an element takes (the dtype's size, twice for dgelu's two inputs)."""
+
+    per_sm: int  # shared memory per multiprocessor
+    per_block: int  # the most one block may opt in to
+    reserved: int  # the driver's reserve per resident block
+    elem_bytes: int
+
+
+H200_ROOM = (233472, 232448, 1024)  # chip_room on an H200 (sm_90): 228 KiB, 227 KiB, 1 KiB
+CHIP_MIN_FRACTION = 0.5  # a ChipAmax launch when at least this fraction of the tensor stays on chip, else GridAmax's
+# the fewest resident blocks a ChipAmax launch may take, as a fraction of the kernel's occupancy without shared
+# memory (fewer hold more shared memory each, but fewer threads: less in registers, less latency hidden; the
+# delayed recipe's later steps, which run the first-step plan, run with them too)
+CHIP_MIN_OCCUPANCY = 0.5
+CHIP_ENV = "FUSEDFP8_CURRENT_ONCHIP"  # "0": the GridAmax kernels for every one-launch first step (an A/B switch)
+
+
+def chip_default() -> bool:
+    """Whether a one-launch first step takes the ChipAmax kernels where the tensor fits (default yes;
+    ``FUSEDFP8_CURRENT_ONCHIP=0`` in the environment: no, the GridAmax kernels, as before)."""
+    return os.environ.get(CHIP_ENV, "1").strip() not in ("0", "false", "no", "off")
+
+
+class ChipStage(NamedTuple):
+    grid: int
+    shared: int  # dynamic shared memory per block (bytes)
+    fraction: float  # of the tensor's units kept on chip (registers and shared memory)
+
+
+def chip_stage(ref: KernelRef, sms: int, units: int, first_round: int, slot_bytes: int, chip: Chip) -> ChipStage:
+    """Grid and dynamic shared memory of a ChipAmax launch over ``units`` (16-element vectors of the
+    flat kernel, tiles of the tiled one) that a grid of B blocks takes grid-stride, ``first_round`` a
+    block (its first, held in registers: a vector a thread, a tile a block), the next ones in slots of
+    ``slot_bytes`` of the block's dynamic shared memory, as many as a block needs (its rounds - 1) and
+    fits. Blocks per multiprocessor from the kernel's occupancy down to half of it (fewer resident
+    threads hold less in registers and hide less latency; :data:`CHIP_MIN_OCCUPANCY`): the one that keeps
+    the most of the tensor on chip (ties: the most blocks). Every block resident: the cooperative launch's
+    condition."""
+    best = None
+    top = max(ref.per_sm, 1)
+    for bps in range(top, max(1, math.ceil(top * CHIP_MIN_OCCUPANCY)) - 1, -1):
+        grid = max(1, min(bps * sms, -(-units // first_round)))
+        rounds = -(-units // (grid * first_round))
+        room = min(chip.per_block, chip.per_sm // bps - chip.reserved) - ref.static_shared
+        slots = max(0, min(rounds - 1, room // slot_bytes))
+        fraction = min(1.0, grid * first_round * (1 + slots) / units) if units else 1.0
+        if best is None or fraction > best.fraction:
+            best = ChipStage(grid, slots * slot_bytes, fraction)
+    return best
 
 
 def kernel_refs(key: ModuleKey, device_id: int) -> dict:
     """Role -> :class:`KernelRef` of module ``key`` on ``device_id`` (compiles it on first use)."""
-    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if role.endswith("tiled") else THREADS))
+    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if role.endswith("tiled") else THREADS),
+                            k.static_shared if role.startswith("chip") else 0)
             for role, k in kernels(key, device_id).items()}
 
 
@@ -386,7 +477,7 @@ def dbias_workspace(rows: int, cols: int, pad_to: int = 1) -> tuple[tuple[int, i
 
 def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, dbias: bool = False,
                         first: bool = False, margin_factor: float = 1.0, offset: int = 0, pad_to: int = 1,
-                        coop: bool = True) -> Plan:
+                        coop: bool = True, chip: Chip | None = None) -> Plan:
     """The plan of one quantize call over :data:`QUANTIZE_SLOTS` (``refs``: role -> KernelRef of the
     module, and with ``first`` and ``coop`` of its current_quantize twin; ``sms``: the device's
     multiprocessors). ``offset``: the byte offset of the tensor's entry in the scale / amax /
@@ -395,6 +486,9 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     quantizes with the scale of its own amax, and the kernel writes the scale it used. With ``coop``
     (default) that is ONE cooperative launch of the current_quantize kernels (the amax, a grid-wide
     barrier, the cast); without, the two-pass path: an amax pre-pass launch, then the cast.
+    ``chip`` (with ``first`` and ``coop``): that launch is of the ChipAmax kernels (the block's share
+    also kept in dynamic shared memory through the barrier, sized by :func:`chip_stage`) when at least
+    :data:`CHIP_MIN_FRACTION` of the tensor stays on chip, else of the GridAmax ones; None: GridAmax.
     ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
     pad. A shape padded in rows only, without q_t or dbias, takes the flat kernel (q's first
     rows * cols bytes are x's, row-major, in either shape) with the (prows - rows) * cols zeros
@@ -436,18 +530,31 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
         opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((QT, transpose), (DB, dbias), (PART, dbias),
                                                                     (CNT, dbias))}
         grid = _tiled_grid(r, sms, prows, pcols)
-        steps.append(_launch([(r, _resident(r, sms, grid) if coop else grid)], 0, TILED_BLOCK, (
+        grid, shared = (_resident(r, sms, grid) if coop else grid), 0
+        stage = chip_stage(refs["chip_tiled"], sms, -(-prows // TILE_R) * -(-pcols // TILE_C), 1,
+                           TILE_R * TILE_C * chip.elem_bytes, chip) if coop and chip else None
+        if stage and stage.fraction >= CHIP_MIN_FRACTION:
+            r, grid, shared = refs["chip_tiled"], stage.grid, stage.shared
+        steps.append(_launch([(r, grid)], 0, TILED_BLOCK, (
             ptr(X), ptr(B), ptr(Q), opt[QT], opt[DB], opt[PART], opt[CNT], st(S), st(A), so, sio, ptr(SIU), u,
             imm64(rows), imm64(cols), imm64(prows), imm64(pcols), flag((X, B), 16, cols % 8 == 0),
-            flag((QT,), 8, transpose and prows % 8 == 0), mf), coop=coop))
+            flag((QT,), 8, transpose and prows % 8 == 0), mf), shared, coop=coop))
     else:
+        shared = 0
         if coop:
             coop_refs = [refs[f"coop_flat_vec{v}"] for v in (1, 0)]
             main = [(r, _resident(r, sms, _flat_grid(r, sms, n))) for r in coop_refs]
+            stage = chip_stage(refs["chip_flat_vec1"], sms, n // 16, THREADS, THREADS * 16 * chip.elem_bytes,
+                               chip) if chip else None
+            if stage and stage.fraction >= CHIP_MIN_FRACTION:  # (the unaligned twin: the same grid where it fits)
+                shared = stage.shared
+                main = [(refs[f"chip_flat_vec{v}"], min(stage.grid, refs[f"chip_flat_vec{v}"].per_sm * sms))
+                        for v in (1, 0)]
         else:
             main = flat(1)
         steps.append(_launch(main, _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), so, sio, ptr(SIU), u,
-                                                         imm64(n), imm64((prows - rows) * cols), mf), coop=coop))
+                                                         imm64(n), imm64((prows - rows) * cols), mf), shared,
+                          coop=coop))
     return _plan(QUANTIZE_SLOTS, steps)
 
 
@@ -585,17 +692,37 @@ def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max
 @functools.lru_cache(maxsize=4096)
 def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: int, transpose: bool = False,
                   dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0,
-                  pad_to: int = 1, coop: bool = True) -> Plan:
+                  pad_to: int = 1, coop: bool = True, onchip: bool | None = None) -> Plan:
     """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device`` (and, for a first step
     in one launch, its current_quantize twin). ``dbias`` goes with the dgelu ops only (the column
-    sums of a gradient: the tiled kernel sums nothing for another op); ValueError otherwise."""
+    sums of a gradient: the tiled kernel sums nothing for another op); ValueError otherwise.
+    ``onchip``: a one-launch first step may take the ChipAmax kernels (None: :func:`chip_default`);
+    their dynamic shared memory is allowed here, and a launch the occupancy calculator says would
+    not be resident falls back to the GridAmax kernels."""
     if dbias and OPS[op] < OPS["dgelu_tanh"]:
         raise ValueError(f"dbias: the column sums come with op 'dgelu_tanh' or 'dgelu_erf' (a gradient); got op {op!r}")
     refs = kernel_refs(ModuleKey("quantize", dtype, fmt, op), device)
-    if first and coop:
-        refs = {**refs, **kernel_refs(ModuleKey("current_quantize", dtype, fmt, op), device)}
-    return build_quantize_plan(refs, sm_count(device), rows, cols, transpose, dbias, first, margin_factor, offset,
-                               pad_to, coop)
+    if not (first and coop):
+        return build_quantize_plan(refs, sm_count(device), rows, cols, transpose, dbias, first, margin_factor,
+                                   offset, pad_to, coop)
+    refs = {**refs, **kernel_refs(ModuleKey("current_quantize", dtype, fmt, op), device)}
+    chip = None
+    if (chip_default() if onchip is None else onchip):
+        chip = Chip(*chip_room(device), CPP_SIZES[dtype] * (2 if OPS[op] >= 3 else 1))
+    while True:
+        plan = build_quantize_plan(refs, sm_count(device), rows, cols, transpose, dbias, first, margin_factor,
+                                   offset, pad_to, coop, chip)
+        main = plan.steps[-1]
+        if chip is None or not main.shared:
+            return plan
+        by_func = {k.func: k for k in kernels(ModuleKey("current_quantize", dtype, fmt, op), device).values()}
+        for v in main.variants:
+            by_func[v.func].prefer_shared()
+            by_func[v.func].allow_shared(main.shared)
+        if all(by_func[v.func].blocks_per_sm(main.block, main.shared) * sm_count(device) >= v.grid
+               for v in main.variants):
+            return plan
+        chip = None  # (not resident as planned: GridAmax's launch)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -644,7 +771,7 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
                     scale: int, amax: int, rows: int, cols: int, q_t: int = 0, dbias: int = 0, partial: int = 0,
                     counters: int = 0, scale_inv_used: int = 0, first: bool = False, updates: int = 0,
                     scale_out: int = 0, scale_inv_out: int = 0, margin_factor: float = 1.0, pad_to: int = 1,
-                    coop: bool = True) -> None:
+                    coop: bool = True, onchip: bool | None = None) -> None:
     """Launch the quantize kernels on raw device pointers (:func:`quantize_plan`, then :func:`execute`).
 
     Parameters
@@ -665,6 +792,9 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
         state's entries, written on a first step) are set.
     coop : with ``first``, the amax and the cast in one cooperative launch (default); False: the
         two-pass path (an amax pre-pass launch, then the cast). The same bytes either way.
+    onchip : with ``first`` and ``coop``, that launch keeps the tensor on chip through the barrier where
+        it fits (the ChipAmax kernels); False: the GridAmax kernels (the rest read again); None: the
+        default (:func:`chip_default`, the environment's ``FUSEDFP8_CURRENT_ONCHIP``). The same bytes.
     margin_factor : 2**margin, for the first-step scale.
     pad_to : q is (rows, cols) rounded up to multiples of it, q_t its transpose, zeros in the pad
         (:func:`padded`; the dbias workspace too).
@@ -672,7 +802,8 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
     if rows * cols == 0 and not scale_inv_used:
         return
     plan = quantize_plan(device, dtype, fmt, op, rows, cols, bool(q_t), bool(dbias or partial or counters),
-                         bool(first), float(margin_factor), 0, int(pad_to), bool(coop))
+                         bool(first), float(margin_factor), 0, int(pad_to), bool(coop),
+                         None if onchip is None else bool(onchip))
     execute(plan, (x, b, q, q_t, dbias, partial, counters, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                    updates), stream)
 

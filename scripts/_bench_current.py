@@ -1,17 +1,25 @@
 """Current scaling in one launch (issue 21, stage 2): ``bench_kernels.py --recipe current``.
 
 For each size and job (quantize, quantize_t, gelu, gelu_t, dgelu_dbias, dgelu_dbias_t; bf16 input)
-three launches of the same job, timed in the same run (CUDA graph replays, CUDA events, input sets
+launches of the same job, timed in the same run (CUDA graph replays, CUDA events, input sets
 rotating over > 200 MB as bench_kernels does):
 
 - ``delayed``: the delayed-scaling kernel (the state's scale; one launch): the yardstick;
-- ``one_launch``: current scaling, the amax and the cast in one cooperative launch (the default path);
-- ``two_pass``: current scaling through an amax pre-pass launch, then the cast (the stage-1 path).
+- ``one_launch``: current scaling, the amax and the cast in one cooperative launch (the default path:
+  the ChipAmax kernels where at least half the tensor stays on chip, else GridAmax's);
+- ``grid_amax``: the same launch with ``onchip=False``: the GridAmax kernels (the one-launch path
+  before ChipAmax: only a thread's first vector / a block's first tile kept on chip);
+- ``two_pass``: current scaling through an amax pre-pass launch, then the cast (the stage-1 path);
+- ``later_step``: the one-launch plan on a step that is not a first step (``updates`` 1: the delayed
+  recipe's steady steps with ``first_step='current'`` run it): the state's scale, no barrier, but the
+  grid and shared memory of the first-step launch.
 
-Correctness first, on the full tensor: the one-launch bytes (q, q_t), amax, scale and scale_inv
-equal the two-pass path's, bit for bit, and q equals the NumPy reference on a row block (quantized
-with the scale of the whole tensor's amax, computed by the reference). Targets (issue 21): one_launch
-/ delayed <= 1.15 at 2048x4096 and 4096x4096, <= 1.6 at 8192x16384 (quantize).
+Correctness first, on the full tensor: the bytes (q, q_t), amax, scale and scale_inv of one_launch and
+of grid_amax equal the two-pass path's, bit for bit, later_step's equal the delayed kernel's, and q
+equals the NumPy reference on a row block (quantized with the scale of the whole tensor's amax,
+computed by the reference). Each row also records the one-launch plan (kernel, grid, dynamic shared
+bytes). Targets (issue 21): one_launch / delayed <= 1.15 at 2048x4096 and 4096x4096, <= 1.6 at
+8192x16384 (quantize).
 """
 from __future__ import annotations
 
@@ -25,7 +33,8 @@ from fusedfp8.numerics import reference as ref
 JOBS = ["quantize", "quantize_t", "gelu", "gelu_t", "dgelu_dbias", "dgelu_dbias_t"]
 SIZES = [(2048, 4096), (4096, 4096), (8192, 16384)]
 TARGETS = {"2048x4096": 1.15, "4096x4096": 1.15, "8192x16384": 1.6}  # one_launch / delayed, quantize jobs
-MODES = ("delayed", "one_launch", "two_pass")
+MODES = ("delayed", "one_launch", "grid_amax", "two_pass", "later_step")
+FIRST = ("one_launch", "grid_amax", "two_pass")  # the modes that run a first step (updates 0)
 
 
 class Call:
@@ -42,7 +51,7 @@ class Call:
         self.amax = torch.zeros(1, device=dev)
         self.scale_inv = torch.ones(1, device=dev)
         self.siu = torch.empty(1, device=dev)
-        self.updates = torch.full((1,), 0 if mode != "delayed" else 1, dtype=torch.int32, device=dev)
+        self.updates = torch.full((1,), 0 if mode in FIRST else 1, dtype=torch.int32, device=dev)
         self.dbias = self.partial = self.counters = None
         if "dbias" in job:
             shape, n_cnt = _cuda.dbias_workspace(m, n)
@@ -61,22 +70,37 @@ class Call:
                               q_t=p(self.q_t), dbias=p(self.dbias), partial=p(self.partial), counters=p(self.counters),
                               scale_inv_used=p(self.siu), first=first, updates=p(self.updates) if first else 0,
                               scale_out=p(self.scale) if first else 0, scale_inv_out=p(self.scale_inv) if first else 0,
-                              coop=self.mode == "one_launch")
+                              coop=self.mode != "two_pass", onchip=self.mode != "grid_amax")
+
+    def plan(self) -> dict:
+        """The kernel, grid and dynamic shared bytes of this mode's last launch (its plan, as launch_quantize
+        builds it)."""
+        first = self.mode != "delayed"
+        main = _cuda.quantize_plan(torch.cuda.current_device(), "bfloat16", self.fmt, self.op, self.m, self.n,
+                                   self.q_t is not None, self.dbias is not None, first, 1.0, 0, 1,
+                                   self.mode != "two_pass", self.mode != "grid_amax").steps[-1]
+        return {"kernel": main.variants[0].name, "grid": main.variants[0].grid, "shared": main.shared}
 
 
 def _bits(t):
     return t.detach().cpu().numpy().view(np.uint8 if t.element_size() == 1 else np.uint32)
 
 
-def check(job: str, x, b, m: int, n: int) -> bool:
-    """The one-launch path against the two-pass path (everything, full tensor) and q against the reference
-    (first rows)."""
-    one, two = Call(job, "one_launch", m, n), Call(job, "two_pass", m, n)
-    one(x, b)
-    two(x, b)
+def check(job: str, x, b, m: int, n: int) -> dict:
+    """The one-launch paths against the two-pass path and the later step against the delayed kernel
+    (everything, full tensor), and q against the reference (first rows): check -> passed."""
+    calls = {mode: Call(job, mode, m, n) for mode in MODES}
+    for c in calls.values():
+        c(x, b)
     torch.cuda.synchronize()
-    ok = all(np.array_equal(_bits(getattr(one, f)), _bits(getattr(two, f)))
-             for f in ("q", "q_t", "amax", "scale", "scale_inv", "siu", "dbias") if getattr(one, f) is not None)
+
+    def same(a, b):
+        return all(np.array_equal(_bits(getattr(a, f)), _bits(getattr(b, f)))
+                   for f in ("q", "q_t", "amax", "scale", "scale_inv", "siu", "dbias") if getattr(a, f) is not None)
+
+    one, two = calls["one_launch"], calls["two_pass"]
+    ok = {"one_launch == two_pass": same(one, two), "grid_amax == two_pass": same(calls["grid_amax"], two),
+          "later_step == delayed": same(calls["later_step"], calls["delayed"])}
     import ml_dtypes
 
     def host(t):
@@ -87,12 +111,12 @@ def check(job: str, x, b, m: int, n: int) -> bool:
     y_rows = ref.activation(op, host(x[:rows]), host(b[:rows]) if op == "dgelu" else None, "tanh")
     a = np.float32(one.amax.item())  # (equal to the two-pass amax; the reference's amax of the whole tensor below)
     if job in ("quantize", "quantize_t"):
-        ok &= a == ref.amax(host(x))
+        ok["amax == reference"] = bool(a == ref.amax(host(x)))
     s = ref.current_scale(a, one.fmt, 1.0, np.float32(1))
-    ok &= np.float32(one.scale.item()) == s
+    ok["scale == reference"] = bool(np.float32(one.scale.item()) == s)
     want = ref.finish(y_rows, ref.amax(y_rows), s, one.fmt, False).data.view(np.uint8)
-    ok &= np.array_equal(_bits(one.q[:rows]), want)
-    return bool(ok)
+    ok["q == reference (first rows)"] = np.array_equal(_bits(one.q[:rows]), want)
+    return ok
 
 
 def run(sizes, jobs, ceiling: float, job_bytes) -> list[dict]:
@@ -105,21 +129,30 @@ def run(sizes, jobs, ceiling: float, job_bytes) -> list[dict]:
         bs = [torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(k)]
         for job in jobs:
             row = {"job": job, "size": size, "bytes": job_bytes(job, m, n), "recipe": "current"}
-            row["correct"] = check(job, xs[0], bs[0], m, n)
+            row["checks"] = check(job, xs[0], bs[0], m, n)
+            row["correct"] = all(row["checks"].values())
+            if not row["correct"]:  # (no timing of wrong bytes)
+                print(f"{size:>11} {job:<14} ok=False, not timed: {row['checks']}", flush=True)
+                results.append(row)
+                continue
             inputs = list(zip(xs, bs))
             for mode in MODES:
-                row[f"{mode}_us"] = _bench.graph_us(Call(job, mode, m, n), inputs)
+                call = Call(job, mode, m, n)
+                row[f"{mode}_us"] = _bench.graph_us(call, inputs)
                 row[f"{mode}_frac"] = row["bytes"] / (row[f"{mode}_us"] * 1e-6) / 1e12 / ceiling
-            row["one_launch_vs_delayed"] = row["one_launch_us"] / row["delayed_us"]
-            row["two_pass_vs_delayed"] = row["two_pass_us"] / row["delayed_us"]
+                if mode in ("one_launch", "grid_amax"):
+                    row[f"{mode}_plan"] = call.plan()
+            for mode in MODES[1:]:
+                row[f"{mode}_vs_delayed"] = row[f"{mode}_us"] / row["delayed_us"]
+            row["one_launch_vs_grid_amax"] = row["one_launch_us"] / row["grid_amax_us"]
             if job.startswith("quantize") and size in TARGETS:
                 row["target_vs_delayed"] = TARGETS[size]
                 row["meets_target"] = row["one_launch_vs_delayed"] <= TARGETS[size]
             results.append(row)
             print(f"{size:>11} {job:<14} ok={row['correct']}  " + "  ".join(
                 f"{mode} {row[mode + '_us']:8.1f}us ({row[mode + '_frac']:.2f})" for mode in MODES)
-                + f"  one/delayed {row['one_launch_vs_delayed']:.2f}  two/delayed {row['two_pass_vs_delayed']:.2f}",
-                flush=True)
+                + f"  one/delayed {row['one_launch_vs_delayed']:.2f}  one/grid {row['one_launch_vs_grid_amax']:.2f}"
+                + f"  plan {row['one_launch_plan']}", flush=True)
         del xs, bs
         torch.cuda.empty_cache()
     return results
@@ -128,9 +161,13 @@ def run(sizes, jobs, ceiling: float, job_bytes) -> list[dict]:
 def print_table(results: list[dict]) -> None:
     rows = []
     for r in results:
+        if not r["correct"]:
+            rows.append([r["job"], r["size"], *("-" for _ in MODES), "-", "-", "-", "False"])
+            continue
         tgt = (f"{r['target_vs_delayed']:.2f} {'met' if r['meets_target'] else 'MISSED'}"
                if "target_vs_delayed" in r else "")
         rows.append([r["job"], r["size"], *(f"{r[m + '_us']:.1f} ({r[m + '_frac']:.2f})" for m in MODES),
-                     f"{r['one_launch_vs_delayed']:.2f}", f"{r['two_pass_vs_delayed']:.2f}", tgt, str(r["correct"])])
-    _bench.print_table(["job", "size", "delayed us (frac)", "one launch", "two pass", "one/delayed", "two/delayed",
-                        "target", "correct"], rows)
+                     f"{r['one_launch_vs_delayed']:.2f}", f"{r['one_launch_vs_grid_amax']:.2f}", tgt,
+                     str(r["correct"])])
+    _bench.print_table(["job", "size", "delayed us (frac)", "one launch", "grid amax", "two pass", "later step",
+                        "one/delayed", "one/grid", "target", "correct"], rows)

@@ -1,5 +1,6 @@
 """Current scaling in ONE launch (issue 21, stage 2: cuda_src/current_quantize.cu). On the GPU, byte
-for byte: the one-launch kernels (the amax, a grid-wide barrier, the cast) against the two-pass path
+for byte: the one-launch kernels (the amax, a grid-wide barrier, the cast; ChipAmax, the default where the
+tensor fits on chip, and GridAmax, onchip=False) against the two-pass path
 (an amax pre-pass launch, then the cast) and against the NumPy reference, for every op x format x
 dtype, shapes small to larger than what the grid holds on chip, ragged, padded, transposed, with
 dbias; the state's slot holding 0, -0, a larger amax or NaN before the call; NaN / inf / zero / tiny
@@ -22,7 +23,9 @@ OPS = [("identity", "tanh"), ("gelu", "tanh"), ("gelu", "none"), ("dgelu", "tanh
 DTYPES = ("float32", "bfloat16", "float16")
 SMALL = [(33, 48), (1, 1), (7, 13), (303, 300), (16, 16 * 97 + 5),  # (odd tails: no 16-element vector fits)
          (271, 200)]  # (16-byte loads but for the last 8 columns: a thread row that ends mid-vector)
-LARGE = [(2048, 4096), (3000, 4100)]  # more than the grid holds on chip (about 4M elements): the rest is read again
+LARGE = [(2048, 4096), (3000, 4100)]  # GridAmax: more than its grid holds on chip (the rest is read again); ChipAmax:
+# on chip whole in bf16 (flat; tiled 2048x4096), partly in float32 and tiled 3000x4100 (the rest read again)
+PARTLY = [(4096, 4096), (4097, 4104)]  # ChipAmax, bf16: flat whole, tiled about 2/3 on chip; float32 about half
 f32 = np.float32
 
 
@@ -35,8 +38,9 @@ def inputs(shape, dtype, seed, special=None):
 
 
 def run(x, b, op, approximate, fmt, transpose=False, dbias=False, pad_to=1, coop=True, slot=0.0, updates=0,
-        scale=1.0, margin_factor=1.0):
-    """One launch_quantize with a state slot on torch CUDA tensors; every output as numpy."""
+        scale=1.0, margin_factor=1.0, onchip=None):
+    """One launch_quantize with a state slot on torch CUDA tensors; every output as numpy. ``onchip``: as
+    launch_quantize (None: the default, ChipAmax where the tensor fits; False: GridAmax)."""
     import torch
 
     xt = to_torch(x, "cuda")
@@ -63,7 +67,7 @@ def run(x, b, op, approximate, fmt, transpose=False, dbias=False, pad_to=1, coop
                           amax=p(st["amax"]), rows=rows, cols=cols, q_t=p(q_t), dbias=p(db), partial=p(part),
                           counters=p(cnt), scale_inv_used=siu.data_ptr(), first=True, updates=p(st["updates"]),
                           scale_out=p(st["scale"]), scale_inv_out=p(st["scale_inv"]), margin_factor=margin_factor,
-                          pad_to=pad_to, coop=coop)
+                          pad_to=pad_to, coop=coop, onchip=onchip)
     torch.cuda.synchronize()
     out = {"q": q.cpu().numpy(), "q_t": q_t.cpu().numpy() if q_t is not None else None,
            "dbias": db.cpu().numpy() if db is not None else None, "scale_inv_used": siu.cpu().numpy()}
@@ -123,6 +127,8 @@ def test_one_launch_is_the_reference_byte_for_byte(op, approximate, fmt, dtype, 
         assert_same(got, want(x, b, op, approximate, fmt, transpose, pad_to, margin_factor=2.0))
         assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, pad_to=pad_to, coop=False,
                              margin_factor=2.0))
+        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, pad_to=pad_to, onchip=False,
+                             margin_factor=2.0))
     if op == "dgelu":  # dbias: the tiled kernel's column sums, the same bits as the two-pass path
         for transpose in (False, True):
             got = run(x, b, op, approximate, fmt, transpose=transpose, dbias=True)
@@ -145,7 +151,52 @@ def test_larger_than_on_chip_is_the_two_pass_path_byte_for_byte(op, approximate,
     for transpose, dbias in ((False, False), (True, False), (True, op == "dgelu")):
         got = run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias)
         assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, coop=False))
+        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, onchip=False))
     a = ref.amax(ref.activation(op, x, b, approximate))  # and the amax / scale are the reference's
+    assert_same(got, {"amax": np.array([a], f32), "scale": np.array([ref.current_scale(a, fmt, 1.0, f32(1))], f32)})
+
+
+def _main_step(dtype, op, shape, transpose=False, dbias=False, onchip=None):
+    """The cast launch of the first-step plan on this GPU (kernel name, grid, dynamic shared bytes)."""
+    main = _cuda.quantize_plan(0, dtype, "e4m3", _cuda_op(*op), *shape, transpose, dbias, True, 1.0, 0, 1, True,
+                               onchip).steps[-1]
+    return main.variants[0].name, main.variants[0].grid, main.shared
+
+
+def test_the_default_one_launch_plan_keeps_the_targets_shapes_on_chip():
+    """bf16 2048x4096 and 4096x4096 (the issue's target shapes) take the ChipAmax kernels with dynamic shared
+    memory, resident as planned; onchip=False and FUSEDFP8_CURRENT_ONCHIP=0 take GridAmax's; 8192x16384 (an
+    eighth would fit) GridAmax's."""
+    import torch
+
+    torch.zeros(1, device="cuda")
+    for shape in ((2048, 4096), (4096, 4096)):
+        for transpose in (False, True):
+            name, grid, shared = _main_step("bfloat16", ("identity", "tanh"), shape, transpose)
+            assert "ChipAmax" in name and shared > 0, (shape, transpose, name, shared)
+            k = next(k for k in _cuda.kernels(_cuda.ModuleKey("current_quantize", "bfloat16", "e4m3", "identity"),
+                                              0).values() if k.name == name)
+            assert k.blocks_per_sm(256, shared) * _cuda.sm_count(0) >= grid
+            name, _, shared = _main_step("bfloat16", ("identity", "tanh"), shape, transpose, onchip=False)
+            assert "GridAmax" in name and shared == 0
+    name, _, shared = _main_step("bfloat16", ("identity", "tanh"), (8192, 16384))
+    assert "GridAmax" in name and shared == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op, approximate", [OPS[0], OPS[1], OPS[3]], ids=["identity", "gelu", "dgelu"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", PARTLY, ids=lambda s: "x".join(map(str, s)))
+def test_partly_on_chip_is_the_two_pass_path_byte_for_byte(op, approximate, dtype, shape):
+    """ChipAmax with more than its slots hold (the rest of a block's share read twice), and the ragged shape's
+    edge tiles (read element by element): the two-pass path's bytes, GridAmax's, and the reference's amax."""
+    x, b = case_inputs(op, shape, dtype, seed=11, special=lambda v: v.reshape(-1).__setitem__(v.size - 40, -77.0))
+    fmt = "e5m2" if op == "dgelu" else "e4m3"
+    for transpose, dbias in ((False, False), (True, op == "dgelu")):
+        got = run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias)
+        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, coop=False))
+        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, onchip=False))
+    a = ref.amax(ref.activation(op, x, b, approximate))
     assert_same(got, {"amax": np.array([a], f32), "scale": np.array([ref.current_scale(a, fmt, 1.0, f32(1))], f32)})
 
 
@@ -179,13 +230,17 @@ def test_special_inputs_and_slots(special, slot, shape, transpose, dtype):
         got = run(x, None, "identity", "tanh", fmt, transpose=transpose, slot=slot, scale=0.5)
         assert_same(got, want(x, None, "identity", "tanh", fmt, transpose, slot=slot, scale=0.5))
         assert_same(got, run(x, None, "identity", "tanh", fmt, transpose=transpose, slot=slot, scale=0.5, coop=False))
+        assert_same(got, run(x, None, "identity", "tanh", fmt, transpose=transpose, slot=slot, scale=0.5,
+                             onchip=False))
 
 
+@pytest.mark.parametrize("shape", [(512, 1000), (2048, 4096)], ids=["small", "chip-slots"])
 @pytest.mark.parametrize("transpose", [False, True])
-def test_a_step_that_is_not_a_first_step_uses_the_states_scale(transpose):
+def test_a_step_that_is_not_a_first_step_uses_the_states_scale(transpose, shape):
     """updates != 0: no barrier, the state's scale, the amax max-accumulated at the end, the state's
-    scale untouched (the delayed recipe's steps after its first)."""
-    x, _ = case_inputs("identity", (512, 1000), "bfloat16", seed=9)
+    scale untouched (the delayed recipe's steps after its first). 2048x4096: the ChipAmax launch with its
+    shared memory, unused."""
+    x, _ = case_inputs("identity", shape, "bfloat16", seed=9)
     got = run(x, None, "identity", "tanh", "e4m3", transpose=transpose, slot=2.0, updates=3, scale=0.25)
     res = ref.quantize(x, f32(0.25), "e4m3", transpose)
     assert (got["q"] == res.data.view(np.uint8)).all()
@@ -219,7 +274,7 @@ def test_one_kernel_per_tensor(transpose):
     state = ff.ScalingState.create(1, recipe, like=torch.empty(0, device="cuda"))
     x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
     names = _kernels(lambda: ff.quantize(x, state.slot(0, recipe), transpose=transpose))
-    assert len(names) == 1 and "GridAmax" in names[0], names
+    assert len(names) == 1 and "ChipAmax" in names[0], names
     delayed = ff.DelayedScaling()
     dstate = ff.ScalingState.create(1, delayed, like=torch.empty(0, device="cuda"))
     names = _kernels(lambda: ff.quantize(x, dstate.slot(0, delayed), transpose=transpose))
@@ -229,7 +284,7 @@ def test_one_kernel_per_tensor(transpose):
     op = fops.quantize_t if transpose else fops.quantize
     args = (state.amax_history, state.scale, state.scale_inv, state.updates, 0, "e4m3", 1.0, True)
     names = _kernels(lambda: fops.call(op, x, *args))
-    assert len(names) == 1 and "GridAmax" in names[0], names
+    assert len(names) == 1 and "ChipAmax" in names[0], names
 
 
 def test_torch_ops_eager_graphed_and_the_python_path_agree():
