@@ -5,10 +5,11 @@ launches of the same job, timed in the same run (CUDA graph replays, CUDA events
 rotating over > 200 MB as bench_kernels does):
 
 - ``delayed``: the delayed-scaling kernel (the state's scale; one launch): the yardstick;
-- ``one_launch``: current scaling, the amax and the cast in one cooperative launch (the default path:
-  the ChipAmax kernels where at least half the tensor stays on chip, else GridAmax's);
-- ``grid_amax``: the same launch with ``onchip=False``: the GridAmax kernels (the one-launch path
-  before ChipAmax: only a thread's first vector / a block's first tile kept on chip);
+- ``one_launch``: current scaling, the amax and the cast in one cooperative launch with ``onchip=True``
+  (the opt-in ChipAmax kernels where at least half the tensor stays on chip, else GridAmax's);
+- ``grid_amax``: the same launch with ``onchip=False``: the GridAmax kernels, the library's default
+  one-launch path (only a thread's first vector / a block's first tile kept on chip; ChipAmax measured
+  slower on the H200, see fusedfp8._cuda.chip_default);
 - ``two_pass``: current scaling through an amax pre-pass launch, then the cast (the stage-1 path);
 - ``later_step``: the one-launch plan on a step that is not a first step (``updates`` 1: the delayed
   recipe's steady steps with ``first_step='current'`` run it): the state's scale, no barrier, but the

@@ -1,6 +1,6 @@
 """Current scaling in ONE launch (issue 21, stage 2: cuda_src/current_quantize.cu). On the GPU, byte
-for byte: the one-launch kernels (the amax, a grid-wide barrier, the cast; ChipAmax, the default where the
-tensor fits on chip, and GridAmax, onchip=False) against the two-pass path
+for byte: the one-launch kernels (the amax, a grid-wide barrier, the cast; GridAmax, the default, and
+ChipAmax, opted in with onchip=True where the tensor fits on chip) against the two-pass path
 (an amax pre-pass launch, then the cast) and against the NumPy reference, for every op x format x
 dtype, shapes small to larger than what the grid holds on chip, ragged, padded, transposed, with
 dbias; the state's slot holding 0, -0, a larger amax or NaN before the call; NaN / inf / zero / tiny
@@ -127,7 +127,7 @@ def test_one_launch_is_the_reference_byte_for_byte(op, approximate, fmt, dtype, 
         assert_same(got, want(x, b, op, approximate, fmt, transpose, pad_to, margin_factor=2.0))
         assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, pad_to=pad_to, coop=False,
                              margin_factor=2.0))
-        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, pad_to=pad_to, onchip=False,
+        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, pad_to=pad_to, onchip=True,
                              margin_factor=2.0))
     if op == "dgelu":  # dbias: the tiled kernel's column sums, the same bits as the two-pass path
         for transpose in (False, True):
@@ -151,7 +151,7 @@ def test_larger_than_on_chip_is_the_two_pass_path_byte_for_byte(op, approximate,
     for transpose, dbias in ((False, False), (True, False), (True, op == "dgelu")):
         got = run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias)
         assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, coop=False))
-        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, onchip=False))
+        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, onchip=True))
     a = ref.amax(ref.activation(op, x, b, approximate))  # and the amax / scale are the reference's
     assert_same(got, {"amax": np.array([a], f32), "scale": np.array([ref.current_scale(a, fmt, 1.0, f32(1))], f32)})
 
@@ -163,23 +163,25 @@ def _main_step(dtype, op, shape, transpose=False, dbias=False, onchip=None):
     return main.variants[0].name, main.variants[0].grid, main.shared
 
 
-def test_the_default_one_launch_plan_keeps_the_targets_shapes_on_chip():
-    """bf16 2048x4096 and 4096x4096 (the issue's target shapes) take the ChipAmax kernels with dynamic shared
-    memory, resident as planned; onchip=False and FUSEDFP8_CURRENT_ONCHIP=0 take GridAmax's; 8192x16384 (an
-    eighth would fit) GridAmax's."""
+def test_the_chip_one_launch_plan_keeps_the_targets_shapes_on_chip():
+    """With onchip=True, bf16 2048x4096 and 4096x4096 (the issue's target shapes) take the ChipAmax kernels
+    with dynamic shared memory, resident as planned; the default and onchip=False take GridAmax's; 8192x16384
+    (an eighth would fit) GridAmax's even so."""
     import torch
 
     torch.zeros(1, device="cuda")
     for shape in ((2048, 4096), (4096, 4096)):
         for transpose in (False, True):
-            name, grid, shared = _main_step("bfloat16", ("identity", "tanh"), shape, transpose)
+            name, _, shared = _main_step("bfloat16", ("identity", "tanh"), shape, transpose)
+            assert "GridAmax" in name and shared == 0, (shape, transpose, name, shared)
+            name, grid, shared = _main_step("bfloat16", ("identity", "tanh"), shape, transpose, onchip=True)
             assert "ChipAmax" in name and shared > 0, (shape, transpose, name, shared)
             k = next(k for k in _cuda.kernels(_cuda.ModuleKey("current_quantize", "bfloat16", "e4m3", "identity"),
                                               0).values() if k.name == name)
             assert k.blocks_per_sm(256, shared) * _cuda.sm_count(0) >= grid
             name, _, shared = _main_step("bfloat16", ("identity", "tanh"), shape, transpose, onchip=False)
             assert "GridAmax" in name and shared == 0
-    name, _, shared = _main_step("bfloat16", ("identity", "tanh"), (8192, 16384))
+    name, _, shared = _main_step("bfloat16", ("identity", "tanh"), (8192, 16384), onchip=True)
     assert "GridAmax" in name and shared == 0
 
 
@@ -195,7 +197,7 @@ def test_partly_on_chip_is_the_two_pass_path_byte_for_byte(op, approximate, dtyp
     for transpose, dbias in ((False, False), (True, op == "dgelu")):
         got = run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias)
         assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, coop=False))
-        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, onchip=False))
+        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, onchip=True))
     a = ref.amax(ref.activation(op, x, b, approximate))
     assert_same(got, {"amax": np.array([a], f32), "scale": np.array([ref.current_scale(a, fmt, 1.0, f32(1))], f32)})
 
