@@ -498,12 +498,12 @@ def test_layernorm_block(cols, tile_rows, old, new):
 
 
 def test_launch_config_from_the_environment(monkeypatch):
-    """FUSEDFP8_LAUNCH picks the launch configuration (default 'old' until the old-vs-new byte test
-    has passed on a GPU); anything else is refused with the variable's name, the choices and the value."""
+    """FUSEDFP8_LAUNCH picks the launch configuration (default 'new', the faster one; 'old' the
+    launches as they were); anything else is refused with the variable's name, the choices and the value."""
     monkeypatch.delenv("FUSEDFP8_LAUNCH", raising=False)
-    assert _cuda._launch_config() == "old"
-    monkeypatch.setenv("FUSEDFP8_LAUNCH", "new")
     assert _cuda._launch_config() == "new"
+    monkeypatch.setenv("FUSEDFP8_LAUNCH", "old")
+    assert _cuda._launch_config() == "old"
     monkeypatch.setenv("FUSEDFP8_LAUNCH", "fast")
     with pytest.raises(ValueError, match=r"FUSEDFP8_LAUNCH must be one of \('old', 'new'\), got 'fast'"):
         _cuda._launch_config()
