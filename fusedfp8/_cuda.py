@@ -246,9 +246,11 @@ class Kernel:
             self._prefers_shared = True
 
     def allow_shared(self, nbytes: int) -> None:
-        """Let launches ask for ``nbytes`` of dynamic shared memory (beyond 48 KiB needs the
-        attribute; set once per size, before any launch that uses it)."""
-        if nbytes > getattr(self, "_shared_cap", 48 << 10):
+        """Let launches ask for ``nbytes`` of dynamic shared memory: static and dynamic together
+        beyond 48 KiB need the attribute (set once per size, before any launch that uses it). Without
+        it the occupancy calculator answers 0 blocks (a ChipAmax tiled plan at 2048x4096, 34864 bytes
+        static + 16384 dynamic, fell back to GridAmax on the H200 for that reason)."""
+        if nbytes > getattr(self, "_shared_cap", (48 << 10) - self.static_shared):
             _check(driver().cuFuncSetAttribute(ctypes.c_void_p(self.func), 8, ctypes.c_int(nbytes)),  # MAX_DYNAMIC_SHARED
                    f"allowing {nbytes} bytes of shared memory for {self.name}")
             self._shared_cap = nbytes
