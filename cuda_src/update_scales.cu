@@ -19,23 +19,39 @@ using namespace ff8;
 #define UPD_ROWS 4  // rows per thread per roll chunk
 static_assert(FF8_THREADS % 32 == 0, "update_scales reduces whole warps");
 
-extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
-    float* __restrict__ history,        // [L, n] amax history; row 0 is the staging slot
-    float* __restrict__ scale,          // [n]
-    float* __restrict__ scale_inv,      // [n]
-    int* __restrict__ overflows,        // [n]
-    int* __restrict__ updates,          // [n]
-    const float* __restrict__ fmt_max,  // [n] max of each tensor's FP8 format
-    int n,                              // tensors
-    int L,                              // history rows
-    float margin_factor,                // 2**margin
-    int algo_max)                       // 1: 'max', 0: 'most_recent'
+// update_meta (JAX): the same rule on a flax meta (fusedfp8/jax/meta.py), in the same launch as
+// the meta's decoding and its counters' conversions, which XLA would otherwise run as separate
+// kernels around the update (a decode fusion and two converts each way per module). The meta's
+// counters are float32 (exact integers); a column whose marker writes[i] != 1 is decoded to a
+// fresh one first (history zeros, scale 1, counters 0: meta.decode), on which the rule changes
+// nothing but scale_inv = 1. Writes the counters both as the state's int32 (for the
+// quantizations) and back as float32 (the output meta), and leaves writes alone.
+template <bool META>
+__device__ __forceinline__ void update_column(
+    float* __restrict__ history, float* __restrict__ scale, float* __restrict__ scale_inv,
+    int* __restrict__ overflows, int* __restrict__ updates, const float* __restrict__ fmt_max,
+    float* __restrict__ overflows_f, float* __restrict__ updates_f, const float* __restrict__ writes,
+    int n, int L, float margin_factor, int algo_max)
 {
     const int i = blockIdx.x;  // the tensor: every branch below is uniform over the block
     if (i >= n) return;
     const int t = threadIdx.x;
     __shared__ float a_sh;
     __shared__ u32 red[FF8_THREADS / 32];
+    if (META && writes[i] != 1.0f) {  // decode: a fresh column (the rule then changes nothing but scale_inv)
+        for (int r = t; r < L; r += FF8_THREADS) history[(i64)r * n + i] = 0.0f;
+        if (t == 0) {
+            scale[i] = 1.0f;
+            scale_inv[i] = fdiv(1.0f, 1.0f);
+            overflows[i] = 0;
+            updates[i] = 0;
+            overflows_f[i] = 0.0f;
+            updates_f[i] = 0.0f;
+        }
+        return;
+    }
+    const int ovf = META ? (int)overflows_f[i] : overflows[i];  // (meta_to_state's astype(int32))
+    const int upd = META ? (int)updates_f[i] : updates[i];
     if (t == 0) a_sh = history[i];  // read once: thread 0 clears the slot at the end
     __syncthreads();
     const float a = a_sh;
@@ -76,13 +92,66 @@ extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
         if (t == 0) {
             if (L > 1) history[(i64)(L - 1) * n + i] = a;
             scale[i] = s;
-            updates[i] += 1;
         }
-    } else if (overflow && t == 0) {
-        overflows[i] += 1;
     }
     if (t == 0) {
+        const bool updated = !overflow && abits != 0u;
+        const int o = ovf + (overflow ? 1 : 0), u = upd + (updated ? 1 : 0);
+        overflows[i] = o;
+        updates[i] = u;
+        if (META) {
+            overflows_f[i] = (float)o;
+            updates_f[i] = (float)u;
+        }
         history[i] = 0.0f;  // the staging slot is cleared in every case (a -0 included)
         scale_inv[i] = fdiv(1.0f, s);
     }
+}
+
+// The entry points; their bodies as device functions too (<name>_body, as quantize_flat's in
+// quantize.cu), for a kernel that calls them with its sizes baked in.
+__device__ __forceinline__ void update_scales_body(
+    float* __restrict__ history,        // [L, n] amax history; row 0 is the staging slot
+    float* __restrict__ scale,          // [n]
+    float* __restrict__ scale_inv,      // [n]
+    int* __restrict__ overflows,        // [n]
+    int* __restrict__ updates,          // [n]
+    const float* __restrict__ fmt_max,  // [n] max of each tensor's FP8 format
+    int n,                              // tensors
+    int L,                              // history rows
+    float margin_factor,                // 2**margin
+    int algo_max)                       // 1: 'max', 0: 'most_recent'
+{
+    update_column<false>(history, scale, scale_inv, overflows, updates, fmt_max, nullptr, nullptr, nullptr, n, L,
+                         margin_factor, algo_max);
+}
+
+__device__ __forceinline__ void update_meta_body(
+    float* __restrict__ history,        // [L, n] the meta's history (decoded and updated in place)
+    float* __restrict__ scale,          // [n] in place
+    float* __restrict__ scale_inv,      // [n] in place
+    int* __restrict__ overflows,        // [n] out: the state's counters (int32)
+    int* __restrict__ updates,          // [n] out
+    const float* __restrict__ fmt_max,  // [n]
+    float* __restrict__ overflows_f,    // [n] the meta's counters (float32), in place
+    float* __restrict__ updates_f,      // [n] in place
+    const float* __restrict__ writes,   // [n] the meta's marker (1: a valid column)
+    int n, int L, float margin_factor, int algo_max)
+{
+    update_column<true>(history, scale, scale_inv, overflows, updates, fmt_max, overflows_f, updates_f, writes, n,
+                        L, margin_factor, algo_max);
+}
+
+extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
+    float* __restrict__ history, float* __restrict__ scale, float* __restrict__ scale_inv, int* __restrict__ overflows,
+    int* __restrict__ updates, const float* __restrict__ fmt_max, int n, int L, float margin_factor, int algo_max) {
+    update_scales_body(history, scale, scale_inv, overflows, updates, fmt_max, n, L, margin_factor, algo_max);
+}
+
+extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_meta(
+    float* __restrict__ history, float* __restrict__ scale, float* __restrict__ scale_inv, int* __restrict__ overflows,
+    int* __restrict__ updates, const float* __restrict__ fmt_max, float* __restrict__ overflows_f,
+    float* __restrict__ updates_f, const float* __restrict__ writes, int n, int L, float margin_factor, int algo_max) {
+    update_meta_body(history, scale, scale_inv, overflows, updates, fmt_max, overflows_f, updates_f, writes, n, L,
+                     margin_factor, algo_max);
 }

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 # the plan format and the Python executor (re-exported: the launch interface is this module)
-from .csrc.plan import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, NULLPTR, QUANTIZE_SLOTS, UPDATE_SLOTS, Launch,  # noqa: F401
+from .csrc.plan import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, NULLPTR, QUANTIZE_SLOTS, UPDATE_SLOTS, Launch,  # noqa: F401
                         Memset, Plan, Variant, _check, _mask, _plan, driver, dry_run, execute, flag, imm32, imm64, immf32,
                         ptr)
 from .numerics import layernorm as _ln
@@ -161,7 +161,7 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
     if key.family == "dequantize":
         return {"dequant": f"dequantize_flat<{CPP_TYPES[key.dtype]}, {FMT_IDS[key.fmt]}>"}
     if key.family == "update_scales":
-        return {"update": "update_scales"}
+        return {"update": "update_scales", "meta_update": "update_meta"}
     raise ValueError(f"unknown kernel family {key.family!r}")
 
 
@@ -201,6 +201,7 @@ SIGNATURES = {
                                          #                            tile_rows, vec, vec_t, eps, margin
     "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
     "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
+    "meta_update": "@9Piifi",  # update_meta: 9 pointers (the meta's float32 counters and marker), n, L, margin, algo_max
 }
 
 
@@ -691,8 +692,12 @@ def build_dequantize_plan(refs: dict, sms: int, n: int) -> Plan:
                                             (ptr(0), ptr(1), ptr(2), imm64(n), flag((0, 1), 16)))])
 
 
-def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max: bool) -> Plan:
-    """The fused update over :data:`UPDATE_SLOTS`: one block per tensor."""
+def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max: bool, meta: bool = False) -> Plan:
+    """The fused update over :data:`UPDATE_SLOTS`: one block per tensor. ``meta``: update_meta over
+    :data:`META_UPDATE_SLOTS` (a flax meta decoded, updated and its counters converted, in one launch)."""
+    if meta:
+        return _plan(META_UPDATE_SLOTS, [_launch([(refs["meta_update"], max(n, 1))], 0, THREADS, (
+            *map(ptr, range(9)), imm32(n), imm32(L), immf32(margin_factor), imm32(int(algo_max))))])
     r = refs["update"]
     return _plan(UPDATE_SLOTS, [_launch([(r, max(n, 1))], 0, THREADS, (*map(ptr, range(6)), imm32(n), imm32(L),
                                                                         immf32(margin_factor), imm32(int(algo_max))))])
@@ -772,8 +777,8 @@ def dequantize_plan(device: int, dtype: str, fmt: str, n: int) -> Plan:
 
 
 @functools.lru_cache(maxsize=256)
-def update_plan(device: int, n: int, L: int, margin_factor: float, algo_max: bool) -> Plan:
-    return build_update_plan(kernel_refs(ModuleKey("update_scales"), device), n, L, margin_factor, algo_max)
+def update_plan(device: int, n: int, L: int, margin_factor: float, algo_max: bool, meta: bool = False) -> Plan:
+    return build_update_plan(kernel_refs(ModuleKey("update_scales"), device), n, L, margin_factor, algo_max, meta)
 
 
 # ---- the launch interface on raw pointers (thin wrappers over the plans) ---------------------

@@ -35,6 +35,8 @@ LAYERNORM_SLOTS = ("x", "weight", "bias", "q", "q_t", "mean", "rstd", "scale", "
                    "scale_inv_used", "updates")
 DEQUANTIZE_SLOTS = ("q", "out", "scale_inv")
 UPDATE_SLOTS = ("amax_history", "scale", "scale_inv", "overflows", "updates", "fmt_max")
+# update_meta (JAX): the same first six (overflows, updates: the int32 state out) and the meta's float32 counters
+META_UPDATE_SLOTS = (*UPDATE_SLOTS, "overflows_f", "updates_f", "writes")
 
 
 class Token(NamedTuple):

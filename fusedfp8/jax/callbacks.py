@@ -73,8 +73,8 @@ def layernorm_plans(dtype: str, param: str, fmt: str, rows: int, cols: int, tran
                                       pad_to) for dev in gpu_devices()}
 
 
-def update_plans(n: int, L: int, margin_factor: float, algo_max: bool) -> dict:
-    return {dev: _cuda.update_plan(dev, n, L, margin_factor, algo_max) for dev in gpu_devices()}
+def update_plans(n: int, L: int, margin_factor: float, algo_max: bool, meta: bool = False) -> dict:
+    return {dev: _cuda.update_plan(dev, n, L, margin_factor, algo_max, meta) for dev in gpu_devices()}
 
 
 # ---- the XLA FFI backend ---------------------------------------------------------------------

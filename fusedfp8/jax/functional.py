@@ -107,15 +107,21 @@ def _first_order_jvp(primals, tangents):
                     "twice through a high-precision path (lax.dot_general) instead")
 
 
-def _advance(meta, cfg, grad=LINEAR_GRAD) -> ScalingState:
-    """The state a use quantizes with: the first use decodes the stored meta and advances it once
-    (the previous step's staged amaxes become scales); later uses of the same step continue from
-    the previous use's output meta. Under CurrentScaling across devices the staged amaxes are
-    global already (:func:`_sync`), so closing the step needs no collective."""
+def _advance(meta, cfg, grad=LINEAR_GRAD) -> tuple[ScalingState, tuple | None]:
+    """(the state a use quantizes with, its counters as float32 or None): the first use decodes
+    the stored meta and advances it once (the previous step's staged amaxes become scales);
+    later uses of the same step continue from the previous use's output meta. Under
+    CurrentScaling across devices the staged amaxes are global already (:func:`_sync`), so
+    closing the step needs no collective. Delayed scaling on one device takes
+    :func:`fusedfp8.jax.primitives.update_meta` (one kernel on CUDA for what is otherwise a
+    decode, two conversions, the update and two conversions back); the float32 counters it
+    returns (or a later use's own) go to :func:`state_to_meta`."""
     if not cfg.first:
-        return meta_to_state(meta, grad)
+        return meta_to_state(meta, grad), (meta[3], meta[4])
+    if not cfg.recipe.current and cfg.axis_name is None:
+        return P.update_meta(meta, cfg.recipe, grad, impl=cfg.impl)
     st = meta_to_state(decode(meta), grad)
-    return P.update_scales(st, cfg.recipe, axis_name=None if _across(cfg) else cfg.axis_name, impl=cfg.impl)
+    return P.update_scales(st, cfg.recipe, axis_name=None if _across(cfg) else cfg.axis_name, impl=cfg.impl), None
 
 
 def _across(cfg) -> bool:
@@ -165,7 +171,7 @@ def _dot_fwd(x, w, meta, fp8_weight, cfg: _Cfg, training: bool = True):
     x, w = _first_order(x), _first_order(w)
     (m, k), n = x.shape, w.shape[1]
     pad = gemm_pad_to(m, k, n)
-    st = _advance(meta, cfg)
+    st, fc = _advance(meta, cfg)
     st, rec = _sync(st, [(0, lambda: P.amax(x, impl=cfg.impl)), (1, _weight_amax(w, fp8_weight, cfg.impl))], cfg)
     # ragged: the operands come out of the quantize kernels padded (pad_to), no copy
     rx, st = P.quantize(x, st, 0, rec, transpose=training, pad_to=pad, impl=cfg.impl)
@@ -173,8 +179,8 @@ def _dot_fwd(x, w, meta, fp8_weight, cfg: _Cfg, training: bool = True):
     y = gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype,
              fast_accum=cfg.forward_fast_accum, impl=cfg.impl, shape=(m, n))
     dtypes = (jnp.zeros((0, m, k), x.dtype), jnp.zeros((0, k, n), w.dtype))  # dtypes and real shapes
-    res = (rx.data_t, rw.data, rx.scale_inv, rw.scale_inv, st, dtypes, fp8_weight)
-    return (y, state_to_meta(st)), res
+    res = (rx.data_t, rw.data, rx.scale_inv, rw.scale_inv, st, fc, dtypes, fp8_weight)
+    return (y, state_to_meta(st, fc)), res
 
 
 def _zeros_like(tree):
@@ -194,14 +200,14 @@ def _dot(x, w, meta, fp8_weight, cfg: _Cfg):
 def _dot_bwd(cfg: _Cfg, res, cts):
     g, later = cts
     g = _first_order(g)
-    x_t, w_q, sx, sw, st, (xz, wz), fp8_weight = res
+    x_t, w_q, sx, sw, st, fc, (xz, wz), fp8_weight = res
     (_, m, k), n = xz.shape, wz.shape[2]
     pad = gemm_pad_to(m, k, n)  # as the forward padded
     st, rec = _sync(st, [(2, lambda: P.amax(g, impl=cfg.impl))], cfg)
     rg, st = P.quantize(g, st, 2, rec, transpose=True, pad_to=pad, impl=cfg.impl)
     dx = gemm(rg.data, w_q, rg.scale_inv, sw, xz.dtype, impl=cfg.impl, shape=(m, k))
     dw = gemm(x_t, rg.data_t, sx, rg.scale_inv, wz.dtype, impl=cfg.impl, shape=(k, n))
-    return dx, dw, combine(later, state_to_meta(st)), _zeros_like(fp8_weight)
+    return dx, dw, combine(later, state_to_meta(st, fc)), _zeros_like(fp8_weight)
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
@@ -278,7 +284,7 @@ def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_
 @P.compiled_when_eager(2, 3)
 def _quantize_weight_call(w, meta, cfg: _Cfg, pad_to: int) -> Quantized:
     w = lax.stop_gradient(w)
-    st, rec = _sync(_advance(meta, cfg), [(1, lambda: P.amax(w, impl=cfg.impl))], cfg)
+    st, rec = _sync(_advance(meta, cfg)[0], [(1, lambda: P.amax(w, impl=cfg.impl))], cfg)
     rw, _ = P.quantize(w, st, 1, rec, transpose=True, pad_to=pad_to, impl=cfg.impl)
     return rw
 
@@ -371,14 +377,18 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
     h, w1, b1, w2, b2 = map(_first_order, (h, w1, b1, w2, b2))
     ln = jax.tree.map(_first_order, ln)
     r, impl, dt = cfg.recipe, cfg.impl, jnp.dtype(cfg.dtype)
-    if cfg.first:  # both linears' staged amaxes in one all-reduce, then the two (local) updates
+    fc1 = fc2 = None  # the float32 counters of the output metas, where a kernel wrote them (_advance)
+    if cfg.first and not r.current and cfg.axis_name is None:  # one launch a meta (P.update_meta)
+        (st1, fc1), (st2, fc2) = P.update_meta(meta1, r, LINEAR_GRAD, impl=impl), P.update_meta(meta2, r, LINEAR_GRAD,
+                                                                                                impl=impl)
+    elif cfg.first:  # both linears' staged amaxes in one all-reduce, then the two (local) updates
         # (none under CurrentScaling across devices: the staged amaxes are global already)
         st1, st2 = P.sync_staged([meta_to_state(decode(meta1)), meta_to_state(decode(meta2))],
                                  None if _across(cfg) else cfg.axis_name)
         st1 = P.update_scales(st1, r, impl=impl)
         st2 = P.update_scales(st2, r, impl=impl)
     else:
-        st1, st2 = meta_to_state(meta1), meta_to_state(meta2)
+        (st1, fc1), (st2, fc2) = _advance(meta1, cfg), _advance(meta2, cfg)
     (m, hid), ffn, out = h.shape, w1.shape[1], w2.shape[1]
     p = gemm_pad_to(m, hid, ffn, out)  # ragged: every FP8 operand written padded by its kernel, as fp8_dot
     ln_saved = None
@@ -405,9 +415,9 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
     # dtypes, and the real shapes of h, w1, w2 (zero-size arrays: static)
     dtypes = (jnp.zeros((0, m, hid), h.dtype), jnp.zeros((0, hid, ffn), w1.dtype), jnp.zeros((0,), b1.dtype),
               jnp.zeros((0, ffn, out), w2.dtype), jnp.zeros((0,), b2.dtype))
-    return (y, state_to_meta(st1), state_to_meta(st2)), (
+    return (y, state_to_meta(st1, fc1), state_to_meta(st2, fc2)), (
         rh.data_t, rw1.data, z, ra.data_t, rw2.data, rh.scale_inv, rw1.scale_inv, ra.scale_inv,
-        rw2.scale_inv, st1, st2, dtypes, fp8_weights, ln_saved)
+        rw2.scale_inv, st1, st2, fc1, fc2, dtypes, fp8_weights, ln_saved)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(9,))
@@ -420,7 +430,7 @@ def _mlp(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg):
 def _mlp_bwd(cfg: _MlpCfg, res, cts):
     g, later1, later2 = cts
     g = _first_order(g)
-    h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, (hz, w1z, b1z, w2z, b2z), fp8_weights, ln_saved = res
+    h_t, w1_q, z, a_t, w2_q, sh, sw1, sa, sw2, st1, st2, fc1, fc2, (hz, w1z, b1z, w2z, b2z), fp8_weights, ln_saved = res
     (_, m, hid), (_, ffn, out) = hz.shape, w2z.shape
     p = gemm_pad_to(m, hid, ffn, out)  # as the forward padded
     impl = cfg.impl
@@ -440,8 +450,8 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
         dh = gemm(rdz.data, w1_q, rdz.scale_inv, sw1, z.dtype, impl=impl, shape=(m, hid))
         dh, dlw, dlb = _layernorm_bwd(dh, *ln_saved)
         dln = (dlw, dlb)
-    return (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, combine(later1, state_to_meta(st1)),
-            combine(later2, state_to_meta(st2)), _zeros_like(fp8_weights), dln)
+    return (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, combine(later1, state_to_meta(st1, fc1)),
+            combine(later2, state_to_meta(st2, fc2)), _zeros_like(fp8_weights), dln)
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)

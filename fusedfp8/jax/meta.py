@@ -62,10 +62,13 @@ def meta_to_state(meta, grad=LINEAR_GRAD) -> ScalingState:
     return ScalingState(**arrays, grad=tuple(grad))
 
 
-def state_to_meta(state: ScalingState) -> tuple:
-    """The float32 meta of a state, marked valid (``writes = 1``)."""
-    fields = tuple(getattr(state, name).astype(jnp.float32) if name in _COUNTERS else getattr(state, name)
-                   for name in STATE_FIELDS)
+def state_to_meta(state: ScalingState, counters=None) -> tuple:
+    """The float32 meta of a state, marked valid (``writes = 1``). ``counters``: None, or the
+    state's (overflows, updates) as float32 already (:func:`fusedfp8.jax.primitives.update_meta`
+    writes them; a later use's meta holds them): taken instead of converting the state's."""
+    given = dict(zip(_COUNTERS, counters)) if counters is not None else {}
+    fields = tuple(given[name] if name in given else getattr(state, name).astype(jnp.float32)
+                   if name in _COUNTERS else getattr(state, name) for name in STATE_FIELDS)
     return (*fields, jnp.ones_like(state.scale))  # (ones_like keeps the mesh-axis type under shard_map)
 
 

@@ -426,6 +426,48 @@ def _update_kernel(recipe: DelayedScaling, backend: str, hist, scale, scale_inv,
     return tuple(callbacks.run(backend, plans, shapes, (*arrays, fmt_max), sources, {k: k for k in range(5)}))
 
 
+# ---- the first use of a flax meta in a step: decoded, updated, counters converted, one launch ----
+def _meta_update_jnp(recipe: DelayedScaling, grad: tuple, hist, scale, scale_inv, ovf_f, upd_f, writes, fmt_max):
+    from .meta import decode, meta_to_state
+
+    st = meta_to_state(decode((hist, scale, scale_inv, ovf_f, upd_f, writes)), grad)
+    new = _update_jnp(recipe, st.amax_history, st.scale, st.scale_inv, st.overflows, st.updates, fmt_max)
+    return (*new, new[3].astype(jnp.float32), new[4].astype(jnp.float32))
+
+
+def _meta_update_kernel(recipe: DelayedScaling, backend: str, hist, scale, scale_inv, ovf_f, upd_f, writes, fmt_max):
+    L, n = hist.shape
+    plans = callbacks.update_plans(n, L, float(recipe.margin_factor), recipe.amax_compute_algo == "max", True)
+    f32, i32 = (jax.ShapeDtypeStruct((n,), t) for t in (jnp.float32, jnp.int32))
+    shapes = [jax.ShapeDtypeStruct(hist.shape, jnp.float32), f32, f32, i32, i32, f32, f32]
+    # _cuda.META_UPDATE_SLOTS: history, scale, scale_inv, the int32 counters (results 3, 4: written
+    # whole), fmt_max, the float32 counters (in place), writes
+    sources = (("out", 0), ("out", 1), ("out", 2), ("out", 3), ("out", 4), ("in", 6), ("out", 5), ("out", 6),
+               ("in", 5))
+    return tuple(callbacks.run(backend, plans, shapes, (hist, scale, scale_inv, ovf_f, upd_f, writes, fmt_max),
+                               sources, {0: 0, 1: 1, 2: 2, 3: 5, 4: 6}))
+
+
+def update_meta(meta, recipe: DelayedScaling, grad: tuple, *, impl: str = "auto"):
+    """The first use of a flax meta (:mod:`fusedfp8.jax.meta`) in a step: ``meta`` decoded
+    (:func:`~fusedfp8.jax.meta.decode`), turned into a state (int32 counters) and updated
+    (:func:`update_scales`), as ``update_scales(meta_to_state(decode(meta), grad), recipe)``,
+    byte for byte. Returns (the state, its counters as float32 (overflows, updates)): the output
+    meta takes them (:func:`~fusedfp8.jax.meta.state_to_meta`) instead of converting. On CUDA
+    that is ONE kernel launch (update_meta) where XLA would run the decoding and each conversion
+    as kernels of their own. Delayed scaling on one device (no ``axis_name``): the callers take
+    :func:`update_scales` otherwise."""
+    _check_impl(impl)
+    check_recipe(recipe)
+    if recipe.current:
+        raise ValueError("update_meta: delayed scaling only (CurrentScaling closes the step with update_scales)")
+    meta = tuple(lax.stop_gradient(jnp.asarray(m)) for m in meta)
+    fmt_max = jnp.asarray(np.array([recipe.format_for(g).max for g in grad], np.float32))
+    new = _dispatch(impl, lambda *a: _meta_update_jnp(recipe, tuple(grad), *a),
+                    lambda be, *a: _meta_update_kernel(recipe, be, *a), *meta, fmt_max)
+    return ScalingState(**dict(zip(STATE_FIELDS, new[:5])), grad=tuple(grad)), (new[5], new[6])
+
+
 # ---- amax only, and current scaling across devices --------------------------------------------
 def _amax_kernel(op: str, approximate: str, backend: str, x, b):
     plans = {dev: _cuda.amax_plan(dev, x.dtype.name, kernel_op(op, approximate), math.prod(x.shape))

@@ -531,3 +531,36 @@ def test_weight_cache_quantizes_each_weight_once_per_step():
         np.testing.assert_array_equal(np.asarray(a["amax_history"])[0, exact], np.asarray(b["amax_history"])[0, exact])
         np.testing.assert_allclose(np.asarray(a["amax_history"]), np.asarray(b["amax_history"]), rtol=1e-3)
         np.testing.assert_array_equal(np.asarray(a["updates"]), np.asarray(b["updates"]))
+
+
+def _meta_cases(L, n=3, seed=0):
+    """Metas of ``n`` columns that reach every branch of update_meta: valid columns staged with a
+    normal amax, NaN, inf, +-0, a denormal; columns to decode (writes 0, 2, NaN); counters > 0."""
+    rng = np.random.default_rng(seed)
+    staged = [3.5, np.nan, np.inf, -0.0, 0.0, 1e-40, -7.25, 2.0 ** -20, 448.0]
+    writes = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 2.0, np.nan, 1.0]
+    for start in range(0, len(staged), n):
+        hist = np.abs(rng.standard_normal((L, n))).astype(np.float32) * 10
+        hist[0] = np.resize(staged[start:start + n], n)
+        w = np.resize(writes[start:start + n], n).astype(np.float32)
+        yield (hist, (rng.random(n) * 100 + 1).astype(np.float32), rng.random(n).astype(np.float32),
+               rng.integers(0, 50, n).astype(np.float32), rng.integers(0, 5000, n).astype(np.float32), w)
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("L,algo,margin", [(1, "max", 0), (4, "most_recent", 0), (31, "max", 2), (1024, "max", 0),
+                                           (1030, "most_recent", 1)])
+def test_update_meta_matches_jnp(impl, L, algo, margin):
+    """The one-launch update of a flax meta (decode, rule, counters both ways) against the
+    jax.numpy composition it replaces, byte for byte: every output, every branch (decoded
+    columns, overflow, not quantized, a denormal amax), histories longer than a block's rows."""
+    recipe = fusedfp8.DelayedScaling(amax_history_len=L, amax_compute_algo=algo, margin=margin)
+    fn = {i: jax.jit(lambda m, i=i: P.update_meta(m, recipe, JM.LINEAR_GRAD, impl=i)) for i in (impl, "jnp")}
+    for k, meta in enumerate(_meta_cases(L)):
+        meta = tuple(gpu(jnp.asarray(a)) for a in meta)
+        (sk, ck), (sj, cj) = fn[impl](meta), fn["jnp"](meta)
+        for name in ("amax_history", "scale", "scale_inv", "overflows", "updates"):
+            a, b = np.asarray(getattr(sk, name)), np.asarray(getattr(sj, name))
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (k, name, a, b)
+        for a, b in zip(ck, cj):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), (k, a, b)

@@ -556,3 +556,42 @@ def test_fp8_mlp_pads_ragged_operands_and_slices_its_results(dims):
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(h, w1, w2, *metas)
     assert [g.shape for g in grads[:3]] == [(m, hid), (hid, ffn), (ffn, hid)]
     assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads[:3])
+
+
+def _decoded_numpy_state(meta, recipe, grad):
+    """A flax meta decoded by hand (a column whose marker is not 1 starts over), as a numpy state."""
+    hist, scale, scale_inv, ovf, upd, writes = (np.array(a, copy=True) for a in meta)
+    bad = ~(writes == 1.0)
+    hist[:, bad], scale[bad], scale_inv[bad], ovf[bad], upd[bad] = 0.0, 1.0, 1.0, 0.0, 0.0
+    return ScalingState(amax_history=hist, scale=scale, scale_inv=scale_inv, overflows=ovf.astype(np.int32),
+                        updates=upd.astype(np.int32), grad=grad)
+
+
+@pytest.mark.parametrize("L,algo,margin", [(1, "max", 0), (5, "most_recent", 0), (7, "max", 2)])
+def test_update_meta_is_decode_then_the_rule(L, algo, margin):
+    """update_meta (the first use of a flax meta in a step) equals the reference rule on the meta
+    decoded by hand: every branch (normal, NaN, inf, +-0, denormal amaxes; markers 0, 2, NaN), and
+    the counters it hands the output meta are the state's as float32 (no conversion left to do)."""
+    recipe = fusedfp8.DelayedScaling(amax_history_len=L, amax_compute_algo=algo, margin=margin)
+    rng = np.random.default_rng(1)
+    n = 9
+    hist = (np.abs(rng.standard_normal((L, n))) * 10).astype(f32)
+    hist[0] = [3.5, np.nan, np.inf, -0.0, 0.0, 1e-40, -7.25, 2.0 ** -20, 448.0]
+    meta = (hist, (rng.random(n) * 100 + 1).astype(f32), rng.random(n).astype(f32),
+            rng.integers(0, 50, n).astype(f32), rng.integers(0, 5000, n).astype(f32),
+            np.array([1, 1, 1, 1, 0, 1, 2, np.nan, 1], f32))
+    grad = (False,) * 4 + (True,) * 5
+    st, (ovf_f, upd_f) = jax.jit(lambda m: P.update_meta(m, recipe, grad, impl="jnp"))(tuple(map(jnp.asarray, meta)))
+    want = apply_update(_decoded_numpy_state(meta, recipe, grad), recipe)
+    for name in ("amax_history", "scale", "scale_inv", "overflows", "updates"):
+        a, b = np.asarray(getattr(st, name)), getattr(want, name)
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (name, a, b)
+    assert ovf_f.dtype == upd_f.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(ovf_f), want.overflows.astype(f32))
+    np.testing.assert_array_equal(np.asarray(upd_f), want.updates.astype(f32))
+    assert np.asarray(st.scale)[4] == 1 and int(st.updates[4]) == 0 and int(st.overflows[1]) == meta[3][1] + 1
+
+
+def test_update_meta_refuses_current_scaling():
+    with pytest.raises(ValueError, match="delayed scaling only"):
+        P.update_meta(JM.fresh_meta(fusedfp8.DelayedScaling()), fusedfp8.CurrentScaling(), JM.LINEAR_GRAD, impl="jnp")
