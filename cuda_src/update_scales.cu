@@ -25,13 +25,17 @@ static_assert(FF8_THREADS % 32 == 0, "update_scales reduces whole warps");
 // counters are float32 (exact integers); a column whose marker writes[i] != 1 is decoded to a
 // fresh one first (history zeros, scale 1, counters 0: meta.decode), on which the rule changes
 // nothing but scale_inv = 1. Writes the counters both as the state's int32 (for the
-// quantizations) and back as float32 (the output meta), and leaves writes alone.
+// quantizations) and back as float32 (the output meta). Out of place: the meta is the step's
+// input (a parameter XLA would copy before an in-place kernel), so every output element is
+// written, the column copied where it does not roll.
+// update_column: the rule for column blockIdx.x, from (hin, sin, counters in) to (hout, sout,
+// siout, counters out); in place (update_scales) when hin == hout and sin == sout.
 template <bool META>
 __device__ __forceinline__ void update_column(
-    float* __restrict__ history, float* __restrict__ scale, float* __restrict__ scale_inv,
-    int* __restrict__ overflows, int* __restrict__ updates, const float* __restrict__ fmt_max,
-    float* __restrict__ overflows_f, float* __restrict__ updates_f, const float* __restrict__ writes,
-    int n, int L, float margin_factor, int algo_max)
+    const float* hin, float* hout, const float* sin, float* sout, float* __restrict__ siout,
+    const int* oin, const int* uin, int* oout, int* uout, const float* __restrict__ fmt_max,
+    const float* __restrict__ ofin, const float* __restrict__ ufin, float* __restrict__ ofout,
+    float* __restrict__ ufout, const float* __restrict__ writes, int n, int L, float margin_factor, int algo_max)
 {
     const int i = blockIdx.x;  // the tensor: every branch below is uniform over the block
     if (i >= n) return;
@@ -39,30 +43,32 @@ __device__ __forceinline__ void update_column(
     __shared__ float a_sh;
     __shared__ u32 red[FF8_THREADS / 32];
     if (META && writes[i] != 1.0f) {  // decode: a fresh column (the rule then changes nothing but scale_inv)
-        for (int r = t; r < L; r += FF8_THREADS) history[(i64)r * n + i] = 0.0f;
+        for (int r = t; r < L; r += FF8_THREADS) hout[(i64)r * n + i] = 0.0f;
         if (t == 0) {
-            scale[i] = 1.0f;
-            scale_inv[i] = fdiv(1.0f, 1.0f);
-            overflows[i] = 0;
-            updates[i] = 0;
-            overflows_f[i] = 0.0f;
-            updates_f[i] = 0.0f;
+            sout[i] = 1.0f;
+            siout[i] = fdiv(1.0f, 1.0f);
+            oout[i] = 0;
+            uout[i] = 0;
+            ofout[i] = 0.0f;
+            ufout[i] = 0.0f;
         }
         return;
     }
-    const int ovf = META ? (int)overflows_f[i] : overflows[i];  // (meta_to_state's astype(int32))
-    const int upd = META ? (int)updates_f[i] : updates[i];
-    if (t == 0) a_sh = history[i];  // read once: thread 0 clears the slot at the end
+    // every thread reads what thread 0 writes back in place before the barrier below
+    const int ovf = META ? (int)ofin[i] : oin[i];  // (meta_to_state's astype(int32))
+    const int upd = META ? (int)ufin[i] : uin[i];
+    float s = sin[i];
+    if (t == 0) a_sh = hin[i];  // read once: thread 0 clears the slot at the end
     __syncthreads();
     const float a = a_sh;
     const u32 abits = __float_as_uint(a) & 0x7fffffffu;  // |a|: -0 is 0 (not quantized this step)
-    float s = scale[i];
     const bool overflow = (abits & 0x7f800000u) == 0x7f800000u;  // NaN or inf
-    if (!overflow && abits != 0u) {
+    const bool updated = !overflow && abits != 0u;
+    if (updated) {
         u32 amax = abits;  // max of |history| as bits (finite, non-negative: ordered as floats)
         if (algo_max) {
             for (int r = 1 + t; r < L; r += FF8_THREADS)
-                amax = max(amax, __float_as_uint(history[(i64)r * n + i]) & 0x7fffffffu);
+                amax = max(amax, __float_as_uint(hin[(i64)r * n + i]) & 0x7fffffffu);
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
             if ((t & 31) == 0) red[t >> 5] = amax;
@@ -79,32 +85,31 @@ __device__ __forceinline__ void update_column(
 #pragma unroll
             for (int k = 0; k < UPD_ROWS; ++k) {
                 const int r = base + k * FF8_THREADS + t;
-                if (r < L - 1) v[k] = history[(i64)(r + 1) * n + i];
+                if (r < L - 1) v[k] = hin[(i64)(r + 1) * n + i];
             }
             __syncthreads();
 #pragma unroll
             for (int k = 0; k < UPD_ROWS; ++k) {
                 const int r = base + k * FF8_THREADS + t;
-                if (r < L - 1) history[(i64)r * n + i] = v[k];
+                if (r < L - 1) hout[(i64)r * n + i] = v[k];
             }
         }
         __syncthreads();  // row L-1 was read by the last chunk
-        if (t == 0) {
-            if (L > 1) history[(i64)(L - 1) * n + i] = a;
-            scale[i] = s;
-        }
+        if (t == 0 && L > 1) hout[(i64)(L - 1) * n + i] = a;
+    } else if (hin != hout) {  // out of place: the past rows as they were
+        for (int r = 1 + t; r < L; r += FF8_THREADS) hout[(i64)r * n + i] = hin[(i64)r * n + i];
     }
     if (t == 0) {
-        const bool updated = !overflow && abits != 0u;
         const int o = ovf + (overflow ? 1 : 0), u = upd + (updated ? 1 : 0);
-        overflows[i] = o;
-        updates[i] = u;
+        oout[i] = o;
+        uout[i] = u;
         if (META) {
-            overflows_f[i] = (float)o;
-            updates_f[i] = (float)u;
+            ofout[i] = (float)o;
+            ufout[i] = (float)u;
         }
-        history[i] = 0.0f;  // the staging slot is cleared in every case (a -0 included)
-        scale_inv[i] = fdiv(1.0f, s);
+        hout[i] = 0.0f;  // the staging slot is cleared in every case (a -0 included)
+        sout[i] = s;
+        siout[i] = fdiv(1.0f, s);
     }
 }
 
@@ -122,24 +127,29 @@ __device__ __forceinline__ void update_scales_body(
     float margin_factor,                // 2**margin
     int algo_max)                       // 1: 'max', 0: 'most_recent'
 {
-    update_column<false>(history, scale, scale_inv, overflows, updates, fmt_max, nullptr, nullptr, nullptr, n, L,
-                         margin_factor, algo_max);
+    update_column<false>(history, history, scale, scale, scale_inv, overflows, updates, overflows, updates, fmt_max,
+                         nullptr, nullptr, nullptr, nullptr, nullptr, n, L, margin_factor, algo_max);
 }
 
 __device__ __forceinline__ void update_meta_body(
-    float* __restrict__ history,        // [L, n] the meta's history (decoded and updated in place)
-    float* __restrict__ scale,          // [n] in place
-    float* __restrict__ scale_inv,      // [n] in place
-    int* __restrict__ overflows,        // [n] out: the state's counters (int32)
-    int* __restrict__ updates,          // [n] out
-    const float* __restrict__ fmt_max,  // [n]
-    float* __restrict__ overflows_f,    // [n] the meta's counters (float32), in place
-    float* __restrict__ updates_f,      // [n] in place
-    const float* __restrict__ writes,   // [n] the meta's marker (1: a valid column)
+    const float* __restrict__ history,      // [L, n] the meta's history
+    const float* __restrict__ scale,        // [n] its scale
+    const float* __restrict__ overflows_f,  // [n] its counters (float32)
+    const float* __restrict__ updates_f,    // [n]
+    const float* __restrict__ writes,       // [n] its marker (1: a valid column)
+    const float* __restrict__ fmt_max,      // [n]
+    float* __restrict__ history_out,        // [L, n] the state's, decoded and updated
+    float* __restrict__ scale_out,          // [n]
+    float* __restrict__ scale_inv_out,      // [n]
+    int* __restrict__ overflows,            // [n] the state's counters (int32)
+    int* __restrict__ updates,              // [n]
+    float* __restrict__ overflows_f_out,    // [n] and the output meta's (float32)
+    float* __restrict__ updates_f_out,      // [n]
     int n, int L, float margin_factor, int algo_max)
 {
-    update_column<true>(history, scale, scale_inv, overflows, updates, fmt_max, overflows_f, updates_f, writes, n,
-                        L, margin_factor, algo_max);
+    update_column<true>(history, history_out, scale, scale_out, scale_inv_out, nullptr, nullptr, overflows, updates,
+                        fmt_max, overflows_f, updates_f, overflows_f_out, updates_f_out, writes, n, L, margin_factor,
+                        algo_max);
 }
 
 extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
@@ -149,9 +159,11 @@ extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
 }
 
 extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_meta(
-    float* __restrict__ history, float* __restrict__ scale, float* __restrict__ scale_inv, int* __restrict__ overflows,
-    int* __restrict__ updates, const float* __restrict__ fmt_max, float* __restrict__ overflows_f,
-    float* __restrict__ updates_f, const float* __restrict__ writes, int n, int L, float margin_factor, int algo_max) {
-    update_meta_body(history, scale, scale_inv, overflows, updates, fmt_max, overflows_f, updates_f, writes, n, L,
-                     margin_factor, algo_max);
+    const float* __restrict__ history, const float* __restrict__ scale, const float* __restrict__ overflows_f,
+    const float* __restrict__ updates_f, const float* __restrict__ writes, const float* __restrict__ fmt_max,
+    float* __restrict__ history_out, float* __restrict__ scale_out, float* __restrict__ scale_inv_out,
+    int* __restrict__ overflows, int* __restrict__ updates, float* __restrict__ overflows_f_out,
+    float* __restrict__ updates_f_out, int n, int L, float margin_factor, int algo_max) {
+    update_meta_body(history, scale, overflows_f, updates_f, writes, fmt_max, history_out, scale_out, scale_inv_out,
+                     overflows, updates, overflows_f_out, updates_f_out, n, L, margin_factor, algo_max);
 }

@@ -201,7 +201,8 @@ SIGNATURES = {
                                          #                            tile_rows, vec, vec_t, eps, margin
     "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
     "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
-    "meta_update": "@9Piifi",  # update_meta: 9 pointers (the meta's float32 counters and marker), n, L, margin, algo_max
+    "meta_update": "@13Piifi",  # update_meta: 13 pointers (the meta in, the state and counters out), n, L, margin,
+                                #              algo_max
 }
 
 
@@ -697,7 +698,7 @@ def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max
     :data:`META_UPDATE_SLOTS` (a flax meta decoded, updated and its counters converted, in one launch)."""
     if meta:
         return _plan(META_UPDATE_SLOTS, [_launch([(refs["meta_update"], max(n, 1))], 0, THREADS, (
-            *map(ptr, range(9)), imm32(n), imm32(L), immf32(margin_factor), imm32(int(algo_max))))])
+            *map(ptr, range(13)), imm32(n), imm32(L), immf32(margin_factor), imm32(int(algo_max))))])
     r = refs["update"]
     return _plan(UPDATE_SLOTS, [_launch([(r, max(n, 1))], 0, THREADS, (*map(ptr, range(6)), imm32(n), imm32(L),
                                                                         immf32(margin_factor), imm32(int(algo_max))))])

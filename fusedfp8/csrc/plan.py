@@ -35,8 +35,9 @@ LAYERNORM_SLOTS = ("x", "weight", "bias", "q", "q_t", "mean", "rstd", "scale", "
                    "scale_inv_used", "updates")
 DEQUANTIZE_SLOTS = ("q", "out", "scale_inv")
 UPDATE_SLOTS = ("amax_history", "scale", "scale_inv", "overflows", "updates", "fmt_max")
-# update_meta (JAX): the same first six (overflows, updates: the int32 state out) and the meta's float32 counters
-META_UPDATE_SLOTS = (*UPDATE_SLOTS, "overflows_f", "updates_f", "writes")
+# update_meta (JAX, out of place): the meta's arrays in, the state's (int32 counters) and the output meta's counters out
+META_UPDATE_SLOTS = ("amax_history", "scale", "overflows_f", "updates_f", "writes", "fmt_max", "amax_history_out",
+                     "scale_out", "scale_inv_out", "overflows", "updates", "overflows_f_out", "updates_f_out")
 
 
 class Token(NamedTuple):

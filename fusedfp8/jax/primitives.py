@@ -440,12 +440,10 @@ def _meta_update_kernel(recipe: DelayedScaling, backend: str, hist, scale, scale
     plans = callbacks.update_plans(n, L, float(recipe.margin_factor), recipe.amax_compute_algo == "max", True)
     f32, i32 = (jax.ShapeDtypeStruct((n,), t) for t in (jnp.float32, jnp.int32))
     shapes = [jax.ShapeDtypeStruct(hist.shape, jnp.float32), f32, f32, i32, i32, f32, f32]
-    # _cuda.META_UPDATE_SLOTS: history, scale, scale_inv, the int32 counters (results 3, 4: written
-    # whole), fmt_max, the float32 counters (in place), writes
-    sources = (("out", 0), ("out", 1), ("out", 2), ("out", 3), ("out", 4), ("in", 6), ("out", 5), ("out", 6),
-               ("in", 5))
-    return tuple(callbacks.run(backend, plans, shapes, (hist, scale, scale_inv, ovf_f, upd_f, writes, fmt_max),
-                               sources, {0: 0, 1: 1, 2: 2, 3: 5, 4: 6}))
+    # _cuda.META_UPDATE_SLOTS: the meta in (its scale_inv is not read), every result written whole:
+    # out of place, so XLA copies no parameter for the kernel to update
+    sources = (*(("in", k) for k in range(6)), *(("out", k) for k in range(7)))
+    return tuple(callbacks.run(backend, plans, shapes, (hist, scale, ovf_f, upd_f, writes, fmt_max), sources, {}))
 
 
 def update_meta(meta, recipe: DelayedScaling, grad: tuple, *, impl: str = "auto"):
