@@ -19,7 +19,7 @@ using namespace ff8;
 #define UPD_ROWS 4  // rows per thread per roll chunk
 static_assert(FF8_THREADS % 32 == 0, "update_scales reduces whole warps");
 
-extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
+__device__ __forceinline__ void update_scales_body(
     float* __restrict__ history,        // [L, n] amax history; row 0 is the staging slot
     float* __restrict__ scale,          // [n]
     float* __restrict__ scale_inv,      // [n]
@@ -85,4 +85,11 @@ extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
         history[i] = 0.0f;  // the staging slot is cleared in every case (a -0 included)
         scale_inv[i] = fdiv(1.0f, s);
     }
+}
+
+// The kernel (its body a device function, as quantize_flat's in quantize.cu).
+extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
+    float* __restrict__ history, float* __restrict__ scale, float* __restrict__ scale_inv, int* __restrict__ overflows,
+    int* __restrict__ updates, const float* __restrict__ fmt_max, int n, int L, float margin_factor, int algo_max) {
+    update_scales_body(history, scale, scale_inv, overflows, updates, fmt_max, n, L, margin_factor, algo_max);
 }
