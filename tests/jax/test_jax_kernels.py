@@ -26,7 +26,7 @@ from support.hlo import fp8_gemm_counts, fp8_pads, other_gemms
 pytestmark = [pytest.mark.gpu, pytest.mark.jax_gpu]
 
 RECIPE = fusedfp8.DelayedScaling(amax_history_len=31)
-KERNEL_IMPLS = [i for i in P.IMPLS if i not in ("auto", "jnp")]  # every GPU path (command buffers on and off)
+KERNEL_IMPLS = [i for i in P.IMPLS if i not in ("auto", "jnp", "ptx")]  # the GPU paths (ptx: test_jax_ptx.py)
 SHAPES = S.params("aligned-64x128", "aligned-256x1024", "ragged-303x300", "ragged-1x1", "ragged-0x16",
                   "ragged-3d-3x5x7", S.LARGE)
 DTYPES = ["float32", "bfloat16", "float16"]
