@@ -21,11 +21,15 @@ then results. What that call cannot do, and how a plan (:mod:`fusedfp8._cuda`) i
 - buffers a kernel updates in place (the amax history, scale, scale_inv, counters, ...) are results
   aliased to their operands (``input_output_aliases``); each call passes on the current value of
   every buffer it touches, so the steps of a plan chain through XLA's dataflow;
-- the launch picks no variant at run time: XLA's buffers are aligned (entry parameters to
-  ``kEntryParameterAlignBytes`` = 16 bytes, its own allocations to 64), so a plan's launch takes the
-  variant its ``select`` mask gives for 16-byte aligned pointers (``variants[0]``) and every
-  alignment flag its static condition; a byte offset into a state array (4 * index) is baked into
-  the pointer, as the plan does at run time.
+- the launch picks no variant at run time: XLA's buffers are aligned. Its GPU executable checks
+  every buffer of a run (``CheckAlignment`` in xla/service/gpu/gpu_executable.cc: an entry
+  parameter to ``kEntryParameterAlignBytes`` = 16 bytes, a constant or an XLA allocation to
+  ``kXlaAllocatedBufferAlignBytes`` = 64, gpu_constants.h) and its own kernels are compiled on that
+  alignment (the ``align`` attribute of their parameters; the PTX call's arguments come from the
+  same ``KernelArguments``). So a plan's launch takes the variant its ``select`` mask gives for
+  16-byte aligned pointers (``variants[0]``) and every alignment flag (16 or 8 bytes) its static
+  condition; a byte offset into a state array (4 * index) is baked into the pointer, as the plan
+  does at run time (the kernels never vector-load a state entry).
 
 Every local GPU gets one launch configuration: the plans of all of them must agree (grids, blocks,
 parameters), which they do for GPUs of one kind. Which jaxlib runs the call: :func:`supported`
@@ -159,20 +163,21 @@ def compute_capability(device: int) -> int:
 
 # ---- which jaxlib runs the call ---------------------------------------------------------------
 _PROBE_SRC = r'''
-extern "C" __global__ void ff8_ptx_probe(const float* x, float* y) {
-  if (threadIdx.x < 4) y[threadIdx.x] = x[threadIdx.x] + 1.0f;
+extern "C" __global__ void ff8_ptx_probe(const float* x, const float* y, float* out) {
+  if (threadIdx.x < 4) out[threadIdx.x] = x[threadIdx.x] + y[threadIdx.x];
 }'''
 
 
 @functools.lru_cache(maxsize=None)
 def supported() -> tuple[bool, str]:
-    """(ok, why): this jaxlib runs XLA's PTX custom call on the first local GPU. A probe rather than
-    a version check (the call is XLA's, not a documented jax API, and no release note pins it): one
-    4-thread kernel compiled to PTX, jitted as one call with an aliased result, run and checked
-    (once per process, ~1 s). Measured to work in jaxlib 0.11.2 (scripts/xla_custom_call_probe.py)."""
+    """(ok, why): this jaxlib runs XLA's PTX custom call on the first local GPU, an aliased result
+    included. A probe rather than a version check (the call is XLA's, not a documented jax API, and
+    no release note pins it): one 4-thread kernel compiled to PTX, jitted as one call whose result
+    is aliased to its second operand (XLA passes operands then results, an aliased pair as two
+    pointers to one buffer), run and checked (once per process, about a second). Measured to run in
+    jaxlib 0.11.2 (scripts/xla_custom_call_probe.py)."""
     import jax
     import jax.numpy as jnp
-
     import jaxlib
 
     try:
@@ -184,11 +189,12 @@ def supported() -> tuple[bool, str]:
                 x, y, **launch_attrs("ff8_ptx_probe", ptx, 1, 32, 0))
 
         x = jax.device_put(jnp.arange(4, dtype=jnp.float32), dev)
-        got = np.asarray(jax.jit(f)(x, jnp.zeros(4, jnp.float32, device=dev)))
+        y = jax.device_put(jnp.asarray([10.0, 20.0, 30.0, 40.0], jnp.float32), dev)
+        got = np.asarray(jax.jit(f)(x, y))
     except Exception as e:  # noqa: BLE001 - the reason goes into the error of impl='ptx'
         return False, f"jaxlib {jaxlib.__version__} could not run it: {type(e).__name__}: {str(e)[:400]}"
-    if not np.array_equal(got, np.arange(4, dtype=np.float32) + 1):
-        return False, f"jaxlib {jaxlib.__version__} ran it with wrong results ({got.tolist()})"
+    if got.tolist() != [10.0, 21.0, 32.0, 43.0]:
+        return False, f"jaxlib {jaxlib.__version__} ran it with wrong results ({got.tolist()}, not x + y)"
     return True, f"jaxlib {jaxlib.__version__} runs it"
 
 

@@ -21,6 +21,7 @@ from fusedfp8.jax import layernorm as JLN
 from fusedfp8.jax import primitives as P
 from fusedfp8.state import ScalingState
 from support import shapes as S
+from support.frameworks import mse_train_step
 from support.hlo import fp8_gemm_counts, fp8_pads, other_gemms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.jax_gpu]
@@ -370,15 +371,7 @@ def test_flax_mlp_train_step_kernel_path_matches_jnp_path_and_bf16():
 
     def train(model, variables, steps=20):
         state = TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(1e-3))
-
-        @jax.jit
-        def step(state):
-            def loss_fn(p):
-                return jnp.mean((state.apply_fn(p, x).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
-
-            loss, grads = jax.value_and_grad(loss_fn)(state.params)
-            return state.apply_gradients(grads=grads), loss
-
+        step = mse_train_step(x, y)
         losses = []
         for _ in range(steps):
             state, loss = step(state)
