@@ -155,7 +155,7 @@ struct StagedAmax {
 // One atomicMax per block.
 // ---------------------------------------------------------------------------------------------
 template <typename T, int FMT, int OP, bool VEC, bool STORE, class Pre = StagedAmax>
-__global__ void __launch_bounds__(FF8_THREADS, Pre::template flat_min_blocks<T, OP>()) quantize_flat(
+__device__ __forceinline__ void quantize_flat_body(
     const T* __restrict__ x,          // [n] input (dy for OP 3/4)
     const T* __restrict__ b,          // [n] second input (x for OP 3/4), else null
     u8* __restrict__ q,               // [n] FP8 output (bytes)
@@ -219,6 +219,17 @@ __global__ void __launch_bounds__(FF8_THREADS, Pre::template flat_min_blocks<T, 
     if (!fresh) block_amax_atomic<FF8_THREADS>(m, amax);  // on a first step the pre-pass already did it
 }
 
+// The kernel: its body above is a device function so that a kernel with the sizes baked in (the
+// wrappers of fusedfp8/jax/ptx.py, XLA's own PTX custom calls) runs the same code.
+template <typename T, int FMT, int OP, bool VEC, bool STORE, class Pre = StagedAmax>
+__global__ void __launch_bounds__(FF8_THREADS, Pre::template flat_min_blocks<T, OP>()) quantize_flat(
+    const T* __restrict__ x, const T* __restrict__ b, u8* __restrict__ q, const float* __restrict__ scale, float* amax,
+    float* scale_out, float* scale_inv_out, float* scale_inv_used, const int* updates, i64 n, i64 npad,
+    float margin_factor) {
+    quantize_flat_body<T, FMT, OP, VEC, STORE, Pre>(x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
+                                                     updates, n, npad, margin_factor);
+}
+
 // ---------------------------------------------------------------------------------------------
 // quantize_tiled: x viewed as rows x cols (row-major). Writes q (prows x pcols), optionally q_t
 // (pcols x prows, row-major: the transpose) and optionally dbias (column sums of the unquantized
@@ -272,7 +283,7 @@ __global__ void __launch_bounds__(FF8_THREADS, Pre::template flat_min_blocks<T, 
 #define T2_LOADS (2 * (int)sizeof(T))  // 16-byte loads per thread, tile and input (2 rows x 16 columns)
 
 template <typename T, int FMT, int OP, class Pre = StagedAmax>
-__global__ void __launch_bounds__(256) quantize_tiled(
+__device__ __forceinline__ void quantize_tiled_body(
     const T* __restrict__ x,          // [rows, cols] input (dy for OP 3/4)
     const T* __restrict__ b,          // [rows, cols] second input (x for OP 3/4), else null
     u8* __restrict__ q,               // [prows, pcols] FP8 output
@@ -467,4 +478,16 @@ __global__ void __launch_bounds__(256) quantize_tiled(
         }
     }
     if (!fresh) block_amax_atomic<256>(m, amax);
+}
+
+// The kernel (its body a device function, as quantize_flat's).
+template <typename T, int FMT, int OP, class Pre = StagedAmax>
+__global__ void __launch_bounds__(256) quantize_tiled(
+    const T* __restrict__ x, const T* __restrict__ b, u8* __restrict__ q, u8* __restrict__ q_t,
+    float* __restrict__ dbias, float* __restrict__ partial, int* __restrict__ strip_count,
+    const float* __restrict__ scale, float* amax, float* scale_out, float* scale_inv_out, float* scale_inv_used,
+    const int* updates, i64 rows, i64 cols, i64 prows, i64 pcols, int vec, int vec_t, float margin_factor) {
+    quantize_tiled_body<T, FMT, OP, Pre>(x, b, q, q_t, dbias, partial, strip_count, scale, amax, scale_out,
+                                         scale_inv_out, scale_inv_used, updates, rows, cols, prows, pcols, vec, vec_t,
+                                         margin_factor);
 }

@@ -10,6 +10,9 @@ that changes between the modes is ``dot_general_cls``:
 - ``fusedfp8``: ``fusedfp8.jax.flax.Fp8DotGeneral`` (its kernels through the compiled XLA FFI
   launcher where it is built, the default);
 - ``fusedfp8_callback``: the same with ``impl='callback'`` (the Python buffer_callback launcher);
+- ``fusedfp8_ptx``: the ``fusedfp8`` program unchanged, traced with ``FUSEDFP8_JAX_IMPL=ptx`` in
+  the environment (:func:`mode_env`): impl='auto' launches the quantizations and the scale update
+  as XLA's own PTX custom calls (fusedfp8/jax/ptx.py), the GEMM as before;
 and ``fusedfp8_mlp`` replaces the whole block by ``fusedfp8.jax.flax.Fp8MLP`` (same layers, the
 activation fused into FP8). The fusedfp8 modes take ``DelayedScaling()``; with ``--recipes
 delayed,current`` each also runs with ``recipe=CurrentScaling()`` (``fusedfp8@current``, ...;
@@ -33,7 +36,9 @@ host-bound the step is. JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import os
 import statistics
 import sys
 import time
@@ -54,7 +59,8 @@ from jax.sharding import PartitionSpec as P
 from bench_mlp_jax import kernel_profile
 from fusedfp8.jax.flax import Fp8DotGeneral, Fp8MLP
 
-MODES = ["bf16", "flax_fp8", "fusedfp8", "fusedfp8_callback", "fusedfp8_mlp"]
+MODES = ["bf16", "flax_fp8", "fusedfp8", "fusedfp8_callback", "fusedfp8_mlp", "fusedfp8_ptx"]
+MODE_ENV = {"fusedfp8_ptx": {"FUSEDFP8_JAX_IMPL": "ptx"}}  # a mode's environment while its program is traced
 SHAPES = [(1024, 4096, 2048), (4096, 16384, 8192)]  # hidden, ffn, tokens (= batch x 512)
 SEQ = 512
 
@@ -78,6 +84,23 @@ def takes_recipe(mode: str) -> bool:
     return mode.startswith("fusedfp8")
 
 
+@contextlib.contextmanager
+def mode_env(mode: str):
+    """The environment ``mode`` (or ``mode@recipe``) traces its program in (:data:`MODE_ENV`; the
+    variables are read when jax traces the step), restored after."""
+    env = MODE_ENV.get(recipes.split(mode)[0], {})
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def make_model(mode: str, hidden: int, ffn: int):
     """The model of ``mode`` (``fusedfp8@current``: the fusedfp8 mode under CurrentScaling)."""
     base, recipe = recipes.split(mode)
@@ -85,7 +108,8 @@ def make_model(mode: str, hidden: int, ffn: int):
     if base == "fusedfp8_mlp":
         return Fp8MLP(ffn, recipe=r, dtype=jnp.bfloat16)
     cls = {"bf16": None, "flax_fp8": nn.Fp8DotGeneralOp, "fusedfp8": functools.partial(Fp8DotGeneral, recipe=r),
-           "fusedfp8_callback": functools.partial(Fp8DotGeneral, impl="callback", recipe=r)}[base]
+           "fusedfp8_callback": functools.partial(Fp8DotGeneral, impl="callback", recipe=r),
+           "fusedfp8_ptx": functools.partial(Fp8DotGeneral, recipe=r)}[base]  # (the launch path: mode_env)
     return MLP(hidden, ffn, cls)
 
 
@@ -120,6 +144,11 @@ def program(mode: str, hidden: int, ffn: int, tokens: int, donate: bool = False)
 
 
 def run_mode(mode: str, shape, args) -> dict:
+    with mode_env(mode):
+        return _run_mode(mode, shape, args)
+
+
+def _run_mode(mode: str, shape, args) -> dict:
     hidden, ffn, tokens = shape
     step, state, x, y = program(mode, hidden, ffn, tokens)
     t0 = time.perf_counter()

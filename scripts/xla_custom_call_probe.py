@@ -10,7 +10,9 @@ its input a different array on every call (as a non-donated step's state is):
   (``api_version=4``): whether this jaxlib runs XLA's own PTX custom call at all, and its cost;
 - ``jnp``: 16 XLA fusions (x + 1, kept apart by optimization barriers);
 - ``ffi``: 16 fusedfp8 FFI calls (``fusedfp8.jax.primitives.amax``, impl 'ffi': a memset and one kernel)
-  beside 16 fusions.
+  beside 16 fusions;
+- ``fusedfp8_ptx``: the same 16 amaxes with impl 'ptx' (fusedfp8/jax/ptx.py: each one PTX custom call
+  of the same kernel on a zeros operand) beside 16 fusions, where this jaxlib runs the PTX call.
 
 Each chain's result is checked before it is timed (the ptx chain adds 16 exactly). JSON to --out.
 
@@ -123,14 +125,21 @@ def main(argv=None) -> int:
     assert bool(jnp.all(fn(x) == x + 16))
     res["jnp_16_fusions_ms"] = ms_per_call(fn, xs)
 
-    def fchain(v):
-        for _ in range(16):
-            v = jax.lax.optimization_barrier(v + P.amax(v, impl="ffi") * 0.0)
-        return v
+    from fusedfp8.jax import ptx as X
 
-    fn = jax.jit(fchain)
-    assert bool(jnp.all(fn(x) == x))
-    res["ffi_16_amax_plus_16_fusions_ms"] = ms_per_call(fn, xs)
+    for impl, key in (("ffi", "ffi_16_amax_plus_16_fusions_ms"), ("ptx", "fusedfp8_ptx_16_amax_plus_16_fusions_ms")):
+        if impl == "ptx" and not X.supported()[0]:
+            res[key], res["fusedfp8_ptx_why_not"] = None, X.supported()[1]
+            continue
+
+        def achain(v, impl=impl):
+            for _ in range(16):
+                v = jax.lax.optimization_barrier(v + P.amax(v, impl=impl) * 0.0)
+            return v
+
+        fn = jax.jit(achain)
+        assert bool(jnp.all(fn(x) == x))
+        res[key] = ms_per_call(fn, xs)
     print(json.dumps(res, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
     meta = _bench.run_meta(device=str(jax.devices()[0].device_kind), jax=jax.__version__)

@@ -192,7 +192,15 @@ def test_seed_program_models_take_the_recipe(scripts):
         assert cb.impl == "callback" and isinstance(cb.recipe, cls)
         assert isinstance(seed.make_model(scripts.recipes.tagged("fusedfp8_mlp", recipe), 32, 64).recipe, cls)
     assert seed.make_model("flax_fp8", 32, 64).dot_general_cls.__name__ == "Fp8DotGeneralOp"
-    assert [seed.takes_recipe(m) for m in seed.MODES] == [False, False, True, True, True]
+    assert [seed.takes_recipe(m) for m in seed.MODES] == [False, False, True, True, True, True]
+    ptx = seed.make_model("fusedfp8_ptx", 32, 64).dot_general_cls()  # the fusedfp8 program, another launch path
+    assert ptx.impl == "auto" and isinstance(ptx.recipe, fusedfp8.DelayedScaling)
+    import os
+
+    before = os.environ.get("FUSEDFP8_JAX_IMPL")
+    with seed.mode_env(scripts.recipes.tagged("fusedfp8_ptx", "current")):
+        assert os.environ["FUSEDFP8_JAX_IMPL"] == "ptx"
+    assert os.environ.get("FUSEDFP8_JAX_IMPL") == before
 
 
 @pytest.mark.slow

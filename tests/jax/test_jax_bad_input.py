@@ -168,7 +168,7 @@ def dispatch_count(monkeypatch):
     """How many quantize / update primitives were dispatched (traced or run) since the fixture."""
     calls = []
     real = JP._dispatch
-    monkeypatch.setattr(JP, "_dispatch", lambda *a: (calls.append(a[0]), real(*a))[1])
+    monkeypatch.setattr(JP, "_dispatch", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
     return calls
 
 

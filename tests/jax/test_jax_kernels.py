@@ -21,12 +21,13 @@ from fusedfp8.jax import layernorm as JLN
 from fusedfp8.jax import primitives as P
 from fusedfp8.state import ScalingState
 from support import shapes as S
+from support.frameworks import mse_train_step
 from support.hlo import fp8_gemm_counts, fp8_pads, other_gemms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.jax_gpu]
 
 RECIPE = fusedfp8.DelayedScaling(amax_history_len=31)
-KERNEL_IMPLS = [i for i in P.IMPLS if i not in ("auto", "jnp")]  # every GPU path (command buffers on and off)
+KERNEL_IMPLS = [i for i in P.IMPLS if i not in ("auto", "jnp", "ptx")]  # the GPU paths (ptx: test_jax_ptx.py)
 SHAPES = S.params("aligned-64x128", "aligned-256x1024", "ragged-303x300", "ragged-1x1", "ragged-0x16",
                   "ragged-3d-3x5x7", S.LARGE)
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -370,15 +371,7 @@ def test_flax_mlp_train_step_kernel_path_matches_jnp_path_and_bf16():
 
     def train(model, variables, steps=20):
         state = TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(1e-3))
-
-        @jax.jit
-        def step(state):
-            def loss_fn(p):
-                return jnp.mean((state.apply_fn(p, x).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
-
-            loss, grads = jax.value_and_grad(loss_fn)(state.params)
-            return state.apply_gradients(grads=grads), loss
-
+        step = mse_train_step(x, y)
         losses = []
         for _ in range(steps):
             state, loss = step(state)

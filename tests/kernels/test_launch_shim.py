@@ -546,7 +546,7 @@ def ffi_on_cuda(monkeypatch, xla_lib):
 def test_jax_impls():
     from fusedfp8.jax import primitives as JP
 
-    assert JP.IMPLS == ("auto", "jnp", "ffi", "callback", "callback_no_cmdbuf")
+    assert JP.IMPLS == ("auto", "jnp", "ffi", "callback", "callback_no_cmdbuf", "ptx")
     backend, why = JP.launch_path()
     assert backend in ("ffi", "callback") and why
 

@@ -100,3 +100,20 @@ def assert_type(a, fw: str, dtype_name: str, shape, device: str = "cpu") -> None
         assert type(a) is np.ndarray
         assert a.dtype == (BF16 if dtype_name == "bfloat16" else np.dtype(getattr(ml_dtypes, dtype_name, dtype_name)))
     assert tuple(a.shape) == tuple(shape)
+
+
+def mse_train_step(x, y):
+    """A jitted train step of a flax TrainState on ``mean((apply(params, x) - y) ** 2)`` in float32:
+    ``step(state) -> (state, loss)``."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def step(state):
+        def loss_fn(p):
+            return jnp.mean((state.apply_fn(p, x).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return step
