@@ -540,13 +540,15 @@ def _meta_cases(L, n=3, seed=0):
                rng.integers(0, 50, n).astype(np.float32), rng.integers(0, 5000, n).astype(np.float32), w)
 
 
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("impl", [*KERNEL_IMPLS, "ptx"])
 @pytest.mark.parametrize("L,algo,margin", [(1, "max", 0), (4, "most_recent", 0), (31, "max", 2), (1024, "max", 0),
                                            (1030, "most_recent", 1)])
 def test_update_meta_matches_jnp(impl, L, algo, margin):
     """The one-launch update of a flax meta (decode, rule, counters both ways) against the
     jax.numpy composition it replaces, byte for byte: every output, every branch (decoded
     columns, overflow, not quantized, a denormal amax), histories longer than a block's rows."""
+    if impl == "ptx" and not P.ptx.supported()[0]:
+        pytest.skip(P.ptx.supported()[1])
     recipe = fusedfp8.DelayedScaling(amax_history_len=L, amax_compute_algo=algo, margin=margin)
     fn = {i: jax.jit(lambda m, i=i: P.update_meta(m, recipe, JM.LINEAR_GRAD, impl=i)) for i in (impl, "jnp")}
     for k, meta in enumerate(_meta_cases(L)):
