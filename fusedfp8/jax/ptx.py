@@ -100,7 +100,11 @@ def wrapper_source(name: str, block: int, args: list[str], n_params: int) -> tup
 
 
 def _compile_options(cc: int) -> list[str]:
-    return [f"-arch=compute_{cc}", *_cuda.COMPILE_OPTIONS, *(f"-I{d}" for d in _cuda.cuda_include_dirs())]
+    # -default-device: the bodies' lambdas (quantize_tiled_body's) are device code; without it the
+    # GPU machine's NVRTC (CuPy's binding, H200 2026-12-04) refused them as host functions "in JIT
+    # mode" in a __device__ function, where the kernels' own compile (RawModule) takes them
+    return [f"-arch=compute_{cc}", "-default-device", *_cuda.COMPILE_OPTIONS,
+            *(f"-I{d}" for d in _cuda.cuda_include_dirs())]
 
 
 @functools.lru_cache(maxsize=1024)
