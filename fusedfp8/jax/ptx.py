@@ -182,22 +182,30 @@ def supported() -> tuple[bool, str]:
     pointers to one buffer), run and checked (once per process, about a second). Measured to run in
     jaxlib 0.11.2 (scripts/xla_custom_call_probe.py)."""
     import jax
+    import jaxlib
+
+    try:  # (run now even when the first call comes while a program is traced: FUSEDFP8_JAX_IMPL=ptx)
+        with jax.ensure_compile_time_eval():
+            return _probe(dev=jax.local_devices(backend="gpu")[0])
+    except Exception as e:  # noqa: BLE001 - the reason goes into the error of impl='ptx'
+        return False, f"jaxlib {jaxlib.__version__} could not run it: {type(e).__name__}: {str(e)[:400]}"
+
+
+def _probe(dev) -> tuple[bool, str]:
+    """:func:`supported`'s run on ``dev``."""
+    import jax
     import jax.numpy as jnp
     import jaxlib
 
-    try:
-        dev = jax.local_devices(backend="gpu")[0]
-        ptx = compile_ptx("", _PROBE_SRC, compute_capability(int(getattr(dev, "local_hardware_id", dev.id))))
+    ptx = compile_ptx("", _PROBE_SRC, compute_capability(int(getattr(dev, "local_hardware_id", dev.id))))
 
-        def f(x, y):
-            return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4,), jnp.float32), input_output_aliases={1: 0})(
-                x, y, **launch_attrs("ff8_ptx_probe", ptx, 1, 32, 0))
+    def f(x, y):
+        return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4,), jnp.float32), input_output_aliases={1: 0})(
+            x, y, **launch_attrs("ff8_ptx_probe", ptx, 1, 32, 0))
 
-        x = jax.device_put(jnp.arange(4, dtype=jnp.float32), dev)
-        y = jax.device_put(jnp.asarray([10.0, 20.0, 30.0, 40.0], jnp.float32), dev)
-        got = np.asarray(jax.jit(f)(x, y))
-    except Exception as e:  # noqa: BLE001 - the reason goes into the error of impl='ptx'
-        return False, f"jaxlib {jaxlib.__version__} could not run it: {type(e).__name__}: {str(e)[:400]}"
+    x = jax.device_put(jnp.arange(4, dtype=jnp.float32), dev)
+    y = jax.device_put(jnp.asarray([10.0, 20.0, 30.0, 40.0], jnp.float32), dev)
+    got = np.asarray(jax.jit(f)(x, y))
     if got.tolist() != [10.0, 21.0, 32.0, 43.0]:
         return False, f"jaxlib {jaxlib.__version__} ran it with wrong results ({got.tolist()}, not x + y)"
     return True, f"jaxlib {jaxlib.__version__} runs it"
