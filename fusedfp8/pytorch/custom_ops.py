@@ -596,3 +596,21 @@ def reduce_current_scales(amax: Tensor, amax_history: Tensor, scale: Tensor, sca
 @reduce_current_scales.register_fake
 def _(amax, amax_history, scale, scale_inv, index, fmt_max, margin_factor, group_name):
     return None
+
+
+def check_group(group, argname: str) -> None:
+    """Raise if ``group``, passed as the argument ``argname`` (``group`` of update_model_scales,
+    ``amax_group`` of the modules and convert_to_fp8), cannot carry a reduction of amaxes across
+    ranks (before anything is built or written). Here beside the collective it checks for, below
+    the modules and scaling.py that both take it."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError(f"{argname}: torch.distributed is not available in this build of torch, so amaxes cannot "
+                           f"be reduced across ranks; pass {argname}=None")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{argname} must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD or "
+                        f"one made by torch.distributed.new_group) or None; got {type(group).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError(f"{argname}: torch.distributed is not initialized; call "
+                           f"torch.distributed.init_process_group first, or pass {argname}=None")

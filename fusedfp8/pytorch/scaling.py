@@ -46,6 +46,7 @@ from torch import nn
 from .. import ops
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
+from .custom_ops import check_group
 from .modules import GRAD, Fp8Linear
 
 __all__ = ["update_model_scales", "fp8_modules", "PendingScaleUpdate"]
@@ -223,21 +224,6 @@ def update_model_scales(model: nn.Module, group=None, *, async_op: bool = False)
 
 
 # ---- the cross-rank MAX of the staged amaxes ----------------------------------------------
-def check_group(group, argname: str) -> None:
-    """Raise if ``group``, passed as the argument ``argname`` (``group`` of update_model_scales,
-    ``amax_group`` of the modules and convert_to_fp8), cannot carry a reduction of amaxes across
-    ranks (before anything is built or written)."""
-    if not dist.is_available():
-        raise RuntimeError(f"{argname}: torch.distributed is not available in this build of torch, so amaxes cannot "
-                           f"be reduced across ranks; pass {argname}=None")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{argname} must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD or "
-                        f"one made by torch.distributed.new_group) or None; got {type(group).__name__}")
-    if not dist.is_initialized():
-        raise RuntimeError(f"{argname}: torch.distributed is not initialized; call "
-                           f"torch.distributed.init_process_group first, or pass {argname}=None")
-
-
 class _Reduction:
     """One in-flight (or finished) all_reduce over the staged rows of some linked states."""
 
