@@ -42,6 +42,8 @@ import hashlib
 import math
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import _cuda
@@ -107,7 +109,7 @@ def _compile_options(cc: int) -> list[str]:
             *(f"-I{d}" for d in _cuda.cuda_include_dirs())]
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # (a PTX is up to ~200 KB)
 def compile_ptx(family: str, wrapper: str, cc: int) -> str:
     """The PTX of cuda_src/<family>.cu followed by ``wrapper``, for compute capability ``cc`` (90 for
     sm_90; ``family`` '' for ``wrapper`` alone): NVRTC through CuPy's binding where CuPy is there (the
@@ -181,7 +183,6 @@ def supported() -> tuple[bool, str]:
     is aliased to its second operand (XLA passes operands then results, an aliased pair as two
     pointers to one buffer), run and checked (once per process, about a second). Measured to run in
     jaxlib 0.11.2 (scripts/xla_custom_call_probe.py)."""
-    import jax
     import jaxlib
 
     try:  # (run now even when the first call comes while a program is traced: FUSEDFP8_JAX_IMPL=ptx)
@@ -193,8 +194,6 @@ def supported() -> tuple[bool, str]:
 
 def _probe(dev) -> tuple[bool, str]:
     """:func:`supported`'s run on ``dev``."""
-    import jax
-    import jax.numpy as jnp
     import jaxlib
 
     ptx = compile_ptx("", _PROBE_SRC, compute_capability(int(getattr(dev, "local_hardware_id", dev.id))))
@@ -258,9 +257,6 @@ def run(plans: dict, shapes, args, sources, aliases: dict):
     """The results of ``plans`` on ``args`` as PTX custom calls (the contract of
     :func:`fusedfp8.jax.callbacks.run`): ``shapes`` the results, ``sources`` one per plan slot
     (``("in", k)``, ``("out", k)`` or None), ``aliases`` operand -> result of the state buffers."""
-    import jax
-    import jax.numpy as jnp
-
     plan, cc = one_plan(plans)
     current = [None] * len(shapes)  # each result's value so far (an array), None before it is written
     for i, o in aliases.items():
@@ -279,13 +275,13 @@ def run(plans: dict, shapes, args, sources, aliases: dict):
                                  f"only; the plan zeroes {st.nbytes} bytes of slot {plan.slots[st.slot]} ({src})")
             current[src[1]] = jnp.zeros(shapes[src[1]].shape, shapes[src[1]].dtype)
             continue
-        current = _launch(st, plan.slots, cc, shapes, args, sources, current, size_of, jax, jnp)
+        current = _launch(st, cc, shapes, args, sources, current, size_of)
     # a result no launch touches is one the plan leaves undefined (an empty tensor's dbias workspaces,
     # which the callers drop): zeros
     return [jnp.zeros(shapes[k].shape, shapes[k].dtype) if v is None else v for k, v in enumerate(current)]
 
 
-def _launch(st: Launch, slots, cc: int, shapes, args, sources, current, size_of, jax, jnp):
+def _launch(st: Launch, cc: int, shapes, args, sources, current, size_of) -> list:
     """One launch step as one call: its operands, its results (aliased where the buffer has a value)."""
     if st.coop:
         raise ValueError("fusedfp8: impl='ptx' cannot launch a cooperative kernel (XLA's PTX call has no such launch)")
@@ -315,7 +311,7 @@ def _launch(st: Launch, slots, cc: int, shapes, args, sources, current, size_of,
             if src is None or size_of(src) == 0:
                 exprs.append("nullptr")  # an absent or empty buffer: a null pointer, as the executors pass
                 continue
-            exprs.append(("res", buffer(src), tok.b))
+            exprs.append((buffer(src), tok.b))  # (a buffer of the call, a byte offset)
         elif tok.kind == NULL:
             exprs.append("nullptr")
         elif tok.kind == FLAG:  # every XLA buffer is XLA_ALIGN-aligned: the flag is its static condition
@@ -329,7 +325,7 @@ def _launch(st: Launch, slots, cc: int, shapes, args, sources, current, size_of,
     def render(e):
         if isinstance(e, str):
             return e
-        (is_result, idx), offset = e[1], e[2]
+        (is_result, idx), offset = e
         p = f"p{n_ops + idx if is_result else idx}"
         return f"ff8_ptx::Buf{{{p} + {offset}}}" if offset else f"ff8_ptx::Buf{{{p}}}"
 

@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import fusedfp8
@@ -242,3 +243,20 @@ def test_every_wrapper_compiles_for_sm90(background):
     assert progs["update_scales"]["bodies"] == ["update_scales_body"]
     assert progs["update_meta"]["bodies"] == ["update_meta_body"]
     assert v["compiles"] >= 3 * 5 * 2 * 3  # pre-pass, flat and tiled per (dtype, op, format), amax per (dtype, op)
+
+
+def test_shard_map_lowers(gpu_faked):
+    """Inside shard_map (x and the state varying over the mesh axis, as primitives.py asks): the same
+    PTX calls, the zeros operand of the dbias counters and the amax included."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as PS
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+
+    def f(x, s):
+        s = jax.tree.map(lambda a: jax.lax.pcast(a, ("d",), to="varying"), s)
+        g, s = JP.dgelu_quantize(x, x, s, 2, UNIT, transpose=True, dbias=True)
+        return g.dbias, JP.amax(x).reshape(1)
+
+    sf = jax.shard_map(f, mesh=mesh, in_specs=(PS("d"), PS()), out_specs=(PS("d"), PS("d")))
+    assert SP.targets(lowered(sf, jnp.ones((64, 32), jnp.bfloat16), state(UNIT))) == [X.TARGET] * 2
