@@ -66,6 +66,9 @@ def other_plans():
     return ([(("dequantize", n), _cuda.build_dequantize_plan(fake_refs(DQKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
             + [(("update", n, L), _cuda.build_update_plan(fake_refs(UKEY), n, L, 0.5, algo)) for n, L, algo in
                [(1, 1, True), (3, 1024, False), (1024, 31, True)]]
+            # the flax meta's update (JAX: decode, rule and counters in one launch, out of place)
+            + [(("update_meta", n, L), _cuda.build_update_plan(fake_refs(UKEY), n, L, 0.5, algo, meta=True))
+               for n, L, algo in [(3, 1, True), (3, 1024, False)]]
             + [(("layernorm", r, c, t, f, p), _cuda.build_layernorm_plan(
                 fake_refs(LNKEY), SMS, r, c, t, f, 1e-5, 0.5, 4,
                 _cuda.layernorm_tile(_cuda.padded(r, c, p)[1], 227 << 10) if t else (0, 0), p))
