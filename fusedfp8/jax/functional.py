@@ -44,7 +44,7 @@ from ..types import (GEMM_MULTIPLE, Quantized, check_approximate, check_pad_to, 
 from . import gemm as G
 from . import layernorm as LN
 from . import primitives as P
-from .meta import LINEAR_GRAD, combine, decode, meta_to_state, state_to_meta
+from .meta import LINEAR_GRAD, combine, decode, float_counters, meta_to_state, state_to_meta
 from .meta import check_meta as _check_meta
 
 __all__ = ["quantize_ste", "quantize_weight", "fp8_dot", "fp8_dot_use", "fp8_mlp", "fp8_mlp_use", "gemm"]
@@ -117,7 +117,7 @@ def _advance(meta, cfg, grad=LINEAR_GRAD) -> tuple[ScalingState, tuple | None]:
     decode, two conversions, the update and two conversions back); the float32 counters it
     returns (or a later use's own) go to :func:`state_to_meta`."""
     if not cfg.first:
-        return meta_to_state(meta, grad), (meta[3], meta[4])
+        return meta_to_state(meta, grad), float_counters(meta)
     if not cfg.recipe.current and cfg.axis_name is None:
         return P.update_meta(meta, cfg.recipe, grad, impl=cfg.impl)
     st = meta_to_state(decode(meta), grad)
@@ -377,17 +377,13 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
     h, w1, b1, w2, b2 = map(_first_order, (h, w1, b1, w2, b2))
     ln = jax.tree.map(_first_order, ln)
     r, impl, dt = cfg.recipe, cfg.impl, jnp.dtype(cfg.dtype)
-    fc1 = fc2 = None  # the float32 counters of the output metas, where a kernel wrote them (_advance)
-    if cfg.first and not r.current and cfg.axis_name is None:  # one launch a meta (P.update_meta)
-        (st1, fc1), (st2, fc2) = P.update_meta(meta1, r, LINEAR_GRAD, impl=impl), P.update_meta(meta2, r, LINEAR_GRAD,
-                                                                                                impl=impl)
-    elif cfg.first:  # both linears' staged amaxes in one all-reduce, then the two (local) updates
-        # (none under CurrentScaling across devices: the staged amaxes are global already)
+    if cfg.first and (r.current or cfg.axis_name is not None):
+        # both linears' staged amaxes in one all-reduce, then the two (local) updates (none under
+        # CurrentScaling across devices: the staged amaxes are global already)
         st1, st2 = P.sync_staged([meta_to_state(decode(meta1)), meta_to_state(decode(meta2))],
                                  None if _across(cfg) else cfg.axis_name)
-        st1 = P.update_scales(st1, r, impl=impl)
-        st2 = P.update_scales(st2, r, impl=impl)
-    else:
+        (st1, fc1), (st2, fc2) = (P.update_scales(st1, r, impl=impl), None), (P.update_scales(st2, r, impl=impl), None)
+    else:  # each meta as fp8_dot's (_advance: one update_meta launch a meta on a first use)
         (st1, fc1), (st2, fc2) = _advance(meta1, cfg), _advance(meta2, cfg)
     (m, hid), ffn, out = h.shape, w1.shape[1], w2.shape[1]
     p = gemm_pad_to(m, hid, ffn, out)  # ragged: every FP8 operand written padded by its kernel, as fp8_dot

@@ -31,7 +31,8 @@ from jax import lax
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 
-__all__ = ["META_FIELDS", "LINEAR_GRAD", "fresh_meta", "meta_to_state", "state_to_meta", "check_meta", "decode",
+__all__ = ["META_FIELDS", "LINEAR_GRAD", "fresh_meta", "meta_to_state", "state_to_meta", "float_counters", "check_meta",
+           "decode",
            "combine", "declare_state"]
 
 META_FIELDS = (*STATE_FIELDS, "writes")
@@ -60,6 +61,11 @@ def meta_to_state(meta, grad=LINEAR_GRAD) -> ScalingState:
     for name in _COUNTERS:
         arrays[name] = arrays[name].astype(jnp.int32)
     return ScalingState(**arrays, grad=tuple(grad))
+
+
+def float_counters(meta) -> tuple:
+    """A meta's counters as they are in it, float32: (overflows, updates)."""
+    return tuple(meta[META_FIELDS.index(name)] for name in _COUNTERS)
 
 
 def state_to_meta(state: ScalingState, counters=None) -> tuple:
