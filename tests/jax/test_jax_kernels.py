@@ -22,6 +22,7 @@ from fusedfp8.jax import primitives as P
 from fusedfp8.state import ScalingState
 from support import shapes as S
 from support.frameworks import mse_train_step
+from support.ptx import require_ptx
 from support.hlo import fp8_gemm_counts, fp8_pads, other_gemms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.jax_gpu]
@@ -547,8 +548,8 @@ def test_update_meta_matches_jnp(impl, L, algo, margin):
     """The one-launch update of a flax meta (decode, rule, counters both ways) against the
     jax.numpy composition it replaces, byte for byte: every output, every branch (decoded
     columns, overflow, not quantized, a denormal amax), histories longer than a block's rows."""
-    if impl == "ptx" and not P.ptx.supported()[0]:
-        pytest.skip(P.ptx.supported()[1])
+    if impl == "ptx":
+        require_ptx()
     recipe = fusedfp8.DelayedScaling(amax_history_len=L, amax_compute_algo=algo, margin=margin)
     fn = {i: jax.jit(lambda m, i=i: P.update_meta(m, recipe, JM.LINEAR_GRAD, impl=i)) for i in (impl, "jnp")}
     for k, meta in enumerate(_meta_cases(L)):

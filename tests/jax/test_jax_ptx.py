@@ -23,6 +23,7 @@ from fusedfp8.jax import primitives as P
 from fusedfp8.jax import ptx as X
 from fusedfp8.state import STATE_FIELDS, ScalingState
 from support.frameworks import mse_train_step
+from support.ptx import require_ptx
 
 pytestmark = [pytest.mark.gpu, pytest.mark.jax_gpu]
 
@@ -31,9 +32,7 @@ RECIPE = fusedfp8.DelayedScaling(amax_history_len=8)
 
 @pytest.fixture(autouse=True, scope="module")
 def ptx_runs_here():
-    ok, why = X.supported()
-    if not ok:
-        pytest.skip(f"impl='ptx': {why}")
+    require_ptx()
 
 
 def gpu(a):

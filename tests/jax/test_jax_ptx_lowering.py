@@ -260,3 +260,20 @@ def test_shard_map_lowers(gpu_faked):
 
     sf = jax.shard_map(f, mesh=mesh, in_specs=(PS("d"), PS()), out_specs=(PS("d"), PS("d")))
     assert SP.targets(lowered(sf, jnp.ones((64, 32), jnp.bfloat16), state(UNIT))) == [X.TARGET] * 2
+
+
+def test_the_gpu_tests_fail_rather_than_skip_where_ptx_should_run(monkeypatch):
+    """tests/support/ptx.require_ptx: a failing probe skips the GPU tests of impl 'ptx' only on a
+    jaxlib older than one known to run the call; on a newer one it fails them (a broken probe must
+    not pass as a skip)."""
+    import jaxlib
+
+    monkeypatch.setattr(X, "supported", lambda: (False, "the probe failed"))
+    monkeypatch.setattr(jaxlib, "__version__", "0.10.0")
+    with pytest.raises(pytest.skip.Exception, match="the probe failed"):
+        SP.require_ptx()
+    monkeypatch.setattr(jaxlib, "__version__", "0.11.2")
+    with pytest.raises(pytest.fail.Exception, match="should run on jaxlib 0.11.2.*the probe failed"):
+        SP.require_ptx()
+    monkeypatch.setattr(X, "supported", lambda: (True, "runs"))
+    SP.require_ptx()

@@ -73,3 +73,24 @@ def kernel_data(line: str) -> str:
 
 def n_aliases(line: str) -> int:
     return line.count("output_operand_alias<")
+
+
+KNOWN_TO_RUN = (0, 11, 2)  # jaxlib measured to run XLA's PTX custom call (H200, 2026-12-04)
+
+
+def require_ptx() -> None:
+    """On a GPU: skip where this jaxlib is older than one known to run the PTX custom call and
+    its probe fails; FAIL where the jaxlib should run it and the probe says it does not (a broken
+    probe or wrapper must not pass as a skip)."""
+    import jaxlib
+    import pytest
+
+    from fusedfp8.jax import ptx
+
+    ok, why = ptx.supported()
+    if ok:
+        return
+    version = tuple(int(p) for p in re.findall(r"\d+", jaxlib.__version__)[:3])
+    if version < KNOWN_TO_RUN:
+        pytest.skip(f"impl='ptx': {why}")
+    pytest.fail(f"impl='ptx' should run on jaxlib {jaxlib.__version__} (>= {KNOWN_TO_RUN}), but: {why}")
