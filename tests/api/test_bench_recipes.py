@@ -290,3 +290,17 @@ def test_jax_benchmark_on_gpu_under_both_recipes(scripts, tmp_path, capsys):
     assert rows["fp8_fused@current"]["fp8_state"]["updates"] == [0] and rows["fp8_fused@current"]["fp8_state"]["ok"]
     assert set(res["breakdown@current"]) == set(res["breakdown"]) == {"fusedfp8_ops_ms", "fp8_gemms_ms", "bf16_gemms_ms"}
     assert res["summary"]["fp8_fused@current_loss_within_2pct"], res["summary"]
+
+
+def test_every_kernel_of_ours_counts_as_fusedfp8_in_the_profiles(scripts):
+    """The profile's categories: the state-update kernels and impl 'ptx''s wrappers are ours (the seed
+    run of 2026-12-04 counted update_meta and every ff8_ptx_ kernel as 'other'); XLA's and cuBLAS's
+    kernels are not."""
+    cat = scripts.core.kernel_category
+    for name in ("void quantize_tiled<__nv_bfloat16, 1, 0, GridAmax>(...)", "quantize_flat", "update_meta",
+                 "update_scales", "ff8_ptx_5914723a5820b4bff850", "dequantize_flat"):
+        assert cat(name) == "fusedfp8", name
+    assert cat("void layernorm_quantize<__nv_bfloat16, float, 0, true, true>(...)") == "layernorm"
+    assert cat("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_TNT") == "gemm"
+    for name in ("input_multiply_reduce_fusion", "loop_add_fusion", "wrapped_convert", "Memset 0"):
+        assert cat(name) == "other", name
