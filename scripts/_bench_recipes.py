@@ -1,4 +1,4 @@
-"""The FP8 recipes of the MLP train-step benchmarks (issue 21): ``--recipes delayed,current``.
+"""The FP8 recipes of the MLP train-step benchmarks (issue 21): ``--recipes delayed,current`` (and ``unit``).
 
 Every FP8 mode of bench_mlp_torch.py, bench_mlp_jax.py and seed_flax_mlp.py runs once per recipe
 in the same run, beside bf16, from the same initial weights on the same data. A mode under
@@ -21,7 +21,11 @@ import numpy as np
 
 import fusedfp8
 
-RECIPES = {"delayed": fusedfp8.DelayedScaling(), "current": fusedfp8.CurrentScaling()}
+# 'unit': delayed scaling whose first step quantizes with scale 1 (no first-step amax pass): its
+# quantizations need no cooperative launch (the first step's grid-wide amax), so a CUDA-graphed step
+# holds plain kernel nodes: an A/B of what the cooperative nodes cost the graph.
+RECIPES = {"delayed": fusedfp8.DelayedScaling(), "current": fusedfp8.CurrentScaling(),
+           "unit": fusedfp8.DelayedScaling(first_step="unit")}
 TAG = "@"
 
 

@@ -48,6 +48,7 @@ def test_names_and_parsing(scripts):
         None, "flax", "delayed", "current"]
     assert isinstance(r.RECIPES["current"], fusedfp8.CurrentScaling)
     assert isinstance(r.RECIPES["delayed"], fusedfp8.DelayedScaling)
+    assert r.RECIPES["unit"] == fusedfp8.DelayedScaling(first_step="unit") and r.tagged("fp8_graphed", "unit") == "fp8_graphed@unit"
     assert r.meta(["delayed"]) == {"recipe": str(fusedfp8.DelayedScaling()),
                                    "recipes": {"delayed": str(fusedfp8.DelayedScaling())}}
 
