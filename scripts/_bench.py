@@ -39,6 +39,29 @@ def empty_categories() -> dict:
     return {**{c: 0.0 for c, _ in KERNEL_CATEGORIES}, "other": 0.0}
 
 
+# ---- the jobs in plain torch (the peers of bench_kernels.py and _bench_current.py) ---------------
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def torch_activation(job: str, x, b):
+    """(y in float32, the format's max, the torch FP8 dtype) of a quantize / gelu / dgelu job
+    (``job`` starts with the kind; gelu and dgelu in the tanh form, dgelu with x = ``b``)."""
+    import torch
+
+    xf = x.float()
+    if job.startswith("quantize"):
+        return xf, E4M3_MAX, torch.float8_e4m3fn
+    if job.startswith("gelu"):
+        return torch.nn.functional.gelu(xf, approximate="tanh"), E4M3_MAX, torch.float8_e4m3fn
+    if not job.startswith("dgelu"):
+        raise ValueError(f"job must start with quantize, gelu or dgelu; got {job!r}")
+    bf = b.float()
+    u = 0.7978845608028654 * (bf + 0.044715 * bf * bf * bf)
+    th = torch.tanh(u)
+    g = 0.5 * (1 + th) + 0.5 * bf * (1 - th * th) * 0.7978845608028654 * (1 + 3 * 0.044715 * bf * bf)
+    return xf * g, E5M2_MAX, torch.float8_e5m2
+
+
 # ---- clocks ----------------------------------------------------------------------------------
 class Clock:
     """Time of a callable on ``device``: CUDA events around it on a GPU (device time, read after

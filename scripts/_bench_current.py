@@ -15,6 +15,13 @@ rotating over > 200 MB as bench_kernels does):
   recipe's steady steps with ``first_step='current'`` run it): the state's scale, no barrier, but the
   grid and shared memory of the first-step launch.
 
+Beside them, with ``--peers`` (default: eager and compile of bench_kernels.py's peers), current scaling
+as torch does it without us (torchao's tensorwise recipe: amax, scale, cast as separate operations):
+``eager`` (torch ops: several kernels) and ``compile`` (the same function under torch.compile:
+inductor's reduction and cast kernels), graph-timed the same way, their q compared with the one-launch
+q (``<peer>_mismatch``: the fraction of bytes that differ; torch's tanh is not ours, so gelu's may).
+Transformer Engine's three launches are not here (it is not installed on the machines we are lent).
+
 Correctness first, on the full tensor: the bytes (q, q_t), amax, scale and scale_inv of one_launch and
 of grid_amax equal the two-pass path's, bit for bit, later_step's equal the delayed kernel's, and q
 equals the NumPy reference on a row block (quantized with the scale of the whole tensor's amax,
@@ -23,6 +30,8 @@ bytes). Targets (issue 21): one_launch / delayed <= 1.15 at 2048x4096 and 4096x4
 8192x16384 (quantize).
 """
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import torch
@@ -83,6 +92,39 @@ class Call:
         return {"kernel": main.variants[0].name, "grid": main.variants[0].grid, "shared": main.shared}
 
 
+PEERS = ("eager", "compile")
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def torch_current_job(job: str, x, b):
+    """Current scaling in plain torch ops: the activation in float32 (_bench.torch_activation), amax =
+    max |y|, scale = fmt_max / amax (FLT_MAX where that overflows, 1 where amax is 0 or not finite: the
+    library's rule for a fresh state, margin 0), the saturating cast; q_t and dbias as the job asks.
+    Returns (q, q_t or None, dbias or None, amax, scale)."""
+    y, fmax, dt = _bench.torch_activation(job, x, b)
+    amax = y.abs().amax()
+    ok = torch.isfinite(amax) & (amax > 0)
+    scale = torch.where(ok, (fmax / amax).clamp(max=FLT_MAX), torch.ones_like(amax))
+    q = (y * scale).clamp(-fmax, fmax).to(dt)
+    return (q, q.t().contiguous() if job.endswith("_t") else None, y.sum(0) if "dbias" in job else None, amax,
+            scale)
+
+
+def time_peer(fn, inputs) -> tuple[float, str]:
+    """(us a call, how): a CUDA graph of the calls where they can be captured, else an event-timed loop."""
+    try:
+        return _bench.graph_us(fn, inputs), "graph"
+    except Exception as e:  # noqa: BLE001 - e.g. inductor code that cannot be captured
+        print(f"  (graph capture failed: {type(e).__name__}; timing a loop instead)", flush=True)
+        torch.cuda.synchronize()
+        return _bench.loop_us(fn, inputs), "loop"
+
+
+def mismatch(a, b) -> float:
+    """The fraction of the bytes of two uint8 views that differ."""
+    return float((a != b).float().mean().item())
+
+
 def _bits(t):
     return t.detach().cpu().numpy().view(np.uint8 if t.element_size() == 1 else np.uint32)
 
@@ -120,8 +162,9 @@ def check(job: str, x, b, m: int, n: int) -> dict:
     return ok
 
 
-def run(sizes, jobs, ceiling: float, job_bytes) -> list[dict]:
+def run(sizes, jobs, ceiling: float, job_bytes, peers=()) -> list[dict]:
     results = []
+    compiled = {}
     for m, n in sizes:
         size = f"{m}x{n}"
         k = max(2, min(64, -(-(200 << 20) // (2 * m * n))))
@@ -146,6 +189,17 @@ def run(sizes, jobs, ceiling: float, job_bytes) -> list[dict]:
             for mode in MODES[1:]:
                 row[f"{mode}_vs_delayed"] = row[f"{mode}_us"] / row["delayed_us"]
             row["one_launch_vs_grid_amax"] = row["one_launch_us"] / row["grid_amax_us"]
+            if peers:
+                ours = Call(job, "one_launch", m, n)
+                ours(xs[0], bs[0])
+            for peer in peers:
+                fn = (partial(torch_current_job, job) if peer == "eager" else
+                      compiled.setdefault(job, torch.compile(partial(torch_current_job, job), dynamic=False)))
+                q = fn(xs[0], bs[0])[0]
+                row[f"{peer}_mismatch"] = mismatch(q.view(torch.uint8), ours.q)
+                row[f"{peer}_us"], row[f"{peer}_timing"] = time_peer(fn, inputs)
+                row[f"{peer}_frac"] = row["bytes"] / (row[f"{peer}_us"] * 1e-6) / 1e12 / ceiling
+                row[f"one_launch_vs_{peer}"] = row["one_launch_us"] / row[f"{peer}_us"]
             if job.startswith("quantize") and size in TARGETS:
                 row["target_vs_delayed"] = TARGETS[size]
                 row["meets_target"] = row["one_launch_vs_delayed"] <= TARGETS[size]
@@ -153,6 +207,7 @@ def run(sizes, jobs, ceiling: float, job_bytes) -> list[dict]:
             print(f"{size:>11} {job:<14} ok={row['correct']}  " + "  ".join(
                 f"{mode} {row[mode + '_us']:8.1f}us ({row[mode + '_frac']:.2f})" for mode in MODES)
                 + f"  one/delayed {row['one_launch_vs_delayed']:.2f}  one/grid {row['one_launch_vs_grid_amax']:.2f}"
+                + "".join(f"  {p} {row[p + '_us']:.1f}us (mismatch {row[p + '_mismatch']:.4f})" for p in peers)
                 + f"  plan {row['one_launch_plan']}", flush=True)
         del xs, bs
         torch.cuda.empty_cache()
@@ -163,12 +218,13 @@ def print_table(results: list[dict]) -> None:
     rows = []
     for r in results:
         if not r["correct"]:
-            rows.append([r["job"], r["size"], *("-" for _ in MODES), "-", "-", "-", "False"])
+            rows.append([r["job"], r["size"], *("-" for _ in (*MODES, *PEERS)), "-", "-", "-", "False"])
             continue
         tgt = (f"{r['target_vs_delayed']:.2f} {'met' if r['meets_target'] else 'MISSED'}"
                if "target_vs_delayed" in r else "")
         rows.append([r["job"], r["size"], *(f"{r[m + '_us']:.1f} ({r[m + '_frac']:.2f})" for m in MODES),
+                     *(f"{r[p + '_us']:.1f} ({r[p + '_frac']:.2f})" if p + "_us" in r else "-" for p in PEERS),
                      f"{r['one_launch_vs_delayed']:.2f}", f"{r['one_launch_vs_grid_amax']:.2f}", tgt,
                      str(r["correct"])])
     _bench.print_table(["job", "size", "delayed us (frac)", "one launch", "grid amax", "two pass", "later step",
-                        "one/delayed", "one/grid", "target", "correct"], rows)
+                        "torch eager", "torch.compile", "one/delayed", "one/grid", "target", "correct"], rows)

@@ -42,7 +42,7 @@ import _bench  # noqa: E402
 import _bench_current  # noqa: E402
 import fusedfp8  # noqa: E402
 
-E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+E4M3_MAX, E5M2_MAX = _bench.E4M3_MAX, _bench.E5M2_MAX
 SIZES = [(1024, 1024), (4096, 4096), (8192, 4096), (8192, 16384)]
 JOBS = ["quantize", "quantize_t", "gelu", "gelu_t", "dgelu_dbias", "dgelu_dbias_t", "layernorm", "layernorm_t"]
 TARGETS = {  # fraction of the copy ceiling, at 8192x16384 (and 4096x4096 for quantize)
@@ -97,21 +97,12 @@ def fused(job, x, b, scale, amax, pad_to=1):
 def torch_job(job, x, b, scale, amax):
     """The same job in plain torch ops: activation in fp32, amax, scale, saturating cast."""
     t = job.endswith("_t")
-    xf = x.float()
-    if job.startswith("quantize"):
-        y, fmax, dt = xf, E4M3_MAX, torch.float8_e4m3fn
-    elif job.startswith("gelu"):
-        y, fmax, dt = torch.nn.functional.gelu(xf, approximate="tanh"), E4M3_MAX, torch.float8_e4m3fn
-    elif job.startswith("layernorm"):  # (mean and rstd come out of native_layer_norm too)
+    if job.startswith("layernorm"):  # (mean and rstd come out of native_layer_norm too)
         w, bias = ln_params(x.shape[-1])
-        y = torch.native_layer_norm(xf, (x.shape[-1],), w.float(), bias.float(), LN_EPS)[0]
+        y = torch.native_layer_norm(x.float(), (x.shape[-1],), w.float(), bias.float(), LN_EPS)[0]
         fmax, dt = E4M3_MAX, torch.float8_e4m3fn
     else:
-        bf = b.float()
-        u = 0.7978845608028654 * (bf + 0.044715 * bf * bf * bf)
-        th = torch.tanh(u)
-        g = 0.5 * (1 + th) + 0.5 * bf * (1 - th * th) * 0.7978845608028654 * (1 + 3 * 0.044715 * bf * bf)
-        y, fmax, dt = xf * g, E5M2_MAX, torch.float8_e5m2
+        y, fmax, dt = _bench.torch_activation(job, x, b)
     torch.maximum(amax, y.abs().amax().reshape(1), out=amax)
     q = (y * scale).clamp(-fmax, fmax).to(dt)
     qt = q.t().contiguous() if t else None
@@ -277,7 +268,12 @@ def main(argv=None) -> int:
     if current:
         if set(jobs) - set(own_jobs):
             ap.error(f"--jobs: unknown with --recipe current {sorted(set(jobs) - set(own_jobs))}; choose from {own_jobs}")
-        return run_current(args, sizes, jobs)
+        peers = [] if args.peers == "none" else [p for p in args.peers.split(",") if p != "xla"]
+        if set(peers) - set(_bench_current.PEERS):
+            ap.error(f"--peers with --recipe current: from {list(_bench_current.PEERS)} (xla is ignored); got {args.peers!r}")
+        if not torch.cuda.is_available():
+            ap.error("needs a CUDA GPU that runs the fused kernels (this machine has none)")
+        return run_current(args, sizes, jobs, peers)
     peers = [] if args.peers == "none" else args.peers.split(",")
     if set(jobs) - set(JOBS):
         ap.error(f"--jobs: unknown {sorted(set(jobs) - set(JOBS))}; choose from {JOBS}")
@@ -410,14 +406,17 @@ def run_ragged(args, sizes, jobs) -> int:
     return 0 if all(r["correct"] for r in results) else 1
 
 
-def run_current(args, sizes, jobs) -> int:
+def run_current(args, sizes, jobs, peers) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU that runs the fused kernels (this machine has none)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ceiling = _bench.copy_ceiling_tbps()
     print(f"copy ceiling: {ceiling:.3f} TB/s (read + write)", flush=True)
-    results = _bench_current.run(sizes, jobs, ceiling, job_bytes)
+    torch._dynamo.config.cache_size_limit = 256  # (one compiled peer per job and size, as the delayed run)
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 256
+    results = _bench_current.run(sizes, jobs, ceiling, job_bytes, peers)
     meta = _bench.run_meta(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_ceiling_TBps=ceiling)
     _bench.write_json(out / "bench_kernels_current.json", meta, results)
     _bench_current.print_table(results)

@@ -305,3 +305,32 @@ def test_every_kernel_of_ours_counts_as_fusedfp8_in_the_profiles(scripts):
     assert cat("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_TNT") == "gemm"
     for name in ("input_multiply_reduce_fusion", "loop_add_fusion", "wrapped_convert", "Memset 0"):
         assert cat(name) == "other", name
+
+
+def test_the_torch_current_scaling_peer_is_the_librarys_rule(scripts):
+    """bench_kernels.py --recipe current's torch peers (eager, compiled) quantize with the library's
+    current-scaling rule: q and q_t byte for byte the reference's for a plain quantization (scale
+    fmt_max / amax), scale 1 for an amax of 0 or inf, dbias the column sums; checked on the CPU."""
+    import torch
+
+    from fusedfp8.numerics import reference as ref
+
+    cur = importlib.import_module("_bench_current")
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(48, 32, generator=gen) * 7).to(torch.bfloat16)
+    q, q_t, db, amax, scale = cur.torch_current_job("quantize_t", x, None)
+    xh = x.float().numpy()  # (bf16 values, exact in float32)
+    a = ref.amax(xh)
+    s = ref.current_scale(a, "e4m3", 1.0, np.float32(1))
+    want = ref.finish(xh, a, s, "e4m3", True)
+    assert np.float32(amax.item()) == a and np.float32(scale.item()) == s
+    assert np.array_equal(q.view(torch.uint8).numpy(), want.data.view(np.uint8))
+    assert np.array_equal(q_t.view(torch.uint8).numpy(), want.data_t.view(np.uint8)) and db is None
+    for bad in (0.0, float("inf")):  # no usable amax: the tensor goes unscaled
+        _, _, _, _, s_bad = cur.torch_current_job("quantize", torch.full((4, 16), bad, dtype=torch.bfloat16), None)
+        assert s_bad.item() == 1.0
+    dy, xb = (torch.randn(64, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q, q_t, db, amax, _ = cur.torch_current_job("dgelu_dbias", dy, xb)
+    assert q.dtype == torch.float8_e5m2 and q_t is None
+    y = cur._bench.torch_activation("dgelu", dy, xb)[0]
+    np.testing.assert_allclose(db.numpy(), y.double().sum(0).numpy(), rtol=1e-5, atol=1e-5)
