@@ -159,6 +159,19 @@ class GraphedStep:
         return self.out
 
 
+def device_us(fn, inputs: list) -> tuple[float, str]:
+    """(us per call, how): :func:`graph_us` where the calls can be captured, else :func:`loop_us`
+    (e.g. inductor code that cannot be captured)."""
+    import torch
+
+    try:
+        return graph_us(fn, inputs), "graph"
+    except Exception as e:  # noqa: BLE001
+        print(f"  (graph capture failed: {type(e).__name__}; timing a loop instead)", flush=True)
+        torch.cuda.synchronize()
+        return loop_us(fn, inputs), "loop"
+
+
 def loop_us(fn, inputs: list, reps: int = 7) -> float:
     """As :func:`graph_us` without a graph (for calls that cannot be captured): CUDA events
     around a loop over the inputs."""

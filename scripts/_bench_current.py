@@ -110,16 +110,6 @@ def torch_current_job(job: str, x, b):
             scale)
 
 
-def time_peer(fn, inputs) -> tuple[float, str]:
-    """(us a call, how): a CUDA graph of the calls where they can be captured, else an event-timed loop."""
-    try:
-        return _bench.graph_us(fn, inputs), "graph"
-    except Exception as e:  # noqa: BLE001 - e.g. inductor code that cannot be captured
-        print(f"  (graph capture failed: {type(e).__name__}; timing a loop instead)", flush=True)
-        torch.cuda.synchronize()
-        return _bench.loop_us(fn, inputs), "loop"
-
-
 def mismatch(a, b) -> float:
     """The fraction of the bytes of two uint8 views that differ."""
     return float((a != b).float().mean().item())
@@ -197,7 +187,7 @@ def run(sizes, jobs, ceiling: float, job_bytes, peers=()) -> list[dict]:
                       compiled.setdefault(job, torch.compile(partial(torch_current_job, job), dynamic=False)))
                 q = fn(xs[0], bs[0])[0]
                 row[f"{peer}_mismatch"] = mismatch(q.view(torch.uint8), ours.q)
-                row[f"{peer}_us"], row[f"{peer}_timing"] = time_peer(fn, inputs)
+                row[f"{peer}_us"], row[f"{peer}_timing"] = _bench.device_us(fn, inputs)
                 row[f"{peer}_frac"] = row["bytes"] / (row[f"{peer}_us"] * 1e-6) / 1e12 / ceiling
                 row[f"one_launch_vs_{peer}"] = row["one_launch_us"] / row[f"{peer}_us"]
             if job.startswith("quantize") and size in TARGETS:

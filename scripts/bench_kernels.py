@@ -149,16 +149,6 @@ def make_xla_job(job):
 
 
 # ---- timing ----------------------------------------------------------------------------------
-def time_device(fn, inputs):
-    """(us per call, how): graph replay when the calls can be captured, else an event-timed loop."""
-    try:
-        return _bench.graph_us(fn, inputs), "graph"
-    except Exception as e:  # noqa: BLE001 - e.g. inductor code that cannot be captured
-        print(f"  (graph capture failed: {type(e).__name__}; timing a loop instead)", flush=True)
-        torch.cuda.synchronize()
-        return _bench.loop_us(fn, inputs), "loop"
-
-
 def time_xla(fn, args, reps=7, iters=10):
     """Median us per job of the jitted ``fn`` (len(args[0]) jobs per call), host-timed around
     blocks of ``iters`` calls with one block_until_ready."""
@@ -326,7 +316,7 @@ def main(argv=None) -> int:
                 fn = compiled.setdefault(job, torch.compile(lambda *a, _j=job: torch_job(_j, *a), dynamic=False))
                 q_c = fn(xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
                 row["compile_mismatch"] = mismatch_fraction(q_c, q_f)
-                row["compile_us"], row["compile_timing"] = time_device(fn, inputs)
+                row["compile_us"], row["compile_timing"] = _bench.device_us(fn, inputs)
             if xla_ok:
                 import jax
                 import jax.numpy as jnp
