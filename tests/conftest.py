@@ -33,6 +33,12 @@ train step that the first leg of the checkpoint test compiles is loaded, not com
 its second leg in a fresh process, and a program that eager code compiles again and again (the
 same HLO: a lax.fori_loop called outside jit is traced and compiled anew on every call) is
 compiled once.
+
+A folder named by JAX_COMPILATION_CACHE_DIR is used instead (and kept): one that outlives the
+run serves the next run's identical programs (jax keys each entry on the program, the compile
+options, the XLA flags and the jax/jaxlib versions, so a changed program is compiled again).
+Measured on 2 cores, the full suite with two workers: 497 s (952 CPU-s) with an empty folder, 293
+s (579 CPU-s) with the folder that run left (about 40 MB).
 """
 from __future__ import annotations
 
@@ -53,9 +59,10 @@ _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="fusedfp8-tests-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
-    # every program, also the small ones that eager jax code compiles again and again
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# every program, also the small ones that eager jax code compiles again and again (in a folder
+# given by JAX_COMPILATION_CACHE_DIR too, unless these are set: see the docstring)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import fusedfp8._cuda as _cuda  # noqa: E402  (imports neither CuPy nor jax)
 

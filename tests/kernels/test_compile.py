@@ -1,5 +1,11 @@
 """Every kernel family compiles with NVRTC for sm_90, for every template instantiation the
-library can ask for; no GPU needed (cuda-bindings' NVRTC and the CUDA headers only). The
+library can ask for; no GPU needed (cuda-bindings' NVRTC and the CUDA headers only). The bfloat16
+groups of quantize, current_quantize and layernorm_quantize, dequantize and update_scales are
+compiled to sm_90 cubins (NVVM and ptxas); the float32 and float16 groups of those three families
+to compute_90 PTX only (support.nvrtc.target_of): for them the C++ front end and NVVM run for every
+instantiation and every kernel must be an entry of the PTX, but ptxas does not run (its register
+and shared-memory allocation of those instantiations is not checked here; the cubin groups put
+every template and every FMT, OP and weight dtype through ptxas). The
 compiles run in one process of their own (tests/run/nvrtc_compile.py): after an NVRTC compile
 through cuda-bindings, torch 2.13 (CPU) cannot torch.load some tensors in the same process, and
 the pytest process runs torch.save / torch.load round trips (tests/pytorch/). That process runs
@@ -35,7 +41,28 @@ def nvrtc(background):
 def test_family_compiles_for_sm90(nvrtc, group):
     assert len(GROUPS[group]) == len(set(GROUPS[group])), f"{group}: a name expression is listed twice"
     v = nvrtc["group"][group]
-    assert v["ok"], f"{group} failed to compile for sm_90:\n{v['log']}"
+    assert v["target"] == N.target_of(group), (group, v["target"])
+    assert v["ok"], f"{group} failed to compile for {v['target']}:\n{v['log']}"
+
+
+def test_the_cubin_groups_put_every_template_and_argument_through_ptxas():
+    """The groups compiled to PTX only are the float32 and float16 groups of the three quantize
+    families; the cubin groups still hold every template, every FMT, OP and weight dtype, and the
+    kernels whose parameter sizes are read from a cubin."""
+    ptx_only = {g for g in GROUPS if N.target_of(g) == N.PTX}
+    assert ptx_only == {f"{f}-{d}" for f in ("quantize", "current_quantize", "layernorm_quantize")
+                        for d in ("float32", "float16")}
+    assert {N.target_of(N.group_of(k)) for k in N.SIGNATURE_KEYS.values()} == {N.CUBIN}
+    keys = _cuda.all_module_keys()
+    in_cubin = [k for k in keys if N.target_of(N.group_of(k)) == N.CUBIN]
+    for family in _cuda.families():
+        assert ({k._replace(dtype="") for k in keys if k.family == family}
+                == {k._replace(dtype="") for k in in_cubin if k.family == family}), family
+
+    def templates(ks):
+        return {e.split("<")[0] for k in ks for e in _cuda.name_expressions(k).values()}
+
+    assert templates(in_cubin) == templates(keys)
 
 
 @uses_the_compiles

@@ -4,7 +4,9 @@
 
 Compiles, for sm_90 and with no GPU (cuda-bindings' NVRTC and the CUDA headers only): every
 kernel family with every template instantiation the library can ask for (one NVRTC program per
-(family, dtype) group, support.nvrtc.groups), and the broken sources (which must fail with a log);
+(family, dtype) group, support.nvrtc.groups; to an sm_90 cubin or, for the float32 and float16
+groups of the quantize families, to compute_90 PTX only: support.nvrtc.target_of), and the broken
+sources (which must fail with a log);
 the parameter sizes of the kernels the launch signatures are checked against are read from
 their group's cubin. Writes the verdicts as JSON. A process of its own because torch 2.13 (CPU) cannot
 torch.load some tensors in a process that has compiled an NVRTC program through cuda-bindings.
@@ -37,14 +39,15 @@ def main(out_path: str) -> None:
                 family = gid.split("-")[0]
                 wanted = [e for exprs in sizes_of[gid].values() for e in exprs]
                 jobs[("group", gid)] = pool.submit(nvrtc.compile_for_sm90, _cuda.family_source(family), names, opts,
-                                                   f"{family}.cu", wanted)
+                                                   f"{family}.cu", wanted, nvrtc.target_of(gid))
             for bid, text in nvrtc.BROKEN.items():
                 jobs[("broken", bid)] = pool.submit(nvrtc.compile_for_sm90, _cuda.family_source("dequantize") + text,
                                                     ["broken_kernel"], opts, "broken.cu")
         result["sizes"] = {}
         for (kind, name), fut in jobs.items():
             compiled, log, sizes = fut.result()
-            result.setdefault(kind, {})[name] = {"ok": compiled, "log": log}
+            result.setdefault(kind, {})[name] = {"ok": compiled, "log": log,
+                                                 "target": nvrtc.target_of(name) if kind == "group" else nvrtc.CUBIN}
             for fam, exprs in sizes_of[name].items() if kind == "group" else ():
                 result["sizes"][fam] = {e: sizes[e] for e in exprs if e in sizes}
     with open(out_path, "w") as f:

@@ -1,5 +1,19 @@
 """Compile CUDA source for sm_90 with NVRTC through cuda-bindings: no GPU needed.
 
+Each compile group (:func:`groups`) is compiled to one of two targets (:func:`target_of`):
+
+- ``sm_90``, a cubin (NVVM, then ptxas): the bfloat16 groups of quantize, current_quantize and
+  layernorm_quantize (the production input dtype; between them every template, and every FMT,
+  OP and layernorm weight dtype, so every inline-asm string goes through ptxas), dequantize and
+  update_scales, and every group whose cubin the launch signatures' parameter sizes are read
+  from (:data:`SIGNATURE_KEYS`);
+- ``compute_90``, PTX only (NVVM; ptxas does not run): the float32 and float16 groups of those
+  three families. Their front end and NVVM still run for every instantiation, so a C++ error,
+  a bad template argument or a missing name expression still fails; ptxas's own checks of
+  them (register and shared-memory allocation, PTX that NVVM emits but ptxas refuses) do not.
+  Measured on a 2-core CPU machine, the whole job: 215 CPU-s with every group to a cubin, 156 with
+  these six to PTX only.
+
 The compiles run only in tests/run/nvrtc_compile.py, a process of its own: torch 2.13 (CPU)
 fails to torch.load some tensors in a process that has compiled an NVRTC program through
 cuda-bindings. Importing this module imports no cuda-bindings (the tests read the lists).
@@ -21,6 +35,18 @@ SIGNATURE_KEYS = {"quantize": _cuda.ModuleKey("quantize", "bfloat16", "e4m3", "d
                   "layernorm_quantize": _cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"),
                   "dequantize": _cuda.ModuleKey("dequantize", "float16", "e5m2"),
                   "update_scales": _cuda.ModuleKey("update_scales")}
+
+
+CUBIN, PTX = "sm_90", "compute_90"
+PTX_ONLY_DTYPES = ("float32", "float16")  # of the families below
+PTX_ONLY_FAMILIES = ("quantize", "current_quantize", "layernorm_quantize")
+
+
+def target_of(group: str) -> str:
+    """What ``group`` is compiled to: :data:`CUBIN` (``-arch=sm_90``) or :data:`PTX`
+    (``-arch=compute_90``, PTX only); see the module's docstring."""
+    family, _, dtype = group.partition("-")
+    return PTX if family in PTX_ONLY_FAMILIES and dtype in PTX_ONLY_DTYPES else CUBIN
 
 
 def group_of(key: _cuda.ModuleKey) -> str:
@@ -54,11 +80,18 @@ def ready() -> tuple[bool, str]:
 
 
 def compile_for_sm90(source: str, name_expressions=(), options=(), name: str = "kernel.cu",
-                     sizes_of=()) -> tuple[bool, str, dict]:
-    """(ok, log, sizes). Uses the same options as the library, minus CuPy's additions. ``sizes``
-    maps each name expression of ``sizes_of`` (some of ``name_expressions``) to its kernel's
-    parameter bytes, read from the cubin (see :func:`_param_sizes`); empty when the compile failed."""
+                     sizes_of=(), arch: str = CUBIN) -> tuple[bool, str, dict]:
+    """(ok, log, sizes). Uses the same options as the library, minus CuPy's additions. ``arch``:
+    :data:`CUBIN` compiles to an sm_90 cubin (ok: a non-empty cubin), :data:`PTX` to compute_90
+    PTX only (ok: a non-empty PTX; ptxas does not run). ``sizes`` maps each name expression of
+    ``sizes_of`` (some of ``name_expressions``; a cubin compile only) to its kernel's parameter
+    bytes, read from the cubin (see :func:`_param_sizes`); empty when the compile failed."""
     from cuda.bindings import nvrtc
+
+    if arch not in (CUBIN, PTX):
+        raise ValueError(f"arch must be {CUBIN!r} or {PTX!r}; got {arch!r}")
+    if sizes_of and arch != CUBIN:
+        raise ValueError(f"sizes_of needs a cubin (arch {CUBIN!r}); got arch {arch!r}")
 
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
@@ -66,25 +99,32 @@ def compile_for_sm90(source: str, name_expressions=(), options=(), name: str = "
         for expr in name_expressions:
             (err,) = nvrtc.nvrtcAddNameExpression(prog, expr.encode())
             assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, (expr, err)
-        opts = [b"-arch=sm_90", *(o.encode() for o in options)]
+        opts = [f"-arch={arch}".encode(), *(o.encode() for o in options)]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
         nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.decode(errors="replace").rstrip("\x00 ")
         ok, sizes = result == nvrtc.nvrtcResult.NVRTC_SUCCESS, {}
         if ok:
-            err, size = nvrtc.nvrtcGetCUBINSize(prog)
-            ok = size > 0
+            err, size = (nvrtc.nvrtcGetCUBINSize if arch == CUBIN else nvrtc.nvrtcGetPTXSize)(prog)
+            ok = err == nvrtc.nvrtcResult.NVRTC_SUCCESS and size > 0
             lowered = {}
             for expr in name_expressions:
                 err, low = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
                 ok = ok and err == nvrtc.nvrtcResult.NVRTC_SUCCESS and bool(low)
                 lowered[expr] = low
+            if ok and arch == PTX:  # every kernel is an entry of the PTX
+                ptx = b" " * size
+                nvrtc.nvrtcGetPTX(prog, ptx)
+                missing = [expr for expr, low in lowered.items() if b".entry " + low + b"(" not in ptx]
+                ok = not missing
+                log += f"\nno .entry in the PTX for {missing}" if missing else ""
             if ok and sizes_of:
                 cubin = b" " * size
                 nvrtc.nvrtcGetCUBIN(prog, cubin)
                 sizes = _param_sizes(cubin, {expr: lowered[expr].decode() for expr in sizes_of})
-        return ok, log.decode(errors="replace").rstrip("\x00 "), sizes
+        return ok, log, sizes
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
