@@ -177,7 +177,8 @@ def launch_path() -> tuple[str, str]:
     handler of the compiled shim) or 'callback' (Python buffer_callbacks); the backend that
     :data:`IMPL_ENV` names where it is set ('ptx': XLA's PTX custom calls for quantize,
     gelu_quantize, dgelu_quantize, update_scales and amax, the rest 'ffi' or 'callback', see the
-    module docstring). impl='auto' takes 'ptx' only through that variable (until it is measured)."""
+    module docstring). impl='auto' takes 'ptx' only through that variable: it measured slower
+    than 'ffi' on the seed's step (docs/benchmarks.md, "late night")."""
     env = os.environ.get(IMPL_ENV, "").strip()
     if env:
         return env, f"set by the environment variable {IMPL_ENV}"
