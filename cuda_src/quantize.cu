@@ -104,6 +104,9 @@ __device__ __forceinline__ void store16(u8* p, u64 lo, u64 hi, int n, int mode) 
     }
 }
 
+// Where column c (0..63) of a row of quantize_tiled's colsum lives (a float4 group stays whole).
+__device__ __forceinline__ int cs_at(int c) { return c ^ ((c >> 5) << 3); }
+
 // Byte offset of tile element (r, c) in quantize_tiled's swizzled 128 x 64 shared tile (see its header).
 __device__ __forceinline__ int tile_at(int r, int c) {
     return 64 * r + 16 * ((c >> 4) ^ ((r >> 4) & 3)) + 8 * (((c >> 3) & 1) ^ ((r >> 6) & 1)) + (c & 7);
@@ -347,7 +350,9 @@ __device__ __forceinline__ void quantize_tiled_body(
     constexpr int PER_ROW = T2_LOADS / 2;       // 16-byte loads per row
     constexpr int ELEMS = 16 / (int)sizeof(T);  // elements per 16-byte load
     __shared__ __align__(16) u8 tile[2][TILE_R * TILE_C];
-    __shared__ __align__(16) float colsum[64][TILE_C + 4];  // dbias: each thread's two-row sums
+    // dbias: each thread's two-row sums; column c stored at cs_at(c) (columns 32..63 with bit 3 flipped), so
+    // the float4 stores of a quarter warp (2 rows x columns 0, 16, 32, 48) hit 8 distinct bank groups
+    __shared__ __align__(16) float colsum[64][TILE_C + 4];
     __shared__ float colsum4[4][TILE_C];                    // dbias: the 16-row groups' sums
     const int t = threadIdx.x, lr = t >> 2, lc = (t & 3) * 16;
     const u32 tiles_c = (u32)((pcols + TILE_C - 1) / TILE_C), tiles_r = (u32)((prows + TILE_R - 1) / TILE_R);
@@ -454,7 +459,7 @@ __device__ __forceinline__ void quantize_tiled_body(
                 }
 #pragma unroll
                 for (int j = 0; j < 16; j += 4)
-                    *reinterpret_cast<float4*>(&colsum[lr][lc + j]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
+                    *reinterpret_cast<float4*>(&colsum[lr][cs_at(lc + j)]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
             }
         };
         if (OP >= 3 && dbias != nullptr) body(Flag<true>());  // (dbias: OP 3/4 only, see above)
@@ -486,9 +491,9 @@ __device__ __forceinline__ void quantize_tiled_body(
         if (OP >= 3 && dbias != nullptr) {  // the tile's column sums: one partial row of the workspace
             {
                 const int c = t & 63, g = t >> 6;
-                float acc = colsum[16 * g][c];
+                float acc = colsum[16 * g][cs_at(c)];
 #pragma unroll
-                for (int k = 1; k < 16; ++k) acc = fadd(acc, colsum[16 * g + k][c]);
+                for (int k = 1; k < 16; ++k) acc = fadd(acc, colsum[16 * g + k][cs_at(c)]);
                 colsum4[g][c] = acc;
             }
             __syncthreads();
