@@ -19,7 +19,9 @@ SIZES = [(2048, 1024), (2048, 4096), (8192, 16384)]
 mods = []
 for label, path, defs in variants:
     names = [f"quantize_tiled<__nv_bfloat16, {f}, {op}, StagedAmax>" for _, f, op, _ in JOBS]
-    m = cp.RawModule(code=open(path).read(), options=opts + tuple(defs), name_expressions=names, jitify=False)
+    # the local headers inlined (CuPy's disk cache keys on the source text only), as the library does
+    code = _cuda._INCLUDE.sub(lambda mt: open(os.path.join("cuda_src", mt.group(1))).read(), open(path).read())
+    m = cp.RawModule(code=code, options=opts + tuple(defs), name_expressions=names, jitify=False)
     mods.append({j[0]: m.get_function(n) for j, n in zip(JOBS, names)})
 dev = cp.cuda.Device()
 sms = dev.attributes["MultiProcessorCount"]
