@@ -696,12 +696,9 @@ def build_dequantize_plan(refs: dict, sms: int, n: int) -> Plan:
 def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max: bool, meta: bool = False) -> Plan:
     """The fused update over :data:`UPDATE_SLOTS`: one block per tensor. ``meta``: update_meta over
     :data:`META_UPDATE_SLOTS` (a flax meta decoded, updated and its counters converted, in one launch)."""
-    if meta:
-        return _plan(META_UPDATE_SLOTS, [_launch([(refs["meta_update"], max(n, 1))], 0, THREADS, (
-            *map(ptr, range(13)), imm32(n), imm32(L), immf32(margin_factor), imm32(int(algo_max))))])
-    r = refs["update"]
-    return _plan(UPDATE_SLOTS, [_launch([(r, max(n, 1))], 0, THREADS, (*map(ptr, range(6)), imm32(n), imm32(L),
-                                                                        immf32(margin_factor), imm32(int(algo_max))))])
+    slots, role = (META_UPDATE_SLOTS, "meta_update") if meta else (UPDATE_SLOTS, "update")
+    return _plan(slots, [_launch([(refs[role], max(n, 1))], 0, THREADS, (
+        *map(ptr, range(len(slots))), imm32(n), imm32(L), immf32(margin_factor), imm32(int(algo_max))))])
 
 
 # Cached per signature. Pass the arguments positionally: the cache keys on them as given.

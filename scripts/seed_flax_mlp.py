@@ -36,7 +36,6 @@ host-bound the step is. JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import statistics
@@ -44,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import _bench
 import _bench_recipes as recipes
@@ -84,21 +84,10 @@ def takes_recipe(mode: str) -> bool:
     return mode.startswith("fusedfp8")
 
 
-@contextlib.contextmanager
 def mode_env(mode: str):
     """The environment ``mode`` (or ``mode@recipe``) traces its program in (:data:`MODE_ENV`; the
-    variables are read when jax traces the step), restored after."""
-    env = MODE_ENV.get(recipes.split(mode)[0], {})
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    variables are read when jax traces the step), restored after: a context manager."""
+    return mock.patch.dict(os.environ, MODE_ENV.get(recipes.split(mode)[0], {}))
 
 
 def make_model(mode: str, hidden: int, ffn: int):

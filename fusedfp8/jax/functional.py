@@ -382,7 +382,8 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
         # CurrentScaling across devices: the staged amaxes are global already)
         st1, st2 = P.sync_staged([meta_to_state(decode(meta1)), meta_to_state(decode(meta2))],
                                  None if _across(cfg) else cfg.axis_name)
-        (st1, fc1), (st2, fc2) = (P.update_scales(st1, r, impl=impl), None), (P.update_scales(st2, r, impl=impl), None)
+        st1, st2 = P.update_scales(st1, r, impl=impl), P.update_scales(st2, r, impl=impl)
+        fc1 = fc2 = None  # (state_to_meta converts the counters)
     else:  # each meta as fp8_dot's (_advance: one update_meta launch a meta on a first use)
         (st1, fc1), (st2, fc2) = _advance(meta1, cfg), _advance(meta2, cfg)
     (m, hid), ffn, out = h.shape, w1.shape[1], w2.shape[1]

@@ -32,8 +32,7 @@ from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 
 __all__ = ["META_FIELDS", "LINEAR_GRAD", "fresh_meta", "meta_to_state", "state_to_meta", "float_counters", "check_meta",
-           "decode",
-           "combine", "declare_state"]
+           "decode", "combine", "declare_state"]
 
 META_FIELDS = (*STATE_FIELDS, "writes")
 LINEAR_GRAD = (False, False, True)  # tensors of a linear's meta: input, weight, output gradient

@@ -146,15 +146,21 @@ def _check_impl(impl: str) -> str:
     return impl
 
 
-def _env_backend() -> str | None:
-    """The CUDA backend that :data:`IMPL_ENV` sets for impl='auto' (checked as an explicit impl), or None."""
+def _env_value() -> str | None:
+    """The CUDA backend :data:`IMPL_ENV` names (one of the CUDA impls), or None where it is not set."""
     value = os.environ.get(IMPL_ENV, "").strip()
     if not value:
         return None
     if value not in _CUDA_IMPLS:
         raise ValueError(f"fusedfp8: the environment variable {IMPL_ENV} must be one of {_CUDA_IMPLS} (the CUDA "
                          f"backend of impl='auto'); got {value!r}")
-    return _check_impl(value)
+    return value
+
+
+def _env_backend() -> str | None:
+    """The CUDA backend that :data:`IMPL_ENV` sets for impl='auto' (checked as an explicit impl), or None."""
+    value = _env_value()
+    return None if value is None else _check_impl(value)
 
 
 def _fallback_backend() -> str:
@@ -179,8 +185,8 @@ def launch_path() -> tuple[str, str]:
     gelu_quantize, dgelu_quantize, update_scales and amax, the rest 'ffi' or 'callback', see the
     module docstring). impl='auto' takes 'ptx' only through that variable: it measured slower
     than 'ffi' on the seed's step (docs/benchmarks.md, "late night")."""
-    env = os.environ.get(IMPL_ENV, "").strip()
-    if env:
+    env = _env_value()
+    if env is not None:
         return env, f"set by the environment variable {IMPL_ENV}"
     on, why = _shim.default_on()
     if not on:

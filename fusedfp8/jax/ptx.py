@@ -52,8 +52,7 @@ from ..csrc.plan import FLAG, F32, I32, I64, NULL, PTR, Launch, Memset
 TARGET = "__gpu$xla.gpu.ptx"
 # the kernels a wrapper can call: kernel name -> its cuda_src family (its body is <name>_body)
 FAMILIES = {"quantize_flat": "quantize", "quantize_tiled": "quantize", "update_scales": "update_scales",
-            "update_meta": "update_scales",
-            "dequantize_flat": "dequantize"}
+            "update_meta": "update_scales", "dequantize_flat": "dequantize"}
 XLA_ALIGN = 16  # the least alignment of an XLA buffer (kEntryParameterAlignBytes)
 
 _HELPER = r'''
