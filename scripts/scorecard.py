@@ -124,12 +124,12 @@ def load(role: str, path, order: int = 0) -> Source:
     expected and what came when it cannot be read or is not that role's JSON."""
     flag, want = f"--{role}", KINDS[role]
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes()
     except OSError as e:
         raise ValueError(f"{flag} {path}: expected {want}; got a file that cannot be read ({e.strerror or e})") from None
     try:
         doc = json.loads(text)
-    except ValueError as e:
+    except ValueError as e:  # (also bytes that are not text)
         raise ValueError(f"{flag} {path}: expected {want}; got a file that is not JSON ({e})") from None
     kind = kind_of(doc)
     if kind != role:
