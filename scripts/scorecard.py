@@ -259,7 +259,9 @@ class MetaField:
 def hidden_of(r: dict):
     """The hidden size of an MLP result's shape: [hidden, ffn, tokens] (seed) or {hidden: ...} (torch)."""
     shape = r.get("shape")
-    return shape[0] if isinstance(shape, list) and shape else dig(r, "shape.hidden") if isinstance(shape, dict) else None
+    if isinstance(shape, list):
+        return shape[0] if shape else None
+    return shape.get("hidden") if isinstance(shape, dict) else None
 
 
 def shape_record(doc: dict, hidden: int):
