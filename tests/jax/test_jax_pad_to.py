@@ -1,8 +1,9 @@
 """``pad_to`` of the JAX quantize primitives on the CPU (issue 19.1): quantize / gelu_quantize /
 dgelu_quantize write their codes and transpose padded to multiples of ``pad_to`` (FP8 zeros in
 the pad, outside the amax), byte for byte what the host reference ``fusedfp8.quantize(...,
-pad_to=)`` writes, on every impl that runs here; the kernel branch (traced beside the jax.numpy
-one by impl='auto') declares the same padded shapes; a bad ``pad_to`` is refused by name before
+pad_to=)`` writes (impl 'jnp' on the whole grid, 'auto' on a few cases: on the CPU it runs the same
+jax.numpy function); the kernel branch (traced beside the jax.numpy one by impl='auto', on the whole
+grid) declares the same padded shapes; a bad ``pad_to`` is refused by name before
 anything is traced; the weight cache's ``quantize_weight(pad_to=16)``. The GPU kernels against
 this path are test_jax_kernels.py (the ragged tests: no pad of FP8 bytes in the compiled HLO)."""
 import jax
@@ -49,15 +50,26 @@ def _unpadded(op, impl, dy, x):
     return _UNPADDED[key]
 
 
-@pytest.mark.parametrize("impl", CPU_IMPLS)
-@pytest.mark.parametrize("op", list(OPS))
-@pytest.mark.parametrize("pad_to", [1, 16, 7])
-@pytest.mark.parametrize("shape", S.params("ragged-odd-tail-33x17", "aligned-64x128", "ragged-1x1", "ragged-0x16",
-                                           "ragged-3d-3x5x7"))
+GRID_SHAPES = S.params("ragged-odd-tail-33x17", "aligned-64x128", "ragged-1x1", "ragged-0x16", "ragged-3d-3x5x7")
+# impl='auto' on the CPU runs the jax.numpy branch of lax.platform_dependent: the same function as
+# impl='jnp'. So the grid computes with 'jnp' only; what 'auto' adds, the CUDA branch traced beside it
+# with the same result types, is checked on the whole grid without compiling
+# (test_auto_traces_both_branches_with_the_padded_types), and 'auto' computes on these cases:
+AUTO_RUNS = {("ragged-odd-tail-33x17", 16), ("ragged-3d-3x5x7", 7), ("aligned-64x128", 1)}
+
+
+def _grid(impls):
+    return [pytest.param(shape, pad_to, op, impl, id=f"{shape.id}-{pad_to}-{op}-{impl}")
+            for shape in GRID_SHAPES for pad_to in (1, 16, 7) for op in OPS for impl in impls
+            if impl == "jnp" or (shape.id, pad_to) in AUTO_RUNS]
+
+
+@pytest.mark.parametrize("shape, pad_to, op, impl", _grid(CPU_IMPLS))
 def test_padded_quantization_matches_the_host_reference(shape, pad_to, op, impl, rng):
     """A first step (current scaling: the scale from the tensor's own amax) under jit against the
     host reference on a NumPy state: q and q_t padded, dbias (never padded), scale_inv and every
     array of the new state byte for byte; the amax is the unpadded tensor's."""
+    shape = shape.values[0]
     index, prim, host = OPS[op]
     x = (rng.standard_normal(shape) * 3).astype(np.float32)
     dy = (rng.standard_normal(shape) * 2).astype(np.float32)
@@ -101,6 +113,30 @@ def _kernel_branch_shapes(fn, *args) -> list:
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
+
+
+@pytest.mark.parametrize("shape, pad_to, op", [
+    pytest.param(shape, pad_to, op, id=f"{shape.id}-{pad_to}-{op}") for shape in GRID_SHAPES for pad_to in (1, 16, 7)
+    for op in OPS])
+def test_auto_traces_both_branches_with_the_padded_types(shape, pad_to, op):
+    """impl='auto' traced (not compiled) on every case of the grid: lax.platform_dependent takes the
+    CUDA branch only if its results have the jax.numpy branch's types, and the quantize call of the
+    CUDA branch declares the padded q and q_t of the host reference's shapes."""
+    shape = shape.values[0]
+    _, prim, _ = OPS[op]
+    st = ScalingState.create((False, False, True), RECIPE, like=jnp.zeros(1))
+    x = jnp.zeros(shape, jnp.bfloat16)
+
+    def fn(dy, x, st):
+        return prim(dy, x, st, transpose=True, pad_to=pad_to, impl="auto")
+
+    r, _ = jax.eval_shape(fn, x, x, st)
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    prows, pcols = -(-rows // pad_to) * pad_to, -(-cols // pad_to) * pad_to
+    q_shape = tuple(shape) if pad_to == 1 else (prows, pcols)
+    assert (r.data.shape, r.data_t.shape) == (q_shape, (pcols, prows))
+    (kernel,) = _kernel_branch_shapes(fn, x, x, st)
+    assert kernel[:2] == [q_shape, (pcols, prows)]
 
 
 @pytest.mark.parametrize("pad_to", [1, 16])
