@@ -17,13 +17,6 @@
 using namespace ff8;
 
 // ---- helpers of the vector paths -----------------------------------------------------------------
-// A 16-byte load through the read-only path, as written (volatile: issued where it stands, so the
-// next step's loads are in flight while this step computes).
-__device__ __forceinline__ uint4 ldg_nc16(const void* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
 __device__ __forceinline__ u32 word_of(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
 
 // Element j (0..15, compile-time) of 16 consecutive elements held raw in 16-byte chunks c[].
@@ -106,11 +99,6 @@ __device__ __forceinline__ void store16(u8* p, u64 lo, u64 hi, int n, int mode) 
 
 // Where column c (0..63) of a row of quantize_tiled's colsum lives (a float4 group stays whole).
 __device__ __forceinline__ int cs_at(int c) { return c ^ ((c >> 5) << 3); }
-
-// Byte offset of tile element (r, c) in quantize_tiled's swizzled 128 x 64 shared tile (see its header).
-__device__ __forceinline__ int tile_at(int r, int c) {
-    return 64 * r + 16 * ((c >> 4) ^ ((r >> 4) & 3)) + 8 * (((c >> 3) & 1) ^ ((r >> 6) & 1)) + (c & 7);
-}
 
 template <bool V> struct Flag { static constexpr bool value = V; };
 
@@ -284,9 +272,6 @@ __global__ void __launch_bounds__(FF8_THREADS, Pre::template flat_min_blocks<T, 
 // is the same tile grid: 128 and 64 are multiples of 16); the dbias workspace has one row per
 // row tile and one counter per column strip of the padded shape.
 // ---------------------------------------------------------------------------------------------
-#define TILE_R 128  // the tiled kernel's tile (_cuda.TILE_R, TILE_C)
-#define TILE_C 64
-
 // dbias, after the block's last tile: the partials the block wrote are made visible (one fence), then
 // one count per tile on its column strip's counter; the block whose count completes a strip (all
 // tiles_r of its tiles written) adds the strip's partials in tile order into dbias and zeroes the
@@ -357,9 +342,7 @@ __device__ __forceinline__ void quantize_tiled_body(
     const int t = threadIdx.x, lr = t >> 2, lc = (t & 3) * 16;
     const u32 tiles_c = (u32)((pcols + TILE_C - 1) / TILE_C), tiles_r = (u32)((prows + TILE_R - 1) / TILE_R);
     const i64 ntiles = (i64)tiles_r * tiles_c;
-    // the transposed reads: rows 16 rm..+15, the word of columns 4 wc..+3; bytes kb, kb + 1 of it
-    const int lane = t & 31, rm = lane & 7, cp = (t >> 5) * 4 + (lane >> 3), wc = cp >> 1, kb = 2 * (cp & 1);
-    const int rd_base = tile_at(16 * rm, 4 * wc);
+    const TileLanes lanes = tile_lanes(t);  // the transposed store's
     // the tile stores: row lr + 64 p, chunk t % 4 (tile_at(lr + 64 p, lc) = wr_base + 4096 p, halves swapped for p = 1)
     const int wr_base = tile_at(lr, lc);
     // q's stores: 16 bytes (q 16-byte aligned, pcols % 16 == 0), 8 (8-byte aligned, pcols % 8 == 0), else 1
@@ -465,29 +448,7 @@ __device__ __forceinline__ void quantize_tiled_body(
         if (OP >= 3 && dbias != nullptr) body(Flag<true>());  // (dbias: OP 3/4 only, see above)
         else body(Flag<false>());
         __syncthreads();
-        if (q_t != nullptr) {
-            u32 wd[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) wd[i] = *reinterpret_cast<const u32*>(tl + rd_base + 64 * i);
-            const i64 gr = r0 + 16 * rm;
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                const u32 sel = (u32)(kb + k) | ((u32)(kb + k + 4) << 4);  // byte kb + k of two words
-                u32 o[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    o[i] = __byte_perm(__byte_perm(wd[4 * i], wd[4 * i + 1], sel),
-                                       __byte_perm(wd[4 * i + 2], wd[4 * i + 3], sel), 0x5410);
-                const i64 gc = c0 + 2 * cp + k;
-                if (t16 && gc < pcols && gr < prows) {  // (gr % 16 == 0 == prows % 16: all 16 inside)
-                    *reinterpret_cast<uint4*>(q_t + gc * prows + gr) = make_uint4(o[0], o[1], o[2], o[3]);
-                } else if (gc < pcols) {
-#pragma unroll
-                    for (int i = 0; i < 16; ++i)
-                        if (gr + i < prows) q_t[gc * prows + gr + i] = (u8)(o[i >> 2] >> (8 * (i & 3)));
-                }
-            }
-        }
+        if (q_t != nullptr) store_tile_t(tl, q_t, lanes, r0, c0, prows, pcols, t16);
         if (OP >= 3 && dbias != nullptr) {  // the tile's column sums: one partial row of the workspace
             {
                 const int c = t & 63, g = t >> 6;

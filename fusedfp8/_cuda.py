@@ -47,7 +47,7 @@ CPP_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16
 CPP_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FMT_IDS = {"e4m3": 0, "e5m2": 1}
 OPS = {"identity": 0, "gelu_tanh": 1, "gelu_erf": 2, "dgelu_tanh": 3, "dgelu_erf": 4}  # types.kernel_op names
-LAUNCH_CONFIGS = ("old", "new")
+LAUNCH_CONFIGS = ("old", "new", "split")
 
 
 def _launch_config() -> str:
@@ -60,7 +60,9 @@ def _launch_config() -> str:
     passed on the H200 2026-12-04). (A lean dgelu tiled
     kernel, three blocks per multiprocessor at 80 registers, was measured on the H200 and left
     out: 2048x4096 dgelu_dbias_t 26.3 vs 24.7 us, slower at the seed's size; faster only at
-    8192x16384, 289 vs 315 us.)"""
+    8192x16384, 289 vs 315 us.) 'split': 'new', but layernorm_quantize with q_t as two launches, the
+    kernel without q_t and then transpose_fp8 over its q (:func:`build_layernorm_plan`), for an A/B
+    against the fused tile (not yet measured on a GPU); any width then takes q_t (no shared tile)."""
     value = os.environ.get("FUSEDFP8_LAUNCH", "new")
     if value not in LAUNCH_CONFIGS:
         raise ValueError(f"fusedfp8: FUSEDFP8_LAUNCH must be one of {LAUNCH_CONFIGS}, got {value!r}")
@@ -157,7 +159,8 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
                 "layernorm_store1_t": f"layernorm_quantize<{t}, {p}, {f}, true, true>",
                 "layernorm_store0": f"layernorm_quantize<{t}, {p}, {f}, false, false>",
                 "padded_layernorm_store1": f"layernorm_quantize_padded<{t}, {p}, {f}, false>",
-                "padded_layernorm_store1_t": f"layernorm_quantize_padded<{t}, {p}, {f}, true>"}
+                "padded_layernorm_store1_t": f"layernorm_quantize_padded<{t}, {p}, {f}, true>",
+                "transpose_tiled": "transpose_fp8"}
     if key.family == "dequantize":
         return {"dequant": f"dequantize_flat<{CPP_TYPES[key.dtype]}, {FMT_IDS[key.fmt]}>"}
     if key.family == "update_scales":
@@ -199,6 +202,7 @@ SIGNATURES = {
                                 #                     margin
     "padded_layernorm": "@13Pqqqq4i2f",  # layernorm_quantize_padded: 13 pointers, rows, cols, prows, pcols, tpr,
                                          #                            tile_rows, vec, vec_t, eps, margin
+    "transpose": "@2Pqqii",  # transpose_fp8: q, q_t, prows, pcols, vec, vec_t
     "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
     "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
     "meta_update": "@13Piifi",  # update_meta: 13 pointers (the meta in, the state and counters out), n, L, margin,
@@ -618,7 +622,7 @@ def layernorm_block(tpr: int, tile_rows: int = 0, launch: str | None = None) -> 
 
 def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, first: bool = False,
                          eps: float = 1e-5, margin_factor: float = 1.0, offset: int = 0,
-                         tile: tuple[int, int] = (0, 0), pad_to: int = 1) -> Plan:
+                         tile: tuple[int, int] = (0, 0), pad_to: int = 1, split: bool = False) -> Plan:
     """The plan of one layernorm_quantize call over :data:`LAYERNORM_SLOTS` (``refs``: role ->
     KernelRef, the main kernel's ``per_sm`` counted with the tile's shared memory; ``tile``: (rows
     per tile, shared bytes) from :func:`layernorm_tile`, used with ``transpose``). ``offset``: the
@@ -629,17 +633,20 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
     ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
     pad, written by the padded main kernel (its groups run to the padded rows; ``tile`` must then
     be the one of the padded columns); a shape that needs no pad (or 0 rows) launches exactly what
-    ``pad_to=1`` launches."""
+    ``pad_to=1`` launches. ``split`` (with ``transpose``; FUSEDFP8_LAUNCH=split): q_t not from the
+    kernel's shared tile (``tile`` unused) but from a second launch, transpose_fp8 over the q the
+    kernel without q_t wrote (padded: with its zeros), in 128 x 64-byte tiles."""
     X, W, B, Q, QT, MEAN, RSTD, S, A, SO, SIO, SIU, U = range(len(LAYERNORM_SLOTS))
     prows, pcols = padded(rows, cols, pad_to)
     pad = rows > 0 and (prows, pcols) != (rows, cols)
     tpr = _ln.threads_per_row(max(cols, 1))
-    tile_rows, shared = tile if transpose else (0, 0)
+    fused_t = transpose and not split  # q_t from the kernel's shared tile
+    tile_rows, shared = tile if fused_t else (0, 0)
     block = layernorm_block(tpr)  # the pre-pass's (and without q_t the main kernel's)
     per_pass = block // tpr
     vec_in = flag((X, W, B, Q), 16, cols % 8 == 0)  # the pre-pass (and a launch for no rows) writes no q
     vec = flag((X, W, B, Q), 16, cols % 8 == 0 and pcols % 8 == 0)  # q's rows start 8-byte aligned
-    main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if transpose else "layernorm_store1")]
+    main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if fused_t else "layernorm_store1")]
     pre = refs["layernorm_store0"]
 
     def st(slot):
@@ -659,10 +666,14 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
             NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, st(U), rows, 0, flag((), 16, False),
             vec=vec_in)))
     so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
-    groups = -(-prows // (tile_rows if transpose else per_pass))
+    groups = -(-prows // (tile_rows if fused_t else per_pass))
     steps.append(_launch([(main, max(1, min(groups, main.per_sm * sms)))], 0, layernorm_block(tpr, tile_rows), params(
-        ptr(Q), ptr(QT) if transpose else NULLPTR, ptr(MEAN), ptr(RSTD), so, sio, ptr(SIU), u, rows, tile_rows,
-        flag((QT,), 16, transpose and prows % max(tile_rows, 1) == 0), (prows, pcols) if pad else ()), shared))
+        ptr(Q), ptr(QT) if fused_t else NULLPTR, ptr(MEAN), ptr(RSTD), so, sio, ptr(SIU), u, rows, tile_rows,
+        flag((QT,), 16, fused_t and prows % max(tile_rows, 1) == 0), (prows, pcols) if pad else ()), shared))
+    if transpose and split:
+        tr = refs["transpose_tiled"]
+        steps.append(_launch([(tr, _tiled_grid(tr, sms, prows, pcols))], 0, TILED_BLOCK, (
+            ptr(Q), ptr(QT), imm64(prows), imm64(pcols), flag((Q,), 16, pcols % 16 == 0), flag((QT,), 16, prows % 16 == 0))))
     return _plan(LAYERNORM_SLOTS, steps)
 
 
@@ -745,15 +756,22 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
     """:func:`build_layernorm_plan` for module (dtype, fmt, param) on ``device`` (compiles it on first
     use; with ``transpose``, allows the kernel the tile's shared memory: the tile of the padded columns)."""
     ks = kernels(ModuleKey("layernorm_quantize", dtype, fmt, param=param), device)
-    tile = layernorm_tile(padded(rows, cols, pad_to)[1], shared_optin(device)) if transpose and rows else (0, 0)
+    split = LAUNCH == "split"
+    fused_t = transpose and rows and not split
+    tile = layernorm_tile(padded(rows, cols, pad_to)[1], shared_optin(device)) if fused_t else (0, 0)
     tpr = _ln.threads_per_row(max(cols, 1))
     for role in ("layernorm_store1_t", "padded_layernorm_store1_t"):
         ks[role].allow_shared(tile[1])
-    refs = {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(layernorm_block(tpr, tile[0]), tile[1])
-                            if role.endswith("_t") else k.blocks_per_sm(layernorm_block(tpr)))
-            for role, k in ks.items()}
+
+    def per_sm(role, k):
+        if role == "transpose_tiled":
+            return k.blocks_per_sm(TILED_BLOCK)
+        return k.blocks_per_sm(layernorm_block(tpr, tile[0]), tile[1]) if role.endswith("_t") else \
+            k.blocks_per_sm(layernorm_block(tpr))
+
+    refs = {role: KernelRef(k.func, k.name, role, per_sm(role, k)) for role, k in ks.items()}
     return build_layernorm_plan(refs, sm_count(device), rows, cols, transpose, first, eps, margin_factor, offset, tile,
-                                pad_to)
+                                pad_to, split)
 
 
 @functools.lru_cache(maxsize=1024)
