@@ -14,7 +14,7 @@ value comes from, the target and its direction). Inputs by role, each optional a
   (``grid_amax_vs_delayed``; ``one_launch_vs_delayed`` in a run from before the GridAmax default);
 - ``--seed``: scripts/seed_flax_mlp.py's seed_flax_mlp.json, modes bf16 and fusedfp8 (the hidden
   size of a result's shape says whether it is the 1024 or the 4096 row): the speed-up, wall /
-  GPU busy, GPU busy against bf16's, the last loss against bf16's;
+  GPU busy, GPU busy against bf16's (no loss: the seed is the reproducer, not the regression task);
 - ``--torch``: scripts/bench_mlp_torch.py's bench_mlp_torch.json, modes bf16_/fp8_ eager,
   compiled, graphed: the speed-ups, torch.compile against eager, the loss of the last steps.
 
@@ -293,15 +293,14 @@ def shape_record(doc: dict, hidden: int):
 
 @dataclass(frozen=True)
 class ShapeRatio:
-    """``num`` / ``den`` (paths in the MLP result of hidden size ``hidden``; minus 1 with
-    ``minus_one``: a relative difference). ``stored``: where the JSON keeps the same figure (must
-    agree); ``ok``: correctness flags of the result (each must be True where present)."""
+    """``num`` / ``den`` (paths in the MLP result of hidden size ``hidden``). ``stored``: where the JSON
+    keeps the same figure (must agree); ``ok``: correctness flags of the result (each must be True
+    where present)."""
     hidden: int
     num: str
     den: str
     stored: str | None = None
     ok: tuple = ()
-    minus_one: bool = False
 
     def find(self, doc: dict) -> Found | None:
         sel, r = shape_record(doc, self.hidden)
@@ -310,12 +309,12 @@ class ShapeRatio:
         a, b = number(dig(r, self.num)), number(dig(r, self.den))
         if a is None or b is None:
             return None
-        path = f"{sel}.{self.num} / {sel}.{self.den}" + (" - 1" if self.minus_one else "")
+        path = f"{sel}.{self.num} / {sel}.{self.den}"
         problems = flag_problems(r, self.ok)
         bad = [f"{p} is {v!r}" for p, v in ((self.num, a), (self.den, b)) if not (math.isfinite(v) and v > 0)]
         if bad:
             return Found(None, path, problems + bad)
-        value = a / b - (1 if self.minus_one else 0)
+        value = a / b
         stored = dig(r, self.stored) if self.stored else None
         if not agrees(stored, value):
             problems.append(f"{self.stored} {stored!r} disagrees with {value:.6g}")
@@ -404,9 +403,8 @@ TARGETS = [
     Target("seed program 4096: FP8 speed-up over bf16", "seed",
            ShapeRatio(4096, "modes.bf16.step_ms", "modes.fusedfp8.step_ms", "modes.fusedfp8.speedup_vs_bf16"),
            1.45, ">=", "x"),
-    *(Target(f"seed program {h}: FP8 loss of the run's last step against bf16's", "seed",
-             ShapeRatio(h, "modes.fusedfp8.loss_last", "modes.bf16.loss_last", minus_one=True), LOSS_TOLERANCE,
-             "abs<=", "rel") for h in (1024, 4096)),
+    # (no loss row for the seed program: it is the issue's reproducer, not the fixed regression task of the
+    # loss target, and at 4096 its loss grows in bf16 and FP8 alike; the torch rows below hold that target)
     Target("torch 1024, CUDA-graphed both: FP8 speed-up over bf16", "torch",
            ShapeRatio(1024, "modes.bf16_graphed.step_ms", "modes.fp8_graphed.step_ms",
                       "summary.fp8_graphed_vs_bf16_graphed", (*TORCH_OK, "modes.fp8_graphed.fp8_state.ok")),

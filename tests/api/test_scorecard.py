@@ -9,6 +9,7 @@ framework imported.
 """
 import importlib
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -67,21 +68,28 @@ def test_seed_ratios_are_the_jsons(sc):
     want = fp8["profile"]["busy_ms_per_step"] / bf16["profile"]["busy_ms_per_step"]
     assert want > 1.0 and busy["value"] == pytest.approx(want, rel=1e-12)
     assert busy["status"] == "missed" and busy["gap"] == pytest.approx(want - 1.0)
-    loss = rows["seed program 1024: FP8 loss of the run's last step against bf16's"]
-    want = fp8["loss_last"] / bf16["loss_last"] - 1
-    assert loss["value"] == pytest.approx(want, rel=1e-9) and loss["status"] == ("met" if abs(want) <= 0.02 else "missed")
+    # no loss row from the seed (the reproducer, not the regression task: at 4096 its loss grows in both modes)
+    assert not [name for name in rows if name.startswith("seed") and "loss" in name]
     assert rows["seed program 4096: FP8 speed-up over bf16"]["status"] == "not measured"
 
 
-def test_a_loss_below_bf16s_by_more_than_the_tolerance_is_missed(sc):
-    m = bench("seed_flax_mlp_4096_run2.json")["results"][0]["modes"]  # (a 5-step run)
-    rel = m["fusedfp8"]["loss_last"] / m["bf16"]["loss_last"] - 1
-    assert rel < -0.02
-    row = card(sc, seed=["seed_flax_mlp_4096_run2.json"])["seed program 4096: FP8 loss of the run's last step against bf16's"]
-    assert row["value"] == pytest.approx(rel, rel=1e-9) and (row["status"], row["met"]) == ("missed", False)
+def test_a_loss_off_bf16s_by_more_than_the_tolerance_is_missed(sc, tmp_path):
+    """The torch run's FP8 losses made 5% higher (curves, summary and flag alike): the loss row is
+    missed by abs(measured) / 2% and the gap."""
+    doc = bench("bench_mlp_torch_recipes_1024.json")
+    r = doc["results"][0]
+    steps = r["summary"]["loss_tail_reference"]["steps"]
+    ref = r["modes"][r["summary"]["loss_tail_reference"]["mode"]]["loss"]
+    r["modes"]["fp8_graphed"]["loss"] = [v * 1.05 for v in r["modes"]["fp8_graphed"]["loss"]]
+    tail = slice(steps[0] - 1, steps[1])
+    rel = statistics.fmean(r["modes"]["fp8_graphed"]["loss"][tail]) / statistics.fmean(ref[tail]) - 1
+    r["summary"]["fp8_graphed_loss_tail_rel"], r["summary"]["fp8_graphed_loss_within_2pct"] = rel, False
+    assert rel > 0.02
+    row = card(sc, torch=[written(tmp_path, "t.json", doc)])["torch 1024: fp8_graphed mean loss of steps 91-100 against bf16's"]
+    assert row["value"] == pytest.approx(rel, rel=1e-12) and (row["status"], row["met"]) == ("missed", False)
     assert row["target_text"] == "within ±2.00%"
-    assert row["measured_over_target"] == pytest.approx(-rel / 0.02) and row["gap"] == pytest.approx(-rel - 0.02)
-    assert row["missed_by"] == f"abs(measured)/target {-rel / 0.02:.3f}, gap {-rel - 0.02:+.2%}"
+    assert row["measured_over_target"] == pytest.approx(rel / 0.02) and row["gap"] == pytest.approx(rel - 0.02)
+    assert row["missed_by"] == f"abs(measured)/target {rel / 0.02:.3f}, gap {rel - 0.02:+.2%}"
 
 
 def test_the_newest_file_wins_then_the_later_one(sc):
