@@ -1,4 +1,4 @@
-"""The launch configurations (FUSEDFP8_LAUNCH=old | new | split, :func:`fusedfp8._cuda._launch_config`)
+"""The launch configurations (FUSEDFP8_LAUNCH=old | new | split, :func:`fusedfp8._plans._launch_config`)
 write the same bytes: every output of the kernels the 'new' one changes (layernorm_quantize with
 q_t, one pass per tile), of the two launches 'split' takes for it (the kernel without q_t, then
 transpose_fp8 over q; wide rows, whose fused tile holds 8 or 4 rows, included) and kernels they leave alone (the dgelu tiled kernel with and without dbias
@@ -95,7 +95,7 @@ def test_every_launch_configuration_writes_the_same_bytes(tmp_path):
 
 
 if __name__ == "__main__":
-    from fusedfp8 import _cuda
+    from fusedfp8 import _plans
 
-    assert _cuda.LAUNCH == os.environ["FUSEDFP8_LAUNCH"], (_cuda.LAUNCH, os.environ["FUSEDFP8_LAUNCH"])
+    assert _plans.LAUNCH == os.environ["FUSEDFP8_LAUNCH"], (_plans.LAUNCH, os.environ["FUSEDFP8_LAUNCH"])
     Path(sys.argv[1]).write_text(json.dumps(digests()))

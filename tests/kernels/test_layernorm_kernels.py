@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fusedfp8
-from fusedfp8 import _cuda
+from fusedfp8 import _cuda, _plans
 from fusedfp8.csrc import plan as P
 from fusedfp8.formats import get_format
 from fusedfp8.numerics import layernorm as ln
@@ -548,7 +548,7 @@ def test_plan_launches(rows, cols, transpose, first, pad_to, launch, monkeypatch
     pass: tile_rows * threads per row threads (at most 512, at least 256). Under 'split' q_t comes
     from a second launch: the main kernel without q_t (no tile), then transpose_fp8 over q (the
     padded q: prows x pcols), one block of 256 per 128 x 64 tile, one resident wave at most."""
-    monkeypatch.setattr(_cuda, "LAUNCH", launch)
+    monkeypatch.setattr(_plans, "LAUNCH", launch)  # (where layernorm_block and layernorm_plan read it)
     split = launch == "split"
     refs = fake_refs()
     prows, pcols = _cuda.padded(rows, cols, pad_to)
