@@ -159,6 +159,23 @@ class GraphedStep:
         return self.out
 
 
+def mismatch(a, b) -> float:
+    """The fraction of the bytes of two tensors (FP8 or uint8, the same shape) that differ."""
+    import torch
+
+    return float((a.view(torch.uint8) != b.view(torch.uint8)).float().mean().item())
+
+
+def allow_recompiles(limit: int = 256) -> None:
+    """Lift dynamo's per-code-object cache limit: a peer compiled once per job and size would otherwise
+    fall back to eager, silently, past the default limit."""
+    import torch
+
+    torch._dynamo.config.cache_size_limit = limit
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = limit
+
+
 def device_us(fn, inputs: list) -> tuple[float, str]:
     """(us per call, how): :func:`graph_us` where the calls can be captured, else :func:`loop_us`
     (e.g. inductor code that cannot be captured)."""

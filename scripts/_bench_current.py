@@ -110,18 +110,14 @@ def torch_current_job(job: str, x, b):
             scale)
 
 
-def mismatch(a, b) -> float:
-    """The fraction of the bytes of two uint8 views that differ."""
-    return float((a != b).float().mean().item())
-
-
 def _bits(t):
     return t.detach().cpu().numpy().view(np.uint8 if t.element_size() == 1 else np.uint32)
 
 
-def check(job: str, x, b, m: int, n: int) -> dict:
+def check(job: str, x, b, m: int, n: int) -> tuple[dict, Call]:
     """The one-launch paths against the two-pass path and the later step against the delayed kernel
-    (everything, full tensor), and q against the reference (first rows): check -> passed."""
+    (everything, full tensor), and q against the reference (first rows): (check -> passed, the
+    one-launch call, its outputs those of (x, b))."""
     calls = {mode: Call(job, mode, m, n) for mode in MODES}
     for c in calls.values():
         c(x, b)
@@ -149,7 +145,7 @@ def check(job: str, x, b, m: int, n: int) -> dict:
     ok["scale == reference"] = bool(np.float32(one.scale.item()) == s)
     want = ref.finish(y_rows, ref.amax(y_rows), s, one.fmt, False).data.view(np.uint8)
     ok["q == reference (first rows)"] = np.array_equal(_bits(one.q[:rows]), want)
-    return ok
+    return ok, one
 
 
 def run(sizes, jobs, ceiling: float, job_bytes, peers=()) -> list[dict]:
@@ -163,7 +159,7 @@ def run(sizes, jobs, ceiling: float, job_bytes, peers=()) -> list[dict]:
         bs = [torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(k)]
         for job in jobs:
             row = {"job": job, "size": size, "bytes": job_bytes(job, m, n), "recipe": "current"}
-            row["checks"] = check(job, xs[0], bs[0], m, n)
+            row["checks"], ours = check(job, xs[0], bs[0], m, n)  # (ours: the one-launch q of xs[0], bs[0])
             row["correct"] = all(row["checks"].values())
             if not row["correct"]:  # (no timing of wrong bytes)
                 print(f"{size:>11} {job:<14} ok=False, not timed: {row['checks']}", flush=True)
@@ -179,14 +175,11 @@ def run(sizes, jobs, ceiling: float, job_bytes, peers=()) -> list[dict]:
             for mode in MODES[1:]:
                 row[f"{mode}_vs_delayed"] = row[f"{mode}_us"] / row["delayed_us"]
             row["one_launch_vs_grid_amax"] = row["one_launch_us"] / row["grid_amax_us"]
-            if peers:
-                ours = Call(job, "one_launch", m, n)
-                ours(xs[0], bs[0])
             for peer in peers:
                 fn = (partial(torch_current_job, job) if peer == "eager" else
                       compiled.setdefault(job, torch.compile(partial(torch_current_job, job), dynamic=False)))
                 q = fn(xs[0], bs[0])[0]
-                row[f"{peer}_mismatch"] = mismatch(q.view(torch.uint8), ours.q)
+                row[f"{peer}_mismatch"] = _bench.mismatch(q, ours.q)
                 row[f"{peer}_us"], row[f"{peer}_timing"] = _bench.device_us(fn, inputs)
                 row[f"{peer}_frac"] = row["bytes"] / (row[f"{peer}_us"] * 1e-6) / 1e12 / ceiling
                 row[f"one_launch_vs_{peer}"] = row["one_launch_us"] / row[f"{peer}_us"]

@@ -222,12 +222,6 @@ def check_fused(job, x, b, m, n, pad_to=1):
     return bool(ok)
 
 
-def mismatch_fraction(a, b):
-    a = a.view(torch.uint8)
-    b = b.view(torch.uint8)
-    return float((a != b).float().mean().item())
-
-
 # ---- main ------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -273,11 +267,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    # one compiled function per (job, size): lift dynamo's per-code-object cache limit, or later
-    # sizes silently fall back to eager
-    torch._dynamo.config.cache_size_limit = 256
-    if hasattr(torch._dynamo.config, "recompile_limit"):
-        torch._dynamo.config.recompile_limit = 256
+    _bench.allow_recompiles()  # one compiled peer per (job, size)
     ceiling = _bench.copy_ceiling_tbps()
     print(f"copy ceiling: {ceiling:.3f} TB/s (read + write)", flush=True)
     results = []
@@ -308,12 +298,12 @@ def main(argv=None) -> int:
             q_f = fused(job, xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
             if "eager" in peers:
                 q_e = torch_job(job, xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
-                row["eager_mismatch"] = mismatch_fraction(q_e, q_f)
+                row["eager_mismatch"] = _bench.mismatch(q_e, q_f)
                 row["eager_us"] = _bench.graph_us(lambda *a: torch_job(job, *a), inputs)
             if "compile" in peers:
                 fn = compiled.setdefault(job, torch.compile(lambda *a, _j=job: torch_job(_j, *a), dynamic=False))
                 q_c = fn(xs[0], bs[0], scale, torch.zeros(1, device="cuda"))[0]
-                row["compile_mismatch"] = mismatch_fraction(q_c, q_f)
+                row["compile_mismatch"] = _bench.mismatch(q_c, q_f)
                 row["compile_us"], row["compile_timing"] = _bench.device_us(fn, inputs)
             if xla_ok:
                 import jax
@@ -324,7 +314,7 @@ def main(argv=None) -> int:
                 fn = make_xla_job(job)
                 res = fn(xj[:1], bj[:1], jnp.float32(2.0), jnp.float32(0.0))[0]
                 q_x = torch.from_dlpack(jax.lax.bitcast_convert_type(res[0], jnp.uint8))
-                row["xla_mismatch"] = mismatch_fraction(q_x, q_f)
+                row["xla_mismatch"] = _bench.mismatch(q_x, q_f)
                 row["xla_us"] = time_xla(fn, (xj, bj, jnp.float32(2.0), jnp.float32(0.0)))
             for impl in ("fusedfp8", "eager", "compile", "xla"):
                 if f"{impl}_us" in row:
@@ -401,9 +391,7 @@ def run_current(args, sizes, jobs, peers) -> int:
     out.mkdir(parents=True, exist_ok=True)
     ceiling = _bench.copy_ceiling_tbps()
     print(f"copy ceiling: {ceiling:.3f} TB/s (read + write)", flush=True)
-    torch._dynamo.config.cache_size_limit = 256  # (one compiled peer per job and size, as the delayed run)
-    if hasattr(torch._dynamo.config, "recompile_limit"):
-        torch._dynamo.config.recompile_limit = 256
+    _bench.allow_recompiles()  # one compiled peer per (job, size)
     results = _bench_current.run(sizes, jobs, ceiling, job_bytes, peers)
     meta = _bench.run_meta(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_ceiling_TBps=ceiling)
     _bench.write_json(out / "bench_kernels_current.json", meta, results)

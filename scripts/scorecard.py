@@ -231,12 +231,10 @@ class DefaultLaunch:
     size: str
 
     def find(self, doc: dict) -> Found | None:
-        for mode in ("grid_amax", "one_launch"):
-            r = job_record(doc, self.job, self.size)
-            if r is not None and number(r.get(f"{mode}_us")) is not None:
-                return JobField(self.job, self.size, f"{mode}_vs_delayed", ok=("correct",),
-                                parts=lambda r, meta, m=mode: quotient(r.get(f"{m}_us"), r.get("delayed_us"))).find(doc)
-        return JobField(self.job, self.size, "one_launch_vs_delayed", ok=("correct",)).find(doc)
+        r = job_record(doc, self.job, self.size) or {}
+        mode = "grid_amax" if number(r.get("grid_amax_us")) is not None else "one_launch"
+        return JobField(self.job, self.size, f"{mode}_vs_delayed", ok=("correct",),
+                        parts=lambda r, meta: quotient(r.get(f"{mode}_us"), r.get("delayed_us"))).find(doc)
 
 
 PEERS = ("eager", "compile", "xla")  # bench_kernels.py's peers: torch eager, torch.compile, XLA

@@ -334,3 +334,16 @@ def test_the_torch_current_scaling_peer_is_the_librarys_rule(scripts):
     assert q.dtype == torch.float8_e5m2 and q_t is None
     y = cur._bench.torch_activation("dgelu", dy, xb)[0]
     np.testing.assert_allclose(db.numpy(), y.double().sum(0).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_peers_mismatch_counts_differing_bytes(scripts):
+    """_bench.mismatch (the ``<peer>_mismatch`` of bench_kernels.py, both recipes): the fraction of
+    bytes that differ between an FP8 tensor and a uint8 one, compared as bytes."""
+    import torch
+
+    bench = importlib.import_module("_bench")
+    q = torch.tensor([1.0, -2.0, 448.0, 0.0], dtype=torch.float32).to(torch.float8_e4m3fn)
+    same = q.view(torch.uint8).clone()
+    assert bench.mismatch(q, same) == 0.0
+    same[2] = 0
+    assert bench.mismatch(q, same) == 0.25 and bench.mismatch(same, q) == 0.25

@@ -58,13 +58,12 @@ GRID_SHAPES = S.params("ragged-odd-tail-33x17", "aligned-64x128", "ragged-1x1", 
 AUTO_RUNS = {("ragged-odd-tail-33x17", 16), ("ragged-3d-3x5x7", 7), ("aligned-64x128", 1)}
 
 
-def _grid(impls):
-    return [pytest.param(shape, pad_to, op, impl, id=f"{shape.id}-{pad_to}-{op}-{impl}")
-            for shape in GRID_SHAPES for pad_to in (1, 16, 7) for op in OPS for impl in impls
-            if impl == "jnp" or (shape.id, pad_to) in AUTO_RUNS]
+GRID = [(shape, pad_to, op) for shape in GRID_SHAPES for pad_to in (1, 16, 7) for op in OPS]
 
 
-@pytest.mark.parametrize("shape, pad_to, op, impl", _grid(CPU_IMPLS))
+@pytest.mark.parametrize("shape, pad_to, op, impl", [
+    pytest.param(shape, pad_to, op, impl, id=f"{shape.id}-{pad_to}-{op}-{impl}") for shape, pad_to, op in GRID
+    for impl in CPU_IMPLS if impl == "jnp" or (shape.id, pad_to) in AUTO_RUNS])
 def test_padded_quantization_matches_the_host_reference(shape, pad_to, op, impl, rng):
     """A first step (current scaling: the scale from the tensor's own amax) under jit against the
     host reference on a NumPy state: q and q_t padded, dbias (never padded), scale_inv and every
@@ -115,9 +114,8 @@ def _kernel_branch_shapes(fn, *args) -> list:
     return found
 
 
-@pytest.mark.parametrize("shape, pad_to, op", [
-    pytest.param(shape, pad_to, op, id=f"{shape.id}-{pad_to}-{op}") for shape in GRID_SHAPES for pad_to in (1, 16, 7)
-    for op in OPS])
+@pytest.mark.parametrize("shape, pad_to, op", [pytest.param(*case, id=f"{case[0].id}-{case[1]}-{case[2]}")
+                                               for case in GRID])
 def test_auto_traces_both_branches_with_the_padded_types(shape, pad_to, op):
     """impl='auto' traced (not compiled) on every case of the grid: lax.platform_dependent takes the
     CUDA branch only if its results have the jax.numpy branch's types, and the quantize call of the
