@@ -367,7 +367,7 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
     """:func:`build_layernorm_plan` for module (dtype, fmt, param) on ``device`` (compiles it on first
     use; with ``transpose``, allows the kernel the tile's shared memory: the tile of the padded columns)."""
     ks = kernels(ModuleKey("layernorm_quantize", dtype, fmt, param=param), device)
-    split = _plans.LAUNCH == "split"  # (read there: tests set it)
+    split = transpose and _plans.split_transpose(padded(rows, cols, pad_to)[1])  # (LAUNCH read there: tests set it)
     fused_t = transpose and rows and not split
     tile = layernorm_tile(padded(rows, cols, pad_to)[1], shared_optin(device)) if fused_t else (0, 0)
     tpr = _ln.threads_per_row(max(cols, 1))

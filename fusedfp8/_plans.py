@@ -39,9 +39,9 @@ def _launch_config() -> str:
     passed on the H200 2026-12-04). (A lean dgelu tiled
     kernel, three blocks per multiprocessor at 80 registers, was measured on the H200 and left
     out: 2048x4096 dgelu_dbias_t 26.3 vs 24.7 us, slower at the seed's size; faster only at
-    8192x16384, 289 vs 315 us.) 'split': 'new', but layernorm_quantize with q_t as two launches, the
-    kernel without q_t and then transpose_fp8 over its q (:func:`build_layernorm_plan`), for an A/B
-    against the fused tile (not yet measured on a GPU); any width then takes q_t (no shared tile)."""
+    8192x16384, 289 vs 315 us.) 'split': layernorm_quantize with q_t always as two launches, the
+    kernel without q_t and then transpose_fp8 over its q (:func:`build_layernorm_plan`); 'new' does
+    that from :data:`LN_SPLIT_COLS` columns on (:func:`split_transpose`)."""
     value = os.environ.get("FUSEDFP8_LAUNCH", "new")
     if value not in LAUNCH_CONFIGS:
         raise ValueError(f"fusedfp8: FUSEDFP8_LAUNCH must be one of {LAUNCH_CONFIGS}, got {value!r}")
@@ -49,6 +49,21 @@ def _launch_config() -> str:
 
 
 LAUNCH = _launch_config()
+
+# From this many columns on, layernorm_quantize's q_t comes from a second launch (transpose_fp8 over
+# q) under 'new': the fused tile holds few rows of a wide tensor, so each q_t store is a few bytes.
+# H200, 2026-12-05, bench_kernels layernorm_t, FUSEDFP8_LAUNCH=new vs split (same bytes, checked):
+# 2048x1024 7.7 vs 8.0 us (fused kept), 2048x4096 25.0 vs 20.2 us, 8192x16384 648.7 vs 291.9 us.
+LN_SPLIT_COLS = 4096
+
+
+def split_transpose(cols: int, launch: str | None = None) -> bool:
+    """Whether layernorm_quantize with q_t over ``cols`` columns writes q_t with a second launch
+    (transpose_fp8) instead of from the kernel's shared tile: always under 'split', from
+    :data:`LN_SPLIT_COLS` columns on under 'new' (``launch``, default :data:`LAUNCH`), never under
+    'old'. Any width takes q_t where it splits (no shared tile)."""
+    launch = launch or LAUNCH
+    return launch == "split" or (launch == "new" and cols >= LN_SPLIT_COLS)
 
 # Parameter layouts (struct format, native alignment) of every kernel, by role prefix. The packed
 # size must equal the kernel's parameter size exactly (no trailing padding), or the driver

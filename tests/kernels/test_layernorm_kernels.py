@@ -286,7 +286,10 @@ def test_first_step_pre_pass_is_one_extra_launch():
             fusedfp8.layernorm_quantize(x, w, b, 1e-5, st.slot(0, r), transpose=True)
             torch.cuda.synchronize()
         kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        assert len(kernels) == per_call and all("layernorm_quantize" in k for k in kernels), (first, kernels)
+        split = _plans.split_transpose(1024)  # (q_t then from a transpose_fp8 launch after the main kernel)
+        assert len(kernels) == per_call + split, (first, kernels)
+        assert all("layernorm_quantize" in k for k in kernels[:per_call]), (first, kernels)
+        assert not split or "transpose_fp8" in kernels[-1], kernels
 
 
 @pytest.mark.gpu
@@ -495,6 +498,21 @@ def test_layernorm_block(cols, tile_rows, old, new):
     assert _cuda.layernorm_block(tpr, tile_rows, "old") == old
     got = _cuda.layernorm_block(tpr, tile_rows, "new")
     assert got == new and tile_rows % (got // tpr) == 0
+
+
+@pytest.mark.parametrize("cols, old, new, split", [
+    (1, False, False, True), (1024, False, False, True), (4095, False, False, True),
+    (4096, False, True, True), (16384, False, True, True), (60000, False, True, True),
+])
+def test_which_widths_take_q_t_from_a_second_launch(cols, old, new, split, monkeypatch):
+    """LayerNorm's q_t from transpose_fp8 after the main kernel: never under 'old', from
+    LN_SPLIT_COLS (4096) columns on under 'new' (the default), always under 'split'; the default
+    configuration is read from _plans.LAUNCH."""
+    assert _plans.LN_SPLIT_COLS == 4096
+    assert [_plans.split_transpose(cols, c) for c in ("old", "new", "split")] == [old, new, split]
+    for config, want in (("old", old), ("new", new), ("split", split)):
+        monkeypatch.setattr(_plans, "LAUNCH", config)
+        assert _plans.split_transpose(cols) == want
 
 
 def test_launch_config_from_the_environment(monkeypatch):
