@@ -306,4 +306,59 @@ template <int FMT> __device__ __forceinline__ u64 cvt8(const float* v) {
     return r;
 }
 
+// A 16-byte load through the read-only path, as written (volatile: issued where it stands, so the
+// next step's loads are in flight while this step computes).
+__device__ __forceinline__ uint4 ldg_nc16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// ---- the 128 x 64-byte shared tile of the tiled kernels (quantize_tiled, transpose_fp8) ---------
+#define TILE_R 128  // the tile (_cuda.TILE_R, TILE_C)
+#define TILE_C 64
+
+// Byte offset of tile element (r, c) in the swizzled 128 x 64 shared tile (quantize_tiled's header):
+// 16-byte chunks permuted within a row, so that the row stores and the transposed reads are conflict-free.
+__device__ __forceinline__ int tile_at(int r, int c) {
+    return 64 * r + 16 * ((c >> 4) ^ ((r >> 4) & 3)) + 8 * (((c >> 3) & 1) ^ ((r >> 6) & 1)) + (c & 7);
+}
+
+// What thread t reads of a tile for the transposed store: tile rows 16 rm..+15, the word of columns
+// 4 (cp / 2)..+3 at each (rd_base + 64 i), bytes kb and kb + 1 of it (columns 2 cp and 2 cp + 1).
+struct TileLanes { int rm, cp, kb, rd_base; };
+__device__ __forceinline__ TileLanes tile_lanes(int t) {
+    const int lane = t & 31, rm = lane & 7, cp = (t >> 5) * 4 + (lane >> 3);
+    return TileLanes{rm, cp, 2 * (cp & 1), tile_at(16 * rm, 4 * (cp >> 1))};
+}
+
+// The tile tl (rows r0.., columns c0.. of a prows x pcols FP8 array) written transposed into q_t (pcols x
+// prows): 16 4-byte reads a thread, byte_perm, and one 16-byte store per column (t16: q_t 16-byte aligned
+// and prows % 16 == 0, so a 16-row group lies wholly inside prows or wholly past it; else byte stores
+// within bounds). 8 lanes write one full 128-byte line of q_t, a warp store 4 lines.
+__device__ __forceinline__ void store_tile_t(const u8* tl, u8* __restrict__ q_t, const TileLanes& L, i64 r0, i64 c0,
+                                             i64 prows, i64 pcols, bool t16) {
+    u32 wd[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) wd[i] = *reinterpret_cast<const u32*>(tl + L.rd_base + 64 * i);
+    const i64 gr = r0 + 16 * L.rm;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const u32 sel = (u32)(L.kb + k) | ((u32)(L.kb + k + 4) << 4);  // byte kb + k of two words
+        u32 o[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            o[i] = __byte_perm(__byte_perm(wd[4 * i], wd[4 * i + 1], sel), __byte_perm(wd[4 * i + 2], wd[4 * i + 3], sel),
+                               0x5410);
+        const i64 gc = c0 + 2 * L.cp + k;
+        if (t16 && gc < pcols && gr < prows) {  // (gr % 16 == 0 == prows % 16: all 16 inside)
+            *reinterpret_cast<uint4*>(q_t + gc * prows + gr) = make_uint4(o[0], o[1], o[2], o[3]);
+        } else if (gc < pcols) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+                if (gr + i < prows) q_t[gc * prows + gr + i] = (u8)(o[i >> 2] >> (8 * (i & 3)));
+        }
+    }
+}
+
 }  // namespace ff8

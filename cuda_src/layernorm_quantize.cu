@@ -31,6 +31,7 @@
 // ends with the same bits, as IEEE addition commutes), and over the row's tpr / 32 warps through
 // shared memory (a second butterfly over lanes 0 .. warps-1 of each warp, offsets warps/2 .. 1).
 //
+// (FUSEDFP8_LAUNCH=split plans q_t without the tile: this kernel without q_t, then transpose_fp8 below.)
 // Grid and block: blockDim = max(256, tpr) threads (the host's choice, _cuda.layernorm_block; the kernel
 // reads blockDim; with q_t, FUSEDFP8_LAUNCH=new: min(512, tile_rows * tpr), a tile in one pass),
 // blockDim / tpr rows per pass; grid = min(row groups, resident blocks) from the occupancy, grid-
@@ -444,4 +445,69 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize_padded(
     layernorm_rows<T, P, FMT, true, TRANSPOSE, true>(x, weight, bias, q, q_t, mean_out, rstd_out, scale, amax,
                                                      scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
                                                      prows, pcols, tpr, tile_rows, vec, vec_t, eps, margin_factor);
+}
+
+// ---------------------------------------------------------------------------------------------
+// transpose_fp8: the FP8 bytes q (prows x pcols, row-major: the padded q of layernorm_quantize, zeros in
+// its pad) written transposed into q_t (pcols x prows). It is the second launch of layernorm_quantize with
+// q_t under FUSEDFP8_LAUNCH=split (_cuda.build_layernorm_plan): the LayerNorm kernel without its shared
+// tile, then this one. Why: the fused kernel's tile holds tile_rows whole rows of q (16 at 4096 columns,
+// 8 at 16384: 128 KiB of the block's shared memory), so each column of q_t gets tile_rows contiguous
+// bytes a store, and a wide row leaves one block of 16 warps per multiprocessor working on one row at a
+// time; this kernel writes full 128-byte lines of q_t from 128 x 64-byte tiles at the cost of reading q
+// once more (1 byte an element against the 4 of bf16 x in and q, q_t out).
+// The tile and the transposed store are quantize_tiled's (common.cuh: tile_at, store_tile_t). Thread t
+// loads rows t/4 and t/4 + 64, columns 16 (t % 4)..+15 of a tile (one 16-byte load a row when vec: q
+// 16-byte aligned and pcols % 16 == 0; else byte loads within bounds, zeros past them, which are never
+// stored); the next tile's loads are issued before the current tile is stored; two tiles alternate in
+// shared memory (one barrier a tile). Block 256, grid min(tiles, resident blocks), grid-stride; the tile
+// coordinates advance by the grid in both dimensions (no division in the loop).
+__global__ void __launch_bounds__(256) transpose_fp8(const u8* __restrict__ q, u8* __restrict__ q_t, i64 prows,
+                                                     i64 pcols, int vec, int vec_t) {
+    __shared__ __align__(16) u8 tile[2][TILE_R * TILE_C];
+    const int t = threadIdx.x, lr = t >> 2, lc = (t & 3) * 16;
+    const TileLanes lanes = tile_lanes(t);
+    const int wr_base = tile_at(lr, lc);  // row lr + 64 p at wr_base + 4096 p, its 8-byte halves swapped for p = 1
+    const bool t16 = vec_t && (prows & 15) == 0 && (reinterpret_cast<u64>(q_t) & 15) == 0;
+    const u32 tiles_c = (u32)((pcols + TILE_C - 1) / TILE_C), tiles_r = (u32)((prows + TILE_R - 1) / TILE_R);
+    const i64 ntiles = (i64)tiles_r * tiles_c;
+    const u32 step_r = gridDim.x / tiles_c, step_c = gridDim.x % tiles_c;
+    auto load = [&](uint4* v, u32 tr, u32 tc) {
+        const i64 gc = (i64)tc * TILE_C + lc;
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const i64 gr = (i64)tr * TILE_R + lr + 64 * p;
+            const u8* src = q + gr * pcols + gc;
+            if (vec && gr < prows && gc < pcols) {  // (vec: pcols % 16 == 0, so all 16 columns are inside)
+                v[p] = ldg_nc16(src);
+            } else {
+                u32 w[4] = {0u, 0u, 0u, 0u};
+                if (gr < prows) {
+#pragma unroll
+                    for (int j = 0; j < 16; ++j)
+                        if (gc + j < pcols) w[j >> 2] |= (u32)src[j] << (8 * (j & 3));
+                }
+                v[p] = make_uint4(w[0], w[1], w[2], w[3]);
+            }
+        }
+    };
+    u32 tr = blockIdx.x / tiles_c, tc = blockIdx.x % tiles_c;
+    uint4 cur[2], nxt[2];
+    if (blockIdx.x < ntiles) load(cur, tr, tc);
+    int buf = 0;
+    for (i64 id = blockIdx.x; id < ntiles; id += gridDim.x) {
+        u32 ntr = tr + step_r, ntc = tc + step_c;
+        if (ntc >= tiles_c) { ntc -= tiles_c; ++ntr; }
+        if (id + gridDim.x < ntiles) load(nxt, ntr, ntc);  // in flight while this tile is stored
+        u8* tl = tile[buf];
+        *reinterpret_cast<uint4*>(tl + wr_base) = cur[0];
+        *reinterpret_cast<uint4*>(tl + wr_base + 4096) = make_uint4(cur[1].z, cur[1].w, cur[1].x, cur[1].y);
+        __syncthreads();
+        store_tile_t(tl, q_t, lanes, (i64)tr * TILE_R, (i64)tc * TILE_C, prows, pcols, t16);
+        buf ^= 1;
+        tr = ntr;
+        tc = ntc;
+        cur[0] = nxt[0];
+        cur[1] = nxt[1];
+    }
 }

@@ -4,6 +4,8 @@
 // apart). The block reduces max |history[1:, i]| (a max of bits: exact in any order) and rolls
 // the column in parallel, in chunks whose reads all land before their writes (a __syncthreads
 // between), so a 1024-row history costs a few memory round trips, not 1024 dependent ones.
+// update_meta (out of place) reads each row once and writes it to its rolled place in the same
+// pass (update_meta_column): one round trip and one barrier.
 // Per tensor, a = history[0, i] (bits, so a denormal amax counts as seen):
 //   a NaN or inf  -> overflow: overflows += 1, history[0, i] = 0, scale kept, no roll
 //   a == 0 (+-0)  -> not quantized this step: nothing changes (a -0 slot is cleared to +0)
@@ -28,6 +30,65 @@ static_assert(FF8_THREADS % 32 == 0, "update_scales reduces whole warps");
 // quantizations) and back as float32 (the output meta). Out of place: the meta is the step's
 // input (a parameter XLA would copy before an in-place kernel), so every output element is
 // written, the column copied where it does not roll.
+// The out-of-place rule (update_meta's, after the decode): every thread reads the staging slot itself
+// (nothing writes it in place) and each past row once, into the max and straight to its rolled place
+// in hout (row r to row r - 1, or to row r where the column does not roll), so the column costs one
+// read and one write of every row and one barrier (the max's), where the in-place roll below needs
+// the max pass, then chunks that read before they write. The same outputs, bit for bit (a max of
+// bits is exact in any order; the rows move unchanged).
+__device__ __forceinline__ void update_meta_column(
+    const float* __restrict__ hin, float* __restrict__ hout, float s, float* __restrict__ sout,
+    float* __restrict__ siout, int ovf, int upd, int* __restrict__ oout, int* __restrict__ uout,
+    const float* __restrict__ fmt_max, float* __restrict__ ofout, float* __restrict__ ufout, int n, int L,
+    float margin_factor, int algo_max, u32* red)
+{
+    const int i = blockIdx.x, t = threadIdx.x;
+    const float a = hin[i];
+    const u32 abits = __float_as_uint(a) & 0x7fffffffu;
+    const bool overflow = (abits & 0x7f800000u) == 0x7f800000u;  // NaN or inf
+    const bool updated = !overflow && abits != 0u;                // (uniform over the block)
+    const int shift = updated ? 1 : 0;                            // rolled: row r goes to row r - 1
+    u32 amax = abits;
+    for (int base = 1; base < L; base += FF8_THREADS * UPD_ROWS) {
+        float v[UPD_ROWS];
+#pragma unroll
+        for (int k = 0; k < UPD_ROWS; ++k) {  // the loads first, all in flight
+            const int r = base + k * FF8_THREADS + t;
+            if (r < L) v[k] = hin[(i64)r * n + i];
+        }
+#pragma unroll
+        for (int k = 0; k < UPD_ROWS; ++k) {
+            const int r = base + k * FF8_THREADS + t;
+            if (r < L) {
+                if (updated && algo_max) amax = max(amax, __float_as_uint(v[k]) & 0x7fffffffu);
+                if (r - shift >= 1) hout[(i64)(r - shift) * n + i] = v[k];  // (row 1 drops out of a roll)
+            }
+        }
+    }
+    if (updated) {
+        if (algo_max) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            if ((t & 31) == 0) red[t >> 5] = amax;
+            __syncthreads();
+#pragma unroll
+            for (int w = 0; w < FF8_THREADS / 32; ++w) amax = max(amax, red[w]);
+        }
+        s = scale_from_amax(__uint_as_float(amax), fmt_max[i], margin_factor);
+    }
+    if (t == 0) {
+        const int o = ovf + (overflow ? 1 : 0), u = upd + (updated ? 1 : 0);
+        oout[i] = o;
+        uout[i] = u;
+        ofout[i] = (float)o;
+        ufout[i] = (float)u;
+        if (updated && L > 1) hout[(i64)(L - 1) * n + i] = a;
+        hout[i] = 0.0f;  // the staging slot is cleared in every case (a -0 included)
+        sout[i] = s;
+        siout[i] = fdiv(1.0f, s);
+    }
+}
+
 // update_column: the rule for column blockIdx.x, from (hin, sin, counters in) to (hout, sout,
 // siout, counters out); in place (update_scales) when hin == hout and sin == sout.
 template <bool META>
@@ -58,6 +119,11 @@ __device__ __forceinline__ void update_column(
     const int ovf = META ? (int)ofin[i] : oin[i];  // (meta_to_state's astype(int32))
     const int upd = META ? (int)ufin[i] : uin[i];
     float s = sin[i];
+    if (META) {  // out of place: one pass, every row read once (update_meta_column)
+        update_meta_column(hin, hout, s, sout, siout, ovf, upd, oout, uout, fmt_max, ofout, ufout, n, L, margin_factor,
+                           algo_max, red);
+        return;
+    }
     if (t == 0) a_sh = hin[i];  // read once: thread 0 clears the slot at the end
     __syncthreads();
     const float a = a_sh;

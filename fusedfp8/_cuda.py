@@ -1,5 +1,7 @@
 """CUDA kernels: source assembly from ``cuda_src/``, compile cache, and the whole launch
-interface (parameter layouts, launch plans, grids, workspaces, ``launch_*``).
+interface (parameter layouts, launch plans, grids, workspaces, ``launch_*``). The plans themselves
+are built in :mod:`fusedfp8._plans` (pure data, no device: re-exported here); this module compiles
+the kernels, reads the device, and caches a plan per signature.
 
 Every kernel family is a ``cuda_src/<family>.cu`` file of C++ templates. A module is built once
 per (family, template arguments) with ``cupy.RawModule(code=..., name_expressions=...)`` and kept
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 import re
 import threading
@@ -34,40 +35,20 @@ from .csrc.plan import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, NU
                         Memset, Plan, Variant, _check, _mask, _plan, driver, dry_run, execute, flag, imm32, imm64, immf32,
                         ptr)
 from .numerics import layernorm as _ln
+from . import _plans
+# the plans' sizes, layouts and builders (re-exported, as the plan format above). Not re-exported: what
+# the builders read as module globals (the launch configuration LAUNCH, the grid rules _flat_grid /
+# _tiled_grid / _resident), so that code which sets them (tests) must set them in _plans, where they act.
+from ._plans import (CHIP_ENV, CHIP_MIN_FRACTION, CHIP_MIN_OCCUPANCY, H200_ROOM, LAUNCH_CONFIGS, LN_BLOCK,  # noqa: F401
+                     LN_STATIC_SHARED, LN_THREADS, LN_TILES, SIGNATURES, THREADS, TILE_C, TILE_R, TILED_BLOCK, Chip,
+                     ChipStage, KernelRef, _launch, _launch_config, aligned, build_amax_plan, build_dequantize_plan,
+                     build_layernorm_amax_plan, build_layernorm_plan, build_quantize_plan, build_update_plan,
+                     chip_default, chip_stage, dbias_workspace, layernorm_block, layernorm_tile, padded, signature)
 
-THREADS = 256  # -DFF8_THREADS for the element-wise kernels
-TILE_R, TILE_C = 128, 64  # the tiled kernel's tile (rows, columns), fixed in quantize.cu
-TILED_BLOCK = 256  # the tiled kernel's block (its __launch_bounds__)
-LN_THREADS = _ln.MAX_THREADS_PER_ROW  # the layernorm kernel's largest block (LN_THREADS in layernorm_quantize.cu)
-LN_BLOCK = 256  # its block when a row takes fewer threads (blockDim / threads-per-row rows per pass)
-# the layernorm kernel's transposed tile: (rows per tile, most shared bytes), first that fits wins
-LN_TILES = ((16, 64 << 10), (8, 128 << 10), (4, 1 << 30))
-LN_STATIC_SHARED = 2048  # room left for the kernel's static shared memory (1216 bytes on sm_90)
 CPP_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 CPP_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FMT_IDS = {"e4m3": 0, "e5m2": 1}
 OPS = {"identity": 0, "gelu_tanh": 1, "gelu_erf": 2, "dgelu_tanh": 3, "dgelu_erf": 4}  # types.kernel_op names
-LAUNCH_CONFIGS = ("old", "new")
-
-
-def _launch_config() -> str:
-    """The launch configuration of the small- and medium-tensor changes of issue 18, from the
-    environment variable FUSEDFP8_LAUNCH at import ('new', the default, or 'old': the launches as
-    they were, for an A/B in one benchmark run; the same bytes either way, by construction). 'new':
-    layernorm_quantize with q_t one pass per tile (:func:`layernorm_block`); measured faster on the
-    H200 (2026-12-04: layernorm_t 2048x1024 7.9 vs 8.8 us, 2048x4096 25.0 vs 29.6 us), bytes equal
-    to the reference there (bench_kernels' check) and to 'old' (tests/kernels/test_launch_configs.py,
-    passed on the H200 2026-12-04). (A lean dgelu tiled
-    kernel, three blocks per multiprocessor at 80 registers, was measured on the H200 and left
-    out: 2048x4096 dgelu_dbias_t 26.3 vs 24.7 us, slower at the seed's size; faster only at
-    8192x16384, 289 vs 315 us.)"""
-    value = os.environ.get("FUSEDFP8_LAUNCH", "new")
-    if value not in LAUNCH_CONFIGS:
-        raise ValueError(f"fusedfp8: FUSEDFP8_LAUNCH must be one of {LAUNCH_CONFIGS}, got {value!r}")
-    return value
-
-
-LAUNCH = _launch_config()
 COMPILE_OPTIONS = ("-std=c++17", f"-DFF8_THREADS={THREADS}")
 
 
@@ -157,7 +138,8 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
                 "layernorm_store1_t": f"layernorm_quantize<{t}, {p}, {f}, true, true>",
                 "layernorm_store0": f"layernorm_quantize<{t}, {p}, {f}, false, false>",
                 "padded_layernorm_store1": f"layernorm_quantize_padded<{t}, {p}, {f}, false>",
-                "padded_layernorm_store1_t": f"layernorm_quantize_padded<{t}, {p}, {f}, true>"}
+                "padded_layernorm_store1_t": f"layernorm_quantize_padded<{t}, {p}, {f}, true>",
+                "transpose_tiled": "transpose_fp8"}
     if key.family == "dequantize":
         return {"dequant": f"dequantize_flat<{CPP_TYPES[key.dtype]}, {FMT_IDS[key.fmt]}>"}
     if key.family == "update_scales":
@@ -181,36 +163,6 @@ class CompileError(RuntimeError):
 _lock = threading.Lock()
 _loaded: dict = {}  # (ModuleKey, device) -> {role: Kernel}; read without the lock once filled
 compile_count = 0  # modules compiled (or loaded from CuPy's disk cache) in this process
-
-# Parameter layouts (struct format, native alignment) of every kernel, by role prefix. The packed
-# size must equal the kernel's parameter size exactly (no trailing padding), or the driver
-# refuses the launch (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); tests/kernels/test_compile.py checks each
-# against the parameter bank size NVRTC records in the cubin, and every plan below is checked
-# against these when it is built.
-SIGNATURES = {
-    "flat": "@9Pqqf",        # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
-                             #                updates, n, npad, margin
-    "tiled": "@13Pqqqqiif",  # quantize_tiled: 13 pointers, rows, cols, prows, pcols, vec, vec_t, margin
-    "coop_flat": "@9Pqqf",   # the same two kernels of current_quantize.cu (GridAmax), cooperative launches
-    "coop_tiled": "@13Pqqqqiif",
-    "chip_flat": "@9Pqqf",   # the same with ChipAmax (dynamic shared memory, sized by the plan)
-    "chip_tiled": "@13Pqqqqiif",
-    "layernorm": "@13Pqq4i2f",  # layernorm_quantize: 13 pointers, rows, cols, tpr, tile_rows, vec, vec_t, eps,
-                                #                     margin
-    "padded_layernorm": "@13Pqqqq4i2f",  # layernorm_quantize_padded: 13 pointers, rows, cols, prows, pcols, tpr,
-                                         #                            tile_rows, vec, vec_t, eps, margin
-    "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
-    "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
-    "meta_update": "@13Piifi",  # update_meta: 13 pointers (the meta in, the state and counters out), n, L, margin,
-                                #              algo_max
-}
-
-
-def signature(role: str) -> str:
-    """The parameter layout of a kernel role, one struct character per parameter ('@PPPqf')."""
-    fmt = SIGNATURES[next(k for k in SIGNATURES if role.startswith(k))]
-    return "@" + "".join(c * int(n or 1) for n, c in re.findall(r"(\d*)([a-zA-Z])", fmt))
-
 
 class Kernel:
     """A compiled kernel: its CUfunction handle (``func``), its name and its occupancy. CuPy
@@ -364,341 +316,11 @@ def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
     return True, f"GPU {device_id}: compute capability {major}.{minor}"
 
 
-# ---- plan builders ---------------------------------------------------------------------------
-class KernelRef(NamedTuple):
-    """What a plan needs of a compiled kernel."""
-
-    func: int  # CUfunction
-    name: str  # name expression (for errors)
-    role: str  # its role (SIGNATURES key prefix)
-    per_sm: int  # resident blocks per multiprocessor at the block size it is launched with
-    static_shared: int = 0  # bytes of static shared memory (the ChipAmax kernels' plans count it)
-
-
-class Chip(NamedTuple):
-    """What the plan of a ChipAmax launch (current_quantize.cu: the block's share kept in shared memory
-    through the grid barrier) sizes its dynamic shared memory from: the device (:func:`chip_room`) and
-    the bytes of input an element takes (the dtype's size, twice for dgelu's two inputs)."""
-
-    per_sm: int  # shared memory per multiprocessor
-    per_block: int  # the most one block may opt in to
-    reserved: int  # the driver's reserve per resident block
-    elem_bytes: int
-
-
-H200_ROOM = (233472, 232448, 1024)  # chip_room on an H200 (sm_90): 228 KiB, 227 KiB, 1 KiB
-CHIP_MIN_FRACTION = 0.5  # a ChipAmax launch when at least this fraction of the tensor stays on chip, else GridAmax's
-# the fewest resident blocks a ChipAmax launch may take, as a fraction of the kernel's occupancy without shared
-# memory (fewer hold more shared memory each, but fewer threads: less in registers, less latency hidden; the
-# delayed recipe's later steps, which run the first-step plan, run with them too)
-CHIP_MIN_OCCUPANCY = 0.5
-CHIP_ENV = "FUSEDFP8_CURRENT_ONCHIP"  # "1": the ChipAmax kernels where the tensor fits (an A/B switch; default off)
-
-
-def chip_default() -> bool:
-    """Whether a one-launch first step takes the ChipAmax kernels where the tensor fits: no by default
-    (the GridAmax kernels), yes with ``FUSEDFP8_CURRENT_ONCHIP=1`` in the environment. Measured on the
-    H200 (2026-12-04, ``bench_kernels.py --recipe current``): ChipAmax is SLOWER than GridAmax where
-    it takes the tensor on chip (bf16 quantize 2048x4096 15.6 vs 12.8 us, 4096x4096 26.7 vs 22.8,
-    quantize_t 4096x4096 35.7 vs 28.4, gelu_t 4096x4096 58.3 vs 48.2), and its grid slows the
-    delayed recipe's later steps, which run the same plan (4096x4096 quantize 16.4 vs 14.9 us); kept
-    byte-exact and tested as an opt-in for the next attempt."""
-    return os.environ.get(CHIP_ENV, "0").strip() in ("1", "true", "yes", "on")
-
-
-class ChipStage(NamedTuple):
-    grid: int
-    shared: int  # dynamic shared memory per block (bytes)
-    fraction: float  # of the tensor's units kept on chip (registers and shared memory)
-
-
-def chip_stage(ref: KernelRef, sms: int, units: int, first_round: int, slot_bytes: int, chip: Chip) -> ChipStage:
-    """Grid and dynamic shared memory of a ChipAmax launch over ``units`` (16-element vectors of the
-    flat kernel, tiles of the tiled one) that a grid of B blocks takes grid-stride, ``first_round`` a
-    block (its first, held in registers: a vector a thread, a tile a block), the next ones in slots of
-    ``slot_bytes`` of the block's dynamic shared memory, as many as a block needs (its rounds - 1) and
-    fits. Blocks per multiprocessor from the kernel's occupancy down to half of it (fewer resident
-    threads hold less in registers and hide less latency; :data:`CHIP_MIN_OCCUPANCY`): the one that keeps
-    the most of the tensor on chip (ties: the most blocks). Every block resident: the cooperative launch's
-    condition."""
-    best = None
-    top = max(ref.per_sm, 1)
-    for bps in range(top, max(1, math.ceil(top * CHIP_MIN_OCCUPANCY)) - 1, -1):
-        grid = max(1, min(bps * sms, -(-units // first_round)))
-        rounds = -(-units // (grid * first_round))
-        room = min(chip.per_block, chip.per_sm // bps - chip.reserved) - ref.static_shared
-        slots = max(0, min(rounds - 1, room // slot_bytes))
-        fraction = min(1.0, grid * first_round * (1 + slots) / units) if units else 1.0
-        if best is None or fraction > best.fraction:
-            best = ChipStage(grid, slots * slot_bytes, fraction)
-    return best
-
-
 def kernel_refs(key: ModuleKey, device_id: int) -> dict:
     """Role -> :class:`KernelRef` of module ``key`` on ``device_id`` (compiles it on first use)."""
     return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if role.endswith("tiled") else THREADS),
                             k.static_shared if role.startswith("chip") else 0)
             for role, k in kernels(key, device_id).items()}
-
-
-def _flat_grid(ref: KernelRef, sms: int, n: int) -> int:
-    """One resident wave: min(work items of 16 elements per thread, resident blocks); grid-stride beyond."""
-    return max(1, min(-(-n // (16 * THREADS)), ref.per_sm * sms))
-
-
-def _tiled_grid(ref: KernelRef, sms: int, rows: int, cols: int) -> int:
-    """One resident wave of tiles (grid-stride beyond): the tiled kernel pipelines a block's tiles."""
-    return max(1, min(-(-rows // TILE_R) * -(-cols // TILE_C), ref.per_sm * sms))
-
-
-def _resident(ref: KernelRef, sms: int, grid: int) -> int:
-    """A cooperative launch's grid: every block resident at once (the driver refuses more), whatever
-    the grid rule asked for (the kernels' grid-stride loops cover the rest)."""
-    return max(1, min(grid, ref.per_sm * sms))
-
-
-def _launch(variants, select: int, block: int, params: tuple, shared: int = 0, coop: bool = False) -> Launch:
-    """A Launch whose parameter layout is checked against SIGNATURES for every variant's kernel
-    (``coop``: a cooperative launch, whose grid must not exceed the resident blocks)."""
-    step = Launch(tuple(Variant(r.func, grid, r.name) for r, grid in variants), select, block, tuple(params), shared,
-                  coop)
-    for r, _ in variants:
-        if step.layout != signature(r.role):
-            raise RuntimeError(f"fusedfp8: the plan lays out {r.name}'s parameters as {step.layout}, but its "
-                               f"signature is {signature(r.role)}")
-    return step
-
-
-def aligned(*ptrs: int) -> bool:
-    """All pointers 16-byte aligned (the vector paths' requirement)."""
-    return all(q % 16 == 0 for q in ptrs)
-
-
-def padded(rows: int, cols: int, pad_to: int = 1) -> tuple[int, int]:
-    """(rows, cols) rounded up to multiples of ``pad_to`` (the shape of a padded FP8 output)."""
-    return -(-rows // pad_to) * pad_to, -(-cols // pad_to) * pad_to
-
-
-def dbias_workspace(rows: int, cols: int, pad_to: int = 1) -> tuple[tuple[int, int], int]:
-    """Shapes of the dbias workspaces of the tiled kernel: ``partial`` (float32, (row tiles,
-    cols)) and the int32 ``counters`` (one per column strip; the plan zeroes them first), tiles
-    of the padded shape."""
-    prows, pcols = padded(rows, cols, pad_to)
-    return (max(1, -(-prows // TILE_R)), cols), max(1, -(-pcols // TILE_C))
-
-
-def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, dbias: bool = False,
-                        first: bool = False, margin_factor: float = 1.0, offset: int = 0, pad_to: int = 1,
-                        coop: bool = True, chip: Chip | None = None) -> Plan:
-    """The plan of one quantize call over :data:`QUANTIZE_SLOTS` (``refs``: role -> KernelRef of the
-    module, and with ``first`` and ``coop`` of its current_quantize twin; ``sms``: the device's
-    multiprocessors). ``offset``: the byte offset of the tensor's entry in the scale / amax /
-    scale_out / scale_inv_out / updates slots (4 * index for a state).
-    ``first``: the first step (the tensor's ``updates`` is 0; every step under CurrentScaling)
-    quantizes with the scale of its own amax, and the kernel writes the scale it used. With ``coop``
-    (default) that is ONE cooperative launch of the current_quantize kernels (the amax, a grid-wide
-    barrier, the cast); without, the two-pass path: an amax pre-pass launch, then the cast.
-    ``chip`` (with ``first`` and ``coop``): that launch is of the ChipAmax kernels (the block's share
-    also kept in dynamic shared memory through the barrier, sized by :func:`chip_stage`) when at least
-    :data:`CHIP_MIN_FRACTION` of the tensor stays on chip, else of the GridAmax ones; None: GridAmax.
-    ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
-    pad. A shape padded in rows only, without q_t or dbias, takes the flat kernel (q's first
-    rows * cols bytes are x's, row-major, in either shape) with the (prows - rows) * cols zeros
-    after them written by the same launch (npad); any other padded shape the tiled kernel."""
-    X, B, Q, QT, DB, PART, CNT, S, A, SO, SIO, SIU, U = range(len(QUANTIZE_SLOTS))
-    n = rows * cols
-    prows, pcols = padded(rows, cols, pad_to)
-    mf = immf32(margin_factor)
-
-    def st(slot):
-        return ptr(slot, offset)
-
-    steps = []
-    if dbias and n == 0 and cols:
-        steps.append(Memset(DB, 4 * cols))  # no kernel runs: the column sums of nothing are 0
-    if n == 0:  # nothing to quantize: still hand out 1 / scale (amax max-accumulates 0)
-        r = refs["flat_vec0_store1"]
-        steps.append(_launch([(r, 1)], 0, THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
-                                                    ptr(SIU), NULLPTR, imm64(0), imm64(0), mf)))
-        return _plan(QUANTIZE_SLOTS, steps)
-    if dbias:
-        steps.append(Memset(CNT, 4 * dbias_workspace(rows, cols, pad_to)[1]))
-    vec = (X, B, Q)
-
-    def flat(store):
-        # the pre-pass (store 0) runs at most one block per multiprocessor: on a first step it
-        # reads the tensor grid-stride (once in a training run), on every other step each block
-        # reads the flag and exits, so a small grid keeps that launch cheap
-        return [(refs[f"flat_vec{v}_store{store}"], min(_flat_grid(refs[f"flat_vec{v}_store{store}"], sms, n),
-                                                        sms if store == 0 else n)) for v in (1, 0)]
-
-    coop = coop and first
-    if first and not coop:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
-        steps.append(_launch(flat(0), _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
-                                                            NULLPTR, st(U), imm64(n), imm64(0), mf)))
-    so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
-    if transpose or dbias or pcols != cols:
-        r = refs["coop_tiled" if coop else "tiled"]
-        opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((QT, transpose), (DB, dbias), (PART, dbias),
-                                                                    (CNT, dbias))}
-        grid = _tiled_grid(r, sms, prows, pcols)
-        grid, shared = (_resident(r, sms, grid) if coop else grid), 0
-        stage = chip_stage(refs["chip_tiled"], sms, -(-prows // TILE_R) * -(-pcols // TILE_C), 1,
-                           TILE_R * TILE_C * chip.elem_bytes, chip) if coop and chip else None
-        if stage and stage.fraction >= CHIP_MIN_FRACTION:
-            r, grid, shared = refs["chip_tiled"], stage.grid, stage.shared
-        steps.append(_launch([(r, grid)], 0, TILED_BLOCK, (
-            ptr(X), ptr(B), ptr(Q), opt[QT], opt[DB], opt[PART], opt[CNT], st(S), st(A), so, sio, ptr(SIU), u,
-            imm64(rows), imm64(cols), imm64(prows), imm64(pcols), flag((X, B), 16, cols % 8 == 0),
-            flag((QT,), 8, transpose and prows % 8 == 0), mf), shared, coop=coop))
-    else:
-        shared = 0
-        if coop:
-            coop_refs = [refs[f"coop_flat_vec{v}"] for v in (1, 0)]
-            main = [(r, _resident(r, sms, _flat_grid(r, sms, n))) for r in coop_refs]
-            stage = chip_stage(refs["chip_flat_vec1"], sms, n // 16, THREADS, THREADS * 16 * chip.elem_bytes,
-                               chip) if chip else None
-            if stage and stage.fraction >= CHIP_MIN_FRACTION:  # (the unaligned twin: the same grid where it fits)
-                shared = stage.shared
-                main = [(refs[f"chip_flat_vec{v}"], min(stage.grid, refs[f"chip_flat_vec{v}"].per_sm * sms))
-                        for v in (1, 0)]
-        else:
-            main = flat(1)
-        steps.append(_launch(main, _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), so, sio, ptr(SIU), u,
-                                                         imm64(n), imm64((prows - rows) * cols), mf), shared,
-                          coop=coop))
-    return _plan(QUANTIZE_SLOTS, steps)
-
-
-def build_amax_plan(refs: dict, sms: int, n: int) -> Plan:
-    """The amax-only plan over :data:`QUANTIZE_SLOTS`: ``amax`` (a (2,) float32 buffer) gets
-    ``max |op(x, b)|`` of the ``n`` elements in its word 0, nothing is cast. It is the first-step
-    pre-pass of :func:`build_quantize_plan` (the same kernel, so the same amax bits as the
-    quantization stages) with its first-step flag read from word 1 of the buffer, which the plan
-    zeroes with the amax: a memset of 8 bytes, then one grid-stride launch (none for n == 0). The
-    current-scaling path of several ranks takes it (the local amax, reduced across the ranks
-    before the cast with the given scale)."""
-    X, B, A = (QUANTIZE_SLOTS.index(s) for s in ("x", "b", "amax"))
-    steps = [Memset(A, 8)]
-    if n:
-        variants = [(refs[f"flat_vec{v}_store0"], _flat_grid(refs[f"flat_vec{v}_store0"], sms, n)) for v in (1, 0)]
-        steps.append(_launch(variants, _mask((X, B)), THREADS, (ptr(X), ptr(B), NULLPTR, NULLPTR, ptr(A), NULLPTR,
-                                                                NULLPTR, NULLPTR, ptr(A, 4), imm64(n), imm64(0),
-                                                                immf32(1.0))))
-    return _plan(QUANTIZE_SLOTS, steps)
-
-
-def layernorm_tile(cols: int, optin: int) -> tuple[int, int]:
-    """(rows per transposed tile, dynamic shared bytes) of the layernorm kernel with q_t: the first
-    of :data:`LN_TILES` whose tile of FP8 bytes (rows x cols rounded up to 16) fits both its cap and
-    ``optin`` (the device's most shared memory per block) less the kernel's static shared memory."""
-    pitch = -(-cols // 16) * 16
-    room = optin - LN_STATIC_SHARED
-    for tile_rows, cap in LN_TILES:
-        if tile_rows * pitch <= min(cap, room):
-            return tile_rows, tile_rows * pitch
-    most = room // LN_TILES[-1][0] // 16 * 16
-    raise ValueError(f"layernorm_quantize: transpose=True needs {LN_TILES[-1][0]} rows of FP8 bytes per block in "
-                     f"shared memory ({optin} bytes on this GPU), so at most {most} columns; got {cols}")
-
-
-def layernorm_block(tpr: int, tile_rows: int = 0, launch: str | None = None) -> int:
-    """Threads per block of the layernorm kernel for ``tpr`` threads per row: at least
-    :data:`LN_BLOCK`, one row wide. With q_t (``tile_rows`` > 0) and the 'new' launch
-    configuration (``launch``, default :data:`LAUNCH`), enough rows for one pass per tile, up to
-    :data:`LN_THREADS`: the rows of a tile are normalised side by side, not in tile_rows / 8
-    passes one after another (at hidden 1024 a tile of 16 rows is 16 warps in one pass; the grid
-    of a 2048-row tensor is only 128 tiles, so the warps a block holds are all an SM gets). The
-    rows per tile stay a multiple of the rows per pass: both are powers of two."""
-    block = max(LN_BLOCK, tpr)
-    if tile_rows and (launch or LAUNCH) == "new":
-        block = max(block, min(LN_THREADS, tile_rows * tpr))
-    return block
-
-
-def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, first: bool = False,
-                         eps: float = 1e-5, margin_factor: float = 1.0, offset: int = 0,
-                         tile: tuple[int, int] = (0, 0), pad_to: int = 1) -> Plan:
-    """The plan of one layernorm_quantize call over :data:`LAYERNORM_SLOTS` (``refs``: role ->
-    KernelRef, the main kernel's ``per_sm`` counted with the tile's shared memory; ``tile``: (rows
-    per tile, shared bytes) from :func:`layernorm_tile`, used with ``transpose``). ``offset``: the
-    byte offset of the tensor's entry in the state slots. ``first``: launch the first-step
-    pre-pass (amax of y only, when the tensor's ``updates`` is 0), and let the main kernel write
-    the scale it used. The row layout (threads per row) comes from
-    :func:`fusedfp8.numerics.layernorm.threads_per_row`, the one the reference sums in.
-    ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
-    pad, written by the padded main kernel (its groups run to the padded rows; ``tile`` must then
-    be the one of the padded columns); a shape that needs no pad (or 0 rows) launches exactly what
-    ``pad_to=1`` launches."""
-    X, W, B, Q, QT, MEAN, RSTD, S, A, SO, SIO, SIU, U = range(len(LAYERNORM_SLOTS))
-    prows, pcols = padded(rows, cols, pad_to)
-    pad = rows > 0 and (prows, pcols) != (rows, cols)
-    tpr = _ln.threads_per_row(max(cols, 1))
-    tile_rows, shared = tile if transpose else (0, 0)
-    block = layernorm_block(tpr)  # the pre-pass's (and without q_t the main kernel's)
-    per_pass = block // tpr
-    vec_in = flag((X, W, B, Q), 16, cols % 8 == 0)  # the pre-pass (and a launch for no rows) writes no q
-    vec = flag((X, W, B, Q), 16, cols % 8 == 0 and pcols % 8 == 0)  # q's rows start 8-byte aligned
-    main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if transpose else "layernorm_store1")]
-    pre = refs["layernorm_store0"]
-
-    def st(slot):
-        return ptr(slot, offset)
-
-    def params(q, q_t, mean, rstd, so, sio, siu, u, n_rows, t_rows, vec_t, padded_shape=(), vec=vec):
-        return (ptr(X), ptr(W), ptr(B), q, q_t, mean, rstd, st(S), st(A), so, sio, siu, u, imm64(n_rows), imm64(cols),
-                *map(imm64, padded_shape), imm32(tpr), imm32(t_rows), vec, vec_t, immf32(eps), immf32(margin_factor))
-
-    if rows == 0:  # nothing to normalise: still hand out 1 / scale (one block, no row)
-        return _plan(LAYERNORM_SLOTS, [_launch([(main, 1)], 0, block, params(
-            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(SIU), NULLPTR, 0, 0, flag((), 16, False),
-            vec=vec_in))])
-    steps = []
-    if first:  # at most one block per multiprocessor: past the first step each block reads the flag and exits
-        steps.append(_launch([(pre, min(-(-rows // per_pass), sms))], 0, block, params(
-            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, st(U), rows, 0, flag((), 16, False),
-            vec=vec_in)))
-    so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
-    groups = -(-prows // (tile_rows if transpose else per_pass))
-    steps.append(_launch([(main, max(1, min(groups, main.per_sm * sms)))], 0, layernorm_block(tpr, tile_rows), params(
-        ptr(Q), ptr(QT) if transpose else NULLPTR, ptr(MEAN), ptr(RSTD), so, sio, ptr(SIU), u, rows, tile_rows,
-        flag((QT,), 16, transpose and prows % max(tile_rows, 1) == 0), (prows, pcols) if pad else ()), shared))
-    return _plan(LAYERNORM_SLOTS, steps)
-
-
-def build_layernorm_amax_plan(refs: dict, sms: int, rows: int, cols: int, eps: float = 1e-5) -> Plan:
-    """The amax-only plan of LayerNorm over :data:`LAYERNORM_SLOTS`: ``amax`` (a (2,) float32
-    buffer) gets ``max |LayerNorm(x) * weight + bias|`` in word 0; nothing else is written. The
-    first-step pre-pass of :func:`build_layernorm_plan` (the same amax bits) with its flag read
-    from word 1, zeroed with the amax by the plan's memset."""
-    X, A = LAYERNORM_SLOTS.index("x"), LAYERNORM_SLOTS.index("amax")
-    steps = [Memset(A, 8)]
-    if rows:
-        tpr = _ln.threads_per_row(max(cols, 1))
-        block = max(LN_BLOCK, tpr)
-        pre = refs["layernorm_store0"]
-        steps.append(_launch([(pre, min(-(-rows // (block // tpr)), sms))], 0, block, (
-            ptr(X), ptr(X + 1), ptr(X + 2), NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(A), NULLPTR, NULLPTR,
-            NULLPTR, ptr(A, 4), imm64(rows), imm64(cols), imm32(tpr), imm32(0), flag((X, X + 1, X + 2), 16, cols % 8 == 0),
-            flag((), 16, False), immf32(eps), immf32(1.0))))
-    return _plan(LAYERNORM_SLOTS, steps)
-
-
-def build_dequantize_plan(refs: dict, sms: int, n: int) -> Plan:
-    """``out[i] = dtype(float32(q[i]) * scale_inv[0])`` over :data:`DEQUANTIZE_SLOTS` (nothing for n == 0)."""
-    if n == 0:
-        return _plan(DEQUANTIZE_SLOTS, ())
-    r = refs["dequant"]
-    return _plan(DEQUANTIZE_SLOTS, [_launch([(r, _flat_grid(r, sms, n))], 0, THREADS,
-                                            (ptr(0), ptr(1), ptr(2), imm64(n), flag((0, 1), 16)))])
-
-
-def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max: bool, meta: bool = False) -> Plan:
-    """The fused update over :data:`UPDATE_SLOTS`: one block per tensor. ``meta``: update_meta over
-    :data:`META_UPDATE_SLOTS` (a flax meta decoded, updated and its counters converted, in one launch)."""
-    slots, role = (META_UPDATE_SLOTS, "meta_update") if meta else (UPDATE_SLOTS, "update")
-    return _plan(slots, [_launch([(refs[role], max(n, 1))], 0, THREADS, (
-        *map(ptr, range(len(slots))), imm32(n), imm32(L), immf32(margin_factor), imm32(int(algo_max))))])
 
 
 # Cached per signature. Pass the arguments positionally: the cache keys on them as given.
@@ -745,15 +367,22 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
     """:func:`build_layernorm_plan` for module (dtype, fmt, param) on ``device`` (compiles it on first
     use; with ``transpose``, allows the kernel the tile's shared memory: the tile of the padded columns)."""
     ks = kernels(ModuleKey("layernorm_quantize", dtype, fmt, param=param), device)
-    tile = layernorm_tile(padded(rows, cols, pad_to)[1], shared_optin(device)) if transpose and rows else (0, 0)
+    split = transpose and _plans.split_transpose(padded(rows, cols, pad_to)[1])  # (LAUNCH read there: tests set it)
+    fused_t = transpose and rows and not split
+    tile = layernorm_tile(padded(rows, cols, pad_to)[1], shared_optin(device)) if fused_t else (0, 0)
     tpr = _ln.threads_per_row(max(cols, 1))
     for role in ("layernorm_store1_t", "padded_layernorm_store1_t"):
         ks[role].allow_shared(tile[1])
-    refs = {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(layernorm_block(tpr, tile[0]), tile[1])
-                            if role.endswith("_t") else k.blocks_per_sm(layernorm_block(tpr)))
-            for role, k in ks.items()}
+
+    def per_sm(role, k):
+        if role == "transpose_tiled":
+            return k.blocks_per_sm(TILED_BLOCK)
+        return k.blocks_per_sm(layernorm_block(tpr, tile[0]), tile[1]) if role.endswith("_t") else \
+            k.blocks_per_sm(layernorm_block(tpr))
+
+    refs = {role: KernelRef(k.func, k.name, role, per_sm(role, k)) for role, k in ks.items()}
     return build_layernorm_plan(refs, sm_count(device), rows, cols, transpose, first, eps, margin_factor, offset, tile,
-                                pad_to)
+                                pad_to, split)
 
 
 @functools.lru_cache(maxsize=1024)

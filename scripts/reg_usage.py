@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import sys
 
-from fusedfp8 import _cuda
+from fusedfp8 import _cuda, _plans
 
 
 def usage(key: _cuda.ModuleKey, extra=()) -> dict:
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     family, dtype, fmt, last, *extra = argv
     key = (_cuda.ModuleKey(family, dtype, fmt, param=last) if family == "layernorm_quantize"
            else _cuda.ModuleKey(family, dtype, fmt, last))
-    print(f"FUSEDFP8_LAUNCH={_cuda.LAUNCH} {' '.join(extra)}")
+    print(f"FUSEDFP8_LAUNCH={_plans.LAUNCH} {' '.join(extra)}")
     for role, (regs, stack, st, ld) in sorted(usage(key, extra).items()):
         print(f"{family} {dtype} {fmt} {last} {role:28s} registers {regs:4d}  stack {stack:4d}  spill st/ld {st}/{ld}")
     return 0

@@ -259,7 +259,9 @@ class Fp8MLP(nn.Module):
     fc2 in ``'_overwrite_with_gradient'``.
 
     Attributes: ``ffn`` (inner width), ``out_features`` (default: the input width), ``recipe``,
-    ``approximate`` ('tanh' or 'none'), ``dtype`` (computation dtype, default the input's),
+    ``approximate`` ('tanh' or 'none'), ``dtype`` (computation dtype, default the input's: the
+    activations, biases and output; the two weights are quantized to FP8 straight from
+    ``param_dtype``, without a ``dtype`` copy first, and their gradients come in it),
     ``param_dtype``, ``impl``, ``axis_name``, ``forward_fast_accum`` (as :class:`Fp8DotGeneral`;
     one ``lax.pmax`` for both linears), ``epsilon`` (the LayerNorm's, as ``nn.LayerNorm``),
     ``fuse_layernorm`` (default True; False, or an input wider than 16384, runs ``nn.LayerNorm``
@@ -304,7 +306,8 @@ class Fp8MLP(nn.Module):
         (w1, b1, stored1), (w2, b2, stored2) = fc1(), fc2()
         prev, first = _this_use(self, (*stored1, *stored2))
         meta1, meta2 = (stored1, stored2) if first else prev
-        w1, w2 = w1.astype(dtype), w2.astype(dtype)
+        # the weights go to FP8 in their own dtype (float32 parameters: one rounding, and no convert
+        # pass over them before the quantization); their gradients come in that dtype
         q1 = fc1.fp8_weight(w1, stored1, first, self.axis_name, self.impl)
         q2 = fc2.fp8_weight(w2, stored2, first, self.axis_name, self.impl)
         y, out1, out2 = F.fp8_mlp_use(h.reshape(-1, hidden), w1, b1.astype(dtype), w2, b2.astype(dtype), meta1, meta2,

@@ -180,9 +180,10 @@ def layernorm_quantize(x, weight, bias, eps: float, state: ScalingState, index: 
         ``quantized`` as :func:`quantize` returns it, ``mean`` and ``rstd`` ((rows,) float32, NaN
         canonical: ``xhat = (x - mean) * rstd`` for the backward), and the new state.
 
-    On the CUDA backends ``transpose=True`` takes at most as many columns as a tile of 4 rows of
-    FP8 bytes fits in a block's shared memory (57600 on an H200); more raises ValueError when
-    the call is traced.
+    On the CUDA backends ``transpose=True`` takes any width: below 4096 columns q_t comes from the
+    kernel's shared tile, from 4096 on from a second launch over q
+    (:func:`fusedfp8._plans.split_transpose`; under ``FUSEDFP8_LAUNCH=old`` at most as many
+    columns as a tile of 4 rows of FP8 bytes fits in a block's shared memory, 57600 on an H200).
     """
     P._check_impl(impl)
     state = P._check_state(state, recipe)

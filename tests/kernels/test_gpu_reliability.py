@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusedfp8 import _cuda, ops
+from fusedfp8 import _cuda, _plans, ops
 from fusedfp8.numerics import reference as ref
 from fusedfp8.recipe import DelayedScaling
 from fusedfp8.state import STATE_FIELDS, ScalingState
@@ -249,8 +249,8 @@ def fixed_grid(monkeypatch):
             cached.cache_clear()
 
     def use(g: int) -> None:
-        monkeypatch.setattr(_cuda, "_flat_grid", lambda ref, sms, n: g)
-        monkeypatch.setattr(_cuda, "_tiled_grid", lambda ref, sms, rows, cols: g)
+        monkeypatch.setattr(_plans, "_flat_grid", lambda ref, sms, n: g)  # (where the plan builders read them)
+        monkeypatch.setattr(_plans, "_tiled_grid", lambda ref, sms, rows, cols: g)
         clear()
 
     yield use

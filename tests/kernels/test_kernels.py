@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fusedfp8
-from fusedfp8 import _cuda
+from fusedfp8 import _cuda, _plans
 from fusedfp8.formats import get_format
 from fusedfp8.numerics import reference as ref
 from fusedfp8.recipe import DelayedScaling
@@ -184,10 +184,10 @@ TILED_CASES = [(1024, 2048, 1), (136, 1032, 1), (303, 300, 1), (333, 517, 16), (
 def tiled_grid(monkeypatch):
     """``tiled_grid(g=None)``: the tiled kernel's grid fixed to ``g`` blocks (None: the default one)
     for the quantize plans built from now on; the default grid comes back after."""
-    grid = _cuda._tiled_grid
+    grid = _plans._tiled_grid
 
-    def use(g=None):
-        monkeypatch.setattr(_cuda, "_tiled_grid", grid if g is None else lambda ref, sms, rows, cols: g)
+    def use(g=None):  # (set where the plan builders read it)
+        monkeypatch.setattr(_plans, "_tiled_grid", grid if g is None else lambda ref, sms, rows, cols: g)
         _cuda.quantize_plan.cache_clear()
 
     yield use

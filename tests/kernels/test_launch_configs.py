@@ -1,6 +1,7 @@
-"""The two launch configurations (FUSEDFP8_LAUNCH=old | new, :func:`fusedfp8._cuda._launch_config`)
+"""The launch configurations (FUSEDFP8_LAUNCH=old | new | split, :func:`fusedfp8._plans._launch_config`)
 write the same bytes: every output of the kernels the 'new' one changes (layernorm_quantize with
-q_t, one pass per tile) and kernels it leaves alone (the dgelu tiled kernel with and without dbias
+q_t, one pass per tile), of the two launches 'split' takes for it (the kernel without q_t, then
+transpose_fp8 over q; wide rows, whose fused tile holds 8 or 4 rows, included) and kernels they leave alone (the dgelu tiled kernel with and without dbias
 and q_t, gelu, quantize), at the seed's sizes, a ragged shape and a padded one, compared bit for
 bit, dbias included (test_kernels holds the GPU's dbias to the reference only within float32
 summation order; here the two configurations must agree exactly). The configuration is read at
@@ -30,6 +31,9 @@ CASES = [
     ("layernorm", 2048, 4096, "bfloat16", "e4m3", True, False, 1),
     ("layernorm", 303, 300, "float32", "e5m2", True, False, 16),
     ("layernorm", 2048, 1024, "bfloat16", "e4m3", False, False, 1),
+    ("layernorm", 264, 16384, "bfloat16", "e4m3", True, False, 1),  # an 8-row tile (fused)
+    ("layernorm", 100, 20000, "float16", "e5m2", True, False, 16),  # a 4-row tile, padded
+    ("layernorm", 8190, 1000, "bfloat16", "e4m3", True, False, 1),  # q_t rows % 16 != 0: byte stores
 ]
 
 
@@ -75,18 +79,23 @@ def run_config(config: str, tmp: Path) -> dict:
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_old_and_new_launch_configurations_write_the_same_bytes(tmp_path):
-    old, new = run_config("old", tmp_path), run_config("new", tmp_path)
-    assert set(old) == set(new) == {repr(c) for c in CASES}
-    for case in old:
-        assert old[case].keys() == new[case].keys(), case
-        assert "data" in old[case] and "amax" in old[case], case
-        differ = [k for k in old[case] if old[case][k] != new[case][k]]
-        assert not differ, f"{case}: {differ} differ between FUSEDFP8_LAUNCH=old and new"
+def test_every_launch_configuration_writes_the_same_bytes(tmp_path):
+    got = {config: run_config(config, tmp_path) for config in ("old", "new", "split")}
+    old = got["old"]
+    assert set(old) == {repr(c) for c in CASES}
+    for config in ("new", "split"):
+        other = got[config]
+        assert set(other) == set(old), config
+        for c in CASES:
+            case = repr(c)
+            assert old[case].keys() == other[case].keys(), (config, case)
+            assert "data" in old[case] and "amax" in old[case] and ("data_t" in old[case]) == c[5], case
+            differ = [k for k in old[case] if old[case][k] != other[case][k]]
+            assert not differ, f"{case}: {differ} differ between FUSEDFP8_LAUNCH=old and {config}"
 
 
 if __name__ == "__main__":
-    from fusedfp8 import _cuda
+    from fusedfp8 import _plans
 
-    assert _cuda.LAUNCH == os.environ["FUSEDFP8_LAUNCH"], (_cuda.LAUNCH, os.environ["FUSEDFP8_LAUNCH"])
+    assert _plans.LAUNCH == os.environ["FUSEDFP8_LAUNCH"], (_plans.LAUNCH, os.environ["FUSEDFP8_LAUNCH"])
     Path(sys.argv[1]).write_text(json.dumps(digests()))

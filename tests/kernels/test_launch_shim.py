@@ -69,12 +69,13 @@ def other_plans():
             # the flax meta's update (JAX: decode, rule and counters in one launch, out of place)
             + [(("update_meta", n, L), _cuda.build_update_plan(fake_refs(UKEY), n, L, 0.5, algo, meta=True))
                for n, L, algo in [(3, 1, True), (3, 1024, False)]]
-            + [(("layernorm", r, c, t, f, p), _cuda.build_layernorm_plan(
+            + [(("layernorm", r, c, t, f, p, sp), _cuda.build_layernorm_plan(
                 fake_refs(LNKEY), SMS, r, c, t, f, 1e-5, 0.5, 4,
-                _cuda.layernorm_tile(_cuda.padded(r, c, p)[1], 227 << 10) if t else (0, 0), p))
+                _cuda.layernorm_tile(_cuda.padded(r, c, p)[1], 227 << 10) if t and not sp else (0, 0), p, sp))
                for r, c, p in [(2048, 1024, 1), (303, 300, 1), (0, 8, 1), (5, 20000, 1),  # (pad_to: padded kernels)
                                (303, 300, 16), (1, 8, 16), (8190, 1024, 16), (17, 40, 3)]
-               for t in (False, True) for f in (False, True)]
+               for t in (False, True) for f in (False, True)
+               for sp in ((False, True) if t else (False,))]  # (sp: FUSEDFP8_LAUNCH=split, q_t by transpose_fp8)
             # the amax-only plans (current scaling across ranks): a memset, then the pre-pass kernel
             + [(("amax", n), _cuda.build_amax_plan(fake_refs(QKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
             + [(("layernorm_amax", r, c), _cuda.build_layernorm_amax_plan(fake_refs(LNKEY), SMS, r, c, 1e-5))

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fusedfp8
-from fusedfp8 import _cuda
+from fusedfp8 import _cuda, _plans
 from fusedfp8.csrc import plan as P
 from fusedfp8.formats import get_format
 from fusedfp8.numerics import layernorm as ln
@@ -286,7 +286,10 @@ def test_first_step_pre_pass_is_one_extra_launch():
             fusedfp8.layernorm_quantize(x, w, b, 1e-5, st.slot(0, r), transpose=True)
             torch.cuda.synchronize()
         kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        assert len(kernels) == per_call and all("layernorm_quantize" in k for k in kernels), (first, kernels)
+        split = _plans.split_transpose(1024)  # (q_t then from a transpose_fp8 launch after the main kernel)
+        assert len(kernels) == per_call + split, (first, kernels)
+        assert all("layernorm_quantize" in k for k in kernels[:per_call]), (first, kernels)
+        assert not split or "transpose_fp8" in kernels[-1], kernels
 
 
 @pytest.mark.gpu
@@ -497,16 +500,45 @@ def test_layernorm_block(cols, tile_rows, old, new):
     assert got == new and tile_rows % (got // tpr) == 0
 
 
+@pytest.mark.parametrize("cols, old, new, split", [
+    (1, False, False, True), (1024, False, False, True), (4095, False, False, True),
+    (4096, False, True, True), (16384, False, True, True), (60000, False, True, True),
+])
+def test_which_widths_take_q_t_from_a_second_launch(cols, old, new, split, monkeypatch):
+    """LayerNorm's q_t from transpose_fp8 after the main kernel: never under 'old', from
+    LN_SPLIT_COLS (4096) columns on under 'new' (the default), always under 'split'; the default
+    configuration is read from _plans.LAUNCH."""
+    assert _plans.LN_SPLIT_COLS == 4096
+    assert [_plans.split_transpose(cols, c) for c in ("old", "new", "split")] == [old, new, split]
+    for config, want in (("old", old), ("new", new), ("split", split)):
+        monkeypatch.setattr(_plans, "LAUNCH", config)
+        assert _plans.split_transpose(cols) == want
+
+
 def test_launch_config_from_the_environment(monkeypatch):
     """FUSEDFP8_LAUNCH picks the launch configuration (default 'new', the faster one; 'old' the
-    launches as they were); anything else is refused with the variable's name, the choices and the value."""
+    launches as they were; 'split' LayerNorm's q_t from a second launch); anything else is refused
+    with the variable's name, the choices and the value."""
     monkeypatch.delenv("FUSEDFP8_LAUNCH", raising=False)
     assert _cuda._launch_config() == "new"
-    monkeypatch.setenv("FUSEDFP8_LAUNCH", "old")
-    assert _cuda._launch_config() == "old"
+    for config in ("old", "split"):
+        monkeypatch.setenv("FUSEDFP8_LAUNCH", config)
+        assert _cuda._launch_config() == config
     monkeypatch.setenv("FUSEDFP8_LAUNCH", "fast")
-    with pytest.raises(ValueError, match=r"FUSEDFP8_LAUNCH must be one of \('old', 'new'\), got 'fast'"):
+    with pytest.raises(ValueError, match=r"FUSEDFP8_LAUNCH must be one of \('old', 'new', 'split'\), got 'fast'"):
         _cuda._launch_config()
+
+
+def test_split_takes_q_t_of_any_width():
+    """FUSEDFP8_LAUNCH=split keeps no tile of whole rows in shared memory, so q_t of a width the fused
+    kernel refuses (60000 columns) is planned: the kernel without q_t, then transpose_fp8 over q."""
+    with pytest.raises(ValueError, match="at most"):
+        _cuda.layernorm_tile(60000, 227 << 10)
+    refs = fake_refs()
+    plan = _cuda.build_layernorm_plan(refs, SMS, 3, 60000, True, False, 1e-5, 1.0, 0, (0, 0), 1, True)
+    assert [v.func for step in plan.steps for v in step.variants] == [refs["layernorm_store1"].func,
+                                                                     refs["transpose_tiled"].func]
+    assert plan.steps[-1].variants[0].grid == min(1 * 938, 2 * SMS) and plan.steps[-1].block == 256
 
 
 def test_transposed_tile_too_wide_is_refused():
@@ -519,7 +551,7 @@ def test_transposed_tile_too_wide_is_refused():
     (0, 64, True, True, 1),
     # padded: the padded main kernel (the pre-pass the unpadded one), its groups over the padded rows
     (303, 300, True, False, 16), (303, 300, False, True, 16), (8190, 1024, True, True, 16), (1, 8, False, False, 16),
-    (5, 20000, True, True, 16), (17, 40, True, False, 3), (33, 17, True, False, 128),
+    (5, 20000, True, True, 16), (17, 40, True, False, 3), (33, 17, True, False, 128), (17, 40, True, False, 1),
     # nothing to pad (aligned, or no rows): what pad_to=1 launches
     (2048, 1024, True, True, 16), (0, 20, True, True, 16),
 ])
@@ -531,13 +563,17 @@ def test_plan_launches(rows, cols, transpose, first, pad_to, launch, monkeypatch
     one block that only hands out 1 / scale. With a pad: the padded main kernel, with the padded
     shape after the logical one, its groups (and the tile's columns) those of the padded shape.
     Under the 'new' launch configuration the transposed main kernel takes a tile's rows in one
-    pass: tile_rows * threads per row threads (at most 512, at least 256)."""
-    monkeypatch.setattr(_cuda, "LAUNCH", launch)
+    pass: tile_rows * threads per row threads (at most 512, at least 256). Under 'split' q_t comes
+    from a second launch: the main kernel without q_t (no tile), then transpose_fp8 over q (the
+    padded q: prows x pcols), one block of 256 per 128 x 64 tile, one resident wave at most."""
+    monkeypatch.setattr(_plans, "LAUNCH", launch)  # (where layernorm_block and layernorm_plan read it)
+    split = launch == "split"
     refs = fake_refs()
     prows, pcols = _cuda.padded(rows, cols, pad_to)
     pad = rows > 0 and (prows, pcols) != (rows, cols)
-    tile = _cuda.layernorm_tile(pcols, 227 << 10) if transpose else (0, 0)
-    plan = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, pad_to)
+    fused_t = transpose and not split
+    tile = _cuda.layernorm_tile(pcols, 227 << 10) if fused_t else (0, 0)
+    plan = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, pad_to, split)
     ptrs = tuple(0x7000_0000_0000 + 0x10_0000 * (i + 1) for i in range(len(P.LAYERNORM_SLOTS)))
     s = dict(zip(P.LAYERNORM_SLOTS, ptrs))
     tpr = ln.threads_per_row(cols)
@@ -557,7 +593,7 @@ def test_plan_launches(rows, cols, transpose, first, pad_to, launch, monkeypatch
 
     want = []
     if rows == 0:
-        want.append((refs["layernorm_store1_t" if transpose else "layernorm_store1"].func, 1, block, 0, pack(
+        want.append((refs["layernorm_store1_t" if fused_t else "layernorm_store1"].func, 1, block, 0, pack(
             s["x"], s["weight"], s["bias"], 0, 0, 0, 0, st("scale"), st("amax"), 0, 0, s["scale_inv_used"], 0, 0, cols,
             tpr, 0, int(cols % 8 == 0), 0, 1e-5, 0.5)))
     else:
@@ -565,14 +601,19 @@ def test_plan_launches(rows, cols, transpose, first, pad_to, launch, monkeypatch
             want.append((refs["layernorm_store0"].func, min(-(-rows // (block // tpr)), SMS), block, 0, pack(
                 s["x"], s["weight"], s["bias"], 0, 0, 0, 0, st("scale"), st("amax"), 0, 0, 0, st("updates"), rows,
                 cols, tpr, 0, int(cols % 8 == 0), 0, 1e-5, 0.5)))
-        group = tile[0] if transpose else block // tpr
-        main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if transpose else "layernorm_store1")]
-        main_block = min(512, max(block, tile[0] * tpr)) if transpose and launch == "new" else block
+        group = tile[0] if fused_t else block // tpr
+        main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if fused_t else "layernorm_store1")]
+        main_block = min(512, max(block, tile[0] * tpr)) if fused_t and launch == "new" else block
         want.append((main.func, min(-(-prows // group), 2 * SMS), main_block, tile[1], pack_main(
-            s["x"], s["weight"], s["bias"], s["q"], s["q_t"] if transpose else 0, s["mean"], s["rstd"], st("scale"),
+            s["x"], s["weight"], s["bias"], s["q"], s["q_t"] if fused_t else 0, s["mean"], s["rstd"], st("scale"),
             st("amax"), st("scale_out") if first else 0, st("scale_inv_out") if first else 0, s["scale_inv_used"],
             st("updates") if first else 0, rows, cols, tpr, tile[0], int(cols % 8 == 0 and pcols % 8 == 0),
-            int(transpose and prows % tile[0] == 0), 1e-5, 0.5)))
+            int(fused_t and prows % tile[0] == 0), 1e-5, 0.5)))
+        if transpose and split:
+            tiles = -(-prows // 128) * -(-pcols // 64)
+            want.append((refs["transpose_tiled"].func, min(tiles, 2 * SMS), 256, 0, struct.pack(
+                _cuda.SIGNATURES["transpose"], s["q"], s["q_t"], prows, pcols, int(pcols % 16 == 0),
+                int(prows % 16 == 0))))
     got = []
     dry = P.dry_run(plan, ptrs)
     at = 0
@@ -581,8 +622,9 @@ def test_plan_launches(rows, cols, transpose, first, pad_to, launch, monkeypatch
         got.append((func, grid, blk, shared, dry[at + 48:at + 48 + size]))
         at += 48 + size + (-size % 8)
     assert got == want
-    assert [step.layout for step in plan.steps] == [_cuda.signature("layernorm")] * (len(plan.steps) - 1) + [
-        _cuda.signature("padded_layernorm" if pad else "layernorm")]
+    second = transpose and split and rows > 0
+    assert [step.layout for step in plan.steps] == [_cuda.signature("layernorm")] * (len(plan.steps) - 1 - second) + [
+        _cuda.signature("padded_layernorm" if pad else "layernorm")] + [_cuda.signature("transpose")] * second
     if not pad:  # pad_to changes nothing where there is nothing to pad
-        same = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile)
+        same = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, 1, split)
         assert plan.steps == same.steps

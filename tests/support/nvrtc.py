@@ -56,10 +56,13 @@ def group_of(key: _cuda.ModuleKey) -> str:
 
 def groups() -> dict:
     """'family-dtype' -> every name expression of every module of that family and dtype: one
-    NVRTC program per group keeps the check fast while still instantiating every template."""
+    NVRTC program per group keeps the check fast while still instantiating every template. A kernel
+    that every module of a family holds alike (layernorm_quantize's transpose_fp8, no template
+    parameter) is listed once."""
     out = defaultdict(list)
     for key in _cuda.all_module_keys():
-        out[group_of(key)].extend(_cuda.name_expressions(key).values())
+        group = out[group_of(key)]
+        group.extend(e for e in _cuda.name_expressions(key).values() if "<" in e or e not in group)
     return dict(out)
 
 
