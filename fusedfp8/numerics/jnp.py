@@ -50,7 +50,6 @@ def _c(v) -> jax.Array:
     return _hide(jnp.asarray(np.float32(v), f32))
 
 
-
 def _traced_once(*static_argnames: str):
     """Decorator: ``fn`` under ``jax.jit``, so that its graph (hundreds to thousands of integer ops an
     element) is traced once per shape and dtype (and value of the static arguments) and reused by
@@ -510,4 +509,3 @@ def layernorm_quantize(x, weight, bias, eps, scale, fmt: str | Format, transpose
     q = cast_to_fp8(mul(y, jnp.reshape(jnp.asarray(scale, f32), ())), fmt)
     q_t = q.reshape(mean.shape[0], q.shape[-1]).T if transpose else None
     return q, q_t, amax(y), mean, rstd
-
