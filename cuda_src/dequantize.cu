@@ -16,7 +16,7 @@ template <typename TOut, int FMT> __device__ __forceinline__ TOut dequant1(u8 b,
 }
 
 template <typename TOut, int FMT>
-__device__ __forceinline__ void dequantize_flat_body(
+__global__ void __launch_bounds__(FF8_THREADS) dequantize_flat(
     const u8* __restrict__ q,             // [n] FP8 bytes
     TOut* __restrict__ out,               // [n] output
     const float* __restrict__ scale_inv,  // [1]
@@ -42,11 +42,4 @@ __device__ __forceinline__ void dequantize_flat_body(
         done = nvec * 16;
     }
     for (i64 i = done + tid; i < n; i += nthreads) out[i] = dequant1<TOut, FMT>(q[i], si);
-}
-
-// The kernel (its body a device function, as quantize_flat's in quantize.cu).
-template <typename TOut, int FMT>
-__global__ void __launch_bounds__(FF8_THREADS) dequantize_flat(const u8* __restrict__ q, TOut* __restrict__ out,
-                                                               const float* __restrict__ scale_inv, i64 n, int vec) {
-    dequantize_flat_body<TOut, FMT>(q, out, scale_inv, n, vec);
 }

@@ -31,9 +31,10 @@
 // ends with the same bits, as IEEE addition commutes), and over the row's tpr / 32 warps through
 // shared memory (a second butterfly over lanes 0 .. warps-1 of each warp, offsets warps/2 .. 1).
 //
-// (FUSEDFP8_LAUNCH=split plans q_t without the tile: this kernel without q_t, then transpose_fp8 below.)
-// Grid and block: blockDim = max(256, tpr) threads (the host's choice, _cuda.layernorm_block; the kernel
-// reads blockDim; with q_t, FUSEDFP8_LAUNCH=new: min(512, tile_rows * tpr), a tile in one pass),
+// (From LN_SPLIT_COLS columns on the plan writes q_t without the tile: this kernel without q_t, then
+// transpose_fp8 below.)
+// Grid and block: blockDim = max(256, tpr) threads (the host's choice, fusedfp8/_plans.py layernorm_block;
+// the kernel reads blockDim; with q_t: min(512, tile_rows * tpr), a tile in one pass),
 // blockDim / tpr rows per pass; grid = min(row groups, resident blocks) from the occupancy, grid-
 // stride over the groups; one atomicMax per block. Without q_t (TRANSPOSE = false) a group is one
 // pass. With q_t a group is a tile of tile_rows rows (16, 8 or 4, from cols: the host keeps
@@ -450,8 +451,8 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize_padded(
 // ---------------------------------------------------------------------------------------------
 // transpose_fp8: the FP8 bytes q (prows x pcols, row-major: the padded q of layernorm_quantize, zeros in
 // its pad) written transposed into q_t (pcols x prows). It is the second launch of layernorm_quantize with
-// q_t under FUSEDFP8_LAUNCH=split (_cuda.build_layernorm_plan): the LayerNorm kernel without its shared
-// tile, then this one. Why: the fused kernel's tile holds tile_rows whole rows of q (16 at 4096 columns,
+// q_t from LN_SPLIT_COLS columns on (fusedfp8/_plans.py build_layernorm_plan): the LayerNorm kernel
+// without its shared tile, then this one. Why: the fused kernel's tile holds tile_rows whole rows of q (16 at 4096 columns,
 // 8 at 16384: 128 KiB of the block's shared memory), so each column of q_t gets tile_rows contiguous
 // bytes a store, and a wide row leaves one block of 16 warps per multiprocessor working on one row at a
 // time; this kernel writes full 128-byte lines of q_t from 128 x 64-byte tiles at the cost of reading q

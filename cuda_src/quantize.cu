@@ -106,16 +106,8 @@ template <bool V> struct Flag { static constexpr bool value = V; };
 // thread's first loads, with those loads; returns whether first-step mode applied, see launch_scale).
 // StagedAmax: launch_scale() as it stands: on a first step a separate pre-pass launch has already
 // staged the tensor's amax in *amax. (GridAmax in current_quantize.cu stages it in the same launch,
-// behind a grid-wide barrier; ChipAmax there also keeps the block's share in shared memory.)
-// fetch_flat / fetch_tiled: where the cast takes the thread's k-th vector / the block's k-th tile
-// (k >= 1) from: true when the policy filled xr / br (from on chip), false for the global loads.
-// flat_min_blocks: quantize_flat's __launch_bounds__ minimum of resident blocks (0: no bound).
+// behind a grid-wide barrier.)
 struct StagedAmax {
-    template <typename T, int OP> __host__ __device__ static constexpr int flat_min_blocks() { return 0; }
-    template <typename T, int OP>
-    static __device__ __forceinline__ bool fetch_flat(bool, int, uint4*, uint4*) { return false; }
-    template <typename T, int OP>
-    static __device__ __forceinline__ bool fetch_tiled(bool, int, uint4*, uint4*) { return false; }
     template <typename T, int FMT, int OP, bool VEC>
     static __device__ __forceinline__ bool flat(const T*, const T*, i64, const uint4*, const uint4*, const float* scale,
                                                 float* amax, const int* updates, float margin_factor, float* s) {
@@ -135,7 +127,7 @@ struct StagedAmax {
 // stride. Vector path (VEC=true; x, b and q 16-byte aligned): each thread takes 16 elements per
 // step, 2 independent 16-byte loads for 2-byte types (4 for float32) per input, kept raw in
 // registers, and one 16-byte store; a thread's first loads are issued before the scale is read
-// (issue 18: a block's first step waits for one memory latency, not two). (Loads of the next step
+// (a block's first step waits for one memory latency, not two). (Loads of the next step
 // issued ahead, or of two steps side by side, do not survive ptxas: in the sm_90 SASS it sinks them
 // to their first use to save registers.) The < 16-element tail is done element-wise by the last
 // threads. VEC=false: element-wise.
@@ -146,7 +138,7 @@ struct StagedAmax {
 // One atomicMax per block.
 // ---------------------------------------------------------------------------------------------
 template <typename T, int FMT, int OP, bool VEC, bool STORE, class Pre = StagedAmax>
-__device__ __forceinline__ void quantize_flat_body(
+__global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
     const T* __restrict__ x,          // [n] input (dy for OP 3/4)
     const T* __restrict__ b,          // [n] second input (x for OP 3/4), else null
     u8* __restrict__ q,               // [n] FP8 output (bytes)
@@ -182,10 +174,8 @@ __device__ __forceinline__ void quantize_flat_body(
     }
     u32 m = 0;  // the running amax (amax_update)
     if (VEC) {
-        int kv = 0;  // (the thread's kv-th vector)
-        for (i64 i = tid; i < nvec; i += nthreads, ++kv) {
-            if (i != tid && !Pre::template fetch_flat<T, OP>(fresh, kv, xc, bc))
-                load(xc, bc, i);  // (the first step's were issued before the scale)
+        for (i64 i = tid; i < nvec; i += nthreads) {
+            if (i != tid) load(xc, bc, i);  // (the first step's were issued before the scale)
             float v[16];
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
@@ -210,25 +200,11 @@ __device__ __forceinline__ void quantize_flat_body(
     if (!fresh) block_amax_atomic<FF8_THREADS>(m, amax);  // on a first step the pre-pass already did it
 }
 
-// The kernel: its body above is a device function so that a kernel with the sizes baked in (the
-// wrappers of fusedfp8/jax/ptx.py, XLA's own PTX custom calls) runs the same code.
-template <typename T, int FMT, int OP, bool VEC, bool STORE, class Pre = StagedAmax>
-__global__ void __launch_bounds__(FF8_THREADS, Pre::template flat_min_blocks<T, OP>()) quantize_flat(
-    const T* __restrict__ x, const T* __restrict__ b, u8* __restrict__ q, const float* __restrict__ scale, float* amax,
-    float* scale_out, float* scale_inv_out, float* scale_inv_used, const int* updates, i64 n, i64 npad,
-    float margin_factor) {
-    quantize_flat_body<T, FMT, OP, VEC, STORE, Pre>(x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
-                                                     updates, n, npad, margin_factor);
-}
-
 // ---------------------------------------------------------------------------------------------
 // quantize_tiled: x viewed as rows x cols (row-major). Writes q (prows x pcols), optionally q_t
 // (pcols x prows, row-major: the transpose) and optionally dbias (column sums of the unquantized
 // values, float32, deterministic: per-tile partial sums in a fixed order, then the last tile of
 // each column strip to finish adds the partials in tile order), all from one read of x (and b).
-// Issue 18 (H200, 2026-12-03, against the kernel before it, which loaded a tile only after the
-// scale and stored 8 bytes a thread and row; the same q, q_t and amax): 2048x4096 9.78 us (0.81
-// of the copy ceiling) vs 13.74 (0.58), 8192x16384 160.5 us (0.79) vs 202.8 (0.63), gelu 228 vs 266.
 // Tile: 128 rows x 64 cols; block: 256 threads; grid: min(tiles, resident blocks) from the
 // occupancy, grid-stride.
 // Software pipeline: a block issues the 16-byte loads of its next tile (raw, in registers) before
@@ -251,8 +227,7 @@ __global__ void __launch_bounds__(FF8_THREADS, Pre::template flat_min_blocks<T, 
 // 4 groups ((g0 + g1) + (g2 + g3)) into the tile's row of the workspace; after its last tile a block
 // counts its tiles on their strips' counters (one fence first) and the block that completes a strip
 // adds the strip's partials in tile order (finish_dbias; the same sums in the same order as when the
-// last tile of a strip did it, which cost a fence and an atomic round trip every tile: 8192x16384
-// dgelu + dbias + t 274.8 vs 299.6 us, H200 2026-12-04, .gpu A/B, bytes and dbias bits equal).
+// last tile of a strip did it, which cost a fence and an atomic round trip every tile).
 // Edge tiles (a tile that reaches past rows or cols: the last row / column strip of a ragged or
 // padded shape) take the same vector path, decided per thread row rather than per tile: a row of
 // 16 columns wholly inside is loaded with 16-byte loads (when vec), a row that crosses cols with
@@ -312,7 +287,7 @@ __device__ __forceinline__ void finish_dbias(float* __restrict__ dbias, const fl
 #define T2_LOADS (2 * (int)sizeof(T))  // 16-byte loads per thread, tile and input (2 rows x 16 columns)
 
 template <typename T, int FMT, int OP, class Pre = StagedAmax>
-__device__ __forceinline__ void quantize_tiled_body(
+__global__ void __launch_bounds__(256) quantize_tiled(
     const T* __restrict__ x,          // [rows, cols] input (dy for OP 3/4)
     const T* __restrict__ b,          // [rows, cols] second input (x for OP 3/4), else null
     u8* __restrict__ q,               // [prows, pcols] FP8 output
@@ -387,18 +362,14 @@ __device__ __forceinline__ void quantize_tiled_body(
     if (blockIdx.x == 0 && threadIdx.x == 0) publish_scale(fresh, s, scale_out, scale_inv_out, scale_inv_used);
     u32 m = 0;  // the running amax (amax_update)
     int buf = 0;
-    int kt = 0;  // (the block's kt-th tile)
-    for (i64 id = blockIdx.x; id < ntiles; id += gridDim.x, ++kt) {
+    for (i64 id = blockIdx.x; id < ntiles; id += gridDim.x) {
         const i64 r0 = (i64)tr * TILE_R, c0 = (i64)tc * TILE_C;
         const bool full = is_full(tr, tc);
         u32 ntr = tr + step_r, ntc = tc + step_c;
         if (ntc >= tiles_c) { ntc -= tiles_c; ++ntr; }
         uint4 xn[T2_LOADS], bn[OP >= 3 ? T2_LOADS : 1];
-        // the next tile's loads fly while this one is computed; a full tile of a vec tensor may be on
-        // chip already (ChipAmax stages exactly those: fetch_tiled)
-        const bool nfull = vec && is_full(ntr, ntc);
-        if (id + gridDim.x < ntiles && !(nfull && Pre::template fetch_tiled<T, OP>(fresh, kt + 1, xn, bn)))
-            load(xn, bn, ntr, ntc);
+        // the next tile's loads fly while this one is computed
+        if (id + gridDim.x < ntiles) load(xn, bn, ntr, ntc);
         u8* tl = tile[buf];
         // Every tile takes this path. Each thread row has n of its 16 columns inside rows x cols (16
         // but at an edge); the loads left zeros past them, whose values (op(0) = +-0) take no part in
@@ -472,16 +443,4 @@ __device__ __forceinline__ void quantize_tiled_body(
     }
     if (OP >= 3 && dbias != nullptr) finish_dbias(dbias, partial, strip_count, cols, tiles_r, tiles_c, ntiles);
     if (!fresh) block_amax_atomic<256>(m, amax);
-}
-
-// The kernel (its body a device function, as quantize_flat's).
-template <typename T, int FMT, int OP, class Pre = StagedAmax>
-__global__ void __launch_bounds__(256) quantize_tiled(
-    const T* __restrict__ x, const T* __restrict__ b, u8* __restrict__ q, u8* __restrict__ q_t,
-    float* __restrict__ dbias, float* __restrict__ partial, int* __restrict__ strip_count,
-    const float* __restrict__ scale, float* amax, float* scale_out, float* scale_inv_out, float* scale_inv_used,
-    const int* updates, i64 rows, i64 cols, i64 prows, i64 pcols, int vec, int vec_t, float margin_factor) {
-    quantize_tiled_body<T, FMT, OP, Pre>(x, b, q, q_t, dbias, partial, strip_count, scale, amax, scale_out,
-                                         scale_inv_out, scale_inv_used, updates, rows, cols, prows, pcols, vec, vec_t,
-                                         margin_factor);
 }

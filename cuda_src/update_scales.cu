@@ -179,9 +179,8 @@ __device__ __forceinline__ void update_column(
     }
 }
 
-// The entry points; their bodies as device functions too (<name>_body, as quantize_flat's in
-// quantize.cu), for a kernel that calls them with its sizes baked in.
-__device__ __forceinline__ void update_scales_body(
+// The entry points.
+extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
     float* __restrict__ history,        // [L, n] amax history; row 0 is the staging slot
     float* __restrict__ scale,          // [n]
     float* __restrict__ scale_inv,      // [n]
@@ -197,7 +196,7 @@ __device__ __forceinline__ void update_scales_body(
                          nullptr, nullptr, nullptr, nullptr, nullptr, n, L, margin_factor, algo_max);
 }
 
-__device__ __forceinline__ void update_meta_body(
+extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_meta(
     const float* __restrict__ history,      // [L, n] the meta's history
     const float* __restrict__ scale,        // [n] its scale
     const float* __restrict__ overflows_f,  // [n] its counters (float32)
@@ -216,20 +215,4 @@ __device__ __forceinline__ void update_meta_body(
     update_column<true>(history, history_out, scale, scale_out, scale_inv_out, nullptr, nullptr, overflows, updates,
                         fmt_max, overflows_f, updates_f, overflows_f_out, updates_f_out, writes, n, L, margin_factor,
                         algo_max);
-}
-
-extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
-    float* __restrict__ history, float* __restrict__ scale, float* __restrict__ scale_inv, int* __restrict__ overflows,
-    int* __restrict__ updates, const float* __restrict__ fmt_max, int n, int L, float margin_factor, int algo_max) {
-    update_scales_body(history, scale, scale_inv, overflows, updates, fmt_max, n, L, margin_factor, algo_max);
-}
-
-extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_meta(
-    const float* __restrict__ history, const float* __restrict__ scale, const float* __restrict__ overflows_f,
-    const float* __restrict__ updates_f, const float* __restrict__ writes, const float* __restrict__ fmt_max,
-    float* __restrict__ history_out, float* __restrict__ scale_out, float* __restrict__ scale_inv_out,
-    int* __restrict__ overflows, int* __restrict__ updates, float* __restrict__ overflows_f_out,
-    float* __restrict__ updates_f_out, int n, int L, float margin_factor, int algo_max) {
-    update_meta_body(history, scale, overflows_f, updates_f, writes, fmt_max, history_out, scale_out, scale_inv_out,
-                     overflows, updates, overflows_f_out, updates_f_out, n, L, margin_factor, algo_max);
 }

@@ -35,15 +35,14 @@ from .csrc.plan import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, NU
                         Memset, Plan, Variant, _check, _mask, _plan, driver, dry_run, execute, flag, imm32, imm64, immf32,
                         ptr)
 from .numerics import layernorm as _ln
-from . import _plans
-# the plans' sizes, layouts and builders (re-exported, as the plan format above). Not re-exported: what
-# the builders read as module globals (the launch configuration LAUNCH, the grid rules _flat_grid /
-# _tiled_grid / _resident), so that code which sets them (tests) must set them in _plans, where they act.
-from ._plans import (CHIP_ENV, CHIP_MIN_FRACTION, CHIP_MIN_OCCUPANCY, H200_ROOM, LAUNCH_CONFIGS, LN_BLOCK,  # noqa: F401
-                     LN_STATIC_SHARED, LN_THREADS, LN_TILES, SIGNATURES, THREADS, TILE_C, TILE_R, TILED_BLOCK, Chip,
-                     ChipStage, KernelRef, _launch, _launch_config, aligned, build_amax_plan, build_dequantize_plan,
-                     build_layernorm_amax_plan, build_layernorm_plan, build_quantize_plan, build_update_plan,
-                     chip_default, chip_stage, dbias_workspace, layernorm_block, layernorm_tile, padded, signature)
+# the plans' sizes, layouts and builders (re-exported, as the plan format above). Not re-exported: the
+# grid rules (_flat_grid, _tiled_grid, _resident) that the builders read as module globals, so that
+# code which replaces them (tests) must do it in _plans, where they act.
+from ._plans import (LN_BLOCK, LN_SPLIT_COLS, LN_STATIC_SHARED, LN_THREADS, LN_TILES, SIGNATURES,  # noqa: F401
+                     THREADS, TILE_C, TILE_R, TILED_BLOCK, KernelRef, _launch, aligned, build_amax_plan,
+                     build_dequantize_plan, build_layernorm_amax_plan, build_layernorm_plan, build_quantize_plan,
+                     build_update_plan, dbias_workspace, layernorm_block, layernorm_tile, padded, signature,
+                     split_transpose)
 
 CPP_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 CPP_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -126,11 +125,9 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
         return names
     if key.family == "current_quantize":  # the same kernels with the first step's amax in the launch
         t, f, o = CPP_TYPES[key.dtype], FMT_IDS[key.fmt], OPS[key.op]
-        names = {}
-        for prefix, policy in (("coop", "GridAmax"), ("chip", "ChipAmax")):  # (chip: the share kept on chip)
-            names.update({f"{prefix}_flat_vec{int(v)}": f"quantize_flat<{t}, {f}, {o}, {str(v).lower()}, true, "
-                          f"{policy}>" for v in (True, False)})
-            names[f"{prefix}_tiled"] = f"quantize_tiled<{t}, {f}, {o}, {policy}>"
+        names = {f"coop_flat_vec{int(v)}": f"quantize_flat<{t}, {f}, {o}, {str(v).lower()}, true, GridAmax>"
+                 for v in (True, False)}
+        names["coop_tiled"] = f"quantize_tiled<{t}, {f}, {o}, GridAmax>"
         return names
     if key.family == "layernorm_quantize":
         t, p, f = CPP_TYPES[key.dtype], CPP_TYPES[key.param], FMT_IDS[key.fmt]
@@ -191,19 +188,10 @@ class Kernel:
                f"reading the static shared memory of {self.name}")
         return n.value
 
-    def prefer_shared(self) -> None:
-        """Ask for the largest shared memory carveout of the multiprocessor (L1 gets the rest): the
-        ChipAmax kernels' plans count on all of it, and the occupancy calculator then answers for it."""
-        if not getattr(self, "_prefers_shared", False):
-            _check(driver().cuFuncSetAttribute(ctypes.c_void_p(self.func), 9, ctypes.c_int(100)),  # PREFERRED_CARVEOUT
-                   f"preferring shared memory for {self.name}")
-            self._prefers_shared = True
-
     def allow_shared(self, nbytes: int) -> None:
         """Let launches ask for ``nbytes`` of dynamic shared memory: static and dynamic together
         beyond 48 KiB need the attribute (set once per size, before any launch that uses it). Without
-        it the occupancy calculator answers 0 blocks (a ChipAmax tiled plan at 2048x4096, 34864 bytes
-        static + 16384 dynamic, fell back to GridAmax on the H200 for that reason)."""
+        it the occupancy calculator answers 0 blocks and the launch fails."""
         if nbytes > getattr(self, "_shared_cap", (48 << 10) - self.static_shared):
             _check(driver().cuFuncSetAttribute(ctypes.c_void_p(self.func), 8, ctypes.c_int(nbytes)),  # MAX_DYNAMIC_SHARED
                    f"allowing {nbytes} bytes of shared memory for {self.name}")
@@ -251,19 +239,6 @@ def sm_count(device_id: int) -> int:
     import cupy
 
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
-
-
-@functools.lru_cache(maxsize=None)
-def chip_room(device_id: int) -> tuple[int, int, int]:
-    """(shared memory per multiprocessor, the most one block may opt in to, the driver's reserve per
-    resident block) of ``device_id``, bytes: what the ChipAmax kernels' dynamic shared memory is cut from."""
-    drv, dev, out = driver(), ctypes.c_int(0), []
-    _check(drv.cuDeviceGet(ctypes.byref(dev), device_id), f"getting CUDA device {device_id}")
-    for attr in (81, 97, 111):  # MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, ..._PER_BLOCK_OPTIN, RESERVED_..._PER_BLOCK
-        v = ctypes.c_int(0)
-        _check(drv.cuDeviceGetAttribute(ctypes.byref(v), attr, dev), f"reading attribute {attr} of device {device_id}")
-        out.append(v.value)
-    return tuple(out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,8 +293,7 @@ def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
 
 def kernel_refs(key: ModuleKey, device_id: int) -> dict:
     """Role -> :class:`KernelRef` of module ``key`` on ``device_id`` (compiles it on first use)."""
-    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if role.endswith("tiled") else THREADS),
-                            k.static_shared if role.startswith("chip") else 0)
+    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if role.endswith("tiled") else THREADS))
             for role, k in kernels(key, device_id).items()}
 
 
@@ -327,37 +301,17 @@ def kernel_refs(key: ModuleKey, device_id: int) -> dict:
 @functools.lru_cache(maxsize=4096)
 def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: int, transpose: bool = False,
                   dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0,
-                  pad_to: int = 1, coop: bool = True, onchip: bool | None = None) -> Plan:
+                  pad_to: int = 1, coop: bool = True) -> Plan:
     """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device`` (and, for a first step
     in one launch, its current_quantize twin). ``dbias`` goes with the dgelu ops only (the column
-    sums of a gradient: the tiled kernel sums nothing for another op); ValueError otherwise.
-    ``onchip``: a one-launch first step may take the ChipAmax kernels (None: :func:`chip_default`);
-    their dynamic shared memory is allowed here, and a launch the occupancy calculator says would
-    not be resident falls back to the GridAmax kernels."""
+    sums of a gradient: the tiled kernel sums nothing for another op); ValueError otherwise."""
     if dbias and OPS[op] < OPS["dgelu_tanh"]:
         raise ValueError(f"dbias: the column sums come with op 'dgelu_tanh' or 'dgelu_erf' (a gradient); got op {op!r}")
     refs = kernel_refs(ModuleKey("quantize", dtype, fmt, op), device)
-    if not (first and coop):
-        return build_quantize_plan(refs, sm_count(device), rows, cols, transpose, dbias, first, margin_factor,
-                                   offset, pad_to, coop)
-    refs = {**refs, **kernel_refs(ModuleKey("current_quantize", dtype, fmt, op), device)}
-    chip = None
-    if (chip_default() if onchip is None else onchip):
-        chip = Chip(*chip_room(device), CPP_SIZES[dtype] * (2 if OPS[op] >= 3 else 1))
-    while True:
-        plan = build_quantize_plan(refs, sm_count(device), rows, cols, transpose, dbias, first, margin_factor,
-                                   offset, pad_to, coop, chip)
-        main = plan.steps[-1]
-        if chip is None or not main.shared:
-            return plan
-        by_func = {k.func: k for k in kernels(ModuleKey("current_quantize", dtype, fmt, op), device).values()}
-        for v in main.variants:
-            by_func[v.func].prefer_shared()
-            by_func[v.func].allow_shared(main.shared)
-        if all(by_func[v.func].blocks_per_sm(main.block, main.shared) * sm_count(device) >= v.grid
-               for v in main.variants):
-            return plan
-        chip = None  # (not resident as planned: GridAmax's launch)
+    if first and coop:
+        refs = {**refs, **kernel_refs(ModuleKey("current_quantize", dtype, fmt, op), device)}
+    return build_quantize_plan(refs, sm_count(device), rows, cols, transpose, dbias, first, margin_factor, offset,
+                               pad_to, coop)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -367,8 +321,7 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
     """:func:`build_layernorm_plan` for module (dtype, fmt, param) on ``device`` (compiles it on first
     use; with ``transpose``, allows the kernel the tile's shared memory: the tile of the padded columns)."""
     ks = kernels(ModuleKey("layernorm_quantize", dtype, fmt, param=param), device)
-    split = transpose and _plans.split_transpose(padded(rows, cols, pad_to)[1])  # (LAUNCH read there: tests set it)
-    fused_t = transpose and rows and not split
+    fused_t = transpose and rows and not split_transpose(padded(rows, cols, pad_to)[1])
     tile = layernorm_tile(padded(rows, cols, pad_to)[1], shared_optin(device)) if fused_t else (0, 0)
     tpr = _ln.threads_per_row(max(cols, 1))
     for role in ("layernorm_store1_t", "padded_layernorm_store1_t"):
@@ -382,7 +335,7 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
 
     refs = {role: KernelRef(k.func, k.name, role, per_sm(role, k)) for role, k in ks.items()}
     return build_layernorm_plan(refs, sm_count(device), rows, cols, transpose, first, eps, margin_factor, offset, tile,
-                                pad_to, split)
+                                pad_to)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -413,7 +366,7 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
                     scale: int, amax: int, rows: int, cols: int, q_t: int = 0, dbias: int = 0, partial: int = 0,
                     counters: int = 0, scale_inv_used: int = 0, first: bool = False, updates: int = 0,
                     scale_out: int = 0, scale_inv_out: int = 0, margin_factor: float = 1.0, pad_to: int = 1,
-                    coop: bool = True, onchip: bool | None = None) -> None:
+                    coop: bool = True) -> None:
     """Launch the quantize kernels on raw device pointers (:func:`quantize_plan`, then :func:`execute`).
 
     Parameters
@@ -434,9 +387,6 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
         state's entries, written on a first step) are set.
     coop : with ``first``, the amax and the cast in one cooperative launch (default); False: the
         two-pass path (an amax pre-pass launch, then the cast). The same bytes either way.
-    onchip : with ``first`` and ``coop``, that launch keeps the tensor on chip through the barrier where
-        it fits (the ChipAmax kernels); False: the GridAmax kernels (the rest read again); None: the
-        default (:func:`chip_default`, the environment's ``FUSEDFP8_CURRENT_ONCHIP``). The same bytes.
     margin_factor : 2**margin, for the first-step scale.
     pad_to : q is (rows, cols) rounded up to multiples of it, q_t its transpose, zeros in the pad
         (:func:`padded`; the dbias workspace too).
@@ -444,8 +394,7 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
     if rows * cols == 0 and not scale_inv_used:
         return
     plan = quantize_plan(device, dtype, fmt, op, rows, cols, bool(q_t), bool(dbias or partial or counters),
-                         bool(first), float(margin_factor), 0, int(pad_to), bool(coop),
-                         None if onchip is None else bool(onchip))
+                         bool(first), float(margin_factor), 0, int(pad_to), bool(coop))
     execute(plan, (x, b, q, q_t, dbias, partial, counters, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                    updates), stream)
 

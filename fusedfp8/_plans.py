@@ -1,16 +1,11 @@
 """The launch plans of every kernel family, as pure data built from :class:`KernelRef` s: the
 kernels' parameter layouts (:data:`SIGNATURES`), block and tile sizes, grids, the workspaces'
-shapes, the launch configuration (FUSEDFP8_LAUNCH) and the ``build_*_plan`` functions. Nothing
-here touches a device: :mod:`fusedfp8._cuda` compiles the kernels, reads the device's occupancy
-and caches the plans built here per signature (and re-exports the sizes, layouts and builders: the
-launch interface is that module); tests build the same plans from made-up kernel references. The
-launch configuration (:data:`LAUNCH`) and the grid rules (``_flat_grid``, ``_tiled_grid``,
-``_resident``) are read from this module's globals: code that sets them sets them here.
+shapes and the ``build_*_plan`` functions. Nothing here touches a device: :mod:`fusedfp8._cuda`
+compiles the kernels, reads the device's occupancy and caches the plans built here per signature;
+tests build the same plans from made-up kernel references.
 """
 from __future__ import annotations
 
-import math
-import os
 import re
 from typing import NamedTuple
 
@@ -26,44 +21,18 @@ LN_BLOCK = 256  # its block when a row takes fewer threads (blockDim / threads-p
 # the layernorm kernel's transposed tile: (rows per tile, most shared bytes), first that fits wins
 LN_TILES = ((16, 64 << 10), (8, 128 << 10), (4, 1 << 30))
 LN_STATIC_SHARED = 2048  # room left for the kernel's static shared memory (1216 bytes on sm_90)
-LAUNCH_CONFIGS = ("old", "new", "split")
-
-
-def _launch_config() -> str:
-    """The launch configuration of the small- and medium-tensor changes of issue 18, from the
-    environment variable FUSEDFP8_LAUNCH at import ('new', the default, or 'old': the launches as
-    they were, for an A/B in one benchmark run; the same bytes either way, by construction). 'new':
-    layernorm_quantize with q_t one pass per tile (:func:`layernorm_block`); measured faster on the
-    H200 (2026-12-04: layernorm_t 2048x1024 7.9 vs 8.8 us, 2048x4096 25.0 vs 29.6 us), bytes equal
-    to the reference there (bench_kernels' check) and to 'old' (tests/kernels/test_launch_configs.py,
-    passed on the H200 2026-12-04). (A lean dgelu tiled
-    kernel, three blocks per multiprocessor at 80 registers, was measured on the H200 and left
-    out: 2048x4096 dgelu_dbias_t 26.3 vs 24.7 us, slower at the seed's size; faster only at
-    8192x16384, 289 vs 315 us.) 'split': layernorm_quantize with q_t always as two launches, the
-    kernel without q_t and then transpose_fp8 over its q (:func:`build_layernorm_plan`); 'new' does
-    that from :data:`LN_SPLIT_COLS` columns on (:func:`split_transpose`)."""
-    value = os.environ.get("FUSEDFP8_LAUNCH", "new")
-    if value not in LAUNCH_CONFIGS:
-        raise ValueError(f"fusedfp8: FUSEDFP8_LAUNCH must be one of {LAUNCH_CONFIGS}, got {value!r}")
-    return value
-
-
-LAUNCH = _launch_config()
 
 # From this many columns on, layernorm_quantize's q_t comes from a second launch (transpose_fp8 over
-# q) under 'new': the fused tile holds few rows of a wide tensor, so each q_t store is a few bytes.
-# H200, 2026-12-05, bench_kernels layernorm_t, FUSEDFP8_LAUNCH=new vs split (same bytes, checked):
-# 2048x1024 7.7 vs 8.0 us (fused kept), 2048x4096 25.0 vs 20.2 us, 8192x16384 648.7 vs 291.9 us.
+# q): the fused tile holds few rows of a wide tensor, so each q_t store is a few bytes, while the
+# second launch writes full 128-byte lines for one more read of q (1 byte an element). Below it the
+# fused tile is faster (one launch, no second read).
 LN_SPLIT_COLS = 4096
 
 
-def split_transpose(cols: int, launch: str | None = None) -> bool:
-    """Whether layernorm_quantize with q_t over ``cols`` columns writes q_t with a second launch
-    (transpose_fp8) instead of from the kernel's shared tile: always under 'split', from
-    :data:`LN_SPLIT_COLS` columns on under 'new' (``launch``, default :data:`LAUNCH`), never under
-    'old'. Any width takes q_t where it splits (no shared tile)."""
-    launch = launch or LAUNCH
-    return launch == "split" or (launch == "new" and cols >= LN_SPLIT_COLS)
+def split_transpose(cols: int) -> bool:
+    """Whether layernorm_quantize with q_t over ``cols`` (padded) columns writes q_t with a second
+    launch (transpose_fp8) instead of from the kernel's shared tile. Any width takes q_t then."""
+    return cols >= LN_SPLIT_COLS
 
 # Parameter layouts (struct format, native alignment) of every kernel, by role prefix. The packed
 # size must equal the kernel's parameter size exactly (no trailing padding), or the driver
@@ -76,8 +45,6 @@ SIGNATURES = {
     "tiled": "@13Pqqqqiif",  # quantize_tiled: 13 pointers, rows, cols, prows, pcols, vec, vec_t, margin
     "coop_flat": "@9Pqqf",   # the same two kernels of current_quantize.cu (GridAmax), cooperative launches
     "coop_tiled": "@13Pqqqqiif",
-    "chip_flat": "@9Pqqf",   # the same with ChipAmax (dynamic shared memory, sized by the plan)
-    "chip_tiled": "@13Pqqqqiif",
     "layernorm": "@13Pqq4i2f",  # layernorm_quantize: 13 pointers, rows, cols, tpr, tile_rows, vec, vec_t, eps,
                                 #                     margin
     "padded_layernorm": "@13Pqqqq4i2f",  # layernorm_quantize_padded: 13 pointers, rows, cols, prows, pcols, tpr,
@@ -104,66 +71,6 @@ class KernelRef(NamedTuple):
     name: str  # name expression (for errors)
     role: str  # its role (SIGNATURES key prefix)
     per_sm: int  # resident blocks per multiprocessor at the block size it is launched with
-    static_shared: int = 0  # bytes of static shared memory (the ChipAmax kernels' plans count it)
-
-
-class Chip(NamedTuple):
-    """What the plan of a ChipAmax launch (current_quantize.cu: the block's share kept in shared memory
-    through the grid barrier) sizes its dynamic shared memory from: the device (:func:`chip_room`) and
-    the bytes of input an element takes (the dtype's size, twice for dgelu's two inputs)."""
-
-    per_sm: int  # shared memory per multiprocessor
-    per_block: int  # the most one block may opt in to
-    reserved: int  # the driver's reserve per resident block
-    elem_bytes: int
-
-
-H200_ROOM = (233472, 232448, 1024)  # chip_room on an H200 (sm_90): 228 KiB, 227 KiB, 1 KiB
-CHIP_MIN_FRACTION = 0.5  # a ChipAmax launch when at least this fraction of the tensor stays on chip, else GridAmax's
-# the fewest resident blocks a ChipAmax launch may take, as a fraction of the kernel's occupancy without shared
-# memory (fewer hold more shared memory each, but fewer threads: less in registers, less latency hidden; the
-# delayed recipe's later steps, which run the first-step plan, run with them too)
-CHIP_MIN_OCCUPANCY = 0.5
-CHIP_ENV = "FUSEDFP8_CURRENT_ONCHIP"  # "1": the ChipAmax kernels where the tensor fits (an A/B switch; default off)
-
-
-def chip_default() -> bool:
-    """Whether a one-launch first step takes the ChipAmax kernels where the tensor fits: no by default
-    (the GridAmax kernels), yes with ``FUSEDFP8_CURRENT_ONCHIP=1`` in the environment. Measured on the
-    H200 (2026-12-04, ``bench_kernels.py --recipe current``): ChipAmax is SLOWER than GridAmax where
-    it takes the tensor on chip (bf16 quantize 2048x4096 15.6 vs 12.8 us, 4096x4096 26.7 vs 22.8,
-    quantize_t 4096x4096 35.7 vs 28.4, gelu_t 4096x4096 58.3 vs 48.2), and its grid slows the
-    delayed recipe's later steps, which run the same plan (4096x4096 quantize 16.4 vs 14.9 us); kept
-    byte-exact and tested as an opt-in for the next attempt."""
-    return os.environ.get(CHIP_ENV, "0").strip() in ("1", "true", "yes", "on")
-
-
-class ChipStage(NamedTuple):
-    grid: int
-    shared: int  # dynamic shared memory per block (bytes)
-    fraction: float  # of the tensor's units kept on chip (registers and shared memory)
-
-
-def chip_stage(ref: KernelRef, sms: int, units: int, first_round: int, slot_bytes: int, chip: Chip) -> ChipStage:
-    """Grid and dynamic shared memory of a ChipAmax launch over ``units`` (16-element vectors of the
-    flat kernel, tiles of the tiled one) that a grid of B blocks takes grid-stride, ``first_round`` a
-    block (its first, held in registers: a vector a thread, a tile a block), the next ones in slots of
-    ``slot_bytes`` of the block's dynamic shared memory, as many as a block needs (its rounds - 1) and
-    fits. Blocks per multiprocessor from the kernel's occupancy down to half of it (fewer resident
-    threads hold less in registers and hide less latency; :data:`CHIP_MIN_OCCUPANCY`): the one that keeps
-    the most of the tensor on chip (ties: the most blocks). Every block resident: the cooperative launch's
-    condition."""
-    best = None
-    top = max(ref.per_sm, 1)
-    for bps in range(top, max(1, math.ceil(top * CHIP_MIN_OCCUPANCY)) - 1, -1):
-        grid = max(1, min(bps * sms, -(-units // first_round)))
-        rounds = -(-units // (grid * first_round))
-        room = min(chip.per_block, chip.per_sm // bps - chip.reserved) - ref.static_shared
-        slots = max(0, min(rounds - 1, room // slot_bytes))
-        fraction = min(1.0, grid * first_round * (1 + slots) / units) if units else 1.0
-        if best is None or fraction > best.fraction:
-            best = ChipStage(grid, slots * slot_bytes, fraction)
-    return best
 
 
 def _flat_grid(ref: KernelRef, sms: int, n: int) -> int:
@@ -214,7 +121,7 @@ def dbias_workspace(rows: int, cols: int, pad_to: int = 1) -> tuple[tuple[int, i
 
 def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, dbias: bool = False,
                         first: bool = False, margin_factor: float = 1.0, offset: int = 0, pad_to: int = 1,
-                        coop: bool = True, chip: Chip | None = None) -> Plan:
+                        coop: bool = True) -> Plan:
     """The plan of one quantize call over :data:`QUANTIZE_SLOTS` (``refs``: role -> KernelRef of the
     module, and with ``first`` and ``coop`` of its current_quantize twin; ``sms``: the device's
     multiprocessors). ``offset``: the byte offset of the tensor's entry in the scale / amax /
@@ -223,9 +130,6 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     quantizes with the scale of its own amax, and the kernel writes the scale it used. With ``coop``
     (default) that is ONE cooperative launch of the current_quantize kernels (the amax, a grid-wide
     barrier, the cast); without, the two-pass path: an amax pre-pass launch, then the cast.
-    ``chip`` (with ``first`` and ``coop``): that launch is of the ChipAmax kernels (the block's share
-    also kept in dynamic shared memory through the barrier, sized by :func:`chip_stage`) when at least
-    :data:`CHIP_MIN_FRACTION` of the tensor stays on chip, else of the GridAmax ones; None: GridAmax.
     ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
     pad. A shape padded in rows only, without q_t or dbias, takes the flat kernel (q's first
     rows * cols bytes are x's, row-major, in either shape) with the (prows - rows) * cols zeros
@@ -267,31 +171,17 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
         opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((QT, transpose), (DB, dbias), (PART, dbias),
                                                                     (CNT, dbias))}
         grid = _tiled_grid(r, sms, prows, pcols)
-        grid, shared = (_resident(r, sms, grid) if coop else grid), 0
-        stage = chip_stage(refs["chip_tiled"], sms, -(-prows // TILE_R) * -(-pcols // TILE_C), 1,
-                           TILE_R * TILE_C * chip.elem_bytes, chip) if coop and chip else None
-        if stage and stage.fraction >= CHIP_MIN_FRACTION:
-            r, grid, shared = refs["chip_tiled"], stage.grid, stage.shared
-        steps.append(_launch([(r, grid)], 0, TILED_BLOCK, (
+        steps.append(_launch([(r, _resident(r, sms, grid) if coop else grid)], 0, TILED_BLOCK, (
             ptr(X), ptr(B), ptr(Q), opt[QT], opt[DB], opt[PART], opt[CNT], st(S), st(A), so, sio, ptr(SIU), u,
             imm64(rows), imm64(cols), imm64(prows), imm64(pcols), flag((X, B), 16, cols % 8 == 0),
-            flag((QT,), 8, transpose and prows % 8 == 0), mf), shared, coop=coop))
+            flag((QT,), 8, transpose and prows % 8 == 0), mf), coop=coop))
     else:
-        shared = 0
         if coop:
-            coop_refs = [refs[f"coop_flat_vec{v}"] for v in (1, 0)]
-            main = [(r, _resident(r, sms, _flat_grid(r, sms, n))) for r in coop_refs]
-            stage = chip_stage(refs["chip_flat_vec1"], sms, n // 16, THREADS, THREADS * 16 * chip.elem_bytes,
-                               chip) if chip else None
-            if stage and stage.fraction >= CHIP_MIN_FRACTION:  # (the unaligned twin: the same grid where it fits)
-                shared = stage.shared
-                main = [(refs[f"chip_flat_vec{v}"], min(stage.grid, refs[f"chip_flat_vec{v}"].per_sm * sms))
-                        for v in (1, 0)]
+            main = [(r, _resident(r, sms, _flat_grid(r, sms, n))) for r in (refs[f"coop_flat_vec{v}"] for v in (1, 0))]
         else:
             main = flat(1)
         steps.append(_launch(main, _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), so, sio, ptr(SIU), u,
-                                                         imm64(n), imm64((prows - rows) * cols), mf), shared,
-                          coop=coop))
+                                                         imm64(n), imm64((prows - rows) * cols), mf), coop=coop))
     return _plan(QUANTIZE_SLOTS, steps)
 
 
@@ -327,23 +217,22 @@ def layernorm_tile(cols: int, optin: int) -> tuple[int, int]:
                      f"shared memory ({optin} bytes on this GPU), so at most {most} columns; got {cols}")
 
 
-def layernorm_block(tpr: int, tile_rows: int = 0, launch: str | None = None) -> int:
+def layernorm_block(tpr: int, tile_rows: int = 0) -> int:
     """Threads per block of the layernorm kernel for ``tpr`` threads per row: at least
-    :data:`LN_BLOCK`, one row wide. With q_t (``tile_rows`` > 0) and the 'new' launch
-    configuration (``launch``, default :data:`LAUNCH`), enough rows for one pass per tile, up to
-    :data:`LN_THREADS`: the rows of a tile are normalised side by side, not in tile_rows / 8
-    passes one after another (at hidden 1024 a tile of 16 rows is 16 warps in one pass; the grid
-    of a 2048-row tensor is only 128 tiles, so the warps a block holds are all an SM gets). The
-    rows per tile stay a multiple of the rows per pass: both are powers of two."""
+    :data:`LN_BLOCK`, one row wide; with q_t (``tile_rows`` > 0), enough rows for one pass per tile,
+    up to :data:`LN_THREADS`: the rows of a tile are normalised side by side, not in tile_rows / 8
+    passes one after another (at hidden 1024 a tile of 16 rows is 16 warps in one pass; the grid of a
+    2048-row tensor is only 128 tiles, so the warps a block holds are all an SM gets). The rows per
+    tile stay a multiple of the rows per pass: both are powers of two."""
     block = max(LN_BLOCK, tpr)
-    if tile_rows and (launch or LAUNCH) == "new":
+    if tile_rows:
         block = max(block, min(LN_THREADS, tile_rows * tpr))
     return block
 
 
 def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, first: bool = False,
                          eps: float = 1e-5, margin_factor: float = 1.0, offset: int = 0,
-                         tile: tuple[int, int] = (0, 0), pad_to: int = 1, split: bool = False) -> Plan:
+                         tile: tuple[int, int] = (0, 0), pad_to: int = 1) -> Plan:
     """The plan of one layernorm_quantize call over :data:`LAYERNORM_SLOTS` (``refs``: role ->
     KernelRef, the main kernel's ``per_sm`` counted with the tile's shared memory; ``tile``: (rows
     per tile, shared bytes) from :func:`layernorm_tile`, used with ``transpose``). ``offset``: the
@@ -354,13 +243,15 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
     ``pad_to``: q is (rows, cols) rounded up to multiples of it (q_t its transpose), zeros in the
     pad, written by the padded main kernel (its groups run to the padded rows; ``tile`` must then
     be the one of the padded columns); a shape that needs no pad (or 0 rows) launches exactly what
-    ``pad_to=1`` launches. ``split`` (with ``transpose``; FUSEDFP8_LAUNCH=split): q_t not from the
-    kernel's shared tile (``tile`` unused) but from a second launch, transpose_fp8 over the q the
-    kernel without q_t wrote (padded: with its zeros), in 128 x 64-byte tiles."""
+    ``pad_to=1`` launches. With ``transpose`` over :data:`LN_SPLIT_COLS` padded columns or more
+    (:func:`split_transpose`), q_t does not come from the kernel's shared tile (``tile`` unused) but
+    from a second launch, transpose_fp8 over the q the kernel without q_t wrote (padded: with its
+    zeros), in 128 x 64-byte tiles."""
     X, W, B, Q, QT, MEAN, RSTD, S, A, SO, SIO, SIU, U = range(len(LAYERNORM_SLOTS))
     prows, pcols = padded(rows, cols, pad_to)
     pad = rows > 0 and (prows, pcols) != (rows, cols)
     tpr = _ln.threads_per_row(max(cols, 1))
+    split = transpose and split_transpose(pcols)
     fused_t = transpose and not split  # q_t from the kernel's shared tile
     tile_rows, shared = tile if fused_t else (0, 0)
     block = layernorm_block(tpr)  # the pre-pass's (and without q_t the main kernel's)
@@ -391,7 +282,7 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
     steps.append(_launch([(main, max(1, min(groups, main.per_sm * sms)))], 0, layernorm_block(tpr, tile_rows), params(
         ptr(Q), ptr(QT) if fused_t else NULLPTR, ptr(MEAN), ptr(RSTD), so, sio, ptr(SIU), u, rows, tile_rows,
         flag((QT,), 16, fused_t and prows % max(tile_rows, 1) == 0), (prows, pcols) if pad else ()), shared))
-    if transpose and split:
+    if split:
         tr = refs["transpose_tiled"]
         steps.append(_launch([(tr, _tiled_grid(tr, sms, prows, pcols))], 0, TILED_BLOCK, (
             ptr(Q), ptr(QT), imm64(prows), imm64(pcols), flag((Q,), 16, pcols % 16 == 0), flag((QT,), 16, prows % 16 == 0))))

@@ -1,19 +1,16 @@
-"""Current scaling in one launch (issue 21, stage 2): ``bench_kernels.py --recipe current``.
+"""Current scaling in one launch: ``bench_kernels.py --recipe current``.
 
 For each size and job (quantize, quantize_t, gelu, gelu_t, dgelu_dbias, dgelu_dbias_t; bf16 input)
 launches of the same job, timed in the same run (CUDA graph replays, CUDA events, input sets
 rotating over > 200 MB as bench_kernels does):
 
 - ``delayed``: the delayed-scaling kernel (the state's scale; one launch): the yardstick;
-- ``one_launch``: current scaling, the amax and the cast in one cooperative launch with ``onchip=True``
-  (the opt-in ChipAmax kernels where at least half the tensor stays on chip, else GridAmax's);
-- ``grid_amax``: the same launch with ``onchip=False``: the GridAmax kernels, the library's default
-  one-launch path (only a thread's first vector / a block's first tile kept on chip; ChipAmax measured
-  slower on the H200, see fusedfp8._cuda.chip_default);
+- ``one_launch``: current scaling, the amax and the cast in one cooperative launch (the library's
+  path: a thread's first vector / a block's first tile kept in registers, the rest read again);
 - ``two_pass``: current scaling through an amax pre-pass launch, then the cast (the stage-1 path);
 - ``later_step``: the one-launch plan on a step that is not a first step (``updates`` 1: the delayed
   recipe's steady steps with ``first_step='current'`` run it): the state's scale, no barrier, but the
-  grid and shared memory of the first-step launch.
+  grid of the first-step launch.
 
 Beside them, with ``--peers`` (default: eager and compile of bench_kernels.py's peers), current scaling
 as torch does it without us (torchao's tensorwise recipe: amax, scale, cast as separate operations):
@@ -22,11 +19,11 @@ inductor's reduction and cast kernels), graph-timed the same way, their q compar
 q (``<peer>_mismatch``: the fraction of bytes that differ; torch's tanh is not ours, so gelu's may).
 Transformer Engine's three launches are not here (it is not installed on the machines we are lent).
 
-Correctness first, on the full tensor: the bytes (q, q_t), amax, scale and scale_inv of one_launch and
-of grid_amax equal the two-pass path's, bit for bit, later_step's equal the delayed kernel's, and q
+Correctness first, on the full tensor: the bytes (q, q_t), amax, scale and scale_inv of one_launch
+equal the two-pass path's, bit for bit, later_step's equal the delayed kernel's, and q
 equals the NumPy reference on a row block (quantized with the scale of the whole tensor's amax,
-computed by the reference). Each row also records the one-launch plan (kernel, grid, dynamic shared
-bytes). Targets (issue 21): one_launch / delayed <= 1.15 at 2048x4096 and 4096x4096, <= 1.6 at
+computed by the reference). Each row also records the one-launch plan (kernel, grid). Targets:
+one_launch / delayed <= 1.15 at 2048x4096 and 4096x4096, <= 1.6 at
 8192x16384 (quantize).
 """
 from __future__ import annotations
@@ -43,8 +40,8 @@ from fusedfp8.numerics import reference as ref
 JOBS = ["quantize", "quantize_t", "gelu", "gelu_t", "dgelu_dbias", "dgelu_dbias_t"]
 SIZES = [(2048, 4096), (4096, 4096), (8192, 16384)]
 TARGETS = {"2048x4096": 1.15, "4096x4096": 1.15, "8192x16384": 1.6}  # one_launch / delayed, quantize jobs
-MODES = ("delayed", "one_launch", "grid_amax", "two_pass", "later_step")
-FIRST = ("one_launch", "grid_amax", "two_pass")  # the modes that run a first step (updates 0)
+MODES = ("delayed", "one_launch", "two_pass", "later_step")
+FIRST = ("one_launch", "two_pass")  # the modes that run a first step (updates 0)
 
 
 class Call:
@@ -80,16 +77,15 @@ class Call:
                               q_t=p(self.q_t), dbias=p(self.dbias), partial=p(self.partial), counters=p(self.counters),
                               scale_inv_used=p(self.siu), first=first, updates=p(self.updates) if first else 0,
                               scale_out=p(self.scale) if first else 0, scale_inv_out=p(self.scale_inv) if first else 0,
-                              coop=self.mode != "two_pass", onchip=self.mode != "grid_amax")
+                              coop=self.mode != "two_pass")
 
     def plan(self) -> dict:
-        """The kernel, grid and dynamic shared bytes of this mode's last launch (its plan, as launch_quantize
-        builds it)."""
+        """The kernel and grid of this mode's last launch (its plan, as launch_quantize builds it)."""
         first = self.mode != "delayed"
         main = _cuda.quantize_plan(torch.cuda.current_device(), "bfloat16", self.fmt, self.op, self.m, self.n,
                                    self.q_t is not None, self.dbias is not None, first, 1.0, 0, 1,
-                                   self.mode != "two_pass", self.mode != "grid_amax").steps[-1]
-        return {"kernel": main.variants[0].name, "grid": main.variants[0].grid, "shared": main.shared}
+                                   self.mode != "two_pass").steps[-1]
+        return {"kernel": main.variants[0].name, "grid": main.variants[0].grid}
 
 
 PEERS = ("eager", "compile")
@@ -128,8 +124,7 @@ def check(job: str, x, b, m: int, n: int) -> tuple[dict, Call]:
                    for f in ("q", "q_t", "amax", "scale", "scale_inv", "siu", "dbias") if getattr(a, f) is not None)
 
     one, two = calls["one_launch"], calls["two_pass"]
-    ok = {"one_launch == two_pass": same(one, two), "grid_amax == two_pass": same(calls["grid_amax"], two),
-          "later_step == delayed": same(calls["later_step"], calls["delayed"])}
+    ok = {"one_launch == two_pass": same(one, two), "later_step == delayed": same(calls["later_step"], calls["delayed"])}
     import ml_dtypes
 
     def host(t):
@@ -170,11 +165,10 @@ def run(sizes, jobs, ceiling: float, job_bytes, peers=()) -> list[dict]:
                 call = Call(job, mode, m, n)
                 row[f"{mode}_us"] = _bench.graph_us(call, inputs)
                 row[f"{mode}_frac"] = row["bytes"] / (row[f"{mode}_us"] * 1e-6) / 1e12 / ceiling
-                if mode in ("one_launch", "grid_amax"):
+                if mode == "one_launch":
                     row[f"{mode}_plan"] = call.plan()
             for mode in MODES[1:]:
                 row[f"{mode}_vs_delayed"] = row[f"{mode}_us"] / row["delayed_us"]
-            row["one_launch_vs_grid_amax"] = row["one_launch_us"] / row["grid_amax_us"]
             for peer in peers:
                 fn = (partial(torch_current_job, job) if peer == "eager" else
                       compiled.setdefault(job, torch.compile(partial(torch_current_job, job), dynamic=False)))
@@ -189,7 +183,7 @@ def run(sizes, jobs, ceiling: float, job_bytes, peers=()) -> list[dict]:
             results.append(row)
             print(f"{size:>11} {job:<14} ok={row['correct']}  " + "  ".join(
                 f"{mode} {row[mode + '_us']:8.1f}us ({row[mode + '_frac']:.2f})" for mode in MODES)
-                + f"  one/delayed {row['one_launch_vs_delayed']:.2f}  one/grid {row['one_launch_vs_grid_amax']:.2f}"
+                + f"  one/delayed {row['one_launch_vs_delayed']:.2f}"
                 + "".join(f"  {p} {row[p + '_us']:.1f}us (mismatch {row[p + '_mismatch']:.4f})" for p in peers)
                 + f"  plan {row['one_launch_plan']}", flush=True)
         del xs, bs
@@ -201,13 +195,13 @@ def print_table(results: list[dict]) -> None:
     rows = []
     for r in results:
         if not r["correct"]:
-            rows.append([r["job"], r["size"], *("-" for _ in (*MODES, *PEERS)), "-", "-", "-", "False"])
+            rows.append([r["job"], r["size"], *("-" for _ in (*MODES, *PEERS)), "-", "-", "False"])
             continue
         tgt = (f"{r['target_vs_delayed']:.2f} {'met' if r['meets_target'] else 'MISSED'}"
                if "target_vs_delayed" in r else "")
         rows.append([r["job"], r["size"], *(f"{r[m + '_us']:.1f} ({r[m + '_frac']:.2f})" for m in MODES),
                      *(f"{r[p + '_us']:.1f} ({r[p + '_frac']:.2f})" if p + "_us" in r else "-" for p in PEERS),
-                     f"{r['one_launch_vs_delayed']:.2f}", f"{r['one_launch_vs_grid_amax']:.2f}", tgt,
+                     f"{r['one_launch_vs_delayed']:.2f}", tgt,
                      str(r["correct"])])
-    _bench.print_table(["job", "size", "delayed us (frac)", "one launch", "grid amax", "two pass", "later step",
-                        "torch eager", "torch.compile", "one/delayed", "one/grid", "target", "correct"], rows)
+    _bench.print_table(["job", "size", "delayed us (frac)", "one launch", "two pass", "later step",
+                        "torch eager", "torch.compile", "one/delayed", "target", "correct"], rows)

@@ -1,8 +1,8 @@
 """Registers, stack and spills per kernel of a module, compiled for sm_90 with NVRTC and ptxas -v
-(cuda-bindings; no GPU and no cuobjdump needed), under either launch configuration:
+(cuda-bindings; no GPU and no cuobjdump needed):
 
     python scripts/reg_usage.py quantize bfloat16 e5m2 dgelu_tanh
-    FUSEDFP8_LAUNCH=old python scripts/reg_usage.py layernorm_quantize bfloat16 e4m3 float32
+    python scripts/reg_usage.py layernorm_quantize bfloat16 e4m3 float32
 
 Arguments: family, dtype, fmt, then the op (quantize, current_quantize) or the parameter dtype
 (layernorm_quantize); extra arguments are passed to NVRTC (e.g. -DFF8_THREADS=128). One line per
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import sys
 
-from fusedfp8 import _cuda, _plans
+from fusedfp8 import _cuda
 
 
 def usage(key: _cuda.ModuleKey, extra=()) -> dict:
@@ -53,7 +53,8 @@ def main(argv: list[str]) -> int:
     family, dtype, fmt, last, *extra = argv
     key = (_cuda.ModuleKey(family, dtype, fmt, param=last) if family == "layernorm_quantize"
            else _cuda.ModuleKey(family, dtype, fmt, last))
-    print(f"FUSEDFP8_LAUNCH={_plans.LAUNCH} {' '.join(extra)}")
+    if extra:
+        print(f"NVRTC options added: {' '.join(extra)}")
     for role, (regs, stack, st, ld) in sorted(usage(key, extra).items()):
         print(f"{family} {dtype} {fmt} {last} {role:28s} registers {regs:4d}  stack {stack:4d}  spill st/ld {st}/{ld}")
     return 0

@@ -182,8 +182,7 @@ def layernorm_quantize(x, weight, bias, eps: float, state: ScalingState, index: 
 
     On the CUDA backends ``transpose=True`` takes any width: below 4096 columns q_t comes from the
     kernel's shared tile, from 4096 on from a second launch over q
-    (:func:`fusedfp8._plans.split_transpose`; under ``FUSEDFP8_LAUNCH=old`` at most as many
-    columns as a tile of 4 rows of FP8 bytes fits in a block's shared memory, 57600 on an H200).
+    (:func:`fusedfp8._plans.split_transpose`).
     """
     P._check_impl(impl)
     state = P._check_state(state, recipe)

@@ -91,10 +91,7 @@ def test_every_family_and_instantiation_is_listed():
     roles = _cuda.name_expressions(_cuda.ModuleKey("current_quantize", "bfloat16", "e4m3", "identity"))
     assert roles == {"coop_flat_vec1": "quantize_flat<__nv_bfloat16, 0, 0, true, true, GridAmax>",
                      "coop_flat_vec0": "quantize_flat<__nv_bfloat16, 0, 0, false, true, GridAmax>",
-                     "coop_tiled": "quantize_tiled<__nv_bfloat16, 0, 0, GridAmax>",
-                     "chip_flat_vec1": "quantize_flat<__nv_bfloat16, 0, 0, true, true, ChipAmax>",
-                     "chip_flat_vec0": "quantize_flat<__nv_bfloat16, 0, 0, false, true, ChipAmax>",
-                     "chip_tiled": "quantize_tiled<__nv_bfloat16, 0, 0, ChipAmax>"}
+                     "coop_tiled": "quantize_tiled<__nv_bfloat16, 0, 0, GridAmax>"}
     roles = _cuda.name_expressions(_cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"))
     assert set(roles) == {"layernorm_store1", "layernorm_store1_t", "layernorm_store0", "padded_layernorm_store1",
                           "padded_layernorm_store1_t", "transpose_tiled"}

@@ -1,8 +1,7 @@
-"""Current scaling in ONE launch (issue 21, stage 2: cuda_src/current_quantize.cu). On the GPU, byte
-for byte: the one-launch kernels (the amax, a grid-wide barrier, the cast; GridAmax, the default, and
-ChipAmax, opted in with onchip=True where the tensor fits on chip) against the two-pass path
-(an amax pre-pass launch, then the cast) and against the NumPy reference, for every op x format x
-dtype, shapes small to larger than what the grid holds on chip, ragged, padded, transposed, with
+"""Current scaling in ONE launch (cuda_src/current_quantize.cu). On the GPU, byte for byte: the
+one-launch kernels (the amax, a grid-wide barrier, the cast) against the two-pass path (an amax
+pre-pass launch, then the cast) and against the NumPy reference, for every op x format x dtype,
+shapes small to larger than what the grid holds in registers, ragged, padded, transposed, with
 dbias; the state's slot holding 0, -0, a larger amax or NaN before the call; NaN / inf / zero / tiny
 inputs; a step that is not a first step (the kernel is then the delayed one); one kernel launch per
 tensor (torch profiler); inside a CUDA graph. The plan side (the cooperative step, its encoding and
@@ -23,9 +22,8 @@ OPS = [("identity", "tanh"), ("gelu", "tanh"), ("gelu", "none"), ("dgelu", "tanh
 DTYPES = ("float32", "bfloat16", "float16")
 SMALL = [(33, 48), (1, 1), (7, 13), (303, 300), (16, 16 * 97 + 5),  # (odd tails: no 16-element vector fits)
          (271, 200)]  # (16-byte loads but for the last 8 columns: a thread row that ends mid-vector)
-LARGE = [(2048, 4096), (3000, 4100)]  # GridAmax: more than its grid holds on chip (the rest is read again); ChipAmax:
-# on chip whole in bf16 (flat; tiled 2048x4096), partly in float32 and tiled 3000x4100 (the rest read again)
-PARTLY = [(4096, 4096), (4097, 4104)]  # ChipAmax, bf16: flat whole, tiled about 2/3 on chip; float32 about half
+LARGE = [(2048, 4096), (3000, 4100)]  # more than the grid holds in registers: the rest is read again
+PARTLY = [(4096, 4096), (4097, 4104)]  # larger still; the ragged one with edge tiles read element by element
 f32 = np.float32
 
 
@@ -38,9 +36,8 @@ def inputs(shape, dtype, seed, special=None):
 
 
 def run(x, b, op, approximate, fmt, transpose=False, dbias=False, pad_to=1, coop=True, slot=0.0, updates=0,
-        scale=1.0, margin_factor=1.0, onchip=None):
-    """One launch_quantize with a state slot on torch CUDA tensors; every output as numpy. ``onchip``: as
-    launch_quantize (None: the default, GridAmax; True: ChipAmax where the tensor fits; False: GridAmax)."""
+        scale=1.0, margin_factor=1.0):
+    """One launch_quantize with a state slot on torch CUDA tensors; every output as numpy."""
     import torch
 
     xt = to_torch(x, "cuda")
@@ -67,7 +64,7 @@ def run(x, b, op, approximate, fmt, transpose=False, dbias=False, pad_to=1, coop
                           amax=p(st["amax"]), rows=rows, cols=cols, q_t=p(q_t), dbias=p(db), partial=p(part),
                           counters=p(cnt), scale_inv_used=siu.data_ptr(), first=True, updates=p(st["updates"]),
                           scale_out=p(st["scale"]), scale_inv_out=p(st["scale_inv"]), margin_factor=margin_factor,
-                          pad_to=pad_to, coop=coop, onchip=onchip)
+                          pad_to=pad_to, coop=coop)
     torch.cuda.synchronize()
     out = {"q": q.cpu().numpy(), "q_t": q_t.cpu().numpy() if q_t is not None else None,
            "dbias": db.cpu().numpy() if db is not None else None, "scale_inv_used": siu.cpu().numpy()}
@@ -127,8 +124,6 @@ def test_one_launch_is_the_reference_byte_for_byte(op, approximate, fmt, dtype, 
         assert_same(got, want(x, b, op, approximate, fmt, transpose, pad_to, margin_factor=2.0))
         assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, pad_to=pad_to, coop=False,
                              margin_factor=2.0))
-        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, pad_to=pad_to, onchip=True,
-                             margin_factor=2.0))
     if op == "dgelu":  # dbias: the tiled kernel's column sums, the same bits as the two-pass path
         for transpose in (False, True):
             got = run(x, b, op, approximate, fmt, transpose=transpose, dbias=True)
@@ -144,60 +139,29 @@ def test_one_launch_is_the_reference_byte_for_byte(op, approximate, fmt, dtype, 
 @pytest.mark.parametrize("op, approximate", OPS, ids=[f"{o}-{a}" for o, a in OPS])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", LARGE, ids=lambda s: "x".join(map(str, s)))
-def test_larger_than_on_chip_is_the_two_pass_path_byte_for_byte(op, approximate, dtype, shape):
+def test_larger_than_the_registers_hold_is_the_two_pass_path_byte_for_byte(op, approximate, dtype, shape):
     """(The two-pass path is the reference's byte for byte: tests/kernels/test_kernels.py.)"""
     x, b = case_inputs(op, shape, dtype, seed=3)
     fmt = "e5m2" if op == "dgelu" else "e4m3"
     for transpose, dbias in ((False, False), (True, False), (True, op == "dgelu")):
         got = run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias)
         assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, coop=False))
-        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, onchip=True))
     a = ref.amax(ref.activation(op, x, b, approximate))  # and the amax / scale are the reference's
     assert_same(got, {"amax": np.array([a], f32), "scale": np.array([ref.current_scale(a, fmt, 1.0, f32(1))], f32)})
-
-
-def _main_step(dtype, op, shape, transpose=False, dbias=False, onchip=None):
-    """The cast launch of the first-step plan on this GPU (kernel name, grid, dynamic shared bytes)."""
-    main = _cuda.quantize_plan(0, dtype, "e4m3", _cuda_op(*op), *shape, transpose, dbias, True, 1.0, 0, 1, True,
-                               onchip).steps[-1]
-    return main.variants[0].name, main.variants[0].grid, main.shared
-
-
-def test_the_chip_one_launch_plan_keeps_the_targets_shapes_on_chip():
-    """With onchip=True, bf16 2048x4096 and 4096x4096 (the issue's target shapes) take the ChipAmax kernels
-    with dynamic shared memory, resident as planned; the default and onchip=False take GridAmax's; 8192x16384
-    (an eighth would fit) GridAmax's even so."""
-    import torch
-
-    torch.zeros(1, device="cuda")
-    for shape in ((2048, 4096), (4096, 4096)):
-        for transpose in (False, True):
-            name, _, shared = _main_step("bfloat16", ("identity", "tanh"), shape, transpose)
-            assert "GridAmax" in name and shared == 0, (shape, transpose, name, shared)
-            name, grid, shared = _main_step("bfloat16", ("identity", "tanh"), shape, transpose, onchip=True)
-            assert "ChipAmax" in name and shared > 0, (shape, transpose, name, shared)
-            k = next(k for k in _cuda.kernels(_cuda.ModuleKey("current_quantize", "bfloat16", "e4m3", "identity"),
-                                              0).values() if k.name == name)
-            assert k.blocks_per_sm(256, shared) * _cuda.sm_count(0) >= grid
-            name, _, shared = _main_step("bfloat16", ("identity", "tanh"), shape, transpose, onchip=False)
-            assert "GridAmax" in name and shared == 0
-    name, _, shared = _main_step("bfloat16", ("identity", "tanh"), (8192, 16384), onchip=True)
-    assert "GridAmax" in name and shared == 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("op, approximate", [OPS[0], OPS[1], OPS[3]], ids=["identity", "gelu", "dgelu"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", PARTLY, ids=lambda s: "x".join(map(str, s)))
-def test_partly_on_chip_is_the_two_pass_path_byte_for_byte(op, approximate, dtype, shape):
-    """ChipAmax with more than its slots hold (the rest of a block's share read twice), and the ragged shape's
-    edge tiles (read element by element): the two-pass path's bytes, GridAmax's, and the reference's amax."""
+def test_large_and_ragged_is_the_two_pass_path_byte_for_byte(op, approximate, dtype, shape):
+    """Most of a block's share read twice, and the ragged shape's edge tiles (read element by element):
+    the two-pass path's bytes and the reference's amax."""
     x, b = case_inputs(op, shape, dtype, seed=11, special=lambda v: v.reshape(-1).__setitem__(v.size - 40, -77.0))
     fmt = "e5m2" if op == "dgelu" else "e4m3"
     for transpose, dbias in ((False, False), (True, op == "dgelu")):
         got = run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias)
         assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, coop=False))
-        assert_same(got, run(x, b, op, approximate, fmt, transpose=transpose, dbias=dbias, onchip=True))
     a = ref.amax(ref.activation(op, x, b, approximate))
     assert_same(got, {"amax": np.array([a], f32), "scale": np.array([ref.current_scale(a, fmt, 1.0, f32(1))], f32)})
 
@@ -215,7 +179,7 @@ SPECIAL = {
 
 SLOTS = {"slot0": 0.0, "slot-0": -0.0, "slot-larger": 1e6, "slot-nan": np.nan}
 # (1536, 4096) flat and (4096, 2048) tiled: more vectors than threads and more tiles than blocks, so the
-# special values at the end are in what a block streams, not in what it keeps on chip
+# special values at the end are in what a block streams, not in what it keeps in registers
 SPECIAL_CASES = ([(sp, "slot0", shape, t) for sp in SPECIAL for shape, t in [((1536, 4096), False), ((4096, 2048), True)]]
                  + [(sp, slot, (300, 77), t) for sp in SPECIAL for slot in SLOTS for t in (False, True)])
 
@@ -232,16 +196,13 @@ def test_special_inputs_and_slots(special, slot, shape, transpose, dtype):
         got = run(x, None, "identity", "tanh", fmt, transpose=transpose, slot=slot, scale=0.5)
         assert_same(got, want(x, None, "identity", "tanh", fmt, transpose, slot=slot, scale=0.5))
         assert_same(got, run(x, None, "identity", "tanh", fmt, transpose=transpose, slot=slot, scale=0.5, coop=False))
-        assert_same(got, run(x, None, "identity", "tanh", fmt, transpose=transpose, slot=slot, scale=0.5,
-                             onchip=False))
 
 
-@pytest.mark.parametrize("shape", [(512, 1000), (2048, 4096)], ids=["small", "chip-slots"])
+@pytest.mark.parametrize("shape", [(512, 1000), (2048, 4096)], ids=["small", "large"])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_a_step_that_is_not_a_first_step_uses_the_states_scale(transpose, shape):
     """updates != 0: no barrier, the state's scale, the amax max-accumulated at the end, the state's
-    scale untouched (the delayed recipe's steps after its first). 2048x4096 with onchip=True: the ChipAmax
-    launch with its shared memory, unused."""
+    scale untouched (the delayed recipe's steps after its first)."""
     x, _ = case_inputs("identity", shape, "bfloat16", seed=9)
     got = run(x, None, "identity", "tanh", "e4m3", transpose=transpose, slot=2.0, updates=3, scale=0.25)
     res = ref.quantize(x, f32(0.25), "e4m3", transpose)
@@ -251,8 +212,6 @@ def test_a_step_that_is_not_a_first_step_uses_the_states_scale(transpose, shape)
     assert got["amax"][0] == max(f32(2.0), ref.amax(x)) and got["scale"][0] == f32(0.25)
     assert_same(got, run(x, None, "identity", "tanh", "e4m3", transpose=transpose, slot=2.0, updates=3, scale=0.25,
                          coop=False))
-    assert_same(got, run(x, None, "identity", "tanh", "e4m3", transpose=transpose, slot=2.0, updates=3, scale=0.25,
-                         onchip=True))
 
 
 # ---- one launch, CUDA graphs, the front ends ---------------------------------------------------------

@@ -258,7 +258,7 @@ def fixed_grid(monkeypatch):
     clear()
 
 
-def test_bitwise_deterministic_across_runs_and_launch_configurations(fixed_grid):
+def test_bitwise_deterministic_across_runs_and_grids(fixed_grid):
     g = torch.Generator(device=DEV).manual_seed(3)
     big = torch.randn(2048 * 1024 + 9, device=DEV, dtype=torch.bfloat16, generator=g)
     big[::1001] *= 1e4

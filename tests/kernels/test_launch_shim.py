@@ -53,12 +53,9 @@ QUANTIZE_CASES = [(r, c, t, d, f, m, o) for (r, c) in [(256, 1024), (303, 300), 
 
 
 def quantize_plans():
-    refs = fake_refs(QKEY)  # (a first step: the one-launch plan, the two-pass one and the ChipAmax one beside it)
-    chip = _cuda.Chip(*_cuda.H200_ROOM, 4)  # (bf16 dgelu: two 2-byte inputs)
+    refs = fake_refs(QKEY)  # (a first step: the one-launch plan and the two-pass one beside it)
     return ([(case, _cuda.build_quantize_plan(refs, SMS, *case)) for case in QUANTIZE_CASES]
             + [((*case, "two-pass"), _cuda.build_quantize_plan(refs, SMS, *case, 1, False)) for case in QUANTIZE_CASES
-               if case[4]]
-            + [((*case, "chip"), _cuda.build_quantize_plan(refs, SMS, *case, 1, True, chip)) for case in QUANTIZE_CASES
                if case[4]])
 
 
@@ -69,13 +66,13 @@ def other_plans():
             # the flax meta's update (JAX: decode, rule and counters in one launch, out of place)
             + [(("update_meta", n, L), _cuda.build_update_plan(fake_refs(UKEY), n, L, 0.5, algo, meta=True))
                for n, L, algo in [(3, 1, True), (3, 1024, False)]]
-            + [(("layernorm", r, c, t, f, p, sp), _cuda.build_layernorm_plan(
+            + [(("layernorm", r, c, t, f, p), _cuda.build_layernorm_plan(
                 fake_refs(LNKEY), SMS, r, c, t, f, 1e-5, 0.5, 4,
-                _cuda.layernorm_tile(_cuda.padded(r, c, p)[1], 227 << 10) if t and not sp else (0, 0), p, sp))
+                _cuda.layernorm_tile(_cuda.padded(r, c, p)[1], 227 << 10)
+                if t and not _cuda.split_transpose(_cuda.padded(r, c, p)[1]) else (0, 0), p))
                for r, c, p in [(2048, 1024, 1), (303, 300, 1), (0, 8, 1), (5, 20000, 1),  # (pad_to: padded kernels)
-                               (303, 300, 16), (1, 8, 16), (8190, 1024, 16), (17, 40, 3)]
-               for t in (False, True) for f in (False, True)
-               for sp in ((False, True) if t else (False,))]  # (sp: FUSEDFP8_LAUNCH=split, q_t by transpose_fp8)
+                               (303, 300, 16), (1, 8, 16), (8190, 1024, 16), (17, 40, 3), (40, 4100, 1)]
+               for t in (False, True) for f in (False, True)]  # (q_t by transpose_fp8 from 4096 columns on)
             # the amax-only plans (current scaling across ranks): a memset, then the pre-pass kernel
             + [(("amax", n), _cuda.build_amax_plan(fake_refs(QKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
             + [(("layernorm_amax", r, c), _cuda.build_layernorm_amax_plan(fake_refs(LNKEY), SMS, r, c, 1e-5))
@@ -212,99 +209,6 @@ def test_one_launch_plans_encode_the_cooperative_step():
     assert flat.steps[0].layout == _cuda.signature("coop_flat") == _cuda.signature("flat")
 
 
-# ---- ChipAmax: the one-launch first step that keeps the block's share in shared memory ---------------
-def chip_refs(flat_per_sm=8, tiled_per_sm=4):
-    """fake_refs(QKEY) with the ChipAmax kernels' occupancy and static shared memory of a bf16 build on sm_90
-    (ptxas: flat 32 registers, 32 bytes; tiled 63 registers, 34864 bytes)."""
-    refs = fake_refs(QKEY)
-    for role, per_sm, static in (("chip_flat_vec1", flat_per_sm, 32), ("chip_flat_vec0", flat_per_sm, 32),
-                                 ("chip_tiled", tiled_per_sm, 34864)):
-        refs[role] = refs[role]._replace(per_sm=per_sm, static_shared=static)
-    return refs
-
-
-BF16 = _cuda.Chip(*_cuda.H200_ROOM, 2)
-
-
-def resident(ref, grid, shared, chip=BF16):
-    """Every block of the launch fits at once (the cooperative launch's condition), by the room's arithmetic."""
-    bps = -(-grid // SMS)
-    return (bps <= ref.per_sm and shared + ref.static_shared <= chip.per_block
-            and bps * (shared + ref.static_shared + chip.reserved) <= chip.per_sm)
-
-
-@pytest.mark.parametrize("rows, cols, elem_bytes", [(2048, 4096, 2), (4096, 4096, 2), (8192, 16384, 2), (1536, 4096, 4),
-                                                    (3000, 4100, 2), (333, 517, 4), (1, 16, 2)])
-def test_chip_stage_is_resident_and_keeps_what_it_says_on_chip(rows, cols, elem_bytes):
-    refs, chip = chip_refs(), BF16._replace(elem_bytes=elem_bytes)
-    for role, units, first, slot in (("chip_flat_vec1", rows * cols // 16, THREADS, THREADS * 16 * elem_bytes),
-                                     ("chip_tiled", -(-rows // 128) * -(-cols // 64), 1, 128 * 64 * elem_bytes)):
-        ref = refs[role]
-        st = _cuda.chip_stage(ref, SMS, units, first, slot, chip)
-        assert resident(ref, st.grid, st.shared, chip), (role, st)
-        assert st.shared % slot == 0 and 1 <= st.grid <= max(1, -(-units // first))
-        slots = st.shared // slot
-        rounds = -(-units // (st.grid * first)) if units else 0
-        assert slots <= max(rounds - 1, 0)  # no slot a block cannot use
-        assert st.fraction == (min(1.0, st.grid * first * (1 + slots) / units) if units else 1.0)
-        # no resident configuration down to half the occupancy keeps more on chip
-        assert _cuda.CHIP_MIN_OCCUPANCY == 0.5 and st.grid >= min((ref.per_sm + 1) // 2 * SMS, -(-units // first))
-        for bps in range((ref.per_sm + 1) // 2, ref.per_sm + 1):
-            grid = max(1, min(bps * SMS, -(-units // first)))
-            room = min(chip.per_block, chip.per_sm // bps - chip.reserved) - ref.static_shared
-            more = min(-(-units // (grid * first)) - 1, room // slot)
-            assert not units or min(1.0, grid * first * (1 + max(more, 0)) / units) <= st.fraction
-    if (rows, cols, elem_bytes) in ((2048, 4096, 2), (4096, 4096, 2)):  # the targets' shapes fit whole (flat)
-        st = _cuda.chip_stage(refs["chip_flat_vec1"], SMS, rows * cols // 16, THREADS, THREADS * 32, chip)
-        rounds = -(-(rows * cols // 16) // (8 * SMS * THREADS))  # a full multiprocessor: 2 and 4 vectors a thread
-        assert st.fraction == 1.0 and st.grid == 8 * SMS and st.shared == (rounds - 1) * THREADS * 32
-
-
-@pytest.mark.parametrize("rows, cols, transpose, dbias", [(2048, 4096, False, False), (2048, 4096, True, False),
-                                                          (4096, 4096, False, False), (4096, 4096, True, True),
-                                                          (8192, 16384, False, False), (8192, 16384, True, False),
-                                                          (303, 300, True, False), (1, 1, False, False)])
-def test_one_launch_plans_take_the_chip_kernels_where_the_tensor_fits(rows, cols, transpose, dbias):
-    refs = chip_refs()
-    grid_plan = _cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True, 1.0, 0)
-    plan = _cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True, 1.0, 0, 1, True, BF16)
-    main, old = plan.steps[-1], grid_plan.steps[-1]
-    assert len(plan.steps) == len(grid_plan.steps) and main.coop and old.coop and old.shared == 0
-    assert plan.steps[:-1] == grid_plan.steps[:-1] and main.params == old.params and main.select == old.select
-    tiled = transpose or dbias
-    if tiled:
-        st = _cuda.chip_stage(refs["chip_tiled"], SMS, -(-rows // 128) * -(-cols // 64), 1, 128 * 64 * 2, BF16)
-    else:
-        st = _cuda.chip_stage(refs["chip_flat_vec1"], SMS, rows * cols // 16, THREADS, THREADS * 32, BF16)
-    if st.fraction < _cuda.CHIP_MIN_FRACTION:  # (8192x16384: an eighth on chip) GridAmax's launch as before
-        assert main == old and rows * cols > 2 ** 26
-        return
-    roles = ["chip_tiled"] if tiled else ["chip_flat_vec1", "chip_flat_vec0"]
-    assert [v.func for v in main.variants] == [refs[r].func for r in roles]
-    assert [v.grid for v in main.variants] == [st.grid] * len(roles) and main.shared == st.shared
-    assert all(resident(refs[r], v.grid, main.shared) for r, v in zip(roles, main.variants))
-    if (rows, cols) == (2048, 4096):  # the whole tensor on chip: one slot a thread (flat) / a block (tiled)
-        assert st.fraction == 1.0 and main.shared == (THREADS * 32 if not tiled else 128 * 64 * 2)
-    # the encoding carries the shared bytes; a step that is not a first one, or no room, plans as before
-    data, _ = plan.encode()
-    assert main.shared in list(data) or main.shared == 0
-    assert (_cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, False, 1.0, 0, 1, True, BF16).steps
-            == _cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, False, 1.0, 0).steps)
-    assert (_cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True, 1.0, 0, 1, False, BF16).steps
-            == _cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True, 1.0, 0, 1, False).steps)
-
-
-def test_chip_default_follows_the_environment(monkeypatch):
-    """ChipAmax is opt-in (measured slower than GridAmax on the H200: see chip_default)."""
-    monkeypatch.delenv(_cuda.CHIP_ENV, raising=False)
-    assert not _cuda.chip_default()
-    for on in ("1", "true", "on", " yes "):
-        monkeypatch.setenv(_cuda.CHIP_ENV, on)
-        assert _cuda.chip_default()
-    monkeypatch.setenv(_cuda.CHIP_ENV, "0")
-    assert not _cuda.chip_default()
-
-
 def test_cooperative_launch_passes_a_pointer_per_parameter():
     """cuLaunchCooperativeKernel takes no packed buffer: one pointer per parameter, at its packed offset."""
     assert P._offsets("@QQQqIi") == (0, 8, 16, 24, 32, 36)
@@ -365,8 +269,6 @@ def test_python_executor_packs_into_the_driver_call(monkeypatch):
 
     monkeypatch.setattr(P, "driver", lambda: FakeDriver())
     monkeypatch.setattr(_cuda, "kernel_refs", lambda key, dev: fake_refs(key))
-    monkeypatch.setattr(_cuda, "chip_room", lambda dev: _cuda.H200_ROOM)
-    monkeypatch.setenv(_cuda.CHIP_ENV, "1")  # (opted in: ChipAmax where it fits)
     monkeypatch.setattr(_cuda, "sm_count", lambda dev: SMS)
     for cached in (_cuda.quantize_plan, _cuda.dequantize_plan, _cuda.update_plan):
         cached.cache_clear()
@@ -379,7 +281,7 @@ def test_python_executor_packs_into_the_driver_call(monkeypatch):
         plan = _cuda.quantize_plan(0, "bfloat16", "e4m3", "dgelu_tanh", 300, 64, True, True, True, 0.5, 0)
         slots = tuple(ptrs.get(n, 0) for n in P.QUANTIZE_SLOTS)
         assert seen == records(P.dry_run(plan, slots)) and [r[0] for r in seen] == ["memset", "coop"]
-        assert plan.steps[-1].variants[0].name == fake_refs(QKEY)["chip_tiled"].name  # (3 tiles: no slot needed)
+        assert plan.steps[-1].variants[0].name == fake_refs(QKEY)["coop_tiled"].name
         assert plan.steps[-1].shared == 0
         seen.clear()
         _cuda.launch_quantize(0, 0x5, dtype="bfloat16", fmt="e4m3", op="dgelu_tanh", rows=300, cols=64, first=True,
@@ -518,7 +420,7 @@ def test_every_plan_packs_exactly_the_parameter_size_the_cubin_declares(cubin_si
     by_func = {}
     for family, key in keys.items():
         for ref in fake_refs(key).values():  # (quantize's come with their current_quantize twins)
-            twin = ref.role.startswith(("coop_", "chip_"))
+            twin = ref.role.startswith("coop_")
             assert not twin or N.SIGNATURE_KEYS["current_quantize"] == key._replace(family="current_quantize")
             by_func[ref.func] = cubin_sizes["current_quantize" if twin else family][ref.name]
     seen = set()

@@ -486,56 +486,33 @@ def test_transposed_tile(cols, optin, want):
     assert _cuda.layernorm_tile(cols, optin) == want
 
 
-@pytest.mark.parametrize("cols, tile_rows, old, new", [
-    (1024, 16, 256, 512), (4096, 16, 256, 512), (300, 16, 256, 512), (8, 16, 256, 512), (16384, 8, 512, 512),
-    (20000, 4, 512, 512), (1024, 0, 256, 256), (16384, 0, 512, 512),
+@pytest.mark.parametrize("cols, tile_rows, want", [
+    (1024, 16, 512), (4096, 16, 512), (300, 16, 512), (8, 16, 512), (16384, 8, 512), (20000, 4, 512), (1024, 0, 256),
+    (16384, 0, 512),
 ])
-def test_layernorm_block(cols, tile_rows, old, new):
-    """Threads per block of the layernorm kernel: max(256, threads per row) as before ('old', and
-    without q_t); 'new' with q_t: a tile's rows in one pass, at most 512 threads, so that the rows
-    per tile stay a multiple of the rows per pass."""
-    tpr = ln.threads_per_row(cols)
-    assert _cuda.layernorm_block(tpr, tile_rows, "old") == old
-    got = _cuda.layernorm_block(tpr, tile_rows, "new")
-    assert got == new and tile_rows % (got // tpr) == 0
+def test_layernorm_block(cols, tile_rows, want):
+    """Threads per block of the layernorm kernel: max(256, threads per row) without q_t; with q_t a
+    tile's rows in one pass, at most 512 threads, so that the rows per tile stay a multiple of the
+    rows per pass."""
+    got = _cuda.layernorm_block(ln.threads_per_row(cols), tile_rows)
+    assert got == want and (not tile_rows or tile_rows % (got // ln.threads_per_row(cols)) == 0)
 
 
-@pytest.mark.parametrize("cols, old, new, split", [
-    (1, False, False, True), (1024, False, False, True), (4095, False, False, True),
-    (4096, False, True, True), (16384, False, True, True), (60000, False, True, True),
-])
-def test_which_widths_take_q_t_from_a_second_launch(cols, old, new, split, monkeypatch):
-    """LayerNorm's q_t from transpose_fp8 after the main kernel: never under 'old', from
-    LN_SPLIT_COLS (4096) columns on under 'new' (the default), always under 'split'; the default
-    configuration is read from _plans.LAUNCH."""
-    assert _plans.LN_SPLIT_COLS == 4096
-    assert [_plans.split_transpose(cols, c) for c in ("old", "new", "split")] == [old, new, split]
-    for config, want in (("old", old), ("new", new), ("split", split)):
-        monkeypatch.setattr(_plans, "LAUNCH", config)
-        assert _plans.split_transpose(cols) == want
+@pytest.mark.parametrize("cols, split", [(1, False), (1024, False), (4095, False), (4096, True), (16384, True),
+                                         (60000, True)])
+def test_which_widths_take_q_t_from_a_second_launch(cols, split):
+    """LayerNorm's q_t from transpose_fp8 after the main kernel from LN_SPLIT_COLS (4096) padded
+    columns on, from the kernel's shared tile below."""
+    assert _plans.LN_SPLIT_COLS == 4096 and _plans.split_transpose(cols) == split
 
 
-def test_launch_config_from_the_environment(monkeypatch):
-    """FUSEDFP8_LAUNCH picks the launch configuration (default 'new', the faster one; 'old' the
-    launches as they were; 'split' LayerNorm's q_t from a second launch); anything else is refused
-    with the variable's name, the choices and the value."""
-    monkeypatch.delenv("FUSEDFP8_LAUNCH", raising=False)
-    assert _cuda._launch_config() == "new"
-    for config in ("old", "split"):
-        monkeypatch.setenv("FUSEDFP8_LAUNCH", config)
-        assert _cuda._launch_config() == config
-    monkeypatch.setenv("FUSEDFP8_LAUNCH", "fast")
-    with pytest.raises(ValueError, match=r"FUSEDFP8_LAUNCH must be one of \('old', 'new', 'split'\), got 'fast'"):
-        _cuda._launch_config()
-
-
-def test_split_takes_q_t_of_any_width():
-    """FUSEDFP8_LAUNCH=split keeps no tile of whole rows in shared memory, so q_t of a width the fused
+def test_a_split_q_t_takes_any_width():
+    """The split plan keeps no tile of whole rows in shared memory, so q_t of a width the fused
     kernel refuses (60000 columns) is planned: the kernel without q_t, then transpose_fp8 over q."""
     with pytest.raises(ValueError, match="at most"):
         _cuda.layernorm_tile(60000, 227 << 10)
     refs = fake_refs()
-    plan = _cuda.build_layernorm_plan(refs, SMS, 3, 60000, True, False, 1e-5, 1.0, 0, (0, 0), 1, True)
+    plan = _cuda.build_layernorm_plan(refs, SMS, 3, 60000, True, False, 1e-5, 1.0, 0, (0, 0), 1)
     assert [v.func for step in plan.steps for v in step.variants] == [refs["layernorm_store1"].func,
                                                                      refs["transpose_tiled"].func]
     assert plan.steps[-1].variants[0].grid == min(1 * 938, 2 * SMS) and plan.steps[-1].block == 256
@@ -554,26 +531,26 @@ def test_transposed_tile_too_wide_is_refused():
     (5, 20000, True, True, 16), (17, 40, True, False, 3), (33, 17, True, False, 128), (17, 40, True, False, 1),
     # nothing to pad (aligned, or no rows): what pad_to=1 launches
     (2048, 1024, True, True, 16), (0, 20, True, True, 16),
+    # q_t from a second launch (from 4096 columns on)
+    (2048, 4096, True, False, 1), (264, 16384, True, True, 1), (100, 20000, True, False, 16), (3, 4090, True, True, 16),
 ])
-@pytest.mark.parametrize("launch", _cuda.LAUNCH_CONFIGS)
-def test_plan_launches(rows, cols, transpose, first, pad_to, launch, monkeypatch):
+def test_plan_launches(rows, cols, transpose, first, pad_to):
     """The launches of a plan, packed as the driver gets them: the pre-pass on a first step (at
     most one block per multiprocessor, no outputs), the main kernel (the transposed role with the
     tile's shared memory), block max(256, threads per row), one resident wave at most; for 0 rows
     one block that only hands out 1 / scale. With a pad: the padded main kernel, with the padded
     shape after the logical one, its groups (and the tile's columns) those of the padded shape.
-    Under the 'new' launch configuration the transposed main kernel takes a tile's rows in one
-    pass: tile_rows * threads per row threads (at most 512, at least 256). Under 'split' q_t comes
-    from a second launch: the main kernel without q_t (no tile), then transpose_fp8 over q (the
-    padded q: prows x pcols), one block of 256 per 128 x 64 tile, one resident wave at most."""
-    monkeypatch.setattr(_plans, "LAUNCH", launch)  # (where layernorm_block and layernorm_plan read it)
-    split = launch == "split"
+    The transposed main kernel takes a tile's rows in one pass: tile_rows * threads per row threads
+    (at most 512, at least 256). From 4096 padded columns on q_t comes from a second launch: the main
+    kernel without q_t (no tile), then transpose_fp8 over q (the padded q: prows x pcols), one block of
+    256 per 128 x 64 tile, one resident wave at most."""
     refs = fake_refs()
     prows, pcols = _cuda.padded(rows, cols, pad_to)
+    split = transpose and pcols >= 4096
     pad = rows > 0 and (prows, pcols) != (rows, cols)
     fused_t = transpose and not split
     tile = _cuda.layernorm_tile(pcols, 227 << 10) if fused_t else (0, 0)
-    plan = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, pad_to, split)
+    plan = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, pad_to)
     ptrs = tuple(0x7000_0000_0000 + 0x10_0000 * (i + 1) for i in range(len(P.LAYERNORM_SLOTS)))
     s = dict(zip(P.LAYERNORM_SLOTS, ptrs))
     tpr = ln.threads_per_row(cols)
@@ -603,13 +580,13 @@ def test_plan_launches(rows, cols, transpose, first, pad_to, launch, monkeypatch
                 cols, tpr, 0, int(cols % 8 == 0), 0, 1e-5, 0.5)))
         group = tile[0] if fused_t else block // tpr
         main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if fused_t else "layernorm_store1")]
-        main_block = min(512, max(block, tile[0] * tpr)) if fused_t and launch == "new" else block
+        main_block = min(512, max(block, tile[0] * tpr)) if fused_t else block
         want.append((main.func, min(-(-prows // group), 2 * SMS), main_block, tile[1], pack_main(
             s["x"], s["weight"], s["bias"], s["q"], s["q_t"] if fused_t else 0, s["mean"], s["rstd"], st("scale"),
             st("amax"), st("scale_out") if first else 0, st("scale_inv_out") if first else 0, s["scale_inv_used"],
             st("updates") if first else 0, rows, cols, tpr, tile[0], int(cols % 8 == 0 and pcols % 8 == 0),
             int(fused_t and prows % tile[0] == 0), 1e-5, 0.5)))
-        if transpose and split:
+        if split:
             tiles = -(-prows // 128) * -(-pcols // 64)
             want.append((refs["transpose_tiled"].func, min(tiles, 2 * SMS), 256, 0, struct.pack(
                 _cuda.SIGNATURES["transpose"], s["q"], s["q_t"], prows, pcols, int(pcols % 16 == 0),
@@ -622,9 +599,9 @@ def test_plan_launches(rows, cols, transpose, first, pad_to, launch, monkeypatch
         got.append((func, grid, blk, shared, dry[at + 48:at + 48 + size]))
         at += 48 + size + (-size % 8)
     assert got == want
-    second = transpose and split and rows > 0
+    second = split and rows > 0
     assert [step.layout for step in plan.steps] == [_cuda.signature("layernorm")] * (len(plan.steps) - 1 - second) + [
         _cuda.signature("padded_layernorm" if pad else "layernorm")] + [_cuda.signature("transpose")] * second
     if not pad:  # pad_to changes nothing where there is nothing to pad
-        same = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, 1, split)
+        same = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, 1)
         assert plan.steps == same.steps
