@@ -9,15 +9,17 @@ Torch's version counter sees every in-place change made through autograd's view 
   parameters and leave the counter where it was;
 - an assignment to ``.data`` (``torch.nn.utils.vector_to_parameters`` makes one per parameter):
   the tensor then views another storage and keeps its counter;
-- writes inside an optimizer step that bypass autograd (a custom optimizer writing ``p.data``,
-  the broadcasts of ``ZeroRedundancyOptimizer``, the averaging of ``PostLocalSGDOptimizer``).
+- writes that bypass autograd inside an optimizer step or after one, before the next forward (a
+  custom optimizer writing ``p.data``, the broadcasts of ``ZeroRedundancyOptimizer``, the
+  averaging of ``PostLocalSGDOptimizer`` after its inner optimizer's step).
 
 Three mechanisms cover them:
 
 1. After every step of every ``torch.optim.Optimizer`` (fused or not, subclasses included:
    torch's global step post-hook), the version counter of each FP8 weight leaf that the
-   optimizer holds moves, as a foreach step moves it; the cache then misses and the
-   missed-update check sees the step. Parameters of other layers are left alone.
+   optimizer holds moves, as a foreach step moves it; the cache then misses at the next forward,
+   which reads the weight as every write until then left it, and the missed-update check sees
+   the step. Parameters of other layers are left alone.
 2. The cache key holds the weight's storage (its identity pinned by a weak reference, so that
    the address cannot come back for another storage while the entry lives) and its layout: an
    assigned ``.data`` misses.
