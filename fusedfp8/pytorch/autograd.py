@@ -41,9 +41,9 @@ from torch.autograd.function import once_differentiable
 from ..formats import get_format
 from ..recipe import DelayedScaling
 from ..state import ScalingState
-from .. import csrc as _shim
 from ..types import gemm_pad_to
 from . import custom_ops as fops
+from .weights import WeightCache
 
 __all__ = ["scaled_mm", "QuantizeSTE", "quantize_ste"]
 
@@ -259,62 +259,20 @@ class _LinearFn(torch.autograd.Function):
         return (dx, dw, db) + (None,) * 17
 
 
-class WeightCache:
-    """The FP8 copy of one weight (q, transpose, scale_inv), kept while neither the weight nor its
-    scale has changed: with gradient accumulation every micro-batch after the first reuses it
-    instead of quantizing and transposing the weight again (one weight quantization per optimizer
-    step, as Transformer Engine's ``is_first_microbatch`` but without a flag).
-
-    The key is the weight's version counter (every in-place change through autograd's view of the
-    tensor bumps it: optimizer steps, ``copy_``, ``load_state_dict``; a change through ``.data``
-    does not, so call :meth:`clear` after one), its storage, and ``epoch``, which every update of
-    the module's scales advances. The amax of the weight is staged by the quantization that fills
-    the cache, which is the max over the micro-batches since the weight has not changed.
-
-    In a CUDA graph the key also holds the id of the capture in progress (unique over the process,
-    from the driver through the torch shim): a whole accumulation step captured as one graph
-    quantizes each weight once (the first micro-batch's quantization is a node of the graph, the
-    others read its output on every replay), while a copy filled outside this capture, eagerly or in
-    another graph, is never used in it (a replay must quantize the weight it sees). Without the shim
-    the cache is off during captures. Never used while torch.compile traces."""
-
-    __slots__ = ("epoch", "key", "value", "enabled")
-
-    def __init__(self):
-        self.epoch, self.key, self.value, self.enabled = 0, None, None, True
-
-    def clear(self) -> None:
-        self.epoch += 1
-        self.key = self.value = None
-
-
-def _capture(w: Tensor):
-    """0 outside a CUDA graph capture; in one, the id of the capture in progress on the current
-    stream of ``w``'s device (nonzero, unique over the process), or None where the torch shim
-    cannot say."""
-    if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return 0
-    lib, _ = _shim.library("torch")
-    get = getattr(lib, "capture_id", None)  # (an older build of the shim has none)
-    capture = get(torch.cuda.current_stream(w.device).cuda_stream) if get is not None else None
-    return capture or None
-
-
 def quantized_weight(w: Tensor, state: tuple, col: int, fmt: str, margin_factor: float, current_first: bool,
                      transpose: bool, pad: int, cache: WeightCache | None):
     """(w_q, w_t or None, scale_inv) of the weight in column ``col``, from ``cache`` when it holds
-    this weight at this scale epoch."""
-    key = None
-    if cache is not None and cache.enabled and not torch.compiler.is_compiling():
-        capture = _capture(w)
-        key = None if capture is None else (
-            w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape), col, transpose, pad, cache.epoch,
-            state[1].data_ptr(), capture)
-        if key is not None and cache.key == key:
-            return cache.value
-    out = _quantize(w.detach().contiguous(), state, col, fmt, margin_factor, current_first, transpose, pad)
+    this weight at this scale epoch (:class:`fusedfp8.pytorch.weights.WeightCache`)."""
+    key = None if cache is None else cache.key_of(w, state, (col, transpose, pad))
+    if key is not None and cache.key == key:
+        return cache.value
+    if key is not None and torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):  # a cached copy may serve a later training forward
+            out = _quantize(w.detach().contiguous(), state, col, fmt, margin_factor, current_first, transpose, pad)
+    else:
+        out = _quantize(w.detach().contiguous(), state, col, fmt, margin_factor, current_first, transpose, pad)
     if key is not None:
-        cache.key, cache.value = key, out
+        cache.store(key, out, w)
     return out
 
 

@@ -12,8 +12,9 @@ One update per optimizer step. :func:`fusedfp8.pytorch.update_model_scales` turn
 into new scales for every FP8 module of a model in one launch (see ``scaling.py``). Forgetting
 it is detected: each module watches, from a hook that runs when its weight's gradient has been
 accumulated, whether its weight was modified in place (an optimizer step: the weight's version
-counter moved) since its previous backward without an update in between; it then raises
-:class:`MissedScaleUpdateError` (``missed_update='raise'``, the default), warns with
+counter moved; after a fused optimizer's step, which leaves it alone, torch's optimizer step
+hook moves it, see ``weights.py``) since its previous backward without an update in between; it
+then raises :class:`MissedScaleUpdateError` (``missed_update='raise'``, the default), warns with
 :class:`MissedScaleUpdateWarning` (``'warn'``) or stays silent (``'ignore'``). Gradient
 accumulation (several backwards, one step) is not a missed update. The hook is Python run by
 the autograd engine, so it works in eager mode and under torch.compile (whose compiled
@@ -21,6 +22,19 @@ backward still accumulates into ``.grad`` through the engine); it cannot see ins
 graph replay (nothing of Python runs there: the capture and the eager warm-up steps are
 checked) nor a module whose weight is frozen. A missed update is reported at the backward of
 the step after the one that missed it.
+
+Parametrized weights (``torch.nn.utils.parametrize``: ``weight_norm``, ``orthogonal``, a custom
+``register_parametrization``) and weights computed elsewhere (``torch.func.functional_call``):
+the forward quantizes the weight it gets (the gradient flows back through the parametrization),
+with no FP8 weight cache (the weight is a new tensor at every access), and the missed-update
+check watches the weight's leaves: the parametrization's parameters.
+
+Inference mode. A forward under ``torch.inference_mode()`` is an evaluation forward as under
+``torch.no_grad()``: it stages the amaxes of its input and weight (max-accumulated into row 0,
+which the next update takes in), writes the scale of a tensor on its first step (from the
+staged amax, as every forward does) and nothing else of the state. The FP8 weight it caches is
+made outside inference mode, so that training forwards can use it (and save it for their
+backward).
 
 First step. With ``first_step='current'`` every tensor decides on the device, from its own
 ``updates`` entry, whether it is on its first step (then it is quantized with the scale of its
@@ -58,6 +72,7 @@ from ..state import STATE_FIELDS, ScalingState
 from . import autograd as F8
 from . import gemm as G
 from . import custom_ops as fops
+from . import weights as W
 
 __all__ = ["Fp8Linear", "Fp8MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
 
@@ -93,18 +108,6 @@ class MissedScaleUpdateError(RuntimeError):
 
 class MissedScaleUpdateWarning(UserWarning):
     """As :class:`MissedScaleUpdateError`, with ``missed_update='warn'``."""
-
-
-class _WeightGradHook:
-    """Post-accumulate-grad hook on an Fp8Linear's weight (holds the module weakly)."""
-
-    def __init__(self, module: "Fp8Linear"):
-        self.module = weakref.ref(module)
-
-    def __call__(self, weight: torch.Tensor) -> None:
-        module = self.module()
-        if module is not None:
-            module._after_backward(weight)
 
 
 class _UpdateHook:
@@ -231,8 +234,8 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         self._init_state(self.weight.device)
         self._group = None  # the model-level state this module's buffers are views of (convert.py)
         self._link = None  # (views handed out, the model-level arrays, this module's first column)
-        self._wcache = F8.WeightCache()  # the FP8 weight between its changes (gradient accumulation)
-        self._ensure_hook()
+        self._wcache = W.WeightCache()  # the FP8 weight between its changes (gradient accumulation)
+        self._watch.see(self)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: DelayedScaling = DelayedScaling(), *,
@@ -247,7 +250,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new._init_state(linear.weight.device)
-        new._ensure_hook()
+        new._watch.see(new)
         new.train(linear.training)
         return new
 
@@ -256,8 +259,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         fresh = ScalingState.create(GRAD, self._recipe, like=torch.empty(0, device=device))
         for name in STATE_FIELDS:
             self.register_buffer(name, getattr(fresh, name))
-        self._pending = False  # a backward ran since the last update_scales
-        self._pending_version = 0  # the weight's version counter at that backward
+        self._watch = W.WeightWatch()  # the weight's leaves, hooked for the missed-update check
 
     @property
     def recipe(self) -> DelayedScaling | CurrentScaling:
@@ -322,7 +324,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
             new = self._buffers[name]
             if new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
-        self._pending_version = self.weight._version  # a move is not an optimizer step
+        self._watch.see(self, rebase=True)  # a move is not an optimizer step
         self._wcache.clear()
         return self
 
@@ -355,15 +357,13 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         self._check_loaded_state(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        self._pending = False
+        self._watch.pending = False
         self._wcache.clear()
 
     def __getstate__(self):
         state = super().__getstate__()
         state["_group"] = None  # copies and pickles get their own state; update_scales links them again
         state["_link"] = None
-        state["_wcache"] = F8.WeightCache()  # the cached FP8 copy stays behind, the setting goes along
-        state["_wcache"].enabled = self._wcache.enabled
         return state
 
     def __setstate__(self, state):
@@ -373,19 +373,22 @@ class Fp8Linear(_StrictLoad, nn.Linear):
             if buf is not None and not buf.is_contiguous():  # (the kernels take contiguous state only)
                 self._buffers[name] = buf.contiguous()
         self.__dict__.setdefault("_amax_group", None)  # pickled before amax_group existed
-        if "weight" in self._parameters:  # a copy's weight is a new tensor: its version counter starts over,
-            self._pending_version = self.weight._version  # and a copy is not an optimizer step
+        if "_watch" not in self.__dict__:  # pickled before the watch and this cache existed
+            self._watch = W.WeightWatch()
+            self._watch.pending = self.__dict__.pop("_pending", False)
+            self.__dict__.pop("_pending_version", None)
+            self._wcache = W.fresh_cache(self._wcache.enabled)
+        self._watch.see(self, rebase=True)  # a copy's weight is a new tensor: its version counter starts
+        # over, and a copy is not an optimizer step
 
     # -- missed-update detection ---------------------------------------------------------------
-    def _ensure_hook(self) -> None:
-        """Hook the current weight (again after a deepcopy, a pickle or a new Parameter)."""
-        hooks = self.weight._post_accumulate_grad_hooks
-        if hooks is None or not any(isinstance(h, _WeightGradHook) and h.module() is self for h in hooks.values()):
-            if self.weight.requires_grad:
-                self.weight.register_post_accumulate_grad_hook(_WeightGradHook(self))
-
-    def _after_backward(self, weight: torch.Tensor) -> None:
-        if self._pending and weight._version != self._pending_version and self.missed_update != "ignore":
+    def _after_backward(self, leaf: torch.Tensor) -> None:
+        """A backward accumulated the gradient of ``leaf`` (one of the weight's leaves)."""
+        watch = self._watch
+        now = watch.at_backward(leaf)
+        if now is None:
+            return
+        if watch.pending and now != watch.signature and self.missed_update != "ignore":
             msg = (f"{type(self).__name__}({self.in_features}, {self.out_features}): its weight was updated (an "
                    "optimizer step) since its previous backward, but fusedfp8.pytorch.update_model_scales(model) was not "
                    "called in between, so its FP8 scales did not advance. Call update_model_scales(model) once per "
@@ -393,13 +396,12 @@ class Fp8Linear(_StrictLoad, nn.Linear):
             if self.missed_update == "raise":
                 raise MissedScaleUpdateError(msg)
             warnings.warn(msg, MissedScaleUpdateWarning, stacklevel=2)
-        self._pending = True
-        self._pending_version = weight._version
+        watch.pending, watch.signature = True, now
 
     def _after_update(self) -> None:
         """Called by every update of this module's state: the backward since the last update is
         accounted for; the scales moved, so the cached FP8 weight is stale."""
-        self._pending = False
+        self._watch.pending = False
         self._wcache.clear()
 
     @property
@@ -407,8 +409,10 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         """Keep the FP8 weight (and its transpose) between forwards until the weight or its scale
         changes (default True): with gradient accumulation the weight is quantized once per
         optimizer step, not once per micro-batch; costs the FP8 copy's memory (2 bytes per
-        parameter with the transpose). After changing the weight through ``.data`` (which its
-        version counter does not see) call :meth:`clear_fp8_weight`."""
+        parameter with the transpose). Every optimizer step, in-place change seen by autograd and
+        assignment to ``.data`` is seen (``weights.py``); after an in-place change that bypasses
+        autograd outside an optimizer step (``weight.data.mul_(2)``, a collective on the weight)
+        call :meth:`clear_fp8_weight`."""
         return self._wcache.enabled
 
     @cache_fp8_weight.setter
@@ -421,18 +425,19 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         self._wcache.clear()
 
     # -- forward -------------------------------------------------------------------------------
-    def _need_grads(self, x: torch.Tensor) -> tuple[bool, bool]:
+    def _need_grads(self, x: torch.Tensor, w: torch.Tensor) -> tuple[bool, bool]:
         enabled = torch.is_grad_enabled()
-        return enabled and x.requires_grad, enabled and self.weight.requires_grad
+        return enabled and x.requires_grad, enabled and w.requires_grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layer = type(self).__name__
-        _check_input(layer, x, self.in_features, self.weight)
+        w = self.weight  # (once: a parametrized weight is computed at every access)
+        _check_input(layer, x, self.in_features, w)
         _check_state_writable(layer, self)
-        need_dgrad, need_wgrad = self._need_grads(x)
+        need_dgrad, need_wgrad = self._need_grads(x, w)
         if not torch.compiler.is_compiling():
-            self._ensure_hook()
-        return F8.linear(x, self.weight, self.bias, self._state(), self._kernel_cfg(), need_dgrad, need_wgrad,
+            self._watch.see(self, w)
+        return F8.linear(x, w, self.bias, self._state(), self._kernel_cfg(), need_dgrad, need_wgrad,
                          self._wcache, self._gemm_backend(x), self._amax_group)
 
     def extra_repr(self) -> str:
@@ -506,22 +511,22 @@ class Fp8MLP(_StrictLoad, nn.Module):
             raise ValueError(f"Fp8MLP: fc1 and fc2 must share one amax_group; got the groups named "
                              f"{fc1._amax_group!r} and {fc2._amax_group!r}")
         layer = type(self).__name__
-        _check_input(layer, x, fc1.in_features, fc1.weight)
+        w1, w2 = fc1.weight, fc2.weight  # (once: a parametrized weight is computed at every access)
+        _check_input(layer, x, fc1.in_features, w1)
         _check_state_writable(layer, fc1, fc2)
-        if fc2.weight.dtype not in _FLOATS:
-            raise TypeError(f"{layer}: fc2.weight must be float32, float16 or bfloat16; got {fc2.weight.dtype}")
+        if w2.dtype not in _FLOATS:
+            raise TypeError(f"{layer}: fc2.weight must be float32, float16 or bfloat16; got {w2.dtype}")
         norm = self.norm
         fused = (self.fuse_layernorm and type(norm) is nn.LayerNorm and norm.normalized_shape == (fc1.in_features,)
                  and fc1.in_features <= _FUSED_LN_MAX)
         h = x if fused else norm(x)
         training = torch.is_grad_enabled() and (h.requires_grad or any(
-            p.requires_grad for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias, *norm.parameters())
-            if p is not None))
+            p.requires_grad for p in (w1, fc1.bias, w2, fc2.bias, *norm.parameters()) if p is not None))
         if not torch.compiler.is_compiling():
-            fc1._ensure_hook()
-            fc2._ensure_hook()
+            fc1._watch.see(fc1, w1)
+            fc2._watch.see(fc2, w2)
         cfg = fc1._kernel_cfg() + fc2._kernel_cfg()[-1:]
         gemms = (fc1._gemm_backend(h), fc2._gemm_backend(h))
-        return F8.mlp(h, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc1._state(), fc2._state(), cfg,
+        return F8.mlp(h, w1, fc1.bias, w2, fc2.bias, fc1._state(), fc2._state(), cfg,
                       self.approximate, training, (fc1._wcache, fc2._wcache), norm if fused else None, gemms,
                       fc1._amax_group)

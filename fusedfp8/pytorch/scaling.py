@@ -70,7 +70,7 @@ class _StateGroup:
     def __init__(self, modules: list[Fp8Linear], recipe: DelayedScaling):
         self.recipe = recipe
         n = len(GRAD)
-        with torch.no_grad():
+        with torch.no_grad(), torch.inference_mode(False):  # (linked in inference mode, training must write them)
             arrays = {name: torch.cat([getattr(m, name) for m in modules], dim=-1) for name in STATE_FIELDS}
         self.state = ScalingState(**arrays, grad=GRAD * len(modules))
         self.members = []
@@ -132,7 +132,7 @@ class PendingScaleUpdate:
         for group in self._groups:
             ops.update_scales(group.state, group.recipe)
         for m in self._modules:
-            m._ensure_hook()
+            m._watch.see(m)
             m._after_update()
         self._groups = self._modules = self._reductions = None
 

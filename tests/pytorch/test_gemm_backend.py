@@ -232,7 +232,7 @@ def test_every_layer_gemm_passes_the_ops_checks_on_fake_cuda(monkeypatch, kind, 
     m._apply(fake)
     for layer in fp8.fp8_modules(m):
         layer.cache_fp8_weight = False  # (the cache asks whether a CUDA stream is capturing)
-    monkeypatch.setattr(M.Fp8Linear, "_need_grads", lambda self, x: (True, True))
+    monkeypatch.setattr(M.Fp8Linear, "_need_grads", lambda self, x, w: (True, True))
     with torch.no_grad(), mode:  # (autograd recording a fake CUDA tensor aborts a CPU build of torch)
         monkeypatch.setattr(torch, "is_grad_enabled", lambda: True)  # Fp8MLP's "a backward will follow"
         y = m(fake(torch.empty(tokens, hidden, dtype=torch.bfloat16)))

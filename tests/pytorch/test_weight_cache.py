@@ -15,6 +15,7 @@ from torch import nn
 import fusedfp8 as ff
 import fusedfp8.pytorch as fp8
 from fusedfp8.pytorch import autograd as F8
+from fusedfp8.pytorch import weights as W
 from support.frameworks import same_bytes
 from support.shim import built as built_shim
 
@@ -53,15 +54,21 @@ def _step(model, opt, micro, device, seed):
     fp8.update_model_scales(model)
 
 
+OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+              "adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True)}  # (no version bump of its own)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_gradient_accumulation_quantizes_each_weight_once_per_step_with_the_same_bytes(device, kind, monkeypatch):
+def test_gradient_accumulation_quantizes_each_weight_once_per_step_with_the_same_bytes(device, kind, optimizer,
+                                                                                      monkeypatch):
     model = _model(kind, device)
     plain = copy.deepcopy(model)
     for m in plain.modules():
         if isinstance(m, fp8.Fp8Linear):
             m.cache_fp8_weight = False
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    opt_plain = OPTIMIZERS[optimizer](plain.parameters())
     count = Count(monkeypatch, model)
     for step in range(3):
         before = count.n
@@ -91,8 +98,9 @@ def test_every_change_of_the_weight_or_its_scale_quantizes_again(device, monkeyp
     assert quantizes(lambda: fp8.update_model_scales(f)) == 1  # the scales moved
     assert quantizes(lambda: ff.update_scales(f.fp8_state, R)) == 1  # the generic update of its state
     assert quantizes(lambda: f.load_state_dict(copy.deepcopy(f.state_dict()))) == 1
-    assert quantizes(lambda: f.weight.data.mul_(2)) == 0  # .data: invisible to the version counter ...
+    assert quantizes(lambda: f.weight.data.mul_(2)) == 0  # in place through .data: invisible to torch ...
     assert quantizes(f.clear_fp8_weight) == 1  # ... so say it
+    assert quantizes(lambda: setattr(f.weight, "data", f.weight.data * 2)) == 1  # another storage
     f.weight = nn.Parameter(f.weight.detach().clone())
     assert quantizes() == 1  # another tensor
     with torch.no_grad():
@@ -139,13 +147,15 @@ def test_a_copy_keeps_the_cache_setting(device, monkeypatch, how, on):
 # ---- CUDA graphs: the cache keyed on the capture in progress ----------------------------------
 def test_a_capture_uses_only_what_it_filled_itself(monkeypatch):
     """The key logic, with the capture id stood in for (CPU): what a capture fills serves that
-    capture only; eager entries never serve a capture and a capture's never serve eager calls or
-    another capture; where the id cannot be known (no shim) nothing is cached during a capture."""
+    capture only; eager entries never serve a capture; where the id cannot be known (no shim)
+    nothing is cached during a capture. Once a capture has quantized the weight, eager forwards
+    quantize it every time: a replay may write the weight (an optimizer step in the graph) with
+    no Python running to say so, and an eager entry would then be stale."""
     f = fp8.Fp8Linear(32, 16, recipe=R)
     count = Count(monkeypatch, f)
     x = torch.randn(8, 32)
     capture = {"id": 0}
-    monkeypatch.setattr(F8, "_capture", lambda w: capture["id"])
+    monkeypatch.setattr(W, "_capture", lambda w: capture["id"])
 
     def quantizes(cid) -> int:
         capture["id"] = cid
@@ -154,11 +164,14 @@ def test_a_capture_uses_only_what_it_filled_itself(monkeypatch):
         return count.n - before
 
     assert quantizes(0) == 1 and quantizes(0) == 0  # eager: filled, then reused
-    assert quantizes(7) == 1 and quantizes(7) == 0  # capture 7: its own quantization, then reused in it
-    assert quantizes(8) == 1 and quantizes(8) == 0  # capture 8 never reads capture 7's
-    assert quantizes(0) == 1  # nor eager a capture's
     assert quantizes(None) == 1 and quantizes(None) == 1  # id unknown: no cache in the capture ...
     assert quantizes(0) == 0  # ... and the eager entry was left alone
+    assert quantizes(7) == 1 and quantizes(7) == 0  # capture 7: its own quantization, then reused in it
+    assert quantizes(8) == 1 and quantizes(8) == 0  # capture 8 never reads capture 7's
+    assert quantizes(0) == 1 and quantizes(0) == 1  # eager, after a capture: never cached
+    f.clear_fp8_weight()  # (an update of the scales: still never cached)
+    assert quantizes(0) == 1 and quantizes(0) == 1
+    assert quantizes(9) == 1 and quantizes(9) == 0  # captures still use their own
 
 
 def test_the_shim_reports_no_capture_where_it_cannot_know():
