@@ -356,7 +356,8 @@ def test_shipped_tables_are_measured_ones():
     """A table in fusedfp8/data/ is a real measurement of the GPU its file is named after (none
     is shipped until one has been measured on that GPU), of the current format, with its eager grid
     over the calibration's default grid; a mode it lacks raises MissingModeError saying how to
-    measure it (the H200 table of 2026-12-03 has eager steps only, until it is measured again)."""
+    measure it. The H200 table holds eager and graphed steps (docs/policy.md says so)."""
+    assert P.PolicyTable.load(P.DATA_DIR / "policy_nvidia_h200.json").modes == ("eager", "graphed")
     for path in P.shipped_tables():
         table = P.PolicyTable.load(path)
         assert json.loads(path.read_text())["format"] == P.TABLE_FORMAT
