@@ -101,6 +101,7 @@ setup(
         "Fused FP8 quantize + amax (+ transpose, + activation) kernels as CuPy RawKernels, "
         "with delayed scaling, for PyTorch and JAX"
     ),
+    license="Apache-2.0",  # LICENSE
     python_requires=">=3.11",
     packages=[*find_packages(include=["fusedfp8*"]), "fusedfp8.cuda_src"],
     package_dir={"fusedfp8.cuda_src": "cuda_src"},

@@ -339,7 +339,9 @@ def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose:
     x : array, float32 / float16 / bfloat16, any shape, contiguous
     scale : a Python float, a 1-element float32 array on x's device, or a
         :class:`~fusedfp8.state.Slot` (``state.slot(i, recipe)``). ``q = fp8(float32(x) * scale)``.
-    fmt : 'e4m3' (default) or 'e5m2'; taken from the recipe when ``scale`` is a Slot.
+    fmt : 'e4m3' (default) or 'e5m2', in any spelling :func:`fusedfp8.formats.get_format` takes
+        ('float8_e4m3fn', 'e4m3fn', ``torch.float8_e4m3fn``, ``jnp.float8_e5m2``, ...); taken from
+        the recipe when ``scale`` is a Slot.
     amax : 1-element float32 array, optional
         Max-accumulated in place (NaN-propagating); a new one is returned when omitted.
     transpose : bool
@@ -432,7 +434,8 @@ def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = 
     q : FP8 array (torch / jax float8, ml_dtypes float8), or uint8 (cupy) with ``fmt`` given.
     scale_inv : 1-element float32 array on q's device.
     dtype : 'float32', 'float16' or 'bfloat16'.
-    fmt : 'e4m3' or 'e5m2'; required for uint8 data, checked against q's dtype otherwise.
+    fmt : 'e4m3' or 'e5m2' (any spelling, as :func:`quantize`); required for uint8 data, checked
+        against q's dtype otherwise.
     """
     qi, si, f = check_dequantize(q, scale_inv, dtype, fmt)
     if not qi.is_gpu:

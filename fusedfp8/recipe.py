@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .formats import RECIPE_FORMATS, Format
+from .formats import E4M3, E5M2, RECIPE_FORMATS, Format, find_format
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 MAX_MARGIN = 64  # 2**margin stays exact and every scale normal for amaxes below 2**62
@@ -23,6 +23,21 @@ def _choice(name: str, value, allowed, owner: str = "DelayedScaling") -> None:
         raise TypeError(f"{owner}.{name} must be a str, one of {allowed}; got {type(value).__name__}")
     if value not in allowed:
         raise ValueError(f"{owner}.{name} must be one of {allowed}; got {value!r}")
+
+
+def _fp8_format(value, owner: str) -> str:
+    """The canonical name ('hybrid' or 'e4m3') of a recipe's ``fp8_format``: either in any case,
+    and 'e4m3' in any spelling of the format that ``fmt`` arguments take (:func:`fusedfp8.formats.get_format`)."""
+    allowed = tuple(RECIPE_FORMATS)
+    if isinstance(value, str) and value.lower() in RECIPE_FORMATS:
+        return value.lower()
+    fmt = find_format(value)
+    if fmt is E4M3:
+        return "e4m3"
+    if not isinstance(value, str) and fmt is not E5M2:
+        raise TypeError(f"{owner}.fp8_format must be a str, one of {allowed}; got {type(value).__name__}")
+    why = "; E5M2 for every tensor is no recipe ('hybrid' takes it for the gradients)" if fmt is E5M2 else ""
+    raise ValueError(f"{owner}.fp8_format must be one of {allowed}; got {value!r}{why}")
 
 
 def _check_margin(margin, owner: str) -> None:
@@ -62,7 +77,9 @@ class DelayedScaling(_Recipe):
     amax_compute_algo : {'max', 'most_recent'}
         'max' takes the max over the whole history, 'most_recent' the staged amax.
     fp8_format : {'hybrid', 'e4m3'}
-        'hybrid': E4M3 for forward tensors, E5M2 for gradients; 'e4m3': E4M3 for both.
+        'hybrid': E4M3 for forward tensors, E5M2 for gradients; 'e4m3': E4M3 for both. Any case;
+        'e4m3' in any spelling a ``fmt`` argument takes ('float8_e4m3fn', ``torch.float8_e4m3fn``,
+        ...). The field holds the canonical lowercase name.
     first_step : {'current', 'unit'}
         How a tensor that has never completed an update is quantized: with a scale from its own
         current amax ('current', one extra read on that step only) or with scale 1 ('unit').
@@ -89,7 +106,7 @@ class DelayedScaling(_Recipe):
         if self.amax_history_len < 1:
             raise ValueError(f"DelayedScaling.amax_history_len must be >= 1; got {self.amax_history_len}")
         _choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
-        _choice("fp8_format", self.fp8_format, tuple(RECIPE_FORMATS))
+        object.__setattr__(self, "fp8_format", _fp8_format(self.fp8_format, "DelayedScaling"))
         _choice("first_step", self.first_step, FIRST_STEPS)
 
 
@@ -110,7 +127,9 @@ class CurrentScaling(_Recipe):
     Parameters
     ----------
     fp8_format : {'hybrid', 'e4m3'}
-        'hybrid': E4M3 for forward tensors, E5M2 for gradients; 'e4m3': E4M3 for both.
+        'hybrid': E4M3 for forward tensors, E5M2 for gradients; 'e4m3': E4M3 for both. Any case;
+        'e4m3' in any spelling a ``fmt`` argument takes ('float8_e4m3fn', ``torch.float8_e4m3fn``,
+        ...). The field holds the canonical lowercase name.
     margin : int or float, 0 <= margin <= 64
         As :class:`DelayedScaling`'s.
 
@@ -130,7 +149,7 @@ class CurrentScaling(_Recipe):
     first_step = "current"
 
     def __post_init__(self):
-        _choice("fp8_format", self.fp8_format, tuple(RECIPE_FORMATS), "CurrentScaling")
+        object.__setattr__(self, "fp8_format", _fp8_format(self.fp8_format, "CurrentScaling"))
         _check_margin(self.margin, "CurrentScaling")
 
 

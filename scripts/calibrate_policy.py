@@ -53,6 +53,7 @@ import argparse
 import copy
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -82,6 +83,16 @@ MEASURE = {
                "stream) and replayed; median ms over blocks of back-to-back replays. Stands in for compiled "
                "steps (torch.compile, jax.jit) too: an approximation",
 }
+
+
+# an absolute path (not a ratio such as 'bf16 / fp8' or a unit such as 'GB/s'), its last component kept
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~-])(?:/[^\s/'\"]+)*/([^\s/'\"]+)")
+
+
+def portable(text: str) -> str:
+    """``text`` with every absolute path cut to its last component: the table is shipped, and holds
+    no path of the machine that measured it."""
+    return _ABSOLUTE_PATH.sub(r"\1", text)
 
 
 def _int_list(ap, flag: str, text: str) -> list[int]:
@@ -294,6 +305,7 @@ def make_table(name: str, grids: dict, points: dict, args, wall: float, device) 
         clock="CUDA events" if device.type == "cuda" else "time.perf_counter (CPU smoke test: not a measurement)",
         smoke_test=device.type != "cuda", recipe=str(RECIPE), warmup=args.warmup, calls=args.calls, reps=args.reps,
         sqnr_min_db=_bench.SQNR_MIN_DB, launch_path=" / ".join(fp8.custom_ops.launch_path()), wall_s=wall)
+    meta = {k: portable(v) if isinstance(v, str) else v for k, v in meta.items()}  # the command, the shim's path
     date = meta.pop("date")
     versions = {"fusedfp8": fusedfp8.__version__, "torch": torch.__version__, "cuda": torch.version.cuda}
     modes = {m: {"points": points[m], "meta": {"measure": MEASURE[m], "tokens": list(grids[m][0]),

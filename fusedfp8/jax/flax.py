@@ -104,6 +104,20 @@ def _check_recipe(module) -> DelayedScaling:
     return check_recipe(module.recipe, f"{module.__class__.__name__}.recipe")
 
 
+_NO_OPERAND = object()  # the default of Fp8DotGeneral's operands: tells flax's zero-argument call apart
+
+
+def _no_operand_error(none_given: bool) -> TypeError:
+    """Flax instantiates ``dot_general_cls`` with no arguments, then calls the result with the
+    operands; given an instance, it calls the instance with no arguments."""
+    if not none_given:
+        return TypeError("Fp8DotGeneral needs lhs, rhs and dimension_numbers (as lax.dot_general)")
+    return TypeError("Fp8DotGeneral was called with no operands: dot_general_cls takes the class, not an instance "
+                     "(flax calls dot_general_cls() to make the module, then the module with the operands); pass "
+                     "dot_general_cls=Fp8DotGeneral, or for options a zero-argument callable such as "
+                     "functools.partial(Fp8DotGeneral, recipe=r) or lambda: Fp8DotGeneral(recipe=r)")
+
+
 class Fp8DotGeneral(nn.Module):
     """FP8 ``lax.dot_general`` with delayed scaling, for ``dot_general_cls`` of ``nn.Dense`` /
     ``nn.DenseGeneral``: ``nn.Dense(features, dot_general_cls=Fp8DotGeneral)``.
@@ -127,7 +141,10 @@ class Fp8DotGeneral(nn.Module):
     forward_fast_accum: bool = True
 
     @nn.compact
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    def __call__(self, lhs=_NO_OPERAND, rhs=_NO_OPERAND, dimension_numbers=_NO_OPERAND, precision=None,
+                 preferred_element_type=None):
+        if any(a is _NO_OPERAND for a in (lhs, rhs, dimension_numbers)):
+            raise _no_operand_error(lhs is _NO_OPERAND and rhs is _NO_OPERAND)
         recipe = _check_recipe(self)
         (lc, rc), (lb, rb) = dimension_numbers
         lc, rc = tuple(int(d) % max(lhs.ndim, 1) for d in lc), tuple(int(d) % max(rhs.ndim, 1) for d in rc)

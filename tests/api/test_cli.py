@@ -133,6 +133,46 @@ def test_demo_loss_tracks_bf16_on_cpu(tmp_path):
     assert "png" not in res.files and Path(res.files["summary"]).is_file()
 
 
+@pytest.mark.parametrize("tail_ratio, verdict", [(1.0125, "within"), (0.9875, "within"), (1.025, "outside"),
+                                               (0.97, "outside")], ids=["within-above", "within-below",
+                                                                        "outside-above", "outside-below"])
+def test_demo_plot_draws_the_loss_check(tail_ratio, verdict):
+    """The ratio panel shades the 2% band over the steps the loss check averages (the last
+    LOSS_TAIL), not over the whole run, draws the ratio of the mean losses it compares with its
+    verdict, and the notes say the same."""
+    import matplotlib.pyplot as plt
+
+    from fusedfp8.demo import LOSS_TAIL, Curve, DemoConfig
+    from fusedfp8.demo.report import RATIO_BAND, DemoResult, figure
+
+    steps = 30
+    bf16 = np.linspace(1.0, 0.1, steps)
+    fp8 = bf16 * np.where(np.arange(steps) >= steps - LOSS_TAIL, tail_ratio, 1.0 + 0.5 * (tail_ratio - 1))
+    ms = np.ones(steps)
+    curves = {"bf16": Curve(bf16, ms),
+              "fp8": Curve(fp8, ms, ["fc1.input"], np.ones((steps, 1)), np.full((steps, 1), 448.0), np.zeros(1))}
+    result = DemoResult(DemoConfig(device="cpu", steps=steps, progress=False), "cpu", "x86_64", "test",
+                        (64, 256, 512), curves, {})
+    assert any(f"{tail_ratio - 1:+.2%} of bf16's ({verdict} the 2% of the loss check)" in n for n in result.notes())
+    fig = figure(result)
+    try:
+        ax = fig.axes[1]
+        labels = ax.get_legend_handles_labels()[1]
+        assert f"the loss check: FP8's mean loss of the last {LOSS_TAIL} steps within 2% of bf16's" in labels
+        assert (f"FP8 / bf16 mean loss of the last {LOSS_TAIL} steps: {tail_ratio:.4f} ({tail_ratio - 1:+.2%}, "
+                f"{verdict} the check)") in labels
+        band, = ax.collections[:1]
+        (x0, y0), (x1, y1) = band.get_paths()[0].get_extents().get_points()
+        assert (x0, x1) == (steps - LOSS_TAIL + 0.5, steps + 0.5)
+        assert (y0, y1) == pytest.approx((1 - RATIO_BAND, 1 + RATIO_BAND))
+        tail_line = ax.collections[1].get_segments()[0]
+        assert tail_line[:, 0].tolist() == [x0, x1] and tail_line[:, 1] == pytest.approx([tail_ratio] * 2)
+        lo, hi = ax.get_ylim()
+        assert lo < min(tail_ratio, 1.0) and hi > max(tail_ratio, 1.0)  # the check's mean is in view
+    finally:
+        plt.close(fig)
+
+
 def test_demo_and_bench_write_to_a_folder_of_the_current_one_by_default():
     parser = cli.argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd")

@@ -3,15 +3,45 @@
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 
 import fusedfp8
 from fusedfp8.formats import E4M3, E5M2, FORMATS, HYBRID, RECIPE_FORMATS, Format, get_format
-from fusedfp8.recipe import DelayedScaling
+from fusedfp8.recipe import CurrentScaling, DelayedScaling
+from support.frameworks import bytes_of, to_fw
 
-ALLOWED_NAMES = ("'e4m3'", "'e5m2'", "'float8_e4m3fn'", "'float8_e5m2'")
+ALLOWED_NAMES = ("'e4m3'", "'e5m2'", "'e4m3fn'", "'float8_e4m3fn'", "'float8_e5m2'")
+
+# every spelling of a format a user may hold: the names in any case, ml_dtypes' suffix, and the
+# dtype objects of numpy / ml_dtypes, torch and jax.numpy (jnp.dtype(...) is a numpy dtype)
+SPELLINGS = {
+    "e4m3": ["e4m3", "E4M3", "e4m3fn", "E4M3FN", "float8_e4m3fn", "Float8_E4M3FN", ml_dtypes.float8_e4m3fn,
+             np.dtype(ml_dtypes.float8_e4m3fn), torch.float8_e4m3fn, jnp.float8_e4m3fn, E4M3],
+    "e5m2": ["e5m2", "E5M2", "float8_e5m2", "FLOAT8_E5M2", ml_dtypes.float8_e5m2, np.dtype(ml_dtypes.float8_e5m2),
+             torch.float8_e5m2, jnp.float8_e5m2, E5M2],
+}
+SPELLING_CASES = [(name, s) for name, spellings in SPELLINGS.items() for s in spellings]
+
+
+def _label(s) -> str:
+    if isinstance(s, Format):
+        return f"Format-{s.name}"
+    if isinstance(s, type):
+        return f"{s.__module__.split('.')[0]}.{s.__name__}"
+    return f"np.dtype-{s.name}" if isinstance(s, np.dtype) else str(s)
+
+
+SPELLING_IDS = [f"{name}-{_label(s)}" for name, s in SPELLING_CASES]
+# near misses: other FP8 encodings of ml_dtypes / torch (not ours), non-FP8 dtypes, the wrong type
+NOT_FORMATS = ["float8_e4m3", ml_dtypes.float8_e4m3, ml_dtypes.float8_e4m3fnuz, torch.float8_e4m3fnuz,
+               torch.float8_e5m2fnuz, jnp.float8_e4m3b11fnuz, torch.float32, jnp.bfloat16, np.dtype(np.uint8),
+               torch.zeros(1, dtype=torch.float8_e4m3fn)]
+NOT_FORMAT_IDS = ["str-e4m3-ieee", "ml_dtypes-e4m3-ieee", "ml_dtypes-e4m3fnuz", "torch-e4m3fnuz", "torch-e5m2fnuz",
+                  "jnp-e4m3b11fnuz", "torch-float32", "jnp-bfloat16", "numpy-uint8", "a-torch-tensor"]
 
 
 # ---- the format table ------------------------------------------------------------------------
@@ -66,6 +96,21 @@ def test_the_face_exports_formats_recipe_state_and_the_six_functions():
 ], ids=["e4m3", "e5m2", "alias-e4m3fn", "alias-e5m2", "upper-e4m3", "upper-e5m2", "upper-alias"])
 def test_get_format_names_and_aliases(name, expected):
     assert get_format(name) is expected
+
+
+@pytest.mark.parametrize("name, spelling", SPELLING_CASES, ids=SPELLING_IDS)
+def test_get_format_takes_every_spelling(name, spelling):
+    assert get_format(spelling) is FORMATS[name]
+
+
+@pytest.mark.parametrize("bad", NOT_FORMATS, ids=NOT_FORMAT_IDS)
+def test_get_format_refuses_other_encodings_and_dtypes_by_name(bad):
+    with pytest.raises(ValueError) as ei:
+        get_format(bad, argname="fmt")
+    msg = str(ei.value)
+    assert msg.startswith(f"fmt: unsupported FP8 format {bad!r}; expected one of "), msg
+    for name in ALLOWED_NAMES:
+        assert name in msg, (name, msg)
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2, Format("custom", 1.0, 1, 1, False, "float8_e4m3fn", 0x7F)],
@@ -130,12 +175,12 @@ def test_recipe_is_frozen(field, value):
     (dict(amax_compute_algo=None), TypeError, "amax_compute_algo"),
     (dict(fp8_format="e5m2"), ValueError, "fp8_format"),
     (dict(fp8_format="fp8"), ValueError, "fp8_format"),
-    (dict(fp8_format=E4M3), TypeError, "fp8_format"),
+    (dict(fp8_format=torch.float32), TypeError, "fp8_format"),
     (dict(first_step="zero"), ValueError, "first_step"),
     (dict(first_step=0), TypeError, "first_step"),
 ], ids=["margin-neg", "margin-tiny-neg", "margin-inf", "margin-nan", "margin-bool", "margin-str", "margin-None",
         "len-0", "len-neg", "len-float", "len-bool", "len-str", "algo-mean", "algo-upper", "algo-None",
-        "format-e5m2", "format-fp8", "format-Format", "first-zero", "first-int"])
+        "format-e5m2", "format-fp8", "format-torch-float32", "first-zero", "first-int"])
 def test_recipe_rejects_bad_fields(kwargs, exc, field):
     with pytest.raises(exc, match=rf"DelayedScaling\.{field}\b"):
         DelayedScaling(**kwargs)
@@ -177,3 +222,66 @@ def test_format_for(fp8_format, fwd, grad):
     r = DelayedScaling(fp8_format=fp8_format)
     assert r.format_for(False) is fwd
     assert r.format_for(grad=True) is grad
+
+
+@pytest.mark.parametrize("Recipe", [DelayedScaling, CurrentScaling], ids=["delayed", "current"])
+@pytest.mark.parametrize("spelling", ["HYBRID", "Hybrid", *SPELLINGS["e4m3"]],
+                         ids=["HYBRID", "Hybrid", *(i for i in SPELLING_IDS if i.startswith("e4m3"))])
+def test_recipe_format_takes_every_spelling_and_keeps_the_canonical_name(Recipe, spelling):
+    """fp8_format takes 'hybrid' in any case and 'e4m3' in every spelling fmt takes; the field holds
+    the canonical name, so the recipe equals (and hashes as, for jit's static arguments) the canonical one."""
+    canonical = "hybrid" if isinstance(spelling, str) and spelling.lower() == "hybrid" else "e4m3"
+    r = Recipe(fp8_format=spelling)
+    assert r.fp8_format == canonical
+    assert r == Recipe(fp8_format=canonical) and hash(r) == hash(Recipe(fp8_format=canonical))
+    assert r.format_for(grad=True) is (E5M2 if canonical == "hybrid" else E4M3)
+
+
+@pytest.mark.parametrize("Recipe", [DelayedScaling, CurrentScaling], ids=["delayed", "current"])
+@pytest.mark.parametrize("spelling", SPELLINGS["e5m2"], ids=[i for i in SPELLING_IDS if i.startswith("e5m2")])
+def test_recipe_format_refuses_e5m2_in_every_spelling_and_says_why(Recipe, spelling):
+    with pytest.raises(ValueError, match=rf"^{Recipe.__name__}\.fp8_format must be one of \('hybrid', 'e4m3'\); got "
+                                         r".*; E5M2 for every tensor is no recipe \('hybrid' takes it for the gradients\)$"):
+        Recipe(fp8_format=spelling)
+
+
+# ---- every spelling through the entry points ---------------------------------------------------
+@pytest.mark.parametrize("name", sorted(SPELLINGS))
+def test_every_spelling_reaches_every_entry_point(name, device):
+    """quantize, gelu_quantize, dgelu_quantize, layernorm_quantize (scale given or a recipe's slot)
+    and dequantize take each spelling of a format and give the bytes and the dtype of its name,
+    which differ from the other format's; a spelling of the other format is refused by name."""
+    other = "e5m2" if name == "e4m3" else "e4m3"
+    rng = np.random.default_rng(0)
+    x_np = (rng.standard_normal((8, 32)) * 40).astype(np.float32)
+    for fw in (("numpy", "torch", "jax") if device == "cpu" else ("torch",)):
+        x, dy = to_fw(x_np, fw, device), to_fw(x_np[::-1] * 3, fw, device)
+        w, b = to_fw(np.linspace(0.5, 2, 32, dtype=np.float32), fw, device), to_fw(np.full(32, 0.25, np.float32), fw, device)
+        scale_inv = to_fw(np.array([2.0], np.float32), fw, device)
+        calls = {
+            "quantize": lambda f: fusedfp8.quantize(x, 0.5, f).data,
+            "gelu_quantize": lambda f: fusedfp8.gelu_quantize(x, 0.5, f).data,
+            "dgelu_quantize": lambda f: fusedfp8.dgelu_quantize(dy, x, 0.5, f).data,
+            "layernorm_quantize": lambda f: fusedfp8.layernorm_quantize(x, w, b, 1e-5, 0.5, f).quantized.data,
+        }
+        want = {k: call(name) for k, call in calls.items()}
+        for k, call in calls.items():
+            assert bytes_of(call(other)) != bytes_of(want[k]), (fw, k)  # the spelling decides something
+        q = want["quantize"]
+        deq = bytes_of(fusedfp8.dequantize(q, scale_inv))
+        for spelling in SPELLINGS[name]:
+            for k, call in calls.items():
+                got = call(spelling)
+                assert got.dtype == want[k].dtype and bytes_of(got) == bytes_of(want[k]), (fw, k, spelling)
+            assert bytes_of(fusedfp8.dequantize(q, scale_inv, "float32", spelling)) == deq, (fw, spelling)
+        for spelling in SPELLINGS[other]:
+            with pytest.raises(ValueError, match=rf"^fmt: '{other}' disagrees with q's dtype"):
+                fusedfp8.dequantize(q, scale_inv, "float32", spelling)
+        if fw != "jax":  # (jax arrays are not written in place: no slot outside jit)
+            recipe = DelayedScaling(amax_history_len=4, fp8_format="e4m3")
+            like = torch.zeros(0, device=device) if fw == "torch" else None
+            state = fusedfp8.ScalingState.create(2, recipe, like=like)
+            for spelling in SPELLINGS["e4m3"]:
+                fusedfp8.quantize(x, state.slot(0, recipe), spelling)
+            with pytest.raises(ValueError, match=r"^fmt: 'e5m2' disagrees with the slot's recipe format 'e4m3'"):
+                fusedfp8.quantize(x, state.slot(0, recipe), torch.float8_e5m2)

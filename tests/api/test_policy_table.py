@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from fusedfp8 import policy as P
-from support.policy import (FEATURES, GRAPHED_FEATURES, SYNTHETIC_DEVICE, TOKENS, fp8_wins, synthetic_ms,
-                            synthetic_points, synthetic_table)
+from support.policy import (FEATURES, GRAPHED_FEATURES, SYNTHETIC_DEVICE, TOKENS, fp8_wins, machine_paths,
+                            synthetic_ms, synthetic_points, synthetic_table)
 
 
 @pytest.fixture
@@ -356,7 +356,8 @@ def test_shipped_tables_are_measured_ones():
     """A table in fusedfp8/data/ is a real measurement of the GPU its file is named after (none
     is shipped until one has been measured on that GPU), of the current format, with its eager grid
     over the calibration's default grid; a mode it lacks raises MissingModeError saying how to
-    measure it (the H200 table of 2026-12-03 has eager steps only, until it is measured again)."""
+    measure it. The H200 table holds eager and graphed steps (docs/policy.md says so)."""
+    assert P.PolicyTable.load(P.DATA_DIR / "policy_nvidia_h200.json").modes == ("eager", "graphed")
     for path in P.shipped_tables():
         table = P.PolicyTable.load(path)
         assert json.loads(path.read_text())["format"] == P.TABLE_FORMAT
@@ -371,6 +372,35 @@ def test_shipped_tables_are_measured_ones():
             else:
                 with pytest.raises(P.MissingModeError, match="`python -m fusedfp8 bench --calibrate`"):
                     table.decide(2048, 1024, 4096, mode=mode)
+
+
+def _strings(value):
+    """Every string of a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def test_no_shipped_data_file_names_a_machine_path():
+    """What fusedfp8/data/ ships names no path of the machine that made it (the calibration once
+    wrote its command line and the shim's path there): every string of every JSON file, and every
+    other file's text. The pattern finds the paths such a file held."""
+    assert machine_paths("C++ / built at install time: /work/main/fusedfp8/csrc/_ff8_torch.so") == [
+        "/work/main/fusedfp8/csrc/_ff8_torch.so"]
+    assert machine_paths("calibrate_policy.py --out /tmp/res/policy_nvidia_h200.json") == [
+        "/tmp/res/policy_nvidia_h200.json"]
+    files = sorted(p for p in P.DATA_DIR.iterdir() if p.is_file())
+    assert any(p.suffix == ".json" for p in files)
+    for path in files:
+        texts = _strings(json.loads(path.read_text())) if path.suffix == ".json" else [path.read_text()]
+        found = [p for t in texts for p in machine_paths(t)]
+        assert not found, (path.name, found)
 
 
 @pytest.mark.parametrize("mode, features", [("eager", FEATURES), ("graphed", GRAPHED_FEATURES)])

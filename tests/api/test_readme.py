@@ -90,9 +90,10 @@ def test_readme_test_commands_are_what_ci_runs():
     assert ["python", "-m", "pytest", "-q", "tests"] in readme
 
 
-def _extras() -> dict:
-    """setup.py's extras_require, evaluated without running setup(): every top-level statement of
-    setup.py runs (its imports too) except the ``setup(...)`` call, whose keyword is then evaluated."""
+def _setup_keyword(name: str):
+    """A keyword of setup.py's ``setup(...)`` call, evaluated without running setup(): every
+    top-level statement of setup.py runs (its imports too) except that call, whose keyword is then
+    evaluated."""
     tree = ast.parse((REPO / "setup.py").read_text())
     is_setup = [isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) and getattr(n.value.func, "id", "") == "setup"
                 for n in tree.body]
@@ -100,8 +101,18 @@ def _extras() -> dict:
     body = [n for n, skip in zip(tree.body, is_setup) if not skip]
     exec(compile(ast.Module(body=body, type_ignores=[]), "setup.py", "exec"), env)
     call = next(n.value for n, skip in zip(tree.body, is_setup) if skip)
-    kw = next(k for k in call.keywords if k.arg == "extras_require")
+    kw = next(k for k in call.keywords if k.arg == name)
     return eval(compile(ast.Expression(kw.value), "setup.py", "eval"), env)
+
+
+def test_the_license_is_apache_2_in_the_file_and_the_metadata():
+    text = (REPO / "LICENSE").read_text()
+    assert text.startswith("Copyright 2026 The fusedfp8 authors\n\n                                 Apache License\n"
+                           "                           Version 2.0, January 2004\n")
+    for part in ("TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION", "9. Accepting Warranty or Additional "
+                 "Liability.", "END OF TERMS AND CONDITIONS", "http://www.apache.org/licenses/LICENSE-2.0"):
+        assert part in text, part
+    assert _setup_keyword("license") == "Apache-2.0"
 
 
 def test_readme_demo_command_installs_what_the_demo_needs():
@@ -110,7 +121,7 @@ def test_readme_demo_command_installs_what_the_demo_needs():
     assert ["python", "-m", "fusedfp8", "demo"] in argv
     install = next(_pip(a) for a in argv if _pip(a) and any(x.startswith(".[") for x in a))
     spec = next(x for x in install if x.startswith(".["))
-    extras = _extras()
+    extras = _setup_keyword("extras_require")
     wanted = spec[2:-1].split(",")
     assert all(e in extras for e in wanted), (wanted, list(extras))
     reqs = [r for e in wanted for r in extras[e]]

@@ -3,6 +3,8 @@ Fp8MLP trained with flax's TrainState over several steps; the FP8 state in the
 '_overwrite_with_gradient' collection advances by the rule (counters, rolls, scale_inv), the MLP
 matches the layout of the plain flax MLP and trains. The GPU twin of the MLP step is in
 test_jax_kernels.py."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -60,6 +62,29 @@ def test_flax_dense_rejects_batch_dims():
     with pytest.raises(ValueError, match="Fp8DotGeneral supports lhs contracting its trailing"):
         Fp8DotGeneral().init(jax.random.key(0), jnp.ones((2, 4, 8)), jnp.ones((2, 8, 3)),
                              (((2,), (1,)), ((0,), (0,))))
+
+
+@pytest.mark.parametrize("layer", [nn.Dense, nn.DenseGeneral], ids=["Dense", "DenseGeneral"])
+def test_flax_an_instance_as_dot_general_cls_is_told_to_pass_the_class(layer):
+    """flax calls ``dot_general_cls()`` and then the result with the operands: an instance gets the
+    zero-argument call; it says what to pass instead, before any variable exists, and what it
+    suggests works."""
+    recipe = fusedfp8.DelayedScaling(amax_history_len=4)
+    x = jnp.ones((4, 16))
+    with pytest.raises(TypeError, match=r"^Fp8DotGeneral was called with no operands: dot_general_cls takes the "
+                                        r"class, not an instance .*; pass dot_general_cls=Fp8DotGeneral, or .*"
+                                        r"functools\.partial\(Fp8DotGeneral, recipe=r\) or "
+                                        r"lambda: Fp8DotGeneral\(recipe=r\)(\n|$)"):  # (jax may append a note)
+        layer(8, dot_general_cls=Fp8DotGeneral(recipe=recipe)).init(jax.random.key(0), x)
+    for cls, rows in ((Fp8DotGeneral, 1024), (functools.partial(Fp8DotGeneral, recipe=recipe), 4),
+                      (lambda: Fp8DotGeneral(recipe=recipe), 4)):
+        variables = layer(8, dot_general_cls=cls).init(jax.random.key(0), x)
+        assert variables[OVERWRITE_WITH_GRADIENT]["Fp8DotGeneral_0"]["amax_history"].shape == (rows, 3)
+
+
+def test_flax_dot_general_with_an_operand_missing_says_what_it_needs():
+    with pytest.raises(TypeError, match=r"^Fp8DotGeneral needs lhs, rhs and dimension_numbers"):
+        Fp8DotGeneral().init(jax.random.key(0), jnp.ones((2, 8)), jnp.ones((8, 3)))
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from fusedfp8 import __main__ as cli
 from fusedfp8 import _cuda
 from fusedfp8 import policy as P
 from fusedfp8.recipe import DelayedScaling
-from support.policy import fp8_wins, synthetic_table
+from support.policy import fp8_wins, machine_paths, synthetic_table
 from support.torch_helpers import inputs, train_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -365,6 +365,23 @@ def test_calibration_cpu_smoke_writes_a_table_that_convert_reads(script, tmp_pat
     assert report[""].source == "policy_cpu.json, eager steps: measured"
     with pytest.raises(P.MissingModeError, match="has no graphed measurements"):
         fp8.plan_fp8_conversion(nn.Linear(32, 32), policy="auto", tokens=32, policy_table=path, mode="graphed")
+
+
+def test_the_calibration_table_names_no_machine_path(script, tmp_path, monkeypatch, capsys):
+    """A table is made to be shipped: the command line (sys.argv) and the launch path (the shim's
+    file) keep a path's last component only."""
+    import sys
+
+    argv = [*SMOKE, "--out", str(tmp_path / "out" / "table.json")]
+    monkeypatch.setattr(sys, "argv", [str(REPO / "scripts" / "calibrate_policy.py"), *argv])
+    monkeypatch.setattr(fp8.custom_ops, "launch_path",
+                        lambda: ("C++", f"built at install time: {tmp_path}/build/_ff8_torch.so"))
+    assert script.main(argv) == 0
+    path = tmp_path / "out" / "table.json"
+    meta = P.PolicyTable.load(path).meta
+    assert meta["command"] == " ".join(["calibrate_policy.py", *SMOKE, "--out", "table.json"])
+    assert meta["launch_path"] == "C++ / built at install time: _ff8_torch.so"
+    assert machine_paths(path.read_text()) == []
 
 
 def test_calibration_aborts_when_fp8_is_not_close_to_bf16(script, tmp_path, capsys, monkeypatch):

@@ -10,9 +10,20 @@ asks for a real GPU's name (to test the selection by name), and the table's meta
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from fusedfp8.policy import PolicyTable
+
+# a path of some machine: absolute POSIX ('/work/x', '/tmp'), home-relative ('~/x') or Windows ('C:\\x');
+# not a ratio ('bf16 / fp8') or a unit ('GB/s')
+MACHINE_PATH = re.compile(r"(?<![\w.~)\]-])/[A-Za-z0-9_.+-]|~/|\b[A-Za-z]:\\")
+
+
+def machine_paths(text: str) -> list[str]:
+    """The machine paths in ``text`` (each from its start to the next blank or quote)."""
+    return [re.split(r"[\s'\"]", text[m.start():], maxsplit=1)[0] for m in MACHINE_PATH.finditer(text)]
+
 
 SYNTHETIC_DEVICE = "Synthetic GPU (test table, not measured)"
 TOKENS = (16, 64, 256)
