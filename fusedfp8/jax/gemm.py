@@ -22,9 +22,7 @@ GEMM of a linear layer). Two backends:
 
 ``impl`` as the primitives': ``'auto'`` (the FFI GEMM on CUDA where the shim and cuBLASLt are
 available, XLA's dot elsewhere), ``'ffi'`` (the FFI GEMM; an error where it cannot run),
-``'jnp'`` / ``'callback'`` / ``'callback_no_cmdbuf'`` (XLA's dot, as before the FFI GEMM),
-``'ptx'`` (as ``'auto'``: the GEMM is not one of the launch plans that impl 'ptx' turns into XLA's
-PTX custom calls).
+``'jnp'`` / ``'callback'`` / ``'callback_no_cmdbuf'`` (XLA's dot, as before the FFI GEMM).
 """
 from __future__ import annotations
 
