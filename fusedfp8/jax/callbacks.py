@@ -5,10 +5,10 @@ XLA's own buffers and stream:
   (fusedfp8/csrc/xla_ffi.cc), with the plans of every local GPU as attributes. Nothing of Python
   runs when the program executes, and the handler is declared command-buffer compatible, so XLA
   records its launches into CUDA graphs.
-- ``'callback'`` / ``'callback_no_cmdbuf'``: ``jax.experimental.buffer_callback`` callbacks that
-  run the same plans with the Python executor (:func:`fusedfp8.csrc.plan.execute`) on
-  ``ctx.stream``; with ``command_buffer_compatible=True`` XLA records their launches into its
-  command buffer, but runs the callback again whenever the buffers it records move.
+- ``'callback'``: ``jax.experimental.buffer_callback`` callbacks that run the same plans with the
+  Python executor (:func:`fusedfp8.csrc.plan.execute`) on ``ctx.stream``; with
+  ``command_buffer_compatible=True`` XLA records their launches into its command buffer, but runs
+  the callback again whenever the buffers it records move.
 
 A primitive hands :func:`run` its plans, the result shapes, its operands, where each plan slot's
 buffer comes from (``("in", k)``, ``("out", k)`` or None for a null pointer) and the operand ->
@@ -151,13 +151,13 @@ def plan_callback(plans: dict, sources, aliases: dict):
 
 
 def run(backend: str, plans: dict, shapes, args, sources, aliases: dict):
-    """The results of running ``plans`` on ``args`` through ``backend`` ('ffi', 'callback' or
-    'callback_no_cmdbuf'). ``sources``: one per plan slot, ``("in", k)``, ``("out", k)`` or None;
-    ``aliases``: operand -> result index of the state buffers (updated in place)."""
+    """The results of running ``plans`` on ``args`` through ``backend`` ('ffi' or 'callback').
+    ``sources``: one per plan slot, ``("in", k)``, ``("out", k)`` or None; ``aliases``: operand ->
+    result index of the state buffers (updated in place)."""
     if backend == "ffi":
         return list(_run_ffi(plans, shapes, args, sources, aliases))
     from jax.experimental.buffer_callback import buffer_callback
 
     cb = plan_callback(plans, sources, aliases)
     return list(buffer_callback(cb, shapes, vmap_method="sequential", input_output_aliases=aliases,
-                                command_buffer_compatible=backend == "callback")(*args))
+                                command_buffer_compatible=True)(*args))

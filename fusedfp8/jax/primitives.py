@@ -13,10 +13,9 @@ written on the same checks, dispatch and staging (it imports this module, not th
 path where the compiled shim is available, else ``'callback'``: :func:`launch_path` says which
 and why), ``'jnp'`` (jax.numpy on every backend), ``'ffi'`` (the kernels through the XLA FFI
 handler of the compiled launch shim: no Python when the program runs, recorded into XLA's
-command buffers), ``'callback'`` (the kernels launched by a Python ``buffer_callback``, recorded
-into XLA's command buffers, which re-run the callback when XLA's buffers move) or
-``'callback_no_cmdbuf'`` (the callback at every execution). All CUDA backends run the same launch
-plans and give the same bytes.
+command buffers) or ``'callback'`` (the kernels launched by a Python ``buffer_callback``, recorded
+into XLA's command buffers, which re-run the callback when XLA's buffers move). All CUDA backends
+run the same launch plans and give the same bytes.
 
 State. A :class:`fusedfp8.ScalingState` of jax arrays is a pytree here (registered by
 ``fusedfp8.jax``); functions take one and return the updated one. Quantizing tensor ``index``
@@ -69,8 +68,8 @@ from . import callbacks
 __all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "stage_amax", "update_scales", "sync_staged", "dequantize",
            "amax", "sync_current", "given_scale", "IMPLS", "launch_path"]
 
-IMPLS = ("auto", "jnp", "ffi", "callback", "callback_no_cmdbuf")
-_CUDA_IMPLS = ("ffi", "callback", "callback_no_cmdbuf")
+IMPLS = ("auto", "jnp", "ffi", "callback")
+_CUDA_IMPLS = ("ffi", "callback")
 
 
 class _QCfg(NamedTuple):
