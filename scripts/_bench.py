@@ -21,8 +21,7 @@ import numpy as np
 
 # ---- profiler categories ---------------------------------------------------------------------
 KERNEL_CATEGORIES = (  # (category, name substrings), first match wins; everything else is 'other'
-    # (ff8_ptx_: impl 'ptx''s wrappers of the same kernels, fusedfp8/jax/ptx.py)
-    ("fusedfp8", ("quantize_flat", "quantize_tiled", "update_scales", "update_meta", "dequantize_flat", "ff8_ptx_")),
+    ("fusedfp8", ("quantize_flat", "quantize_tiled", "update_scales", "update_meta", "dequantize_flat")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "sm80", "scaled_mm")),
     ("layernorm", ("layer_norm", "layernorm")),
     ("adam", ("adam",)),

@@ -5,10 +5,9 @@ Modes (``--modes``): ``bf16_jit`` (fusedfp8.demo.task.FlaxMLP, bf16), ``flax_fp8
 flax's own ``nn.Fp8DotGeneralOp`` as ``dot_general_cls``) and ``fp8_fused``
 (fusedfp8.jax.flax.Fp8MLP, ``impl='auto'``: its kernels launched by the compiled XLA FFI handler
 where it is built, recorded into XLA's command buffers) / ``fp8_fused_callback`` (the same through
-the Python buffer_callback launcher) / ``fp8_fused_nocmdbuf`` (that, outside command buffers: a
-Python callback per launch at every step). Every mode starts from the same
-bf16 parameters (``--jax-init``). The whole train step (forward, loss, backward, optax Adam, the
-FP8 state through TrainState.apply_gradients) is one jitted function with donated state. The
+the Python buffer_callback launcher). Every mode starts from the same bf16 parameters
+(``--jax-init``). The whole train step (forward, loss, backward, optax Adam, the FP8 state
+through TrainState.apply_gradients) is one jitted function with donated state. The
 fp8_fused modes run under ``DelayedScaling()``; with ``--recipes delayed,current`` each also runs
 under ``CurrentScaling()`` in the same run (``fp8_fused@current``, ...; scripts/_bench_recipes.py;
 each row's ``recipe`` says which, ``'flax'`` for flax_fp8, whose op has its own delayed scaling).
@@ -71,7 +70,7 @@ from fusedfp8.jax import functional as FJ
 from fusedfp8.jax import primitives as P
 from fusedfp8.jax.flax import OVERWRITE_WITH_GRADIENT, Fp8MLP
 
-MODES = ["bf16_jit", "flax_fp8", "fp8_fused", "fp8_fused_callback", "fp8_fused_nocmdbuf"]
+MODES = ["bf16_jit", "flax_fp8", "fp8_fused", "fp8_fused_callback"]
 TARGET_SPEEDUP = {(4096, 16384, 8192): 1.30, (1024, 4096, 2048): 1.0}
 LINEAR_GRAD = (False, False, True)  # an FP8 linear's tensors: input, weight, output gradient
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][a-z0-9\-]*)\(", re.M)
@@ -109,8 +108,7 @@ def make_models(ffn: int, forward_fast_accum: bool, recipe_names=("delayed",)) -
     models = {"bf16_jit": FlaxMLP(ffn, **bf16), "flax_fp8": FlaxMLP(ffn, dot_general_cls=nn.Fp8DotGeneralOp, **bf16)}
     for r in recipe_names:
         fused = {"recipe": recipes.RECIPES[r], "param_dtype": jnp.bfloat16, "forward_fast_accum": forward_fast_accum}
-        for mode, impl in (("fp8_fused", "auto"), ("fp8_fused_callback", "callback"),
-                           ("fp8_fused_nocmdbuf", "callback_no_cmdbuf")):
+        for mode, impl in (("fp8_fused", "auto"), ("fp8_fused_callback", "callback")):
             models[recipes.tagged(mode, r)] = Fp8MLP(ffn, impl=impl, **fused)
     return models
 
@@ -343,7 +341,7 @@ def main(argv=None) -> int:
         print(f"no jax {plat} device: run on the GPU machine, or --device cpu for a smoke test", file=sys.stderr)
         return 2
     if plat != "gpu":
-        gpu_only = ("fp8_fused_callback", "fp8_fused_nocmdbuf")
+        gpu_only = ("fp8_fused_callback",)
         if any(m in modes for m in gpu_only) and args.modes:
             ap.error(f"{gpu_only} launch the CUDA kernels: they need --device cuda")
         modes = [m for m in modes if m not in gpu_only]

@@ -10,9 +10,6 @@ that changes between the modes is ``dot_general_cls``:
 - ``fusedfp8``: ``fusedfp8.jax.flax.Fp8DotGeneral`` (its kernels through the compiled XLA FFI
   launcher where it is built, the default);
 - ``fusedfp8_callback``: the same with ``impl='callback'`` (the Python buffer_callback launcher);
-- ``fusedfp8_ptx``: the ``fusedfp8`` program unchanged, traced with ``FUSEDFP8_JAX_IMPL=ptx`` in
-  the environment (:func:`mode_env`): impl='auto' launches the quantizations and the scale update
-  as XLA's own PTX custom calls (fusedfp8/jax/ptx.py), the GEMM as before;
 and ``fusedfp8_mlp`` replaces the whole block by ``fusedfp8.jax.flax.Fp8MLP`` (same layers, the
 activation fused into FP8). The fusedfp8 modes take ``DelayedScaling()``; with ``--recipes
 delayed,current`` each also runs with ``recipe=CurrentScaling()`` (``fusedfp8@current``, ...;
@@ -37,13 +34,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import _bench
 import _bench_recipes as recipes
@@ -59,8 +54,7 @@ from jax.sharding import PartitionSpec as P
 from bench_mlp_jax import kernel_profile
 from fusedfp8.jax.flax import Fp8DotGeneral, Fp8MLP
 
-MODES = ["bf16", "flax_fp8", "fusedfp8", "fusedfp8_callback", "fusedfp8_mlp", "fusedfp8_ptx"]
-MODE_ENV = {"fusedfp8_ptx": {"FUSEDFP8_JAX_IMPL": "ptx"}}  # a mode's environment while its program is traced
+MODES = ["bf16", "flax_fp8", "fusedfp8", "fusedfp8_callback", "fusedfp8_mlp"]
 SHAPES = [(1024, 4096, 2048), (4096, 16384, 8192)]  # hidden, ffn, tokens (= batch x 512)
 SEQ = 512
 
@@ -84,12 +78,6 @@ def takes_recipe(mode: str) -> bool:
     return mode.startswith("fusedfp8")
 
 
-def mode_env(mode: str):
-    """The environment ``mode`` (or ``mode@recipe``) traces its program in (:data:`MODE_ENV`; the
-    variables are read when jax traces the step), restored after: a context manager."""
-    return mock.patch.dict(os.environ, MODE_ENV.get(recipes.split(mode)[0], {}))
-
-
 def make_model(mode: str, hidden: int, ffn: int):
     """The model of ``mode`` (``fusedfp8@current``: the fusedfp8 mode under CurrentScaling)."""
     base, recipe = recipes.split(mode)
@@ -97,8 +85,7 @@ def make_model(mode: str, hidden: int, ffn: int):
     if base == "fusedfp8_mlp":
         return Fp8MLP(ffn, recipe=r, dtype=jnp.bfloat16)
     cls = {"bf16": None, "flax_fp8": nn.Fp8DotGeneralOp, "fusedfp8": functools.partial(Fp8DotGeneral, recipe=r),
-           "fusedfp8_callback": functools.partial(Fp8DotGeneral, impl="callback", recipe=r),
-           "fusedfp8_ptx": functools.partial(Fp8DotGeneral, recipe=r)}[base]  # (the launch path: mode_env)
+           "fusedfp8_callback": functools.partial(Fp8DotGeneral, impl="callback", recipe=r)}[base]
     return MLP(hidden, ffn, cls)
 
 
@@ -133,11 +120,6 @@ def program(mode: str, hidden: int, ffn: int, tokens: int, donate: bool = False)
 
 
 def run_mode(mode: str, shape, args) -> dict:
-    with mode_env(mode):
-        return _run_mode(mode, shape, args)
-
-
-def _run_mode(mode: str, shape, args) -> dict:
     hidden, ffn, tokens = shape
     step, state, x, y = program(mode, hidden, ffn, tokens)
     t0 = time.perf_counter()

@@ -73,9 +73,8 @@ def run_mode(mode: str, shape, args, bf16_first_loss):
     if variant == "xla_gemm":
         G._auto_uses_ffi = lambda *a, **k: False  # traced with XLA's dot GEMM (the choice is made at trace time)
     try:
-        with seed.mode_env(base):  # (fusedfp8_ptx: traced with FUSEDFP8_JAX_IMPL=ptx)
-            step, state, x, y = seed.program(base, *shape, donate=variant == "donate")
-            state, loss = step(state, x, y)
+        step, state, x, y = seed.program(base, *shape, donate=variant == "donate")
+        state, loss = step(state, x, y)
         first = float(loss)
         for _ in range(args.warmup):
             state, loss = step(state, x, y)

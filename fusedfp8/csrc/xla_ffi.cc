@@ -17,8 +17,7 @@
 //   names    string   the plans' kernel names (';'-separated), for error messages
 //
 // The FP8 GEMM (gemm.h) is a second handler, `ff8_xla_fp8_gemm`, registered by
-// fusedfp8/jax/gemm.py as "fusedfp8_fp8_gemm" (command-buffer compatible) and as
-// "fusedfp8_fp8_gemm_no_cmdbuf" (the same handler without the trait):
+// fusedfp8/jax/gemm.py as "fusedfp8_fp8_gemm" (command-buffer compatible):
 //   operands  a (>= m, k) FP8, b (>= n, k) FP8, scale_inv_a (1,) f32, scale_inv_b (1,) f32
 //   results   out (m, n) bf16 / f16 / f32, workspace u8[bytes] (cuBLASLt's, buffer-assigned by XLA)
 //   attrs     fast_accum int64 (0 / 1)
@@ -145,21 +144,18 @@ ffi::Error Fp8Gemm(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuf
 
 }  // namespace
 
-// a, b, scale_inv_a, scale_inv_b -> out, workspace; the two targets differ in the trait only
-auto gemm_binding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<void*>>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Ret<ffi::AnyBuffer>()
-      .Ret<ffi::AnyBuffer>()
-      .Attr<int64_t>("fast_accum");
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm, Fp8Gemm, gemm_binding(), {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm_no_cmdbuf, Fp8Gemm, gemm_binding());
+// a, b, scale_inv_a, scale_inv_b -> out, workspace
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm, Fp8Gemm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("fast_accum"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_launch, Launch,
                               ffi::Ffi::Bind()

@@ -5,10 +5,10 @@ XLA's own buffers and stream:
   (fusedfp8/csrc/xla_ffi.cc), with the plans of every local GPU as attributes. Nothing of Python
   runs when the program executes, and the handler is declared command-buffer compatible, so XLA
   records its launches into CUDA graphs.
-- ``'callback'`` / ``'callback_no_cmdbuf'``: ``jax.experimental.buffer_callback`` callbacks that
-  run the same plans with the Python executor (:func:`fusedfp8.csrc.plan.execute`) on
-  ``ctx.stream``; with ``command_buffer_compatible=True`` XLA records their launches into its
-  command buffer, but runs the callback again whenever the buffers it records move.
+- ``'callback'``: ``jax.experimental.buffer_callback`` callbacks that run the same plans with the
+  Python executor (:func:`fusedfp8.csrc.plan.execute`) on ``ctx.stream``; with
+  ``command_buffer_compatible=True`` XLA records their launches into its command buffer, but runs
+  the callback again whenever the buffers it records move.
 
 A primitive hands :func:`run` its plans, the result shapes, its operands, where each plan slot's
 buffer comes from (``("in", k)``, ``("out", k)`` or None for a null pointer) and the operand ->
@@ -60,11 +60,10 @@ def gpu_devices() -> list[int]:
 
 # ---- plans -----------------------------------------------------------------------------------
 def quantize_plans(dtype: str, fmt: str, op: str, rows: int, cols: int, transpose: bool, dbias: bool, first: bool,
-                   margin_factor: float, offset: int, pad_to: int = 1, coop: bool = True) -> dict:
-    """CUDA ordinal -> :func:`fusedfp8._cuda.quantize_plan` for every local GPU (compiles the module);
-    ``coop`` False: a first step as two launches (the amax pre-pass, then the cast), impl 'ptx'."""
+                   margin_factor: float, offset: int, pad_to: int = 1) -> dict:
+    """CUDA ordinal -> :func:`fusedfp8._cuda.quantize_plan` for every local GPU (compiles the module)."""
     return {dev: _cuda.quantize_plan(dev, dtype, fmt, op, rows, cols, transpose, dbias, first, margin_factor, offset,
-                                     pad_to, coop) for dev in gpu_devices()}
+                                     pad_to) for dev in gpu_devices()}
 
 
 def layernorm_plans(dtype: str, param: str, fmt: str, rows: int, cols: int, transpose: bool, first: bool, eps: float,
@@ -152,18 +151,13 @@ def plan_callback(plans: dict, sources, aliases: dict):
 
 
 def run(backend: str, plans: dict, shapes, args, sources, aliases: dict):
-    """The results of running ``plans`` on ``args`` through ``backend`` ('ffi', 'callback',
-    'callback_no_cmdbuf' or 'ptx': :func:`fusedfp8.jax.ptx.run`). ``sources``: one per plan slot,
-    ``("in", k)``, ``("out", k)`` or None; ``aliases``: operand -> result index of the state
-    buffers (updated in place)."""
+    """The results of running ``plans`` on ``args`` through ``backend`` ('ffi' or 'callback').
+    ``sources``: one per plan slot, ``("in", k)``, ``("out", k)`` or None; ``aliases``: operand ->
+    result index of the state buffers (updated in place)."""
     if backend == "ffi":
         return list(_run_ffi(plans, shapes, args, sources, aliases))
-    if backend == "ptx":
-        from . import ptx
-
-        return ptx.run(plans, shapes, args, sources, aliases)
     from jax.experimental.buffer_callback import buffer_callback
 
     cb = plan_callback(plans, sources, aliases)
     return list(buffer_callback(cb, shapes, vmap_method="sequential", input_output_aliases=aliases,
-                                command_buffer_compatible=backend == "callback")(*args))
+                                command_buffer_compatible=True)(*args))

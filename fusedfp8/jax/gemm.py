@@ -22,9 +22,7 @@ GEMM of a linear layer). Two backends:
 
 ``impl`` as the primitives': ``'auto'`` (the FFI GEMM on CUDA where the shim and cuBLASLt are
 available, XLA's dot elsewhere), ``'ffi'`` (the FFI GEMM; an error where it cannot run),
-``'jnp'`` / ``'callback'`` / ``'callback_no_cmdbuf'`` (XLA's dot, as before the FFI GEMM),
-``'ptx'`` (as ``'auto'``: the GEMM is not one of the launch plans that impl 'ptx' turns into XLA's
-PTX custom calls).
+``'jnp'`` / ``'callback'`` (XLA's dot, as before the FFI GEMM).
 """
 from __future__ import annotations
 
@@ -45,11 +43,10 @@ from . import primitives as P
 __all__ = ["fp8_gemm", "gemm_target", "gemm_path", "output_cols", "TARGET", "WORKSPACE_BYTES"]
 
 TARGET = "fusedfp8_fp8_gemm"  # command-buffer compatible
-TARGET_NO_CMDBUF = "fusedfp8_fp8_gemm_no_cmdbuf"  # the same handler, run outside XLA's command buffers
 WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace on Hopper (torch and Transformer Engine give it 32 MiB)
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 _LT_TYPE = {"float8_e4m3fn": 28, "float8_e5m2": 29, "bfloat16": 14, "float16": 2, "float32": 0}  # cudaDataType
-_XLA_IMPLS = ("jnp", "callback", "callback_no_cmdbuf")
+_XLA_IMPLS = ("jnp", "callback")
 
 
 def _round_up(v: int) -> int:
@@ -77,7 +74,7 @@ def _call(fn, *args) -> str:
 @functools.lru_cache(maxsize=None)
 def gemm_target() -> tuple[bool, str]:
     """(ok, why): the shim is loaded, cuBLASLt found, and the GEMM handler registered with jax as
-    the CUDA custom call targets :data:`TARGET` and ``TARGET_NO_CMDBUF``."""
+    the CUDA custom call target :data:`TARGET`."""
     ok, why = callbacks.ffi_target()
     if not ok:
         return False, why
@@ -88,7 +85,6 @@ def gemm_target() -> tuple[bool, str]:
         return False, f"the FP8 GEMM cannot load cuBLASLt: {err.value.decode(errors='replace')}"
     try:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ff8_xla_fp8_gemm), platform="CUDA")
-        jax.ffi.register_ffi_target(TARGET_NO_CMDBUF, jax.ffi.pycapsule(lib.ff8_xla_fp8_gemm_no_cmdbuf), platform="CUDA")
     except Exception as e:  # noqa: BLE001 - say why and keep XLA's dot
         return False, f"registering the FP8 GEMM's XLA FFI target failed ({type(e).__name__}: {e})"
     return True, f"cuBLASLt {version} ({err.value.decode(errors='replace')})"
@@ -157,15 +153,13 @@ def _ffi_operands(a, b, out_name: str, m: int, n: int, fast_accum: bool):
     return a, b, cols, tuple(int(v) for v in code)
 
 
-def _ffi_gemm(a, b, sa, sb, out_name: str, m: int, n: int, fast_accum: bool, command_buffer: bool):
+def _ffi_gemm(a, b, sa, sb, out_name: str, m: int, n: int, fast_accum: bool):
     a, b, cols, code = _ffi_operands(a, b, out_name, m, n, fast_accum)
     why = _prepared(code)
     if why:
         raise RuntimeError(f"fusedfp8: the FP8 GEMM (m={m}, n={n}, k={a.shape[1]}) cannot run: {why}")
-    call = jax.ffi.ffi_call(TARGET if command_buffer else TARGET_NO_CMDBUF,
-                            (jax.ShapeDtypeStruct((m, cols), jnp.dtype(out_name)),
-                             jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
-                            vmap_method="sequential")
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, cols), jnp.dtype(out_name)),
+                                     jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)), vmap_method="sequential")
     out, _ = call(a, b, sa, sb, fast_accum=int(bool(fast_accum)))
     return out if cols == n else out[:, :n]
 
@@ -213,7 +207,7 @@ def _check(a, b, scale_inv_a, scale_inv_b, out_dtype, shape):
 
 
 def fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype=jnp.bfloat16, *, shape=None, fast_accum: bool = False,
-             impl: str = "auto", command_buffer: bool = True):
+             impl: str = "auto"):
     """``out_dtype((a[:m] @ b[:n].T) * scale_inv_a * scale_inv_b)``: the FP8 GEMM of every linear
     layer in :mod:`fusedfp8.jax.functional`.
 
@@ -227,8 +221,6 @@ def fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype=jnp.bfloat16, *, shape=No
     fast_accum : cuBLASLt's FP8 fast accumulation (partial sums never promoted); False: the split
         accumulator
     impl : see the module docstring
-    command_buffer : the FFI GEMM as a command-buffer compatible custom call (XLA records it into
-        its CUDA graphs) or not (it then runs between them)
 
     Returns the (m, n) array of ``out_dtype``.
     """
@@ -247,7 +239,7 @@ def fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype=jnp.bfloat16, *, shape=No
         return _xla_dot(a, b, sa, sb, out_name, m, n, fast)
 
     def ffi(a, b, sa, sb):
-        return P._as_varying_as((_ffi_gemm(a, b, sa, sb, out_name, m, n, fast, command_buffer),), (a, b, sa, sb))[0]
+        return P._as_varying_as((_ffi_gemm(a, b, sa, sb, out_name, m, n, fast),), (a, b, sa, sb))[0]
 
     if impl in _XLA_IMPLS:
         return xla(a, b, sa, sb)

@@ -13,24 +13,9 @@ written on the same checks, dispatch and staging (it imports this module, not th
 path where the compiled shim is available, else ``'callback'``: :func:`launch_path` says which
 and why), ``'jnp'`` (jax.numpy on every backend), ``'ffi'`` (the kernels through the XLA FFI
 handler of the compiled launch shim: no Python when the program runs, recorded into XLA's
-command buffers), ``'callback'`` (the kernels launched by a Python ``buffer_callback``, recorded
-into XLA's command buffers, which re-run the callback when XLA's buffers move),
-``'callback_no_cmdbuf'`` (the callback at every execution) or ``'ptx'`` (every kernel launch of
-the plan as one of XLA's own PTX custom calls, :mod:`fusedfp8.jax.ptx`: no FFI call to capture
-again at each execution of a non-donated step, issue 18). All CUDA backends run the same launch
-plans and give the same bytes.
-
-impl 'ptx' runs :func:`quantize`, :func:`gelu_quantize`, :func:`dgelu_quantize` (delayed recipe,
-any op, transpose, dbias, padding; a first step as the two-launch plan: the amax pre-pass, then
-the cast), :func:`update_scales`, :func:`update_meta` and :func:`amax` as PTX calls; the rest
-falls back per function to 'ffi' (or 'callback' where the shim is not available): LayerNorm
-(:mod:`fusedfp8.jax.layernorm`), and the FP8 GEMM (:mod:`fusedfp8.jax.gemm`, as under 'auto').
-It needs a jaxlib whose XLA runs the PTX custom call (:func:`fusedfp8.jax.ptx.supported`, a
-probe; jaxlib 0.11.2 does).
-
-The environment variable ``FUSEDFP8_JAX_IMPL`` (one of 'ffi', 'ptx', 'callback',
-'callback_no_cmdbuf'), read at trace time, sets the CUDA backend of impl='auto' (a program runs
-unchanged under another launch path; elsewhere 'auto' stays jax.numpy).
+command buffers) or ``'callback'`` (the kernels launched by a Python ``buffer_callback``, recorded
+into XLA's command buffers, which re-run the callback when XLA's buffers move). All CUDA backends
+run the same launch plans and give the same bytes.
 
 State. A :class:`fusedfp8.ScalingState` of jax arrays is a pytree here (registered by
 ``fusedfp8.jax``); functions take one and return the updated one. Quantizing tensor ``index``
@@ -62,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import jax
@@ -79,14 +63,13 @@ from ..numerics.scaling import close_step, update_rule
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_pad_to, check_recipe, kernel_op
-from . import callbacks, ptx
+from . import callbacks
 
 __all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "stage_amax", "update_scales", "sync_staged", "dequantize",
            "amax", "sync_current", "given_scale", "IMPLS", "launch_path"]
 
-IMPLS = ("auto", "jnp", "ffi", "callback", "callback_no_cmdbuf", "ptx")
-_CUDA_IMPLS = ("ffi", "callback", "callback_no_cmdbuf", "ptx")
-IMPL_ENV = "FUSEDFP8_JAX_IMPL"  # the CUDA backend of impl='auto', where set (one of _CUDA_IMPLS)
+IMPLS = ("auto", "jnp", "ffi", "callback")
+_CUDA_IMPLS = ("ffi", "callback")
 
 
 class _QCfg(NamedTuple):
@@ -138,56 +121,18 @@ def _check_impl(impl: str) -> str:
             if not ok:
                 raise ValueError(f"impl='ffi' needs the compiled launch shim, which is not available: {reason}. Use "
                                  "impl='callback' (the same kernels through a Python callback) or impl='auto'")
-        if impl == "ptx":
-            ok, reason = ptx.supported()
-            if not ok:
-                raise ValueError(f"impl='ptx' needs XLA's PTX custom call ({ptx.TARGET}) in jaxlib, which did not run "
-                                 f"here: {reason}. Use impl='ffi' or impl='auto'")
     return impl
 
 
-def _env_value() -> str | None:
-    """The CUDA backend :data:`IMPL_ENV` names (one of the CUDA impls), or None where it is not set."""
-    value = os.environ.get(IMPL_ENV, "").strip()
-    if not value:
-        return None
-    if value not in _CUDA_IMPLS:
-        raise ValueError(f"fusedfp8: the environment variable {IMPL_ENV} must be one of {_CUDA_IMPLS} (the CUDA "
-                         f"backend of impl='auto'); got {value!r}")
-    return value
-
-
-def _env_backend() -> str | None:
-    """The CUDA backend that :data:`IMPL_ENV` sets for impl='auto' (checked as an explicit impl), or None."""
-    value = _env_value()
-    return None if value is None else _check_impl(value)
-
-
-def _fallback_backend() -> str:
-    """What a function that impl 'ptx' does not run as PTX calls runs on instead: 'ffi', else 'callback'."""
-    return "ffi" if callbacks.ffi_target()[0] else "callback"
-
-
 def _auto_backend() -> str:
-    """The CUDA backend of impl='auto': :data:`IMPL_ENV` where set, else 'ffi' where the shim is
-    available (compiled on first use), else 'callback'. Without a GPU the CUDA branch never runs,
-    and nothing is built for it."""
-    env = _env_backend()
-    if env is not None:
-        return env
+    """The CUDA backend of impl='auto': 'ffi' where the shim is available (compiled on first use),
+    else 'callback'. Without a GPU the CUDA branch never runs, and nothing is built for it."""
     return "ffi" if _shim.default_on()[0] and callbacks.gpu_devices() and callbacks.ffi_target()[0] else "callback"
 
 
 def launch_path() -> tuple[str, str]:
     """(backend, why) of impl='auto' on CUDA, without building anything: 'ffi' (the XLA FFI
-    handler of the compiled shim) or 'callback' (Python buffer_callbacks); the backend that
-    :data:`IMPL_ENV` names where it is set ('ptx': XLA's PTX custom calls for quantize,
-    gelu_quantize, dgelu_quantize, update_scales and amax, the rest 'ffi' or 'callback', see the
-    module docstring). impl='auto' takes 'ptx' only through that variable: it measured slower
-    than 'ffi' on the seed's step (docs/benchmarks.md, "late night")."""
-    env = _env_value()
-    if env is not None:
-        return env, f"set by the environment variable {IMPL_ENV}"
+    handler of the compiled shim) or 'callback' (Python buffer_callbacks)."""
     on, why = _shim.default_on()
     if not on:
         return "callback", why
@@ -297,7 +242,7 @@ def _quantize_kernel(cfg: _QCfg, backend: str, x, b, hist, scale, scale_inv, upd
     prows, pcols = _cuda.padded(rows, cols, cfg.pad_to)
     plans = callbacks.quantize_plans(x.dtype.name, cfg.fmt.name, kernel_op(cfg.op, cfg.approximate), rows, cols,
                                      cfg.transpose, cfg.dbias, cfg.current_first, cfg.margin_factor, 4 * cfg.index,
-                                     cfg.pad_to, coop=backend != "ptx")  # (no cooperative PTX call)
+                                     cfg.pad_to)
     u8 = jnp.uint8
     shapes = [jax.ShapeDtypeStruct(x.shape if cfg.pad_to == 1 else (prows, pcols), u8)]
     if cfg.transpose:
@@ -348,17 +293,13 @@ def _as_varying_as(outs, args):
                  if vma - _vma(o) else o for o in outs)
 
 
-def _dispatch(impl: str, jnp_fn, kernel_fn, *args, ptx_ported: bool = False):
-    """``jnp_fn(*args)`` or ``kernel_fn(backend, *args)`` as ``impl`` says; a kernel function that is
-    not ``ptx_ported`` gets :func:`_fallback_backend` for 'ptx'."""
-    def backend(be):
-        return _fallback_backend() if be == "ptx" and not ptx_ported else be
-
+def _dispatch(impl: str, jnp_fn, kernel_fn, *args):
+    """``jnp_fn(*args)`` or ``kernel_fn(backend, *args)`` as ``impl`` says."""
     if impl == "jnp":
         return jnp_fn(*args)
     if impl in _CUDA_IMPLS:
-        return _as_varying_as(kernel_fn(backend(impl), *args), args)
-    return lax.platform_dependent(*args, cuda=lambda *a: _as_varying_as(kernel_fn(backend(_auto_backend()), *a), a),
+        return _as_varying_as(kernel_fn(impl, *args), args)
+    return lax.platform_dependent(*args, cuda=lambda *a: _as_varying_as(kernel_fn(_auto_backend(), *a), a),
                                   default=jnp_fn)
 
 
@@ -369,10 +310,10 @@ def _run(cfg: _QCfg, x, b, state: ScalingState, impl: str) -> tuple[Quantized, S
     args = (x, b, state.amax_history, state.scale, state.scale_inv, state.updates)
     if b is None:  # platform_dependent passes arrays only
         outs = _dispatch(impl, lambda *a: _quantize_jnp(cfg, a[0], None, *a[1:]),
-                         lambda be, *a: _quantize_kernel(cfg, be, a[0], None, *a[1:]), x, *args[2:], ptx_ported=True)
+                         lambda be, *a: _quantize_kernel(cfg, be, a[0], None, *a[1:]), x, *args[2:])
     else:
         outs = _dispatch(impl, lambda *a: _quantize_jnp(cfg, *a), lambda be, *a: _quantize_kernel(cfg, be, *a),
-                         *args, ptx_ported=True)
+                         *args)
     outs = list(outs)
     fp8 = jnp.dtype(cfg.fmt.dtype_name)
     q = lax.bitcast_convert_type(outs.pop(0), fp8)
@@ -521,7 +462,7 @@ def update_meta(meta, recipe: DelayedScaling, grad: tuple, *, impl: str = "auto"
     meta = tuple(lax.stop_gradient(jnp.asarray(m)) for m in meta)
     fmt_max = jnp.asarray(np.array([recipe.format_for(g).max for g in grad], np.float32))
     new = _dispatch(impl, lambda *a: _meta_update_jnp(recipe, tuple(grad), *a),
-                    lambda be, *a: _meta_update_kernel(recipe, be, *a), *meta, fmt_max, ptx_ported=True)
+                    lambda be, *a: _meta_update_kernel(recipe, be, *a), *meta, fmt_max)
     return ScalingState(**dict(zip(STATE_FIELDS, new[:5])), grad=tuple(grad)), (new[5], new[6])
 
 
@@ -548,7 +489,7 @@ def _run_amax(op: str, approximate: str, x, b, impl: str):
 
     args = (x,) if b is None else (x, b)
     return _dispatch(impl, jnp_fn, lambda be, *a: _amax_kernel(op, approximate, be, a[0], a[1] if len(a) > 1 else None),
-                     *lax.stop_gradient(args), ptx_ported=True)[0]
+                     *lax.stop_gradient(args))[0]
 
 
 def amax(x, b=None, *, op: str = "identity", approximate: str = "tanh", impl: str = "auto"):
@@ -654,5 +595,5 @@ def _update(state: ScalingState, recipe: DelayedScaling, axis_name, impl: str) -
         return state.replace(**dict(zip(STATE_FIELDS, close_step(jn.JnpNamespace(), *arrays))))
     fmt_max = jnp.asarray(state.fmt_max(recipe))
     new = _dispatch(impl, lambda *a: _update_jnp(recipe, *a), lambda be, *a: _update_kernel(recipe, be, *a),
-                    *arrays, fmt_max, ptx_ported=True)
+                    *arrays, fmt_max)
     return state.replace(**dict(zip(STATE_FIELDS, new)))

@@ -193,15 +193,7 @@ def test_seed_program_models_take_the_recipe(scripts):
         assert cb.impl == "callback" and isinstance(cb.recipe, cls)
         assert isinstance(seed.make_model(scripts.recipes.tagged("fusedfp8_mlp", recipe), 32, 64).recipe, cls)
     assert seed.make_model("flax_fp8", 32, 64).dot_general_cls.__name__ == "Fp8DotGeneralOp"
-    assert [seed.takes_recipe(m) for m in seed.MODES] == [False, False, True, True, True, True]
-    ptx = seed.make_model("fusedfp8_ptx", 32, 64).dot_general_cls()  # the fusedfp8 program, another launch path
-    assert ptx.impl == "auto" and isinstance(ptx.recipe, fusedfp8.DelayedScaling)
-    import os
-
-    before = os.environ.get("FUSEDFP8_JAX_IMPL")
-    with seed.mode_env(scripts.recipes.tagged("fusedfp8_ptx", "current")):
-        assert os.environ["FUSEDFP8_JAX_IMPL"] == "ptx"
-    assert os.environ.get("FUSEDFP8_JAX_IMPL") == before
+    assert [seed.takes_recipe(m) for m in seed.MODES] == [False, False, True, True, True]
 
 
 @pytest.mark.slow
@@ -294,12 +286,11 @@ def test_jax_benchmark_on_gpu_under_both_recipes(scripts, tmp_path, capsys):
 
 
 def test_every_kernel_of_ours_counts_as_fusedfp8_in_the_profiles(scripts):
-    """The profile's categories: the state-update kernels and impl 'ptx''s wrappers are ours (the seed
-    run of 2026-12-04 counted update_meta and every ff8_ptx_ kernel as 'other'); XLA's and cuBLAS's
-    kernels are not."""
+    """The profile's categories: the state-update kernels are ours (a seed run counted update_meta as
+    'other'); XLA's and cuBLAS's kernels are not."""
     cat = scripts.core.kernel_category
     for name in ("void quantize_tiled<__nv_bfloat16, 1, 0, GridAmax>(...)", "quantize_flat", "update_meta",
-                 "update_scales", "ff8_ptx_5914723a5820b4bff850", "dequantize_flat"):
+                 "update_scales", "dequantize_flat"):
         assert cat(name) == "fusedfp8", name
     assert cat("void layernorm_quantize<__nv_bfloat16, float, 0, true, true>(...)") == "layernorm"
     assert cat("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_TNT") == "gemm"

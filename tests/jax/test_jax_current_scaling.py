@@ -23,7 +23,7 @@ from fusedfp8.state import STATE_FIELDS, ScalingState
 f32 = np.float32
 R = ff.CurrentScaling()
 TWIN = ff.DelayedScaling(amax_history_len=2, amax_compute_algo="most_recent")  # first_step='current'
-KERNEL_IMPLS = [i for i in P.IMPLS if i not in ("auto", "jnp", "ptx")]  # (ptx: test_jax_ptx.py)
+KERNEL_IMPLS = [i for i in P.IMPLS if i not in ("auto", "jnp")]
 GPU = [pytest.mark.gpu, pytest.mark.jax_gpu]
 
 

@@ -218,7 +218,7 @@ def test_a_fresh_meta_can_be_donated_to_a_jitted_step():
 
 # ---- 16. a CUDA impl where no kernel can run --------------------------------------------------
 @pytest.mark.skipif(probe()[0], reason="a usable GPU is present: impl='kernel' is legal here")
-@pytest.mark.parametrize("impl", ["ffi", "callback", "callback_no_cmdbuf"])
+@pytest.mark.parametrize("impl", ["ffi", "callback"])
 def test_a_cuda_impl_without_a_gpu_is_refused_naming_impl(impl):
     state = ff.ScalingState.create(3, R)
     with pytest.raises(ValueError, match=rf"^impl='{impl}' runs the CUDA kernels, which cannot run here"):

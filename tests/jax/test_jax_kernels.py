@@ -22,13 +22,12 @@ from fusedfp8.jax import primitives as P
 from fusedfp8.state import ScalingState
 from support import shapes as S
 from support.frameworks import mse_train_step
-from support.ptx import require_ptx
 from support.hlo import fp8_gemm_counts, fp8_pads, other_gemms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.jax_gpu]
 
 RECIPE = fusedfp8.DelayedScaling(amax_history_len=31)
-KERNEL_IMPLS = [i for i in P.IMPLS if i not in ("auto", "jnp", "ptx")]  # the GPU paths (ptx: test_jax_ptx.py)
+KERNEL_IMPLS = [i for i in P.IMPLS if i not in ("auto", "jnp")]  # the GPU paths
 SHAPES = S.params("aligned-64x128", "aligned-256x1024", "ragged-303x300", "ragged-1x1", "ragged-0x16",
                   "ragged-3d-3x5x7", S.LARGE)
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -541,15 +540,13 @@ def _meta_cases(L, n=3, seed=0):
                rng.integers(0, 50, n).astype(np.float32), rng.integers(0, 5000, n).astype(np.float32), w)
 
 
-@pytest.mark.parametrize("impl", [*KERNEL_IMPLS, "ptx"])
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
 @pytest.mark.parametrize("L,algo,margin", [(1, "max", 0), (4, "most_recent", 0), (31, "max", 2), (1024, "max", 0),
                                            (1030, "most_recent", 1)])
 def test_update_meta_matches_jnp(impl, L, algo, margin):
     """The one-launch update of a flax meta (decode, rule, counters both ways) against the
     jax.numpy composition it replaces, byte for byte: every output, every branch (decoded
     columns, overflow, not quantized, a denormal amax), histories longer than a block's rows."""
-    if impl == "ptx":
-        require_ptx()
     recipe = fusedfp8.DelayedScaling(amax_history_len=L, amax_compute_algo=algo, margin=margin)
     fn = {i: jax.jit(lambda m, i=i: P.update_meta(m, recipe, JM.LINEAR_GRAD, impl=i)) for i in (impl, "jnp")}
     for k, meta in enumerate(_meta_cases(L)):

@@ -286,11 +286,10 @@ def test_torch_ops_eager_graphed_and_the_python_path_agree():
 
 
 @pytest.mark.jax_gpu
-@pytest.mark.parametrize("impl", ["ffi", "callback", "callback_no_cmdbuf"])
+@pytest.mark.parametrize("impl", ["ffi", "callback"])
 def test_jax_primitive_in_jit_is_the_reference(impl):
-    """The JAX primitive (FFI: the shim's cooperative step; callback: the Python executor's, with and
-    without XLA's command buffers, i.e. CUDA-graph capture) inside jax.jit: the reference's bytes and
-    state, a NaN step keeping the scale."""
+    """The JAX primitive (FFI: the shim's cooperative step; callback: the Python executor's) inside
+    jax.jit: the reference's bytes and state, a NaN step keeping the scale."""
     import jax
     import jax.numpy as jnp
 

@@ -224,13 +224,12 @@ def test_fp8_dot_lowers_to_three_ffi_gemms_writing_bf16(ffi_gemm_on_cuda):
         assert re.search(r"-> \(tensor<\d+x\d+xbf16>, tensor<33554432xui8>\)", c), c
     outs = sorted(re.search(r"-> \(tensor<(\d+x\d+)xbf16>", c).group(1) for c in calls)
     assert outs == sorted(["303x208", "303x304", "300x208"]), outs  # y (M, N), dx (M, K), dw (K, N)
-    assert "@fusedfp8_fp8_gemm_no_cmdbuf" not in text
 
 
-def test_fp8_gemm_command_buffer_flag_picks_the_target(ffi_gemm_on_cuda):
+def test_fp8_gemm_lowers_to_the_target_with_its_accumulation(ffi_gemm_on_cuda):
     a, b, sa, sb = _ops()
-    text = _lowered_cuda(lambda *o: G.fp8_gemm(*o, jnp.float32, command_buffer=False), a, b, sa, sb)
-    assert "@fusedfp8_fp8_gemm_no_cmdbuf" in text and "fast_accum = 0" in text
+    text = _lowered_cuda(lambda *o: G.fp8_gemm(*o, jnp.float32), a, b, sa, sb)
+    assert re.search(r"@fusedfp8_fp8_gemm\(", text) and "fast_accum = 0" in text
     text = _lowered_cuda(lambda *o: G.fp8_gemm(*o, jnp.float32, fast_accum=True), a, b, sa, sb)
     assert re.search(r"@fusedfp8_fp8_gemm\(", text) and "fast_accum = 1" in text
     assert "fusedfp8_fp8_gemm" not in jax.jit(lambda *o: G.fp8_gemm(*o, jnp.float32)).trace(a, b, sa, sb).lower(

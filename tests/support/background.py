@@ -74,7 +74,6 @@ def _jax_multidevice(out: Path) -> list:
 # ~20-30), so that the session does not end waiting for a long job started late.
 JOBS = {
     "nvrtc": lambda out: [(_script("nvrtc_compile.py", out / "verdicts.json"), _env())],
-    "ptx": lambda out: [(_script("ptx_compile.py", out / "verdicts.json"), _env())],  # impl 'ptx''s wrappers, ~45 s
     "jax_multidevice": _jax_multidevice,
     "bench_jax": _bench_jax,
     "flax_checkpoint": _flax_checkpoint,

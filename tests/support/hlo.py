@@ -49,7 +49,7 @@ def fp8_gemm_counts(text: str) -> dict[str, int]:
     fp8_comps = _fp8_dot_computations(comps)
     triton = sum(1 for m in map(_FUSION.search, text.splitlines()) if m and m.group(1) in fp8_comps)
     return {"cublaslt": text.count(CUBLASLT_FP8), "triton": triton,
-            "fusedfp8": len(re.findall(r'custom_call_target="fusedfp8_fp8_gemm(?:_no_cmdbuf)?"', text))}
+            "fusedfp8": len(re.findall(r'custom_call_target="fusedfp8_fp8_gemm"', text))}
 
 
 def other_gemms(text: str) -> int:
