@@ -89,9 +89,8 @@ def make_model(mode: str, hidden: int, ffn: int):
     return MLP(hidden, ffn, cls)
 
 
-def program(mode: str, hidden: int, ffn: int, tokens: int, donate: bool = False):
-    """The seed's program for ``mode``: (the jitted step, the TrainState, x, y). ``donate``
-    (never in this script's runs) gives the step ``donate_argnums=0``, for seed_host_trace.py."""
+def program(mode: str, hidden: int, ffn: int, tokens: int):
+    """The seed's program for ``mode``: (the jitted step, the TrainState, x, y)."""
     model = make_model(mode, hidden, ffn)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     kx, ky, kp = jax.random.split(jax.random.key(0), 3)
@@ -114,8 +113,7 @@ def program(mode: str, hidden: int, ffn: int, tokens: int, donate: bool = False)
 
     replicated = NamedSharding(mesh, P())
     batch = NamedSharding(mesh, P("data"))
-    step = jax.jit(train_step, in_shardings=(replicated, batch, batch), out_shardings=(replicated, replicated),
-                   donate_argnums=(0,) if donate else ())
+    step = jax.jit(train_step, in_shardings=(replicated, batch, batch), out_shardings=(replicated, replicated))
     return step, state, x, y
 
 
