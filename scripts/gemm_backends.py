@@ -10,13 +10,10 @@ Per shape (``hidden x ffn x tokens``; default 1024x4096x2048 and 4096x16384x8192
    float64 reference (and the reference not zero; see check()); a GEMM failing it is not timed. Then
    timed: ``--calls`` calls captured in one CUDA graph per backend, CUDA events around a replay,
    ``--reps`` replays alternating between the backends, the median GPU time per call (no host
-   time). ``lt_f32_bias`` is the shim's GEMM with the bias added the way gemm='cublaslt' did before
-   its bias epilogue (float32 output + add + cast), for the forwards with a bias. The shim's GEMM
-   runs with torch's cuBLASLt workspace size (fusedfp8.pytorch.gemm sets it where torch tells it);
-   where that is not 32 MiB, ``lt_ws32m`` is the shim's GEMM with 32 MiB (the workspace question
-   of issue 18). With
-   ``--kernels`` (default) a profiler pass names the GPU kernels of one call of each backend: the
-   same kernel name means cuBLASLt's heuristic gave both the same algorithm.
+   time). The shim's GEMM runs with torch's cuBLASLt workspace size (fusedfp8.pytorch.gemm sets
+   it where torch tells it). With ``--kernels`` (default) a profiler pass names the GPU kernels of
+   one call of each backend: the same kernel name means cuBLASLt's heuristic gave both the same
+   algorithm.
 2. the train step of scripts/bench_mlp_torch.py (LayerNorm -> Linear -> gelu -> Linear, MSE, Adam,
    the FP8 scale update) captured in one CUDA graph after 3 warm-up steps, for bf16 and for
    Fp8MLP with gemm in (scaled_mm, cublaslt); first the FP8 output and gradients against bf16
@@ -75,29 +72,12 @@ def operands(c: dict, seed: int):
     return a, b, sa, sb, bias
 
 
-def _with_workspace(lib, nbytes: int, fn):
-    """fn with the shim GEMM's cuBLASLt workspace set to ``nbytes`` for the call (or its capture)."""
-    def call(*args):
-        previous = lib.gemm_set_workspace(nbytes)
-        try:
-            return fn(*args)
-        finally:
-            lib.gemm_set_workspace(previous)
-
-    return call
-
-
-def backends(c: dict, lib) -> dict:
+def backends(c: dict) -> dict:
     op = torch.ops.fusedfp8.fp8_gemm_lt.default
     fast = c["fast"]
-    out = {"scaled_mm": lambda a, b, sa, sb, bias: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias,
-                                                                      out_dtype=BF16, use_fast_accum=fast),
-           "cublaslt": lambda a, b, sa, sb, bias: op(a, b, sa, sb, BF16, fast, bias)}
-    if lib.gemm_workspace() != 32 << 20:  # torch's workspace is not 32 MiB: the shim's GEMM at 32 MiB too
-        out["lt_ws32m"] = _with_workspace(lib, 32 << 20, out["cublaslt"])
-    if c["bias"]:
-        out["lt_f32_bias"] = lambda a, b, sa, sb, bias: op(a, b, sa, sb, torch.float32, fast).add_(bias).to(BF16)
-    return out
+    return {"scaled_mm": lambda a, b, sa, sb, bias: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias,
+                                                                       out_dtype=BF16, use_fast_accum=fast),
+            "cublaslt": lambda a, b, sa, sb, bias: op(a, b, sa, sb, BF16, fast, bias)}
 
 
 def check(c: dict, args: tuple, fns: dict) -> dict:
@@ -165,11 +145,11 @@ def kernel_names(fns: dict, args: tuple) -> dict:
     return names
 
 
-def gemm_part(shape, args, clock, lib) -> list[dict]:
+def gemm_part(shape, args, clock) -> list[dict]:
     rows = []
     for i, c in enumerate(gemms(*shape)):
         ops = operands(c, seed=i)
-        fns = backends(c, lib)
+        fns = backends(c)
         worst = check(c, ops, fns)
         if max(worst.values()) > 1.0:
             print(f"  CHECK FAILED {c['name']}: beyond the accumulation bound (err / bound {worst})", flush=True)
@@ -252,7 +232,7 @@ def main(argv=None) -> int:
         print(f"[{'x'.join(map(str, shape))}] (hidden x ffn x tokens)", flush=True)
         res = {"shape": dict(zip(("hidden", "ffn", "tokens"), shape))}
         try:
-            res["gemms"] = gemm_part(shape, args, clock, lib)
+            res["gemms"] = gemm_part(shape, args, clock)
             ok = ok and not any("failed" in r for r in res["gemms"])
             if not args.no_step:
                 res["step"] = step_part(shape, args, clock)
@@ -267,23 +247,21 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _bench.write_json(out / "gemm_backends.json", meta, results)
-    rows, nan = [], float("nan")
+    rows = []
     for res in results:
         tag = "x".join(str(v) for v in res["shape"].values())
         for r in res.get("gemms", []):
             if "failed" in r:
-                rows.append([tag, r["gemm"], "FAILED", "FAILED", "", "", ""])
+                rows.append([tag, r["gemm"], "FAILED", "FAILED", ""])
                 continue
             us = r["us"]
-            rows.append([tag, r["gemm"]] + [f"{us.get(n, nan):.1f}" for n in ("scaled_mm", "cublaslt", "lt_ws32m",
-                                                                              "lt_f32_bias")]
-                        + [f"{us['cublaslt'] / us['scaled_mm']:.3f}"])
+            rows.append([tag, r["gemm"], f"{us['scaled_mm']:.1f}", f"{us['cublaslt']:.1f}",
+                         f"{us['cublaslt'] / us['scaled_mm']:.3f}"])
         if "step" in res:
             s = res["step"]["ms_per_step"]
-            rows.append([tag, "graphed step, ms", f"{s['fp8_scaled_mm']:.3f}", f"{s['fp8_cublaslt']:.3f}", "",
-                         f"bf16 {s['bf16']:.3f}", f"{s['fp8_cublaslt'] / s['fp8_scaled_mm']:.3f}"])
-    _bench.print_table(["shape", "GEMM (us per call)", "scaled_mm", "cublaslt", "lt_ws32m", "lt_f32_bias", "lt / sm"],
-                       rows)
+            rows.append([tag, f"graphed step, ms (bf16 {s['bf16']:.3f})", f"{s['fp8_scaled_mm']:.3f}",
+                         f"{s['fp8_cublaslt']:.3f}", f"{s['fp8_cublaslt'] / s['fp8_scaled_mm']:.3f}"])
+    _bench.print_table(["shape", "GEMM (us per call)", "scaled_mm", "cublaslt", "lt / sm"], rows)
     print(f"wall {time.perf_counter() - t0:.1f} s (shim ready after {build_s:.1f} s)")
     return 0 if ok else 1
 
