@@ -1,20 +1,16 @@
-"""Where the host time goes: of one fusedfp8.quantize call from torch (``quantize``), and of the
-torch FP8 layers' GEMMs with each backend (``gemm``).
+"""Where the host time goes: of one fusedfp8.quantize call from torch (``quantize``), and of each
+FP8 GEMM backend of the torch layers (``gemm``).
 
 quantize (1024x1024 bf16): the per-call wall time (pipelined calls, as bench_kernels.py's host
-cost), the cost of the pieces it is made of (the launch interface alone, describing the array, the
-stream lookup, the output allocation), and a cProfile table of 2000 calls.
+cost; the design's target is 10 us), the cost of the pieces it is made of (the launch interface
+alone, describing the array, the stream lookup, the output allocation), and a cProfile table of
+2000 calls.
 
-gemm (``--shape hidden x ffn x tokens`` of the MLP, default 1024x4096x2048): for each FP8 GEMM
-backend of fusedfp8.pytorch.gemm ('scaled_mm': torch._scaled_mm, 'cublaslt': the shim's
-fusedfp8::fp8_gemm_lt), the host microseconds per GEMM call as the layers make it
+gemm: for each backend of fusedfp8.pytorch.gemm ('scaled_mm': torch._scaled_mm, 'cublaslt': the
+shim's fusedfp8::fp8_gemm_lt), the host microseconds per GEMM call as the layers make it
 (autograd.scaled_mm: the forward with fast accumulation and a bias, the dgrad and the wgrad
-without) and of the bare op, on 256x256x256 operands (pipelined calls take max(host, device)
-time: a GEMM this small keeps them host-bound), then the eager Fp8MLP train step (forward, backward, Adam,
-update_model_scales): device ms/step (CUDA events over blocks of steps), host ms/step (the time to
-issue one step, the GPU kept busy), and a cProfile of 20 steps; the bf16 TorchMLP step as the
-baseline. Ends with one JSON line of the figures.
-Usage: python scripts/profile_host.py [--part quantize|gemm|all] [--shape 1024x4096x2048]
+without) and of the bare op; ends with one JSON line of these figures.
+Usage: python scripts/profile_host.py [--part quantize|gemm|all]
 """
 from __future__ import annotations
 
@@ -22,9 +18,7 @@ import argparse
 import cProfile
 import json
 import pstats
-import statistics
 import sys
-import time
 
 import torch
 
@@ -86,81 +80,34 @@ def _gemm_calls(hidden: int, ffn: int, tokens: int, backend: str) -> dict:
     }
 
 
-def _step_figures(model, x, y, steps: int = 20) -> dict:
-    """Device ms/step, host ms/step of the eager train step of ``model``, and its cProfile."""
+def gemm_part() -> dict:
+    """Host microseconds per GEMM call of each backend, on 256x256x256 operands: pipelined calls
+    take max(host, device) time, and a GEMM this small keeps them host-bound."""
     import fusedfp8.pytorch as fp8
-
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True, capturable=True)
-    is_fp8 = bool(fp8.fp8_modules(model))
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        (model(x).float() - y.float()).pow(2).mean().backward()
-        opt.step()
-        if is_fp8:
-            fp8.update_model_scales(model)
-
-    for _ in range(5):
-        step()
-    device_ms = statistics.median(_bench.Clock("cuda").per_call_ms(step, 10, 5))
-    host = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()  # issued while the GPU still runs it: the host's share
-        host.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    return {"device_ms": device_ms, "host_ms": statistics.median(host), "profile": pstats.Stats(prof)}
-
-
-def gemm_part(hidden: int, ffn: int, tokens: int) -> dict:
-    import fusedfp8.pytorch as fp8
-    from fusedfp8.demo.task import torch_initial_weights, torch_model
     from fusedfp8.pytorch import gemm as G
 
-    out = {"shape": [hidden, ffn, tokens], "per_gemm_host_us": {}, "step": {}}
-    print(f"\n== FP8 GEMM backends, MLP {hidden}x{ffn}x{tokens}: {fp8.gemm_path('auto')}")
+    out = {}
+    print(f"\n== FP8 GEMM backends: {fp8.gemm_path('auto')}")
     for backend in ("scaled_mm", "cublaslt"):
         G.backend(backend)  # loads the shim (defines the op) for 'cublaslt'; raises where it cannot
-        for name, call in _gemm_calls(256, 256, 256, backend).items():  # host-bound (see the docstring)
+        for name, call in _gemm_calls(256, 256, 256, backend).items():
             us = per_call_us(call)
-            out["per_gemm_host_us"][f"{backend}: {name}"] = us
+            out[f"{backend}: {name}"] = us
             print(f"  {backend:<9} {name:<28} {us:7.1f} us/call (host, pipelined)")
-    weights = torch_initial_weights(hidden, ffn, 0, "cuda")
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) * 0.1
-    for kind, gemm in (("bf16", None), ("fp8", "scaled_mm"), ("fp8", "cublaslt")):
-        label = f"{kind} {gemm}" if gemm else kind
-        model = torch_model(kind, hidden, ffn, weights, device="cuda")
-        for m in fp8.fp8_modules(model):
-            m.gemm = gemm
-        fig = _step_figures(model, x, y)
-        stats = fig.pop("profile")
-        out["step"][label] = fig
-        print(f"  eager step {label:<14} {fig['device_ms']:7.3f} ms/step (device)  {fig['host_ms']:7.3f} ms/step (host)")
-        stats.sort_stats("tottime").print_stats(12)
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=["quantize", "gemm", "all"], default="all")
-    ap.add_argument("--shape", default="1024x4096x2048", help="hidden x ffn x tokens of --part gemm")
     args = ap.parse_args(argv)
-    shape = _bench.parse_sizes(args.shape, 3, "--shape", ap.error)[0]
     if not torch.cuda.is_available():
         print("profile_host.py needs a CUDA GPU that runs the fused kernels (this machine has none)", file=sys.stderr)
         return 2
     if args.part in ("quantize", "all"):
         quantize_part()
     if args.part in ("gemm", "all"):
-        print(json.dumps(gemm_part(*shape)))
+        print(json.dumps({"per_gemm_host_us": gemm_part()}))
     return 0
 
 
