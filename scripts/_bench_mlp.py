@@ -60,10 +60,10 @@ def mlp_arguments(doc: str, framework: str, modes: list[str], argv=None):
 
 def summarize(shape, res: dict, steps: int, targets: dict, recipes=("delayed",)) -> None:
     """``res['summary']``: like-for-like speed-ups, the best FP8 mode against the best bf16 mode
-    (``best``) and against the best of bf16 eager / compiled / jit (``issue_baseline``, the
-    baselines the issue names) with the shape's target speed-up, the mean loss of the last 10
-    steps of every FP8 mode against the bf16 reference, and graphed / compiled loss curves
-    against their eager twin. ``best`` and ``issue_baseline`` are of the DelayedScaling modes;
+    (``best``) and against the best of bf16 eager / compiled / jit (``issue_baseline``: bf16
+    without CUDA graphs, the baseline of the speed targets) with the shape's target speed-up,
+    the mean loss of the last 10 steps of every FP8 mode against the bf16 reference, and
+    graphed / compiled loss curves against their eager twin. ``best`` and ``issue_baseline`` are of the DelayedScaling modes;
     the modes of the other ``recipes`` (``fp8_eager@current``, ...) get theirs from
     :func:`_bench_recipes.summarize`."""
     modes = res["modes"]

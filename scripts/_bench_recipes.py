@@ -1,9 +1,9 @@
-"""The FP8 recipes of the MLP train-step benchmarks (issue 21): ``--recipes delayed,current`` (and ``unit``).
+"""The FP8 recipes of the MLP train-step benchmarks: ``--recipes delayed,current`` (and ``unit``).
 
 Every FP8 mode of bench_mlp_torch.py, bench_mlp_jax.py and seed_flax_mlp.py runs once per recipe
 in the same run, beside bf16, from the same initial weights on the same data. A mode under
-``DelayedScaling()`` keeps its name (``fp8_graphed``: the default ``--recipes delayed`` leaves
-the commands and the JSON as they were); under ``CurrentScaling()`` it is tagged
+``DelayedScaling()`` keeps its name (``fp8_graphed``: a run of the default ``--recipes delayed``
+tags nothing); under ``CurrentScaling()`` it is tagged
 ``fp8_graphed@current``. Every row of the JSON says its recipe (``'delayed'``, ``'current'``,
 ``None`` for bf16, ``'flax'`` for flax's own ``Fp8DotGeneralOp``, which has its own delayed
 scaling and takes no fusedfp8 recipe).
@@ -21,9 +21,9 @@ import numpy as np
 
 import fusedfp8
 
-# 'unit': delayed scaling whose first step quantizes with scale 1 (no first-step amax pass): its
-# quantizations need no cooperative launch (the first step's grid-wide amax), so a CUDA-graphed step
-# holds plain kernel nodes: an A/B of what the cooperative nodes cost the graph.
+# 'unit': DelayedScaling(first_step='unit'), whose first step quantizes with scale 1 (no first-step
+# amax pass): its quantizations need no cooperative launch (the first step's grid-wide amax), so a
+# CUDA-graphed step holds plain kernel nodes only.
 RECIPES = {"delayed": fusedfp8.DelayedScaling(), "current": fusedfp8.CurrentScaling(),
            "unit": fusedfp8.DelayedScaling(first_step="unit")}
 TAG = "@"
@@ -87,7 +87,7 @@ def summarize(res: dict, recipes: list[str], bf16_twin) -> None:
     ``{t}_loss_within_2pct``) are made by _bench_mlp.summarize."""
     modes, s = res["modes"], res["summary"]
     if all(TAG not in m for m in modes):
-        return  # delayed scaling only: the summary as it was
+        return  # delayed scaling only: no per-recipe summary
     ms = {m: r["step_ms"] for m, r in modes.items()}
     bf16 = {m: t for m, t in ms.items() if m.startswith("bf16")}
     table = {}

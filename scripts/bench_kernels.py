@@ -18,7 +18,7 @@ Current scaling (scripts/_bench_current.py): the one-launch kernel beside the de
 the two-pass path, same run, correctness first; writes DIR/bench_kernels_current.json.
 
        python scripts/bench_kernels.py --ragged [--sizes 8190x4096,2046x1024] [--jobs quantize,quantize_t,...]
-Ragged shapes (issue 19.1): fusedfp8 alone, each size as the layers run it (pad_to=16: q and q_t
+Ragged shapes: fusedfp8 alone, each size as the layers run it (pad_to=16: q and q_t
 padded to multiples of 16, zeros in the pad) beside the next aligned size (rows and cols rounded up
 to 16, the same kernels with nothing to pad) and the ragged size unpadded (pad_to=1), same run;
 bytes first (a block of the last rows, which holds the edge tiles, against the reference, padded);

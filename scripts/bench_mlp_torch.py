@@ -37,10 +37,10 @@ Per shape (``hidden x ffn x tokens``), in this order:
 Targets checked here (the first design's; docs/design.md has the current ones): fusedfp8 >= 1.40x
 bf16 at 4096/16384/8192 and >= 1.0x at 1024/4096/2048 (graphs allowed); mean loss of steps 91-100
 within 2% of bf16's. Reported both as the best FP8 mode against the best bf16 mode (``best``,
-bf16_graphed included) and against the best of bf16 eager / compiled (``issue_baseline``, the
-baselines the issue names); with ``--recipes delayed,current`` also each current mode against its
-bf16 twin and its delayed twin (summary ``recipes``, ``best@current``) and its loss of the last
-steps against bf16's. Writes DIR/bench_mlp_torch.json and DIR/bench_mlp_torch.png; exits 1 when a
+bf16_graphed included) and against the best of bf16 eager / compiled (``issue_baseline``: bf16
+without CUDA graphs, the baseline of the targets); with ``--recipes delayed,current`` also each
+current mode against its bf16 twin and its delayed twin (summary ``recipes``, ``best@current``)
+and its loss of the last steps against bf16's. Writes DIR/bench_mlp_torch.json and DIR/bench_mlp_torch.png; exits 1 when a
 correctness or FP8 state check fails.
 
 Usage:

@@ -1,6 +1,7 @@
 """Train step of a model of mixed layer sizes in bf16, with every linear layer in FP8, and with
-``convert_to_fp8(policy='auto', mode=...)`` (issue 19: a model converted with policy='auto' for the
-way it runs is never slower than bf16 and never slower than converting every layer).
+``convert_to_fp8(policy='auto', mode=...)``: checks a policy table against a whole model
+(docs/policy.md). A model converted with policy='auto' for the way it runs should be no slower
+than bf16 and no slower than converting every layer.
 
 The model (``MixedModel``): ``--blocks`` residual MLP blocks of width ``--small`` (x + fc2(gelu(
 fc1(LayerNorm(x)))), ffn ``--ffn-mult`` x the width), a linear ``up`` to ``--large``, as many
