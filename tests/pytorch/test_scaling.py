@@ -190,9 +190,8 @@ def test_a_copy_made_after_a_backward_is_not_an_optimizer_step(how):
 def test_a_copy_of_a_linked_model_trains_like_the_original(device, how):
     """update_model_scales links the modules' states as column views of one array per model; a
     copy drops the link, and its states must be tensors of their own that the kernels take (a
-    column view is not contiguous: the CUDA ops refused the copy's first forward, found by
-    scripts/bench_shapes_accum.py on the GPU). The copy then trains bit for bit like the original,
-    and writing its state leaves the original's alone."""
+    column view is not contiguous: the CUDA ops would refuse the copy's first forward). The copy
+    then trains bit for bit like the original, and writing its state leaves the original's alone."""
     model = _mlp_model("raise").to(device)
     opts = {}
 

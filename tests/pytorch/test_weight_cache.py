@@ -124,8 +124,8 @@ def test_copies_do_not_share_a_cached_weight(device):
 @pytest.mark.parametrize("on", [False, True])
 def test_a_copy_keeps_the_cache_setting(device, monkeypatch, how, on):
     """cache_fp8_weight is the module's setting: a copy (deepcopy, a pickle through torch.save)
-    keeps it, and only the cached FP8 copy stays behind (a copy reset it to on, found by
-    scripts/bench_shapes_accum.py: its 'uncached' graph quantized each weight once)."""
+    keeps it, and only the cached FP8 copy stays behind (a copy that reset it to on would
+    quantize each weight once per optimizer step while the user asked for every micro-batch)."""
     f = fp8.Fp8Linear(32, 16, recipe=R, device=device)
     f.cache_fp8_weight = on
     x = torch.randn(8, 32, device=device)
