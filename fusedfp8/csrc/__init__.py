@@ -194,8 +194,13 @@ def library(target: str):
     return found
 
 
+def switched_off() -> bool:
+    """``FUSEDFP8_NO_SHIM`` set to anything but '' or '0': the Python launch path everywhere."""
+    return os.environ.get("FUSEDFP8_NO_SHIM", "") not in ("", "0")
+
+
 def _find(target: str):
-    if os.environ.get("FUSEDFP8_NO_SHIM", "") not in ("", "0"):
+    if switched_off():
         return None, "FUSEDFP8_NO_SHIM is set"
     try:
         key = fingerprint(target)
@@ -266,7 +271,7 @@ def cublaslt_path() -> str:
 
 def default_on() -> tuple[bool, str]:
     """(whether the frameworks take the shim without being asked, why not)."""
-    if os.environ.get("FUSEDFP8_NO_SHIM", "") not in ("", "0"):
+    if switched_off():
         return False, "FUSEDFP8_NO_SHIM is set"
     return True, ""
 
@@ -278,7 +283,7 @@ def status(target: str) -> tuple[bool | None, str]:
     found = _found.get(target)
     if found is not None:
         return found[0] is not None, found[1]
-    if os.environ.get("FUSEDFP8_NO_SHIM", "") not in ("", "0"):
+    if switched_off():
         return False, "FUSEDFP8_NO_SHIM is set"
     try:
         key = fingerprint(target)
