@@ -160,6 +160,20 @@ def background():
     return _runner()
 
 
+def pytest_terminal_summary(terminalreporter):
+    """One line per skip reason with its count (pytest.ini asks for no line per skipped test):
+    on a machine without a GPU every GPU test skips with the probe's one reason."""
+    reasons: dict = {}
+    for rep in terminalreporter.stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        reason = reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.write_sep("-", "skipped, by reason")
+        for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{n:6d}  {reason}")
+
+
 def pytest_unconfigure(config):
     if _RUNNER is not None:
         _RUNNER.close()
