@@ -23,7 +23,10 @@ The "gradient" of that collection is the new state (see :mod:`fusedfp8.jax.funct
 ``TrainState.apply_gradients`` stores as it does for flax's ``Fp8DotGeneralOp``. The previous
 step's staged amaxes become scales at the start of the next forward (one fused update per
 module per step). Variables converted to flax's ``fp32_max_grad`` dtype (as pipelined
-``nn.scan`` users do) accumulate the staged amaxes of several uses with max. With a
+``nn.scan`` users do) accumulate the staged amaxes of several uses with max. Layers stacked by
+``nn.scan`` or ``nn.vmap`` (``variable_axes={..., '_overwrite_with_gradient': 0}``: a leading
+layer axis on every state variable) train with :class:`TrainState`, :func:`keep_unwritten` and
+:func:`accumulate_gradients` as they are, each layer's state on its own. With a
 :class:`fusedfp8.CurrentScaling` recipe the history has 2 rows (staged, last amax), ``updates``
 stays 0 (every step is a first step: each tensor is quantized with the scale of its own amax),
 and the update at the start of the forward only closes the previous step.
@@ -51,7 +54,7 @@ from ..recipe import DelayedScaling
 from ..types import Quantized, check_recipe
 from . import functional as F
 from .meta import META_FIELDS as STATE_VARIABLES
-from .meta import combine, declare_state
+from .meta import combine, declare_state, per_column
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 FP8_WEIGHTS = "fp8_weights"  # the collection of the weight cache (quantize_weights)
@@ -332,7 +335,7 @@ def _merge_states(old, new, merge):
 
 def _keep(old, new) -> dict:
     keep = jnp.asarray(new["writes"]) == 0
-    return {k: jnp.where(keep, old[k], v) for k, v in new.items()}
+    return {k: jnp.where(per_column(keep, k), old[k], v) for k, v in new.items()}
 
 
 def keep_unwritten(old, new):

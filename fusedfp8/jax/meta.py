@@ -32,7 +32,7 @@ from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 
 __all__ = ["META_FIELDS", "LINEAR_GRAD", "fresh_meta", "meta_to_state", "state_to_meta", "float_counters", "check_meta",
-           "decode", "combine", "declare_state"]
+           "per_column", "decode", "combine", "declare_state"]
 
 META_FIELDS = (*STATE_FIELDS, "writes")
 LINEAR_GRAD = (False, False, True)  # tensors of a linear's meta: input, weight, output gradient
@@ -77,13 +77,20 @@ def state_to_meta(state: ScalingState, counters=None) -> tuple:
     return (*fields, jnp.ones_like(state.scale))  # (ones_like keeps the mesh-axis type under shard_map)
 
 
+def per_column(mask, name: str):
+    """A per-tensor ``mask`` (..., n) shaped to select in meta field ``name``: the history
+    (..., L, n) takes it for each of its rows. Leading axes (layers stacked by ``nn.scan`` /
+    ``nn.vmap``) pass through."""
+    return mask[..., None, :] if name == "amax_history" else mask
+
+
 def decode(meta) -> tuple:
     """``meta`` with every column whose marker is not 1 (overwritten by a zero gradient, or the sum
-    of several unchained uses) replaced by a fresh column; the marker set to 1."""
+    of several unchained uses) replaced by a fresh column; the marker set to 1. Any leading axes."""
     meta = tuple(jnp.asarray(m) for m in meta)
     ok = meta[_WRITES] == 1.0
-    L, n = meta[_HISTORY].shape
-    return tuple(jnp.where(ok, m, _fresh(name, L, n)) if name != "writes" else jnp.ones_like(m)
+    L, n = meta[_HISTORY].shape[-2:]
+    return tuple(jnp.where(per_column(ok, name), m, _fresh(name, L, n)) if name != "writes" else jnp.ones_like(m)
                  for name, m in zip(META_FIELDS, meta))
 
 
@@ -100,9 +107,10 @@ def combine(later, own) -> tuple:
     later = tuple(jnp.asarray(m) for m in later)
     used = later[_WRITES] > 0
     merged = list(later)
-    merged[_HISTORY] = later[_HISTORY].at[0].set(jn.nan_max(later[_HISTORY][0], own[_HISTORY][0]))
+    staged = jn.nan_max(later[_HISTORY][..., 0, :], own[_HISTORY][..., 0, :])
+    merged[_HISTORY] = later[_HISTORY].at[..., 0, :].set(staged)
     merged[_WRITES] = jnp.ones_like(later[_WRITES])
-    return tuple(jnp.where(used, m, o) for m, o in zip(merged, own))
+    return tuple(jnp.where(per_column(used, name), m, o) for name, m, o in zip(META_FIELDS, merged, own))
 
 
 def check_meta(meta, n: int, recipe: DelayedScaling, argname: str = "meta") -> tuple:
