@@ -1,7 +1,8 @@
 """State integrity of the JAX front end (issue 16): a module that gets no cotangent (2), a module
 used several times in one step (3), second derivatives (4), denormal scales on the jax.numpy
 path (7), donating a fresh meta (12), a CUDA impl without a GPU (16), a numpy state (17); layers
-stacked by nn.scan / nn.vmap (a leading layer axis on the state) and under nn.remat."""
+stacked by nn.scan / nn.vmap (a leading layer axis on the state) and under nn.remat; a state an
+optimizer updated as a parameter (the plain optax loop) refused."""
 from __future__ import annotations
 
 import jax
@@ -15,11 +16,11 @@ from flax.training import train_state
 
 import fusedfp8 as ff
 from fusedfp8._cuda import probe
-from fusedfp8.jax import fp8_dot, fp8_mlp
+from fusedfp8.jax import fp8_dot, fp8_mlp, quantize_weight
 from fusedfp8.jax import primitives as P
 from fusedfp8.jax.flax import OVERWRITE_WITH_GRADIENT as FP8
 from fusedfp8.jax.flax import Fp8DotGeneral, Fp8MLP, TrainState, accumulate_gradients
-from fusedfp8.jax.meta import fresh_meta
+from fusedfp8.jax.meta import META_FIELDS, corrupted, fresh_meta
 from fusedfp8.numerics import reference as ref
 
 R = ff.DelayedScaling(amax_history_len=8)
@@ -225,12 +226,14 @@ def test_scanned_rematerialized_layers_train_as_the_unrolled_model_bit_for_bit()
     v = jax.jit(_Scanned().init)(jax.random.key(2), X, IDX)
     layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
     unrolled = {c: {f"layers_{i}": layer(v[c]["layers"], i) for i in range(N_LAYERS)} for c in v}
-    scanned, plain = _train_two_micro_batches(_Scanned(), v, steps), _train_two_micro_batches(_Unrolled(), unrolled, steps)
+    scanned = _train_two_micro_batches(_Scanned(), v, steps)
+    plain = _train_two_micro_batches(_Unrolled(), unrolled, steps)
     for c in v:
         for i in range(N_LAYERS):
             got, want = layer(scanned.params[c]["layers"], i), plain.params[c][f"layers_{i}"]
             for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{c} {i} {jax.tree_util.keystr(path)}")
+                where = f"{c} layer {i} {jax.tree_util.keystr(path)}"
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=where)
     state = lambda name: {k: np.asarray(a) for k, a in scanned.params[FP8]["layers"][name]["Fp8DotGeneral_0"].items()}
     a, b, b0 = state("a"), state("b"), {k: np.asarray(x) for k, x in v[FP8]["layers"]["b"]["Fp8DotGeneral_0"].items()}
     assert a["updates"].tolist() == [[steps - 1] * 3] * N_LAYERS
@@ -265,6 +268,79 @@ def test_vmapped_layers_keep_and_write_their_stacked_states():
     assert np.asarray(flax_.params[FP8]["b"]["Fp8DotGeneral_0"]["writes"]).tolist() == [[0] * 3] * 2
     ours = step(ours)
     assert np.asarray(ours.params[FP8]["a"]["Fp8DotGeneral_0"]["updates"]).tolist() == [[1] * 3] * 2
+
+
+# ---- the FP8 state updated by an optimizer ----------------------------------------------------------
+def test_the_plain_optax_loop_over_the_fp8_state_is_refused_at_the_next_call():
+    """tx.update / optax.apply_updates over the whole variables: Adam's first step makes the state
+    corrupted (staged amaxes -lr, marker 1 - lr); the next jitted step's forward is refused with
+    NaN, and an eager forward raises saying how to train."""
+    model = _dense(R)
+    v = jax.jit(model.init)(jax.random.key(2), X)
+    tx = optax.adam(1e-3)
+
+    @jax.jit
+    def step(v, opt):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, X) - Y) ** 2))(v)
+        updates, opt = tx.update(g, opt, v)
+        return optax.apply_updates(v, updates), opt, loss
+
+    v1, opt, loss0 = step(v, tx.init(v))
+    s = v1[FP8]["Fp8DotGeneral_0"]
+    assert np.isfinite(float(loss0)) and float(np.asarray(s["amax_history"])[0].max()) == pytest.approx(-1e-3, rel=1e-4)
+    assert bool(corrupted(tuple(s[k] for k in META_FIELDS)))
+    assert np.isnan(float(step(v1, opt)[2]))
+    with pytest.raises(ValueError, match=r"^the FP8 state of /Fp8DotGeneral_0 holds values no training step writes "
+                                         r".*optimizer updated it as a parameter.*fusedfp8\.jax\.flax\.TrainState"):
+        model.apply(v1, X)
+
+
+def _corruptions():
+    """What optimizers make of a fresh meta (each one field), and what a step can write (no refusal):
+    a zeroed state (flax's TrainState, no cotangent) and the sum of two unchained uses."""
+    i = {k: META_FIELDS.index(k) for k in META_FIELDS}
+    bad = {"negative amax": ("amax_history", lambda a: a.at[0, 1].set(-1e-3)),
+           "fractional counter": ("updates", lambda a: a.at[2].set(0.5)),
+           "negative counter": ("overflows", lambda a: a.at[0].set(-1.0)),
+           "NaN counter": ("updates", lambda a: a.at[1].set(jnp.nan)),
+           "fractional marker": ("writes", lambda a: a * 0.999)}
+    ok = {"zeroed": ("writes", jnp.zeros_like), "summed": ("writes", lambda a: a * 2)}
+
+    def make(field, f):
+        m = list(fresh_meta(R))
+        m[i[field]] = f(m[i[field]])
+        return tuple(m)
+
+    return {k: make(*v) for k, v in bad.items()}, {k: make(*v) for k, v in ok.items()}
+
+
+def test_a_corrupted_meta_is_refused_by_every_route():
+    """fp8_dot, fp8_mlp (either meta), quantize_weight and the flax modules: ValueError naming the
+    argument on an eager call, before anything runs; all-NaN outputs under jax.jit. A zeroed or
+    summed state is no corruption: the call starts it over, finite."""
+    bad, ok = _corruptions()
+    w = jax.random.normal(jax.random.key(3), (16, 16)) * 0.1
+    w1, w2, b1, b2 = w, jnp.ones((16, 16)) * 0.1, jnp.zeros(16), jnp.zeros(16)
+    fresh = fresh_meta(R)
+    mlp = Fp8MLP(16, recipe=R)
+    mlp_vars = jax.jit(mlp.init)(jax.random.key(4), X)
+    dot_jit = jax.jit(lambda m: fp8_dot(X, w, m, R))
+    mlp_jit = jax.jit(lambda m1, m2: fp8_mlp(X, w1, b1, w2, b2, m1, m2, R))
+    for kind, meta in bad.items():
+        for call, arg in [(lambda: fp8_dot(X, w, meta, R), "meta"), (lambda: quantize_weight(w, meta, R), "meta"),
+                          (lambda: fp8_mlp(X, w1, b1, w2, b2, fresh, meta, R), "meta2"),
+                          (lambda: fp8_mlp(X, w1, b1, w2, b2, meta, fresh, R), "meta1")]:
+            with pytest.raises(ValueError, match=rf"^{arg} holds values no training step writes"):
+                call()
+        variables = {**mlp_vars, FP8: {**mlp_vars[FP8], "fc2": dict(zip(META_FIELDS, meta))}}
+        with pytest.raises(ValueError, match=r"^the FP8 state of /fc2 holds values no training step writes"):
+            mlp.apply(variables, X)
+        assert np.isnan(np.asarray(dot_jit(meta))).all(), kind
+        assert np.isnan(np.asarray(mlp_jit(fresh, meta))).all(), kind
+    assert np.isfinite(np.asarray(dot_jit(fresh))).all() and np.isfinite(np.asarray(mlp_jit(fresh, fresh))).all()
+    for kind, meta in ok.items():
+        assert np.isfinite(np.asarray(fp8_dot(X, w, meta, R))).all(), kind
+        assert np.isfinite(np.asarray(dot_jit(meta))).all(), kind
 
 
 # ---- 4. second derivatives --------------------------------------------------------------------------
