@@ -20,7 +20,7 @@ from fusedfp8.jax import fp8_dot, fp8_mlp, quantize_weight
 from fusedfp8.jax import primitives as P
 from fusedfp8.jax.flax import OVERWRITE_WITH_GRADIENT as FP8
 from fusedfp8.jax.flax import Fp8DotGeneral, Fp8MLP, TrainState, accumulate_gradients
-from fusedfp8.jax.meta import META_FIELDS, corrupted, fresh_meta
+from fusedfp8.jax.meta import META_FIELDS, corrupted, fresh_meta, refuse_corrupted
 from fusedfp8.numerics import reference as ref
 
 R = ff.DelayedScaling(amax_history_len=8)
@@ -316,14 +316,14 @@ def _corruptions():
 
 def test_a_corrupted_meta_is_refused_by_every_route():
     """fp8_dot, fp8_mlp (either meta), quantize_weight and the flax modules: ValueError naming the
-    argument on an eager call, before anything runs; all-NaN outputs under jax.jit. A zeroed or
-    summed state is no corruption: the call starts it over, finite."""
+    argument (the module) on an eager call, before anything runs; all-NaN outputs under jax.jit.
+    A zeroed or summed state is no corruption: the call starts it over, finite."""
     bad, ok = _corruptions()
     w = jax.random.normal(jax.random.key(3), (16, 16)) * 0.1
     w1, w2, b1, b2 = w, jnp.ones((16, 16)) * 0.1, jnp.zeros(16), jnp.zeros(16)
     fresh = fresh_meta(R)
-    mlp = Fp8MLP(16, recipe=R)
-    mlp_vars = jax.jit(mlp.init)(jax.random.key(4), X)
+    dense = {"kernel": w, "bias": b1}
+    params = {"norm": {"scale": jnp.ones(16), "bias": b1}, "fc1": dense, "fc2": dense}
     dot_jit = jax.jit(lambda m: fp8_dot(X, w, m, R))
     mlp_jit = jax.jit(lambda m1, m2: fp8_mlp(X, w1, b1, w2, b2, m1, m2, R))
     for kind, meta in bad.items():
@@ -332,14 +332,15 @@ def test_a_corrupted_meta_is_refused_by_every_route():
                           (lambda: fp8_mlp(X, w1, b1, w2, b2, meta, fresh, R), "meta1")]:
             with pytest.raises(ValueError, match=rf"^{arg} holds values no training step writes"):
                 call()
-        variables = {**mlp_vars, FP8: {**mlp_vars[FP8], "fc2": dict(zip(META_FIELDS, meta))}}
+        states = {"fc1": dict(zip(META_FIELDS, fresh)), "fc2": dict(zip(META_FIELDS, meta))}
         with pytest.raises(ValueError, match=r"^the FP8 state of /fc2 holds values no training step writes"):
-            mlp.apply(variables, X)
+            Fp8MLP(16, recipe=R).apply({"params": params, FP8: states}, X)
         assert np.isnan(np.asarray(dot_jit(meta))).all(), kind
         assert np.isnan(np.asarray(mlp_jit(fresh, meta))).all(), kind
     assert np.isfinite(np.asarray(dot_jit(fresh))).all() and np.isfinite(np.asarray(mlp_jit(fresh, fresh))).all()
     for kind, meta in ok.items():
-        assert np.isfinite(np.asarray(fp8_dot(X, w, meta, R))).all(), kind
+        assert not corrupted(meta), kind
+        refuse_corrupted(meta)  # the host check of an eager call passes it
         assert np.isfinite(np.asarray(dot_jit(meta))).all(), kind
 
 
