@@ -72,8 +72,8 @@ def _train(model, state_cls, steps):
 
 
 # ---- 2. no cotangent ------------------------------------------------------------------------------
-NO_COTANGENT = [("stop_gradient", "current"), ("stop_gradient", "unit"), ("unused", "current"),
-                ("untaken_branch", "unit")]
+# (fusedfp8's TrainState and an untaken branch: the unrolled twin of the scanned-layers test below)
+NO_COTANGENT = [("stop_gradient", "current"), ("stop_gradient", "unit"), ("unused", "current")]
 
 
 @pytest.mark.parametrize("how, first_step", NO_COTANGENT)
@@ -92,14 +92,12 @@ def test_fusedfp8_train_state_keeps_the_state_of_a_module_without_cotangent(how,
 def test_with_flax_train_state_a_module_without_cotangent_restarts_never_zeroes(how, first_step):
     """flax's own TrainState writes the zero gradient over the state: the marker shows it, and
     the next forward starts that module over (scale 1 or its current amax): never scale 0, never
-    a NaN loss."""
+    a NaN loss (the losses of steps 2 and 3 come after the zeroing)."""
     recipe = ff.DelayedScaling(amax_history_len=8, first_step=first_step)
     _, st, losses = _train(_NoCotangent(how, recipe), train_state.TrainState, 3)
     assert np.all(np.isfinite(losses))
     b = st.params[FP8]["b"]["Fp8DotGeneral_0"]
     assert np.asarray(b["writes"]).tolist() == [0, 0, 0]  # zeroed by the overwrite, and marked so
-    out = st.apply_fn(st.params, X)
-    assert np.all(np.isfinite(np.asarray(out)))
 
 
 # ---- 3. one module used several times in a step ---------------------------------------------------
