@@ -129,11 +129,11 @@ def corrupted(meta, xp=jnp):
     or marker that is not a whole number >= 0. A zeroed state (``writes = 0``) or the sum of k
     states (``writes = k``) is not corrupted: :func:`decode` starts those columns over. ``xp``:
     jax.numpy, or numpy for a check on the host."""
-    bad = xp.any(xp.asarray(meta[_HISTORY]) < 0)
+    bad = xp.asarray(meta[_HISTORY]) < 0
     for name in _WHOLE:
         c = xp.asarray(meta[META_FIELDS.index(name)])
-        bad = bad | xp.any((c < 0) | (c != xp.floor(c)))  # (NaN too)
-    return bad
+        bad = bad | per_column((c < 0) | (c != xp.floor(c)), "amax_history")  # (a NaN count too)
+    return xp.any(bad)  # one reduction over the history's shape: one small fusion
 
 
 def refuse_corrupted(meta, what: str = "meta") -> None:
