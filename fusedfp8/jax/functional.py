@@ -48,7 +48,7 @@ from ..types import (GEMM_MULTIPLE, Quantized, check_approximate, check_pad_to, 
 from . import gemm as G
 from . import layernorm as LN
 from . import primitives as P
-from .meta import (LINEAR_GRAD, combine, corrupted, decode, float_counters, meta_to_state, refuse_corrupted,
+from .meta import (LINEAR_GRAD, combine, decode, float_counters, meta_to_state, refuse_corrupted, refusing,
                    state_to_meta)
 from .meta import check_meta as _check_meta
 
@@ -129,18 +129,6 @@ def _advance(meta, cfg, grad=LINEAR_GRAD) -> tuple[ScalingState, tuple | None]:
     return P.update_scales(st, cfg.recipe, axis_name=None if _across(cfg) else cfg.axis_name, impl=cfg.impl), None
 
 
-def _refusing(scale_inv, cfg, *metas):
-    """``scale_inv`` for a forward GEMM, NaN (the output all NaN) where the first use in a step
-    reads a stored meta that an optimizer updated (:func:`fusedfp8.jax.meta.corrupted`): inside
-    ``jax.jit`` the refusal cannot raise. One (1,) select: no pass over the data."""
-    if not cfg.first:
-        return scale_inv
-    bad = corrupted(metas[0])
-    for m in metas[1:]:
-        bad |= corrupted(m)
-    return jnp.where(bad, jnp.float32(jnp.nan), scale_inv)
-
-
 def _across(cfg) -> bool:
     """CurrentScaling across the devices of ``cfg.axis_name``: every quantization takes the amax
     of the tensor over the devices (:func:`_sync`)."""
@@ -193,8 +181,9 @@ def _dot_fwd(x, w, meta, fp8_weight, cfg: _Cfg, training: bool = True):
     # ragged: the operands come out of the quantize kernels padded (pad_to), no copy
     rx, st = P.quantize(x, st, 0, rec, transpose=training, pad_to=pad, impl=cfg.impl)
     rw, st = _weight(w, fp8_weight, st, rec, cfg.impl, pad)
-    y = gemm(rx.data, rw.data_t, _refusing(rx.scale_inv, cfg, meta), rw.scale_inv, cfg.out_dtype,
-             fast_accum=cfg.forward_fast_accum, impl=cfg.impl, shape=(m, n))
+    sx = refusing(rx.scale_inv, (meta,) if cfg.first else ())  # NaN out where the stored meta is corrupted
+    y = gemm(rx.data, rw.data_t, sx, rw.scale_inv, cfg.out_dtype, fast_accum=cfg.forward_fast_accum, impl=cfg.impl,
+             shape=(m, n))
     dtypes = (jnp.zeros((0, m, k), x.dtype), jnp.zeros((0, k, n), w.dtype))  # dtypes and real shapes
     res = (rx.data_t, rw.data, rx.scale_inv, rw.scale_inv, st, fc, dtypes, fp8_weight)
     return (y, state_to_meta(st, fc)), res
@@ -421,8 +410,8 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
         ln_saved = (h, rn.mean, rn.rstd, *ln) if training else None
     rw1, st1 = _weight(w1, q1, st1, r1, impl, p)
     fast = cfg.forward_fast_accum
-    z = gemm(rh.data, rw1.data_t, _refusing(rh.scale_inv, cfg, meta1, meta2), rw1.scale_inv, dt, fast_accum=fast,
-             impl=impl, shape=(m, ffn)) + b1.astype(dt)
+    sh = refusing(rh.scale_inv, (meta1, meta2) if cfg.first else ())  # NaN out where a stored meta is corrupted
+    z = gemm(rh.data, rw1.data_t, sh, rw1.scale_inv, dt, fast_accum=fast, impl=impl, shape=(m, ffn)) + b1.astype(dt)
     st2, r2 = _sync(st2, [(0, lambda: P.amax(z, op="gelu", approximate=cfg.approximate, impl=impl)),
                           (1, _weight_amax(w2, q2, impl))], cfg)  # (gelu(z), w2): one pmax
     ra, st2 = P.gelu_quantize(z, st2, 0, r2, approximate=cfg.approximate, transpose=training, pad_to=p, impl=impl)

@@ -26,7 +26,7 @@ values no step writes: Adam's first step moves every staged amax to -lr and the 
 (``jax.grad`` over the variables needs float leaves, and optax keeps their dtypes), so the
 first use in a step checks the values (:func:`corrupted`): where they are concrete (an eager
 call) it raises ValueError saying how to train (:func:`refuse_corrupted`); under ``jax.jit``
-the forward refuses by returning NaN.
+the forward refuses by returning NaN (:func:`refusing`).
 
 Everything here is built from the state's field list, so the state, the meta and the flax
 variables cannot drift apart.
@@ -42,7 +42,8 @@ from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 
 __all__ = ["META_FIELDS", "LINEAR_GRAD", "fresh_meta", "meta_to_state", "state_to_meta", "float_counters", "check_meta",
-           "per_column", "decode", "combine", "corrupted", "refuse_corrupted", "declare_state"]
+           "per_column", "decode", "combine", "corrupted", "refuse_corrupted", "refusing",
+           "declare_state"]
 
 META_FIELDS = (*STATE_FIELDS, "writes")
 LINEAR_GRAD = (False, False, True)  # tensors of a linear's meta: input, weight, output gradient
@@ -154,6 +155,18 @@ def refuse_corrupted(meta, what: str = "meta") -> None:
         f"the '_overwrite_with_gradient' collection out of tx.init / tx.update and store its gradient in its place "
         f"(fusedfp8.jax.flax.keep_unwritten(old, grads['_overwrite_with_gradient'])); then start the FP8 state over "
         f"(model.init). Under jax.jit such a state makes the forward return NaN")
+
+
+def refusing(scale_inv, stored=()):
+    """``scale_inv`` for a forward GEMM, or NaN (the GEMM's output all NaN) where a meta in
+    ``stored`` (the metas a first use in a step read; none for a later use) is
+    :func:`corrupted`: under ``jax.jit`` the refusal cannot raise. A select of one (1,) array."""
+    if not stored:
+        return scale_inv
+    bad = corrupted(stored[0])
+    for m in stored[1:]:
+        bad = bad | corrupted(m)
+    return jnp.where(bad, jnp.float32(jnp.nan), scale_inv)
 
 
 def check_meta(meta, n: int, recipe: DelayedScaling, argname: str = "meta") -> tuple:
