@@ -5,8 +5,7 @@ calibration table of ``policy='auto'`` (:mod:`fusedfp8.policy`).
 ::
 
     import flax.linen as nn
-from flax.training import train_state
-    from fusedfp8.jax.flax import Fp8DotGeneral
+    from fusedfp8.jax.flax import Fp8DotGeneral, TrainState
 
     dense = nn.Dense(4096, dot_general_cls=Fp8DotGeneral)
     variables = dense.init(key, x)        # {'params': ..., '_overwrite_with_gradient': ...}
@@ -20,10 +19,16 @@ gradient) in flax's ``'_overwrite_with_gradient'`` collection, as float32 variab
 (``1 / scale``, what flax's own FP8 ops call "scale"), ``overflows`` and ``updates`` (3,)
 (counters, stored as float32 so that ``jax.grad`` over the variables works; exact to 2**24).
 The "gradient" of that collection is the new state (see :mod:`fusedfp8.jax.functional`), which
-``TrainState.apply_gradients`` stores as it does for flax's ``Fp8DotGeneralOp``. The previous
+``TrainState.apply_gradients`` stores as it does for flax's ``Fp8DotGeneralOp``. It is not a
+parameter: ``tx.update`` / ``optax.apply_updates`` over the whole variables makes values no step
+writes, which the next forward refuses (ValueError where the values are concrete, NaN output
+under ``jax.jit``: :func:`fusedfp8.jax.meta.corrupted`). The previous
 step's staged amaxes become scales at the start of the next forward (one fused update per
 module per step). Variables converted to flax's ``fp32_max_grad`` dtype (as pipelined
-``nn.scan`` users do) accumulate the staged amaxes of several uses with max. With a
+``nn.scan`` users do) accumulate the staged amaxes of several uses with max. Layers stacked by
+``nn.scan`` or ``nn.vmap`` (``variable_axes={..., '_overwrite_with_gradient': 0}``: a leading
+layer axis on every state variable) train with :class:`TrainState`, :func:`keep_unwritten` and
+:func:`accumulate_gradients` as they are, each layer's state on its own. With a
 :class:`fusedfp8.CurrentScaling` recipe the history has 2 rows (staged, last amax), ``updates``
 stays 0 (every step is a first step: each tensor is quantized with the scale of its own amax),
 and the update at the start of the forward only closes the previous step.
@@ -51,7 +56,7 @@ from ..recipe import DelayedScaling
 from ..types import Quantized, check_recipe
 from . import functional as F
 from .meta import META_FIELDS as STATE_VARIABLES
-from .meta import combine, declare_state
+from .meta import combine, declare_state, per_column, refuse_corrupted
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 FP8_WEIGHTS = "fp8_weights"  # the collection of the weight cache (quantize_weights)
@@ -63,8 +68,12 @@ __all__ = ["Fp8DotGeneral", "Fp8MLP", "TrainState", "keep_unwritten", "dot_gener
 
 
 def _declare_state(module: nn.Module, recipe: DelayedScaling):
-    """The module's state variables (created on init), read as a float32 meta."""
-    return declare_state(module, OVERWRITE_WITH_GRADIENT, recipe)
+    """The module's state variables (created on init), read as a float32 meta; refused where an
+    optimizer updated them (:func:`fusedfp8.jax.meta.refuse_corrupted`)."""
+    meta = declare_state(module, OVERWRITE_WITH_GRADIENT, recipe)
+    if not module.is_initializing():
+        refuse_corrupted(meta, f"the FP8 state of /{'/'.join(module.scope.path)}")
+    return meta
 
 
 def _this_use(module, stored: tuple):
@@ -349,7 +358,7 @@ def _merge_states(old, new, merge):
 
 def _keep(old, new) -> dict:
     keep = jnp.asarray(new["writes"]) == 0
-    return {k: jnp.where(keep, old[k], v) for k, v in new.items()}
+    return {k: jnp.where(per_column(keep, k), old[k], v) for k, v in new.items()}
 
 
 def keep_unwritten(old, new):

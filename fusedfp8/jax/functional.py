@@ -10,6 +10,10 @@ step's staged amaxes into scales, a no-op on a fresh meta) with this step's amax
 step (``nn.scan``, shared layers) combine correctly when its cotangents are accumulated with
 max (flax's ``fp32_max_grad`` dtype): the uses differ in row 0 only.
 
+The meta is not a parameter: one that an optimizer updated (:func:`fusedfp8.jax.meta.corrupted`)
+is refused at its first use in a step, with ValueError where its values are concrete and, under
+``jax.jit``, with an output of NaN.
+
 GEMM layouts. Every FP8 GEMM is ``lax.dot_general`` over two operands whose contracting
 dimension is the last one (cuBLASLt's "TN"), fed with the transposed copies that the fused
 quantize kernels write in the same pass, so XLA adds no transposes. With x (M, K), w (K, N)
@@ -44,7 +48,8 @@ from ..types import (GEMM_MULTIPLE, Quantized, check_approximate, check_pad_to, 
 from . import gemm as G
 from . import layernorm as LN
 from . import primitives as P
-from .meta import LINEAR_GRAD, combine, decode, float_counters, meta_to_state, state_to_meta
+from .meta import (LINEAR_GRAD, combine, decode, float_counters, meta_to_state, refuse_corrupted, refusing,
+                   state_to_meta)
 from .meta import check_meta as _check_meta
 
 __all__ = ["quantize_ste", "quantize_weight", "fp8_dot", "fp8_dot_use", "fp8_mlp", "fp8_mlp_use", "gemm"]
@@ -176,8 +181,9 @@ def _dot_fwd(x, w, meta, fp8_weight, cfg: _Cfg, training: bool = True):
     # ragged: the operands come out of the quantize kernels padded (pad_to), no copy
     rx, st = P.quantize(x, st, 0, rec, transpose=training, pad_to=pad, impl=cfg.impl)
     rw, st = _weight(w, fp8_weight, st, rec, cfg.impl, pad)
-    y = gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, cfg.out_dtype,
-             fast_accum=cfg.forward_fast_accum, impl=cfg.impl, shape=(m, n))
+    sx = refusing(rx.scale_inv, (meta,) if cfg.first else ())  # NaN out where the stored meta is corrupted
+    y = gemm(rx.data, rw.data_t, sx, rw.scale_inv, cfg.out_dtype, fast_accum=cfg.forward_fast_accum, impl=cfg.impl,
+             shape=(m, n))
     dtypes = (jnp.zeros((0, m, k), x.dtype), jnp.zeros((0, k, n), w.dtype))  # dtypes and real shapes
     res = (rx.data_t, rw.data, rx.scale_inv, rw.scale_inv, st, fc, dtypes, fp8_weight)
     return (y, state_to_meta(st, fc)), res
@@ -276,6 +282,7 @@ def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_
                          f"got {pad_to!r}")
     check_recipe(recipe)
     meta = _check_meta(meta, 3, recipe)
+    refuse_corrupted(meta)
     cfg = _Cfg(recipe, P._check_impl(impl), w.dtype.name, P._check_axis_name(axis_name))
     w, *meta = P._as_varying_as((w, *meta), (w, *meta))
     return _quantize_weight_call(w, tuple(meta), cfg, gemm_pad_to(*w.shape) if pad_to != 1 else 1)
@@ -336,6 +343,8 @@ def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dt
         raise ValueError(f"x (M, K) and w (K, N) must agree on K; got {x.shape} and {w.shape}")
     check_recipe(recipe)
     meta = _check_meta(meta, 3, recipe)
+    if first:
+        refuse_corrupted(meta)
     out_name = jnp.dtype(out_dtype or x.dtype).name
     if out_name not in ("float32", "float16", "bfloat16"):
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16; got {out_name}")
@@ -401,8 +410,8 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
         ln_saved = (h, rn.mean, rn.rstd, *ln) if training else None
     rw1, st1 = _weight(w1, q1, st1, r1, impl, p)
     fast = cfg.forward_fast_accum
-    z = gemm(rh.data, rw1.data_t, rh.scale_inv, rw1.scale_inv, dt, fast_accum=fast, impl=impl,
-             shape=(m, ffn)) + b1.astype(dt)
+    sh = refusing(rh.scale_inv, (meta1, meta2) if cfg.first else ())  # NaN out where a stored meta is corrupted
+    z = gemm(rh.data, rw1.data_t, sh, rw1.scale_inv, dt, fast_accum=fast, impl=impl, shape=(m, ffn)) + b1.astype(dt)
     st2, r2 = _sync(st2, [(0, lambda: P.amax(z, op="gelu", approximate=cfg.approximate, impl=impl)),
                           (1, _weight_amax(w2, q2, impl))], cfg)  # (gelu(z), w2): one pmax
     ra, st2 = P.gelu_quantize(z, st2, 0, r2, approximate=cfg.approximate, transpose=training, pad_to=p, impl=impl)
@@ -496,6 +505,9 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
         raise ValueError(f"b1 must have shape {(w1.shape[1],)} and b2 {(w2.shape[1],)}; got {b1.shape}, {b2.shape}")
     check_recipe(recipe)
     meta1, meta2 = _check_meta(meta1, 3, recipe, "meta1"), _check_meta(meta2, 3, recipe, "meta2")
+    if first:
+        refuse_corrupted(meta1, "meta1")
+        refuse_corrupted(meta2, "meta2")
     out_name = jnp.dtype(out_dtype or h.dtype).name
     if out_name not in ("float32", "float16", "bfloat16"):
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16; got {out_name}")

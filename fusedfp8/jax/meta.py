@@ -19,6 +19,15 @@ instead of quantizing with a zero or a k-fold state; ``fusedfp8.jax.flax.TrainSt
 previous state of a module that got no gradient, so with it nothing is lost. The flax modules
 chain the uses of one module in one step (:func:`combine`), so they never produce a sum.
 
+Not a parameter. An optimizer that updates the meta as a parameter (``tx.update`` /
+``optax.apply_updates`` over the whole variables, the FP8 collection included) turns it into
+values no step writes: Adam's first step moves every staged amax to -lr and the marker to
+1 - lr. Nothing at the level of dtypes or shapes can tell such a loop from a correct one
+(``jax.grad`` over the variables needs float leaves, and optax keeps their dtypes), so the
+first use in a step checks the values (:func:`corrupted`): where they are concrete (an eager
+call) it raises ValueError saying how to train (:func:`refuse_corrupted`); under ``jax.jit``
+the forward refuses by returning NaN (:func:`refusing`).
+
 Everything here is built from the state's field list, so the state, the meta and the flax
 variables cannot drift apart.
 """
@@ -26,17 +35,20 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 
 __all__ = ["META_FIELDS", "LINEAR_GRAD", "fresh_meta", "meta_to_state", "state_to_meta", "float_counters", "check_meta",
-           "decode", "combine", "declare_state"]
+           "per_column", "decode", "combine", "corrupted", "refuse_corrupted", "refusing",
+           "declare_state"]
 
 META_FIELDS = (*STATE_FIELDS, "writes")
 LINEAR_GRAD = (False, False, True)  # tensors of a linear's meta: input, weight, output gradient
 _COUNTERS = ("overflows", "updates")
+_WHOLE = (*_COUNTERS, "writes")  # whole numbers >= 0 in every meta a step writes
 _HISTORY = META_FIELDS.index("amax_history")
 _WRITES = META_FIELDS.index("writes")
 
@@ -77,13 +89,20 @@ def state_to_meta(state: ScalingState, counters=None) -> tuple:
     return (*fields, jnp.ones_like(state.scale))  # (ones_like keeps the mesh-axis type under shard_map)
 
 
+def per_column(mask, name: str):
+    """A per-tensor ``mask`` (..., n) shaped to select in meta field ``name``: the history
+    (..., L, n) takes it for each of its rows. Leading axes (layers stacked by ``nn.scan`` /
+    ``nn.vmap``) pass through."""
+    return mask[..., None, :] if name == "amax_history" else mask
+
+
 def decode(meta) -> tuple:
     """``meta`` with every column whose marker is not 1 (overwritten by a zero gradient, or the sum
-    of several unchained uses) replaced by a fresh column; the marker set to 1."""
+    of several unchained uses) replaced by a fresh column; the marker set to 1. Any leading axes."""
     meta = tuple(jnp.asarray(m) for m in meta)
     ok = meta[_WRITES] == 1.0
-    L, n = meta[_HISTORY].shape
-    return tuple(jnp.where(ok, m, _fresh(name, L, n)) if name != "writes" else jnp.ones_like(m)
+    L, n = meta[_HISTORY].shape[-2:]
+    return tuple(jnp.where(per_column(ok, name), m, _fresh(name, L, n)) if name != "writes" else jnp.ones_like(m)
                  for name, m in zip(META_FIELDS, meta))
 
 
@@ -100,9 +119,54 @@ def combine(later, own) -> tuple:
     later = tuple(jnp.asarray(m) for m in later)
     used = later[_WRITES] > 0
     merged = list(later)
-    merged[_HISTORY] = later[_HISTORY].at[0].set(jn.nan_max(later[_HISTORY][0], own[_HISTORY][0]))
+    staged = jn.nan_max(later[_HISTORY][..., 0, :], own[_HISTORY][..., 0, :])
+    merged[_HISTORY] = later[_HISTORY].at[..., 0, :].set(staged)
     merged[_WRITES] = jnp.ones_like(later[_WRITES])
-    return tuple(jnp.where(used, m, o) for m, o in zip(merged, own))
+    return tuple(jnp.where(per_column(used, name), m, o) for name, m, o in zip(META_FIELDS, merged, own))
+
+
+def corrupted(meta, xp=jnp):
+    """Whether ``meta`` holds what no step writes (a bool scalar): a negative amax, or a counter
+    or marker that is not a whole number >= 0. A zeroed state (``writes = 0``) or the sum of k
+    states (``writes = k``) is not corrupted: :func:`decode` starts those columns over. ``xp``:
+    jax.numpy, or numpy for a check on the host."""
+    bad = xp.asarray(meta[_HISTORY]) < 0
+    for name in _WHOLE:
+        c = xp.asarray(meta[META_FIELDS.index(name)])
+        bad = bad | per_column((c < 0) | (c != xp.floor(c)), "amax_history")  # (a NaN count too)
+    return xp.any(bad)  # one reduction over the history's shape: one small fusion
+
+
+def refuse_corrupted(meta, what: str = "meta") -> None:
+    """ValueError naming ``what`` if ``meta`` is :func:`corrupted` and its values are concrete
+    (checked on the host, also inside a trace such as flax's lifted ``nn.cond`` of an eager call);
+    a traced meta is refused by the forward's NaN instead."""
+    if any(isinstance(m, jax.core.Tracer) for m in meta):
+        return
+    meta = tuple(np.asarray(m) for m in meta)
+    if not corrupted(meta, np):
+        return
+    hist, writes = meta[_HISTORY], meta[_WRITES]
+    raise ValueError(
+        f"{what} holds values no training step writes (lowest amax {np.fmin.reduce(hist, axis=None):g}, marker "
+        f"'writes' {writes.tolist()}): "
+        f"an optimizer updated it as a parameter (tx.update / optax.apply_updates over the whole variables). The FP8 "
+        f"state is not a parameter: its gradient is its next value. Train with fusedfp8.jax.flax.TrainState, or keep "
+        f"the '_overwrite_with_gradient' collection out of tx.init / tx.update and store its gradient in its place "
+        f"(fusedfp8.jax.flax.keep_unwritten(old, grads['_overwrite_with_gradient'])); then start the FP8 state over "
+        f"(model.init). Under jax.jit such a state makes the forward return NaN")
+
+
+def refusing(scale_inv, stored=()):
+    """``scale_inv`` for a forward GEMM, or NaN (the GEMM's output all NaN) where a meta in
+    ``stored`` (the metas a first use in a step read; none for a later use) is
+    :func:`corrupted`: under ``jax.jit`` the refusal cannot raise. A select of one (1,) array."""
+    if not stored:
+        return scale_inv
+    bad = corrupted(stored[0])
+    for m in stored[1:]:
+        bad = bad | corrupted(m)
+    return jnp.where(bad, jnp.float32(jnp.nan), scale_inv)
 
 
 def check_meta(meta, n: int, recipe: DelayedScaling, argname: str = "meta") -> tuple:

@@ -322,6 +322,30 @@ def test_ragged_fp8_dot_runs_fp8_gemms_and_matches_the_jnp_path(mkn):
 
 
 @pytest.mark.fp8_gemm
+@pytest.mark.parametrize("impl", ["auto", "jnp"])
+def test_a_meta_an_optimizer_updated_is_refused_with_nan_on_the_gpu(impl):
+    """A stored meta that Adam updated as a parameter (staged amaxes -lr, marker 1 - lr) makes the
+    jitted forward of fp8_dot and fp8_mlp all NaN through either GEMM route (the shim's cuBLASLt
+    call or XLA's): the NaN scale reaches the GEMM's scaling; a fresh meta gives finite output."""
+    x = inputs((64, 128), "bfloat16", scale=1.0, special=False)
+    w1 = inputs((128, 256), "bfloat16", seed=1, scale=0.05, special=False)
+    w2 = inputs((256, 128), "bfloat16", seed=2, scale=0.05, special=False)
+    b1, b2 = gpu(jnp.zeros(256, jnp.bfloat16)), gpu(jnp.zeros(128, jnp.bfloat16))
+    fresh = jax.tree.map(gpu, JM.fresh_meta(RECIPE))
+    i = {k: JM.META_FIELDS.index(k) for k in ("amax_history", "writes")}
+    bad = list(fresh)
+    bad[i["amax_history"]] = fresh[i["amax_history"]].at[0].set(-1e-3)
+    bad[i["writes"]] = fresh[i["writes"]] - 1e-3
+    bad = tuple(bad)
+    dot = jax.jit(lambda m: F.fp8_dot(x, w1, m, RECIPE, impl=impl))
+    mlp = jax.jit(lambda m1, m2: F.fp8_mlp(x, w1, b1, w2, b2, m1, m2, RECIPE, impl=impl))
+    assert np.isnan(np.asarray(dot(bad), np.float32)).all()
+    assert np.isnan(np.asarray(mlp(fresh, bad), np.float32)).all()
+    assert np.isfinite(np.asarray(dot(fresh), np.float32)).all()
+    assert np.isfinite(np.asarray(mlp(fresh, fresh), np.float32)).all()
+
+
+@pytest.mark.fp8_gemm
 @pytest.mark.parametrize("cache", [False, True], ids=["quantized", "cached-pad_to-16"])
 def test_ragged_fp8_mlp_pads_no_fp8_operand_and_matches_the_jnp_path(cache):
     """fp8_mlp (no LayerNorm) with every dimension ragged, its weights quantized in the step or
