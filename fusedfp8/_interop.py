@@ -164,6 +164,12 @@ class _Cupy(_Adapter):
     def host_copy(self, a):
         return a.get()
 
+    def copy(self, a):
+        import cupy
+
+        with cupy.cuda.Device(a.device.id):  # (cupy copies onto the current device otherwise)
+            return a.copy()
+
 
 class _Jax(_Adapter):
     mutable = False

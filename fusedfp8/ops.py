@@ -524,7 +524,7 @@ def update_scales(state: ScalingState, recipe: DelayedScaling | CurrentScaling) 
     views = [io.device_view(i) for i in infos]
     immutable = not io.is_mutable(state.amax_history)
     if immutable:  # jax buffers: update copies, return a new state
-        views = [io.describe(v.array.copy(), "state") for v in views]
+        views = [io.describe(io.copy(v.array), "state") for v in views]
     fmt_max = _fmt_max_device(state, recipe, hi)
     _cuda.launch_update_scales(hi.device, io.stream_ptr(hi), **{f: v.ptr for f, v in zip(STATE_FIELDS, views)},
                                fmt_max=io.data_ptr(fmt_max), n=state.num_tensors, L=state.history_len,

@@ -15,6 +15,7 @@ Nothing here imports a framework or CuPy.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import struct
@@ -117,6 +118,9 @@ class Plan(NamedTuple):
     slots: tuple  # slot names, in the order the caller's pointers come in
     steps: tuple  # Memset | Launch, in launch order
     program: tuple  # the steps, pre-digested for the Python executor
+    # the CUDA ordinal whose context holds the kernels (their handles are valid there only); -1 for a
+    # plan of made-up kernels, which runs in whatever context is current
+    device: int = -1
 
     def encode(self) -> tuple[np.ndarray, str]:
         """(int64 array, names) for the compiled shim: ``[PLAN_VERSION, n_slots, n_steps]``, then per
@@ -233,12 +237,79 @@ def _check(err: int, what: str) -> None:
         raise RuntimeError(f"fusedfp8: {what} failed: CUDA error {err} ({(msg.value or b'?').decode()})")
 
 
+_primary: dict = {}  # CUDA ordinal -> its primary context (retained once, kept)
+_primary_lock = threading.Lock()
+
+
+def primary_context(device: int) -> int:
+    """The primary context of CUDA device ``device``: the one the CUDA runtime (torch, CuPy, XLA)
+    uses, into which CuPy loaded the kernels. Retained once per device and kept."""
+    ctx = _primary.get(device)
+    if ctx is None:
+        with _primary_lock:
+            ctx = _primary.get(device)
+            if ctx is None:
+                drv = driver()
+                if drv is None:
+                    raise RuntimeError("fusedfp8: libcuda.so.1 cannot be loaded, so no kernel can be launched")
+                dev, c = ctypes.c_int(0), ctypes.c_void_p(0)
+                _check(drv.cuDeviceGet(ctypes.byref(dev), device), f"finding CUDA device {device}")
+                _check(drv.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev), f"retaining CUDA device {device}'s context")
+                ctx = _primary[device] = c.value
+    return ctx
+
+
+def push_context(device: int) -> bool:
+    """Make ``device``'s primary context current on this thread unless it is already; True when it
+    was pushed (then :func:`pop_context` restores the caller's). A kernel handle is valid in its
+    own context only, and the thread's current one may be another GPU's (the caller's current
+    device), none at all (a thread that made no CUDA runtime call: torch's autograd workers), or a
+    context of the same GPU that is not the primary one."""
+    drv = driver()
+    cur = ctypes.c_void_p(0)
+    err = drv.cuCtxGetCurrent(ctypes.byref(cur))
+    if err:
+        _check(err, "reading the thread's current CUDA context")
+    ctx = primary_context(device)
+    if cur.value == ctx:
+        return False
+    _check(drv.cuCtxPushCurrent_v2(ctypes.c_void_p(ctx)), f"making CUDA device {device}'s context current")
+    return True
+
+
+def pop_context() -> None:
+    """Undo a :func:`push_context` that returned True."""
+    _check(driver().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p(0))), "restoring the caller's CUDA context")
+
+
+@contextlib.contextmanager
+def on_device(device: int):
+    """Run the block with ``device``'s primary context current (a no-op for -1 and when it already
+    is), restoring the caller's after it: every driver call on a kernel handle goes under it."""
+    pushed = device >= 0 and push_context(device)
+    try:
+        yield
+    finally:
+        if pushed:
+            pop_context()
+
+
 def execute(plan: Plan, ptrs, stream: int) -> None:
-    """Run ``plan`` on the device pointers ``ptrs`` (one per slot, 0 = absent) on ``stream``: the
-    Python executor (the compiled shim runs the same plans, see fusedfp8/csrc/plan.h). The walk of
+    """Run ``plan`` on the device pointers ``ptrs`` (one per slot, 0 = absent) on ``stream`` (a stream
+    of ``plan.device``), in that device's context whatever the thread's current one is: the Python
+    executor (the compiled shim runs the same plans, see fusedfp8/csrc/plan.h). The walk of
     :func:`_walk`, written out: this is the hot path of the Python launch path."""
     if len(ptrs) != len(plan.slots):
         _walk(plan, ptrs, None, None)  # raises the message
+    pushed = plan.device >= 0 and push_context(plan.device)
+    try:
+        _launch_all(plan, ptrs, stream)
+    finally:
+        if pushed:
+            pop_context()
+
+
+def _launch_all(plan: Plan, ptrs, stream: int) -> None:
     drv = driver()
     for step in plan.program:
         if step[0] == MEMSET:
@@ -294,4 +365,10 @@ def driver():
     lib.cuMemsetD32Async.restype = ctypes.c_int
     lib.cuLaunchCooperativeKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, vp]
     lib.cuLaunchCooperativeKernel.restype = ctypes.c_int
+    pp = ctypes.POINTER(ctypes.c_void_p)
+    lib.cuCtxGetCurrent.argtypes = [pp]
+    lib.cuCtxPushCurrent_v2.argtypes = [vp]
+    lib.cuCtxPopCurrent_v2.argtypes = [pp]
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [pp, ctypes.c_int]
     return lib

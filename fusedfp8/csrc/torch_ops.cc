@@ -185,10 +185,12 @@ void* current_stream(const c10::Device& device) {
 
 uint64_t addr(const at::Tensor& t) { return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0; }
 
+// Runs the plan on torch's current stream of `device`, in that device's context (the caller's
+// current device may be another GPU).
 void run_plan(const Entry& e, const uint64_t* bufs, size_t nbuf, const c10::Device& device) {
-  std::string err = ff8::ensure_context(device.index());
-  TORCH_CHECK(err.empty(), err);
-  err = ff8::run(e.plan.data(), e.plan.size(), bufs, nbuf, current_stream(device), e.names);
+  ff8::ContextGuard ctx(device.index());
+  TORCH_CHECK(ctx.error().empty(), ctx.error());
+  std::string err = ff8::run(e.plan.data(), e.plan.size(), bufs, nbuf, current_stream(device), e.names);
   TORCH_CHECK(err.empty(), err);
 }
 
