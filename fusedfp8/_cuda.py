@@ -35,7 +35,7 @@ from typing import NamedTuple
 # the plan format and the Python executor (re-exported: the launch interface is this module)
 from .csrc.plan import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, NULLPTR, QUANTIZE_SLOTS, UPDATE_SLOTS, Launch,  # noqa: F401
                         Memset, Plan, Variant, _check, _mask, _plan, driver, dry_run, execute, flag, imm32, imm64, immf32,
-                        on_device, ptr)
+                        on_device, plan_on, ptr, refuse_in_capture)
 from .numerics import layernorm as _ln
 # the plans' sizes, layouts and builders (re-exported, as the plan format above). Not re-exported: the
 # grid rules (_flat_grid, _tiled_grid, _resident) that the builders read as module globals, so that
@@ -235,9 +235,10 @@ def _build(key: ModuleKey, device_id: int) -> dict:
 
 def kernels(key: ModuleKey, device_id: int) -> dict:
     """The compiled kernels of module ``key`` on device ``device_id`` (built once, even when
-    first calls race from several threads)."""
+    first calls race from several threads; refused while the stream of :func:`plan_on` captures)."""
     found = _loaded.get((key, device_id))
     if found is None:
+        refuse_in_capture(f"the {key.family} kernels ({', '.join(v for v in key[1:] if v)})", device_id)
         with _lock:
             found = _loaded.get((key, device_id))
             if found is None:
@@ -407,8 +408,8 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
     """
     if rows * cols == 0 and not scale_inv_used:
         return
-    plan = quantize_plan(device, dtype, fmt, op, rows, cols, bool(q_t), bool(dbias or partial or counters),
-                         bool(first), float(margin_factor), 0, int(pad_to), bool(coop))
+    plan = plan_on(stream, quantize_plan, device, dtype, fmt, op, rows, cols, bool(q_t),
+                   bool(dbias or partial or counters), bool(first), float(margin_factor), 0, int(pad_to), bool(coop))
     execute(plan, (x, b, q, q_t, dbias, partial, counters, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                    updates), stream)
 
@@ -437,8 +438,8 @@ def launch_layernorm_quantize(device: int, stream: int, *, dtype: str, param: st
     """
     if rows == 0 and not scale_inv_used:
         return
-    plan = layernorm_plan(device, dtype, param, fmt, rows, cols, bool(q_t), bool(first), float(eps),
-                          float(margin_factor), 0, int(pad_to))
+    plan = plan_on(stream, layernorm_plan, device, dtype, param, fmt, rows, cols, bool(q_t), bool(first), float(eps),
+                   float(margin_factor), 0, int(pad_to))
     execute(plan, (x, weight, bias, q, q_t, mean, rstd, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                    updates), stream)
 
@@ -447,7 +448,7 @@ def launch_dequantize(device: int, stream: int, *, dtype: str, fmt: str, q: int,
                       n: int) -> None:
     """``out[i] = dtype(float32(q[i]) * scale_inv[0])`` for n elements (nothing for n == 0)."""
     if n:
-        execute(dequantize_plan(device, dtype, fmt, n), (q, out, scale_inv), stream)
+        execute(plan_on(stream, dequantize_plan, device, dtype, fmt, n), (q, out, scale_inv), stream)
 
 
 def launch_update_scales(device: int, stream: int, *, amax_history: int, scale: int, scale_inv: int,
@@ -456,5 +457,5 @@ def launch_update_scales(device: int, stream: int, *, amax_history: int, scale: 
     """Launch the fused update (:func:`fusedfp8.numerics.scaling.update_rule`) on raw pointers, in
     place: ``amax_history`` (L, n) float32, ``scale``/``scale_inv`` (n,) float32,
     ``overflows``/``updates`` (n,) int32, ``fmt_max`` (n,) float32 (each tensor's format max)."""
-    execute(update_plan(device, n, L, float(margin_factor), bool(algo_max)),
+    execute(plan_on(stream, update_plan, device, n, L, float(margin_factor), bool(algo_max)),
             (amax_history, scale, scale_inv, overflows, updates, fmt_max), stream)

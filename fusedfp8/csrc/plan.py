@@ -294,6 +294,55 @@ def on_device(device: int):
             pop_context()
 
 
+_STREAM_CAPTURE_IMPLICIT = 906  # CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: the legacy stream while another captures
+
+
+def capturing(stream: int) -> bool:
+    """Whether a CUDA-graph capture is in progress on ``stream`` (active, or already invalidated);
+    for the legacy stream (0), on any blocking stream of the current context."""
+    status = ctypes.c_int(0)
+    err = driver().cuStreamIsCapturing(ctypes.c_void_p(stream), ctypes.byref(status))
+    if err == _STREAM_CAPTURE_IMPLICIT:
+        return True
+    _check(err, "asking whether the stream is capturing a CUDA graph")
+    return status.value != 0
+
+
+_launch_stream = threading.local()  # .handle: the stream that the plan being built (plan_on) launches on
+
+
+def plan_on(stream: int, make, *args) -> Plan:
+    """``make(*args)``, a function that builds (or finds cached) a plan for launches on ``stream``
+    (fusedfp8._cuda's plan functions). While a CUDA-graph capture is in progress on ``stream``,
+    :func:`refuse_in_capture` refuses to load a kernel module: loading one is not an operation a
+    capture may contain (in the default global mode it invalidates the capture). The rest of
+    building a plan is host work and capture-safe driver queries (occupancy, function attributes),
+    which libraries run inside captures on every call (CUB's dispatch, FlashAttention's launches),
+    so a new shape of a loaded module may still be planned in a capture."""
+    _launch_stream.handle = stream
+    try:
+        return make(*args)
+    finally:
+        _launch_stream.handle = None
+
+
+def refuse_in_capture(what: str, device: int) -> None:
+    """Raise if the stream of the plan being built (:func:`plan_on`) is capturing a CUDA graph:
+    ``what`` (e.g. "the quantize kernels (bfloat16, e4m3, identity)") would have to be loaded on
+    ``device`` first."""
+    stream = getattr(_launch_stream, "handle", None)
+    if stream is None:
+        return
+    with on_device(device):
+        if not capturing(stream):
+            return
+    raise RuntimeError(
+        f"fusedfp8: {what} are not loaded on cuda:{device} yet, and the stream is capturing a CUDA graph: loading "
+        "a module during a capture would invalidate it. Warm up first: run the same call (the same shapes, dtypes, "
+        "formats and recipe) once outside the capture, e.g. one eager step before torch.cuda.graph (torch.compile's "
+        "mode='reduce-overhead' warms up by itself)")
+
+
 def execute(plan: Plan, ptrs, stream: int) -> None:
     """Run ``plan`` on the device pointers ``ptrs`` (one per slot, 0 = absent) on ``stream`` (a stream
     of ``plan.device``), in that device's context whatever the thread's current one is: the Python
@@ -371,4 +420,5 @@ def driver():
     lib.cuCtxPopCurrent_v2.argtypes = [pp]
     lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.cuDevicePrimaryCtxRetain.argtypes = [pp, ctypes.c_int]
+    lib.cuStreamIsCapturing.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
     return lib

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -24,67 +23,17 @@ import pytest
 from fusedfp8 import _cuda
 from fusedfp8 import csrc as shim
 from fusedfp8.csrc import plan as P
+from support import fake_cuda as F
 from support import ptx as SP
-from support.fake_cuda import FakeContexts, primary
+from support.fake_cuda import FakeDriver, primary
 
 SMS = 132
 QKEY = _cuda.ModuleKey("quantize", "bfloat16", "e4m3", "identity")
-CUDA_ERROR_INVALID_CONTEXT = 201
-
-
-class FakeDriver(FakeContexts):
-    """The context calls, and launches / occupancy queries that record the context they ran in.
-    A kernel handle belongs to the device ``handle // DEVICE_STRIDE``: a query in another context
-    fails as the driver's does (CUDA_ERROR_INVALID_CONTEXT)."""
-
-    DEVICE_STRIDE = 0x1_0000
-
-    def __init__(self, start, fail_launch: int = 0, per_sm: dict | None = None):
-        super().__init__(start)
-        self.fail_launch = fail_launch
-        self.per_sm = per_sm or {}  # device -> the occupancy its kernels report
-        self.records: list = []
-
-    def _own(self, func) -> bool:
-        return self.current() == primary(int(func) // self.DEVICE_STRIDE)
-
-    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        self.records.append(("launch", func, self.current(), stream))
-        return self.fail_launch or (0 if self._own(func) else CUDA_ERROR_INVALID_CONTEXT)
-
-    def cuLaunchCooperativeKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, params):
-        self.records.append(("coop", func, self.current(), stream))
-        return self.fail_launch or (0 if self._own(func) else CUDA_ERROR_INVALID_CONTEXT)
-
-    def cuMemsetD32Async(self, ptr, value, words, stream):
-        self.records.append(("memset", ptr, self.current(), stream))
-        return 0
-
-    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, n, func, block, shared):
-        self.records.append(("occupancy", func.value, self.current(), block))
-        if not self._own(func.value):
-            return CUDA_ERROR_INVALID_CONTEXT
-        n._obj.value = self.per_sm.get(func.value // self.DEVICE_STRIDE, 3)
-        return 0
-
-    def cuFuncGetAttribute(self, n, attribute, func):
-        self.records.append(("get_attribute", func.value, self.current(), attribute))
-        n._obj.value = 1216
-        return 0 if self._own(func.value) else CUDA_ERROR_INVALID_CONTEXT
-
-    def cuFuncSetAttribute(self, func, attribute, value):
-        self.records.append(("set_attribute", func.value, self.current(), value.value))
-        return 0 if self._own(func.value) else CUDA_ERROR_INVALID_CONTEXT
 
 
 @pytest.fixture
 def fake(monkeypatch):
-    """Install a FakeDriver (device 0's context current) for the executor and the kernels."""
-    drv = FakeDriver(start=0)
-    monkeypatch.setattr(P, "driver", lambda: drv)
-    monkeypatch.setattr(_cuda, "driver", lambda: drv)
-    monkeypatch.setattr(P, "_primary", {})
-    return drv
+    return F.install(monkeypatch.setattr)
 
 
 def device_refs(key: _cuda.ModuleKey, device: int) -> dict:
@@ -130,7 +79,7 @@ def test_a_failed_launch_still_restores_the_callers_context(fake):
 def test_without_the_guard_the_launch_would_fail(fake):
     """The fake is faithful: a plan whose device tag is dropped runs in the caller's context, and
     its kernels (device 1's) are refused there, as the driver refuses them."""
-    with pytest.raises(RuntimeError, match=f"CUDA error {CUDA_ERROR_INVALID_CONTEXT}"):
+    with pytest.raises(RuntimeError, match=f"CUDA error {F.CUDA_ERROR_INVALID_CONTEXT}"):
         P.execute(a_plan(1)._replace(device=-1), PTRS, 0x5)
     assert fake.calls == []
 
@@ -155,22 +104,6 @@ def test_a_thread_without_a_context_gets_the_plans(fake):
 
 
 # ---- the plans carry their device ----------------------------------------------------------------
-def fake_kernels(drv: FakeDriver):
-    """_cuda.kernels stood in for: real Kernel objects whose handles belong to the device asked."""
-    made: dict = {}
-
-    def kernels(key, device):
-        if (key, device) not in made:
-            names = _cuda.name_expressions(key)
-            made[(key, device)] = {
-                role: _cuda.Kernel(types.SimpleNamespace(kernel=types.SimpleNamespace(
-                    ptr=device * FakeDriver.DEVICE_STRIDE + 0x100 + i)), role, expr, device)
-                for i, (role, expr) in enumerate(names.items())}
-        return made[(key, device)]
-
-    return kernels
-
-
 PLANS = {  # every cached plan of _cuda, by name: a call for device d
     "quantize": lambda d: _cuda.quantize_plan(d, "bfloat16", "e4m3", "identity", 300, 64, True, False, True),
     "layernorm": lambda d: _cuda.layernorm_plan(d, "bfloat16", "float32", "e4m3", 300, 4000, True, True),
@@ -184,7 +117,7 @@ PLANS = {  # every cached plan of _cuda, by name: a call for device d
 @pytest.fixture
 def fake_gpus(fake, monkeypatch):
     """Two GPUs of the FakeDriver, device 0 current, kernels and plans made from nothing."""
-    monkeypatch.setattr(_cuda, "kernels", fake_kernels(fake))
+    monkeypatch.setattr(_cuda, "kernels", F.fake_kernels)
     monkeypatch.setattr(_cuda, "sm_count", lambda device: SMS)
     monkeypatch.setattr(_cuda, "shared_optin", lambda device: 227 << 10)
     clear = [_cuda.quantize_plan, _cuda.layernorm_plan, _cuda.amax_plan, _cuda.layernorm_amax_plan,
@@ -238,7 +171,7 @@ def test_a_kernel_queried_outside_its_context_would_fail(fake_gpus):
     """The fake is faithful: the same query in device 0's context is refused for device 1's kernel."""
     kernel = _cuda.kernels(QKEY, 1)["flat_vec1_store1"]
     kernel.device = 0  # as if the kernel were taken for device 0's: no context switch
-    with pytest.raises(RuntimeError, match=f"CUDA error {CUDA_ERROR_INVALID_CONTEXT}"):
+    with pytest.raises(RuntimeError, match=f"CUDA error {F.CUDA_ERROR_INVALID_CONTEXT}"):
         kernel.blocks_per_sm(128)
 
 
