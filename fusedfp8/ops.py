@@ -292,7 +292,9 @@ def _device_run(p: _Plan, approximate: str) -> Quantized:
 
 
 def _run(p: _Plan, approximate: str = "tanh") -> Quantized:
-    return _device_run(p, approximate) if p.xi.is_gpu else _host_run(p, approximate)
+    out = _device_run(p, approximate) if p.xi.is_gpu else _host_run(p, approximate)
+    io.mark_written(p.written().values())
+    return out
 
 
 def _host_layernorm(p: _LayerNormPlan) -> LayerNormQuantized:
@@ -421,7 +423,9 @@ def layernorm_quantize(x, weight, bias, eps: float, scale, fmt: str | Format | N
         is written.
     """
     p = _LayerNormPlan(x, weight, bias, eps, scale, fmt, amax, transpose, pad_to)
-    return _device_layernorm(p) if p.xi.is_gpu else _host_layernorm(p)
+    out = _device_layernorm(p) if p.xi.is_gpu else _host_layernorm(p)
+    io.mark_written(p.written().values())
+    return out
 
 
 def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = None):
@@ -531,6 +535,7 @@ def update_scales(state: ScalingState, recipe: DelayedScaling | CurrentScaling) 
                                margin_factor=recipe.margin_factor, algo_max=recipe.amax_compute_algo == "max")
     if immutable:
         return state.replace(**{f: io.out_for_caller(v.array, hi) for f, v in zip(STATE_FIELDS, views)})
+    io.mark_written(infos)
     if state.on_update is not None:
         state.on_update()
     return state

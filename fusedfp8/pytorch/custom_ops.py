@@ -41,6 +41,7 @@ not 16-byte aligned, such as column views of the state) and a value frozen for t
 """
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 
@@ -59,6 +60,7 @@ __all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_
 
 _MUTATED = ("amax_history", "scale", "scale_inv")
 _IMPLS: dict = {}  # custom op -> its Python implementation
+_WRITES: dict = {}  # custom op -> the positions of the tensors it mutates (its schema's (a!) arguments)
 _PLAIN = (Tensor, torch.nn.Parameter)  # tensor types that nothing can be tracing
 _checked: dict = {}  # call signature -> its launch plan (the full argument check has passed)
 # the ops in the order of torch_ops.cc's Op enum; (kernel op, transpose) of each quantizing one
@@ -73,6 +75,7 @@ def _register(name: str, mutates_args):
     def wrap(fn):
         op = torch.library.custom_op(f"fusedfp8::{name}", mutates_args=mutates_args)(fn)
         _IMPLS[op] = fn
+        _WRITES[op] = tuple(i for i, p in enumerate(inspect.signature(fn).parameters) if p in mutates_args)
         if name in _CPP_OPS:
             _CPP_INDEX[op] = _CPP_OPS.index(name)
         return op
@@ -89,14 +92,20 @@ def call(op, *args):
     arguments), several times the kernel launch itself. Whenever anything may be tracing (torch.compile,
     a TorchDispatchMode such as make_fx or FakeTensorMode, functorch transforms, tensor
     subclasses) the call goes through the dispatcher, so the op is seen as the custom op it is.
+    The direct call bumps the version counters of the tensors the op mutates, as the dispatcher
+    does, so that autograd sees the writes.
     """
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._are_functorch_transforms_active()
             or any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args)):
         return op(*args)
     if _cpp is not None and args[0].is_cuda and op in _CPP_INDEX:  # the C++ implementation, without the dispatcher
-        return _cpp.call(_CPP_INDEX[op], *args)
-    return _IMPLS[op](*args)
+        return _cpp.call(_CPP_INDEX[op], *args)  # (it bumps the versions of what it writes, as below)
+    out = _IMPLS[op](*args)
+    if _WRITES[op]:  # what the dispatcher's ADInplaceOrView kernel does for the mutated arguments, so that
+        # autograd's saved-tensor check sees the writes (inference tensors have no version counter)
+        torch.autograd.graph.increment_version([args[i] for i in _WRITES[op]])
+    return out
 
 
 # ---- the C++ implementation (fusedfp8/csrc/torch_ops.cc) --------------------------------------
