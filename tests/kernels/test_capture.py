@@ -115,14 +115,16 @@ def unloaded(monkeypatch):
     """``unload(*families)``: those modules as not loaded yet (the rest as loaded), and no plan cached
     anywhere (the _cuda caches, the custom ops' checked signatures, the C++ ops' cache), before and
     after the test."""
+    from fusedfp8 import csrc
     from fusedfp8.pytorch import custom_ops as C
 
     def forget():
         for fn in PLAN_FNS:
             fn.cache_clear()
         C._checked.clear()
-        if C._cpp is not None:
-            C._cpp.clear_cache()
+        lib, _ = csrc.library("torch")
+        if lib is not None:
+            lib.clear_cache()
 
     def unload(*families):
         monkeypatch.setattr(_cuda, "_loaded", {k: v for k, v in _cuda._loaded.items() if k[0].family not in families})
