@@ -12,8 +12,10 @@ Launches go through *plans* (:func:`quantize_plan`, :func:`layernorm_plan`, :fun
 :func:`update_plan`):
 for one signature, the memsets and kernel launches of a call as pure data (CUfunction handles,
 grids, blocks, and each parameter as an immediate or "pointer of buffer slot i plus an offset"),
-built once and cached. The Python executor (:func:`fusedfp8.csrc.plan.execute`) and the compiled
-shim (fusedfp8/csrc: the XLA FFI handler, the torch C++ ops) run the same plans. The ``launch_*``
+built once and cached, tagged with the device whose context holds its kernels. The Python
+executor (:func:`fusedfp8.csrc.plan.execute`, which runs a plan in its device's context whatever
+the caller's current device) and the compiled shim (fusedfp8/csrc: the XLA FFI handler, the torch
+C++ ops) run the same plans. The ``launch_*``
 functions at the end are thin wrappers that take raw device pointers and a stream, as
 :mod:`fusedfp8.ops` and the JAX callbacks call them. They check nothing: their callers own
 shapes, dtypes and lifetimes.
@@ -33,7 +35,7 @@ from typing import NamedTuple
 # the plan format and the Python executor (re-exported: the launch interface is this module)
 from .csrc.plan import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, NULLPTR, QUANTIZE_SLOTS, UPDATE_SLOTS, Launch,  # noqa: F401
                         Memset, Plan, Variant, _check, _mask, _plan, driver, dry_run, execute, flag, imm32, imm64, immf32,
-                        ptr)
+                        on_device, plan_on, ptr, refuse_in_capture)
 from .numerics import layernorm as _ln
 # the plans' sizes, layouts and builders (re-exported, as the plan format above). Not re-exported: the
 # grid rules (_flat_grid, _tiled_grid, _resident) that the builders read as module globals, so that
@@ -162,30 +164,38 @@ _loaded: dict = {}  # (ModuleKey, device) -> {role: Kernel}; read without the lo
 compile_count = 0  # modules compiled (or loaded from CuPy's disk cache) in this process
 
 class Kernel:
-    """A compiled kernel: its CUfunction handle (``func``), its name and its occupancy. CuPy
-    compiles and loads the module and keeps it alive (``raw``); launches go through plans."""
+    """A compiled kernel: its CUfunction handle (``func``), its name, the device whose context
+    holds it, and its occupancy. CuPy compiles and loads the module and keeps it alive (``raw``);
+    launches go through plans. Every driver call on the handle runs in the device's context: the
+    handle means nothing in another GPU's, and the caller's current device may be any."""
 
-    def __init__(self, raw, role: str, name: str):
+    def __init__(self, raw, role: str, name: str, device: int):
         if driver() is None:
             raise RuntimeError("fusedfp8: libcuda.so.1 cannot be loaded, so no kernel can be launched")
-        self.raw, self.role, self.name = raw, role, name
+        self.raw, self.role, self.name, self.device = raw, role, name, device
         self.func = raw.kernel.ptr
 
     @functools.lru_cache(maxsize=None)
     def blocks_per_sm(self, block: int, shared: int = 0) -> int:
         """Resident blocks of ``block`` threads with ``shared`` bytes of dynamic shared memory per
-        multiprocessor (the occupancy calculator)."""
+        multiprocessor (the occupancy calculator; 0 where one block does not fit, which the launch
+        then refuses). A driver error raises: a guessed occupancy would size every grid of the
+        plan wrong without a word."""
         n = ctypes.c_int(0)
-        err = driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(self.func),
-                                                                     block, ctypes.c_size_t(shared))
-        return n.value if err == 0 and n.value > 0 else 1
+        with on_device(self.device):
+            err = driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(self.func),
+                                                                         block, ctypes.c_size_t(shared))
+        _check(err, f"the occupancy query of {self.name} ({block} threads, {shared} bytes of shared memory) on "
+                    f"cuda:{self.device}")
+        return n.value
 
     @functools.cached_property
     def static_shared(self) -> int:
         """Bytes of static shared memory the kernel declares (its dynamic shared memory comes after)."""
         n = ctypes.c_int(0)
-        _check(driver().cuFuncGetAttribute(ctypes.byref(n), 1, ctypes.c_void_p(self.func)),  # SHARED_SIZE_BYTES
-               f"reading the static shared memory of {self.name}")
+        with on_device(self.device):
+            err = driver().cuFuncGetAttribute(ctypes.byref(n), 1, ctypes.c_void_p(self.func))  # SHARED_SIZE_BYTES
+        _check(err, f"reading the static shared memory of {self.name} on cuda:{self.device}")
         return n.value
 
     def allow_shared(self, nbytes: int) -> None:
@@ -193,8 +203,9 @@ class Kernel:
         beyond 48 KiB need the attribute (set once per size, before any launch that uses it). Without
         it the occupancy calculator answers 0 blocks and the launch fails."""
         if nbytes > getattr(self, "_shared_cap", (48 << 10) - self.static_shared):
-            _check(driver().cuFuncSetAttribute(ctypes.c_void_p(self.func), 8, ctypes.c_int(nbytes)),  # MAX_DYNAMIC_SHARED
-                   f"allowing {nbytes} bytes of shared memory for {self.name}")
+            with on_device(self.device):
+                err = driver().cuFuncSetAttribute(ctypes.c_void_p(self.func), 8, ctypes.c_int(nbytes))  # MAX_DYNAMIC_SHARED
+            _check(err, f"allowing {nbytes} bytes of shared memory for {self.name} on cuda:{self.device}")
             self._shared_cap = nbytes
 
 
@@ -212,7 +223,7 @@ def _build(key: ModuleKey, device_id: int) -> dict:
         try:  # CuPy may compile when the module is built or at the first get_function
             mod = cupy.RawModule(code=family_source(key.family), options=options,
                                  name_expressions=list(names.values()))
-            out = {role: Kernel(mod.get_function(expr), role, expr) for role, expr in names.items()}
+            out = {role: Kernel(mod.get_function(expr), role, expr, device_id) for role, expr in names.items()}
         except cupy.cuda.compiler.CompileException as e:
             raise CompileError(
                 f"fusedfp8: NVRTC failed to compile {key.family}.cu (kernels {sorted(names.values())}) with options "
@@ -224,9 +235,10 @@ def _build(key: ModuleKey, device_id: int) -> dict:
 
 def kernels(key: ModuleKey, device_id: int) -> dict:
     """The compiled kernels of module ``key`` on device ``device_id`` (built once, even when
-    first calls race from several threads)."""
+    first calls race from several threads; refused while the stream of :func:`plan_on` captures)."""
     found = _loaded.get((key, device_id))
     if found is None:
+        refuse_in_capture(f"the {key.family} kernels ({', '.join(v for v in key[1:] if v)})", device_id)
         with _lock:
             found = _loaded.get((key, device_id))
             if found is None:
@@ -311,7 +323,7 @@ def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: i
     if first and coop:
         refs = {**refs, **kernel_refs(ModuleKey("current_quantize", dtype, fmt, op), device)}
     return build_quantize_plan(refs, sm_count(device), rows, cols, transpose, dbias, first, margin_factor, offset,
-                               pad_to, coop)
+                               pad_to, coop)._replace(device=device)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -335,30 +347,33 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
 
     refs = {role: KernelRef(k.func, k.name, role, per_sm(role, k)) for role, k in ks.items()}
     return build_layernorm_plan(refs, sm_count(device), rows, cols, transpose, first, eps, margin_factor, offset, tile,
-                                pad_to)
+                                pad_to)._replace(device=device)
 
 
 @functools.lru_cache(maxsize=1024)
 def amax_plan(device: int, dtype: str, op: str, n: int) -> Plan:
     """:func:`build_amax_plan` for an input of ``dtype`` and kernel ``op`` on ``device``."""
-    return build_amax_plan(kernel_refs(ModuleKey("quantize", dtype, "e4m3", op), device), sm_count(device), n)
+    return build_amax_plan(kernel_refs(ModuleKey("quantize", dtype, "e4m3", op), device), sm_count(device),
+                           n)._replace(device=device)
 
 
 @functools.lru_cache(maxsize=1024)
 def layernorm_amax_plan(device: int, dtype: str, param: str, rows: int, cols: int, eps: float = 1e-5) -> Plan:
     """:func:`build_layernorm_amax_plan` for (dtype, param) on ``device``."""
     refs = kernel_refs(ModuleKey("layernorm_quantize", dtype, "e4m3", param=param), device)
-    return build_layernorm_amax_plan(refs, sm_count(device), rows, cols, eps)
+    return build_layernorm_amax_plan(refs, sm_count(device), rows, cols, eps)._replace(device=device)
 
 
 @functools.lru_cache(maxsize=1024)
 def dequantize_plan(device: int, dtype: str, fmt: str, n: int) -> Plan:
-    return build_dequantize_plan(kernel_refs(ModuleKey("dequantize", dtype, fmt), device), sm_count(device), n)
+    return build_dequantize_plan(kernel_refs(ModuleKey("dequantize", dtype, fmt), device), sm_count(device),
+                                 n)._replace(device=device)
 
 
 @functools.lru_cache(maxsize=256)
 def update_plan(device: int, n: int, L: int, margin_factor: float, algo_max: bool, meta: bool = False) -> Plan:
-    return build_update_plan(kernel_refs(ModuleKey("update_scales"), device), n, L, margin_factor, algo_max, meta)
+    return build_update_plan(kernel_refs(ModuleKey("update_scales"), device), n, L, margin_factor, algo_max,
+                             meta)._replace(device=device)
 
 
 # ---- the launch interface on raw pointers (thin wrappers over the plans) ---------------------
@@ -393,8 +408,8 @@ def launch_quantize(device: int, stream: int, *, dtype: str, fmt: str, op: str, 
     """
     if rows * cols == 0 and not scale_inv_used:
         return
-    plan = quantize_plan(device, dtype, fmt, op, rows, cols, bool(q_t), bool(dbias or partial or counters),
-                         bool(first), float(margin_factor), 0, int(pad_to), bool(coop))
+    plan = plan_on(stream, quantize_plan, device, dtype, fmt, op, rows, cols, bool(q_t),
+                   bool(dbias or partial or counters), bool(first), float(margin_factor), 0, int(pad_to), bool(coop))
     execute(plan, (x, b, q, q_t, dbias, partial, counters, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                    updates), stream)
 
@@ -423,8 +438,8 @@ def launch_layernorm_quantize(device: int, stream: int, *, dtype: str, param: st
     """
     if rows == 0 and not scale_inv_used:
         return
-    plan = layernorm_plan(device, dtype, param, fmt, rows, cols, bool(q_t), bool(first), float(eps),
-                          float(margin_factor), 0, int(pad_to))
+    plan = plan_on(stream, layernorm_plan, device, dtype, param, fmt, rows, cols, bool(q_t), bool(first), float(eps),
+                   float(margin_factor), 0, int(pad_to))
     execute(plan, (x, weight, bias, q, q_t, mean, rstd, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                    updates), stream)
 
@@ -433,7 +448,7 @@ def launch_dequantize(device: int, stream: int, *, dtype: str, fmt: str, q: int,
                       n: int) -> None:
     """``out[i] = dtype(float32(q[i]) * scale_inv[0])`` for n elements (nothing for n == 0)."""
     if n:
-        execute(dequantize_plan(device, dtype, fmt, n), (q, out, scale_inv), stream)
+        execute(plan_on(stream, dequantize_plan, device, dtype, fmt, n), (q, out, scale_inv), stream)
 
 
 def launch_update_scales(device: int, stream: int, *, amax_history: int, scale: int, scale_inv: int,
@@ -442,5 +457,5 @@ def launch_update_scales(device: int, stream: int, *, amax_history: int, scale: 
     """Launch the fused update (:func:`fusedfp8.numerics.scaling.update_rule`) on raw pointers, in
     place: ``amax_history`` (L, n) float32, ``scale``/``scale_inv`` (n,) float32,
     ``overflows``/``updates`` (n,) int32, ``fmt_max`` (n,) float32 (each tensor's format max)."""
-    execute(update_plan(device, n, L, float(margin_factor), bool(algo_max)),
+    execute(plan_on(stream, update_plan, device, n, L, float(margin_factor), bool(algo_max)),
             (amax_history, scale, scale_inv, overflows, updates, fmt_max), stream)

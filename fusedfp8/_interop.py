@@ -109,6 +109,10 @@ class _Adapter:
     def device_view(self, info: ArrayInfo) -> ArrayInfo:
         return info
 
+    def mark_written(self, arrays: list) -> None:
+        """``arrays`` were written in place through their memory; frameworks that keep a record of
+        in-place writes are told (the default: nothing is kept)."""
+
     def stream_ptr(self, device: int) -> int:
         import cupy
 
@@ -163,6 +167,12 @@ class _Cupy(_Adapter):
 
     def host_copy(self, a):
         return a.get()
+
+    def copy(self, a):
+        import cupy
+
+        with cupy.cuda.Device(a.device.id):  # (cupy copies onto the current device otherwise)
+            return a.copy()
 
 
 class _Jax(_Adapter):
@@ -268,6 +278,13 @@ class _Torch(_Adapter):
 
     def copy(self, a):
         return a.clone()
+
+    def mark_written(self, arrays):
+        """Their version counters advance, as an in-place op's would: autograd's check of saved
+        tensors (and anything keyed on the version) sees the write."""
+        import torch
+
+        torch.autograd.graph.increment_version(arrays)
 
     def stream_ptr(self, device):
         import torch
@@ -398,6 +415,14 @@ def zeros(like: ArrayInfo, shape, dtype: str):
 
 def upload(host: np.ndarray, like: ArrayInfo):
     return like.adapter.upload(host, like)
+
+
+def mark_written(infos) -> None:
+    """Record that the arrays of ``infos`` (ArrayInfo of one framework) were written in place
+    behind their framework's back (a kernel, a numpy view): torch tensors' version counters advance."""
+    infos = list(infos)
+    if infos:
+        infos[0].adapter.mark_written([i.array for i in infos])
 
 
 def data_ptr(a) -> int:

@@ -292,7 +292,9 @@ def _device_run(p: _Plan, approximate: str) -> Quantized:
 
 
 def _run(p: _Plan, approximate: str = "tanh") -> Quantized:
-    return _device_run(p, approximate) if p.xi.is_gpu else _host_run(p, approximate)
+    out = _device_run(p, approximate) if p.xi.is_gpu else _host_run(p, approximate)
+    io.mark_written(p.written().values())
+    return out
 
 
 def _host_layernorm(p: _LayerNormPlan) -> LayerNormQuantized:
@@ -423,7 +425,9 @@ def layernorm_quantize(x, weight, bias, eps: float, scale, fmt: str | Format | N
         is written.
     """
     p = _LayerNormPlan(x, weight, bias, eps, scale, fmt, amax, transpose, pad_to)
-    return _device_layernorm(p) if p.xi.is_gpu else _host_layernorm(p)
+    out = _device_layernorm(p) if p.xi.is_gpu else _host_layernorm(p)
+    io.mark_written(p.written().values())
+    return out
 
 
 def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = None):
@@ -527,13 +531,14 @@ def update_scales(state: ScalingState, recipe: DelayedScaling | CurrentScaling) 
     views = [io.device_view(i) for i in infos]
     immutable = not io.is_mutable(state.amax_history)
     if immutable:  # jax buffers: update copies, return a new state
-        views = [io.describe(v.array.copy(), "state") for v in views]
+        views = [io.describe(io.copy(v.array), "state") for v in views]
     fmt_max = _fmt_max_device(state, recipe, hi)
     _cuda.launch_update_scales(hi.device, io.stream_ptr(hi), **{f: v.ptr for f, v in zip(STATE_FIELDS, views)},
                                fmt_max=io.data_ptr(fmt_max), n=state.num_tensors, L=state.history_len,
                                margin_factor=recipe.margin_factor, algo_max=recipe.amax_compute_algo == "max")
     if immutable:
         return state.replace(**{f: io.out_for_caller(v.array, hi) for f, v in zip(STATE_FIELDS, views)})
+    io.mark_written(infos)
     if state.on_update is not None:
         state.on_update()
     return state

@@ -398,32 +398,8 @@ inline std::string run(int device, const Shape& s, const void* a, const void* b,
 // Runs fn() with `device`'s primary context current on this thread, restoring the previous one.
 template <class Fn>
 std::string on_device(int device, Fn fn) {
-  const Driver& d = driver();
-  if (!d.why.empty()) return "fusedfp8: " + d.why;
-  CUcontext prev = nullptr;
-  d.ctx_get_current(&prev);
-  int cur = -1;
-  if (prev == nullptr || d.ctx_get_device(&cur) != 0 || cur != device) {
-    constexpr int kMaxDevices = 64;
-    static CUcontext primary[kMaxDevices] = {};  // retained once per device and kept (as ensure_context does)
-    if (device < 0 || device >= kMaxDevices) return "fusedfp8: CUDA device index " + std::to_string(device) + " out of range";
-    CUresult r = 0;
-    CUcontext ctx = nullptr;
-    {
-      std::lock_guard<std::mutex> g(lock());
-      if (primary[device] == nullptr) {
-        CUdevice dev = 0;
-        r = d.device_get(&dev, device);
-        if (r == 0) r = d.primary_ctx_retain(&primary[device], dev);
-      }
-      ctx = primary[device];
-    }
-    if (r == 0) r = d.ctx_set_current(ctx);
-    if (r != 0) return "fusedfp8: making CUDA device " + std::to_string(device) + " current failed: " + cuda_error(r);
-    std::string err = fn();
-    d.ctx_set_current(prev);
-    return err;
-  }
+  ContextGuard ctx(device);
+  if (!ctx.error().empty()) return ctx.error();
   return fn();
 }
 

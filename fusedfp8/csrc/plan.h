@@ -107,17 +107,11 @@ inline std::string cuda_error(CUresult err) {
   return "CUDA error " + std::to_string(err) + " (" + (name ? name : "?") + ": " + (text ? text : "?") + ")";
 }
 
-// Makes `device`'s primary context current on this thread when the thread has no current context.
-// The driver API launches into the current context, and a thread that has made no CUDA runtime
-// call yet has none: torch's autograd engine runs the backward on worker threads of its own, and
-// the caching allocator hands out memory without touching the runtime, so the first launch of a
-// backward op there failed with CUDA_ERROR_INVALID_CONTEXT. The runtime uses the same primary
-// context (retained here once per device and kept). "" or the error.
-inline std::string ensure_context(int device) {
+// The primary context of `device` (the one the CUDA runtime, and so torch, CuPy and XLA, use),
+// retained once per device and kept. "" or the error.
+inline std::string primary_context(int device, CUcontext* out) {
   const Driver& d = driver();
   if (!d.why.empty()) return "fusedfp8: " + d.why;
-  CUcontext cur = nullptr;
-  if (d.ctx_get_current(&cur) == 0 && cur != nullptr) return "";
   constexpr int kMaxDevices = 64;
   static CUcontext primary[kMaxDevices] = {};
   if (device < 0 || device >= kMaxDevices) return "fusedfp8: CUDA device index " + std::to_string(device) + " out of range";
@@ -132,11 +126,48 @@ inline std::string ensure_context(int device) {
     if (!__atomic_compare_exchange_n(&primary[device], &none, ctx, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
       ctx = none;
   }
-  CUresult err = d.ctx_set_current(ctx);
-  if (err != 0) return "fusedfp8: making CUDA device " + std::to_string(device) + "'s context current failed: " +
-                       cuda_error(err);
+  *out = ctx;
   return "";
 }
+
+// Holds `device`'s primary context current on this thread for its scope and restores the thread's
+// previous context after (nothing to do when it is current already). The driver API launches into
+// the current context and a kernel handle is valid in its own context only, while the thread's
+// current context may be another GPU's (the caller's current device), none (a thread that made no
+// CUDA runtime call yet: torch's autograd engine runs the backward on worker threads of its own,
+// and the caching allocator hands out memory without touching the runtime) or a context of the
+// same GPU that is not the primary one. error() is "" or why the context could not be made current.
+class ContextGuard {
+ public:
+  explicit ContextGuard(int device) {
+    CUcontext ctx = nullptr;
+    error_ = primary_context(device, &ctx);
+    if (!error_.empty()) return;
+    const Driver& d = driver();
+    if (CUresult err = d.ctx_get_current(&prev_)) {
+      error_ = "fusedfp8: reading the thread's current CUDA context failed: " + cuda_error(err);
+      return;
+    }
+    if (prev_ == ctx) return;
+    if (CUresult err = d.ctx_set_current(ctx)) {
+      error_ = "fusedfp8: making CUDA device " + std::to_string(device) + "'s context current failed: " +
+               cuda_error(err);
+      return;
+    }
+    swapped_ = true;
+  }
+  ~ContextGuard() {
+    if (swapped_) driver().ctx_set_current(prev_);
+  }
+  ContextGuard(const ContextGuard&) = delete;
+  ContextGuard& operator=(const ContextGuard&) = delete;
+  const std::string& error() const { return error_; }
+
+ private:
+  CUcontext prev_ = nullptr;
+  bool swapped_ = false;
+  std::string error_;
+};
 
 // ---- the plan walk ---------------------------------------------------------------------------
 inline std::string_view nth_name(std::string_view names, int64_t i) {

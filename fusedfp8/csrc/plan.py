@@ -15,6 +15,7 @@ Nothing here imports a framework or CuPy.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import struct
@@ -117,6 +118,9 @@ class Plan(NamedTuple):
     slots: tuple  # slot names, in the order the caller's pointers come in
     steps: tuple  # Memset | Launch, in launch order
     program: tuple  # the steps, pre-digested for the Python executor
+    # the CUDA ordinal whose context holds the kernels (their handles are valid there only); -1 for a
+    # plan of made-up kernels, which runs in whatever context is current
+    device: int = -1
 
     def encode(self) -> tuple[np.ndarray, str]:
         """(int64 array, names) for the compiled shim: ``[PLAN_VERSION, n_slots, n_steps]``, then per
@@ -233,12 +237,128 @@ def _check(err: int, what: str) -> None:
         raise RuntimeError(f"fusedfp8: {what} failed: CUDA error {err} ({(msg.value or b'?').decode()})")
 
 
+_primary: dict = {}  # CUDA ordinal -> its primary context (retained once, kept)
+_primary_lock = threading.Lock()
+
+
+def primary_context(device: int) -> int:
+    """The primary context of CUDA device ``device``: the one the CUDA runtime (torch, CuPy, XLA)
+    uses, into which CuPy loaded the kernels. Retained once per device and kept."""
+    ctx = _primary.get(device)
+    if ctx is None:
+        with _primary_lock:
+            ctx = _primary.get(device)
+            if ctx is None:
+                drv = driver()
+                if drv is None:
+                    raise RuntimeError("fusedfp8: libcuda.so.1 cannot be loaded, so no kernel can be launched")
+                dev, c = ctypes.c_int(0), ctypes.c_void_p(0)
+                _check(drv.cuDeviceGet(ctypes.byref(dev), device), f"finding CUDA device {device}")
+                _check(drv.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev), f"retaining CUDA device {device}'s context")
+                ctx = _primary[device] = c.value
+    return ctx
+
+
+def push_context(device: int) -> bool:
+    """Make ``device``'s primary context current on this thread unless it is already; True when it
+    was pushed (then :func:`pop_context` restores the caller's). A kernel handle is valid in its
+    own context only, and the thread's current one may be another GPU's (the caller's current
+    device), none at all (a thread that made no CUDA runtime call: torch's autograd workers), or a
+    context of the same GPU that is not the primary one."""
+    drv = driver()
+    cur = ctypes.c_void_p(0)
+    err = drv.cuCtxGetCurrent(ctypes.byref(cur))
+    if err:
+        _check(err, "reading the thread's current CUDA context")
+    ctx = primary_context(device)
+    if cur.value == ctx:
+        return False
+    _check(drv.cuCtxPushCurrent_v2(ctypes.c_void_p(ctx)), f"making CUDA device {device}'s context current")
+    return True
+
+
+def pop_context() -> None:
+    """Undo a :func:`push_context` that returned True."""
+    _check(driver().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p(0))), "restoring the caller's CUDA context")
+
+
+@contextlib.contextmanager
+def on_device(device: int):
+    """Run the block with ``device``'s primary context current (a no-op for -1 and when it already
+    is), restoring the caller's after it: every driver call on a kernel handle goes under it."""
+    pushed = device >= 0 and push_context(device)
+    try:
+        yield
+    finally:
+        if pushed:
+            pop_context()
+
+
+_STREAM_CAPTURE_IMPLICIT = 906  # CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: the legacy stream while another captures
+
+
+def capturing(stream: int) -> bool:
+    """Whether a CUDA-graph capture is in progress on ``stream`` (active, or already invalidated);
+    for the legacy stream (0), on any blocking stream of the current context."""
+    status = ctypes.c_int(0)
+    err = driver().cuStreamIsCapturing(ctypes.c_void_p(stream), ctypes.byref(status))
+    if err == _STREAM_CAPTURE_IMPLICIT:
+        return True
+    _check(err, "asking whether the stream is capturing a CUDA graph")
+    return status.value != 0
+
+
+_launch_stream = threading.local()  # .handle: the stream that the plan being built (plan_on) launches on
+
+
+def plan_on(stream: int, make, *args) -> Plan:
+    """``make(*args)``, a function that builds (or finds cached) a plan for launches on ``stream``
+    (fusedfp8._cuda's plan functions). While a CUDA-graph capture is in progress on ``stream``,
+    :func:`refuse_in_capture` refuses to load a kernel module: loading one is not an operation a
+    capture may contain (in the default global mode it invalidates the capture). The rest of
+    building a plan is host work and capture-safe driver queries (occupancy, function attributes),
+    which libraries run inside captures on every call (CUB's dispatch, FlashAttention's launches),
+    so a new shape of a loaded module may still be planned in a capture."""
+    _launch_stream.handle = stream
+    try:
+        return make(*args)
+    finally:
+        _launch_stream.handle = None
+
+
+def refuse_in_capture(what: str, device: int) -> None:
+    """Raise if the stream of the plan being built (:func:`plan_on`) is capturing a CUDA graph:
+    ``what`` (e.g. "the quantize kernels (bfloat16, e4m3, identity)") would have to be loaded on
+    ``device`` first."""
+    stream = getattr(_launch_stream, "handle", None)
+    if stream is None:
+        return
+    with on_device(device):
+        if not capturing(stream):
+            return
+    raise RuntimeError(
+        f"fusedfp8: {what} are not loaded on cuda:{device} yet, and the stream is capturing a CUDA graph: loading "
+        "a module during a capture would invalidate it. Warm up first: run the same call (the same shapes, dtypes, "
+        "formats and recipe) once outside the capture, e.g. one eager step before torch.cuda.graph (torch.compile's "
+        "mode='reduce-overhead' warms up by itself)")
+
+
 def execute(plan: Plan, ptrs, stream: int) -> None:
-    """Run ``plan`` on the device pointers ``ptrs`` (one per slot, 0 = absent) on ``stream``: the
-    Python executor (the compiled shim runs the same plans, see fusedfp8/csrc/plan.h). The walk of
+    """Run ``plan`` on the device pointers ``ptrs`` (one per slot, 0 = absent) on ``stream`` (a stream
+    of ``plan.device``), in that device's context whatever the thread's current one is: the Python
+    executor (the compiled shim runs the same plans, see fusedfp8/csrc/plan.h). The walk of
     :func:`_walk`, written out: this is the hot path of the Python launch path."""
     if len(ptrs) != len(plan.slots):
         _walk(plan, ptrs, None, None)  # raises the message
+    pushed = plan.device >= 0 and push_context(plan.device)
+    try:
+        _launch_all(plan, ptrs, stream)
+    finally:
+        if pushed:
+            pop_context()
+
+
+def _launch_all(plan: Plan, ptrs, stream: int) -> None:
     drv = driver()
     for step in plan.program:
         if step[0] == MEMSET:
@@ -294,4 +414,11 @@ def driver():
     lib.cuMemsetD32Async.restype = ctypes.c_int
     lib.cuLaunchCooperativeKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, vp]
     lib.cuLaunchCooperativeKernel.restype = ctypes.c_int
+    pp = ctypes.POINTER(ctypes.c_void_p)
+    lib.cuCtxGetCurrent.argtypes = [pp]
+    lib.cuCtxPushCurrent_v2.argtypes = [vp]
+    lib.cuCtxPopCurrent_v2.argtypes = [pp]
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [pp, ctypes.c_int]
+    lib.cuStreamIsCapturing.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
     return lib

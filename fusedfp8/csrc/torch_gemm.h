@@ -26,6 +26,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -105,6 +106,9 @@ template <void* (*stream_of)(const c10::Device&)>
 at::Tensor cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
                 at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias) {
   const lt::Shape s = checked_shape(a, b, sa, sb, out_dtype, fast_accum, bias);
+  // the operands' device, not the caller's current one (the dispatcher adds no guard to a custom
+  // op): the bias copy below runs there, and cuBLASLt in the current context (on_device below)
+  const c10::DeviceGuard guard(a.device());
   at::Tensor out = at::empty({s.m, s.n}, a.options().dtype(out_dtype));
   if (s.m == 0 || s.n == 0) return out;
   if (s.k == 0) return bias ? out.copy_(bias->unsqueeze(0).expand({s.m, s.n})) : out.zero_();  // the empty sum
@@ -117,11 +121,11 @@ at::Tensor cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, 
   }
   at::Tensor ws = at::empty({std::max<int64_t>(s.workspace, 1)}, a.options().dtype(at::kByte));
   const int device = a.device().index();
-  std::string err = ensure_context(device);
-  if (err.empty())
-    err = lt::run(device, s, a.data_ptr(), b.data_ptr(), static_cast<const float*>(sa.data_ptr()),
-                  static_cast<const float*>(sb.data_ptr()), out.data_ptr(), ws.data_ptr(), stream_of(a.device()),
-                  bias ? v.data_ptr() : nullptr);
+  std::string err = lt::on_device(device, [&] {
+    return lt::run(device, s, a.data_ptr(), b.data_ptr(), static_cast<const float*>(sa.data_ptr()),
+                   static_cast<const float*>(sb.data_ptr()), out.data_ptr(), ws.data_ptr(), stream_of(a.device()),
+                   bias ? v.data_ptr() : nullptr);
+  });
   TORCH_CHECK(err.empty(), err);
   return out;
 }

@@ -16,7 +16,8 @@
 //   argument requires grad they call back into Python (custom_ops._cpp_grad_path), which keeps
 //   the custom op's behaviour (outputs whose backward raises).
 // - `call(op_index, *args)`: the same implementation for the eager fast path (custom_ops.call),
-//   without a dispatcher round trip.
+//   without a dispatcher round trip; it bumps the versions of the state it writes, as the
+//   dispatcher does.
 //
 // Compiles against the CPU-only torch wheel: the CUDA stream comes through c10's device guard
 // interface, outputs through at::empty (the dispatcher), the driver through plan.h.
@@ -185,10 +186,12 @@ void* current_stream(const c10::Device& device) {
 
 uint64_t addr(const at::Tensor& t) { return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0; }
 
+// Runs the plan on torch's current stream of `device`, in that device's context (the caller's
+// current device may be another GPU).
 void run_plan(const Entry& e, const uint64_t* bufs, size_t nbuf, const c10::Device& device) {
-  std::string err = ff8::ensure_context(device.index());
-  TORCH_CHECK(err.empty(), err);
-  err = ff8::run(e.plan.data(), e.plan.size(), bufs, nbuf, current_stream(device), e.names);
+  ff8::ContextGuard ctx(device.index());
+  TORCH_CHECK(ctx.error().empty(), ctx.error());
+  std::string err = ff8::run(e.plan.data(), e.plan.size(), bufs, nbuf, current_stream(device), e.names);
   TORCH_CHECK(err.empty(), err);
 }
 
@@ -352,6 +355,12 @@ void cuda_kernel(const c10::OperatorHandle& handle, torch::jit::Stack* stack) {
   for (auto& t : outs) stack->emplace_back(std::move(t));
 }
 
+// What the ADInplaceOrView kernel does for a mutated argument: autograd's check of saved tensors
+// then sees the write (an inference tensor has no version counter).
+void bump_version(const at::Tensor& t) {
+  if (t.defined() && !t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+}
+
 void autograd_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = handle.schema();
   const size_t n = schema.arguments().size();
@@ -384,10 +393,7 @@ void autograd_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet ks, 
   }
   for (size_t i = 0; i < n; ++i) {  // what the ADInplaceOrView kernel does for a mutated argument
     const auto* alias = schema.arguments()[i].alias_info();
-    if (alias != nullptr && alias->isWrite() && args[i].isTensor()) {
-      const at::Tensor& t = args[i].toTensor();
-      if (t.defined() && !t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
-    }
+    if (alias != nullptr && alias->isWrite() && args[i].isTensor()) bump_version(args[i].toTensor());
   }
   at::AutoDispatchBelowADInplaceOrView guard;
   handle.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
@@ -541,7 +547,9 @@ PyObject* py_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
       q.pad_to = PyLong_AsLongLong(a[i++]);
       if (q.pad_to == -1 && PyErr_Occurred()) return nullptr;
     }
-    return wrap_all(quantize(op, q, make_args));
+    std::vector<at::Tensor> outs = quantize(op, q, make_args);
+    for (const at::Tensor* t : {&q.hist, &q.scale, &q.scale_inv}) bump_version(*t);  // the schema's (a!) arguments
+    return wrap_all(outs);
   }
   FF8_CATCH
 }

@@ -33,6 +33,7 @@ either way: the op takes (M, K) and (N, K), i.e. ``a`` and ``b.t()`` of the call
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -45,9 +46,56 @@ from ..types import gemm_pad_to
 from . import custom_ops as fops
 from .weights import WeightCache
 
-__all__ = ["scaled_mm", "QuantizeSTE", "quantize_ste"]
+__all__ = ["scaled_mm", "QuantizeSTE", "QuantizeConfig", "quantize_ste"]
 
 _BIAS_FUSABLE = (torch.bfloat16, torch.float16)
+
+
+# ---- the configurations of the autograd functions (frozen: hashable, constants under torch.compile) --
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """How :class:`QuantizeSTE` quantizes: tensor ``index`` of the state, in ``fmt`` ('e4m3' or
+    'e5m2'), ``margin_factor`` = 2**margin, a first step with current scaling when ``current_first``."""
+
+    index: int
+    fmt: str
+    margin_factor: float
+    current_first: bool
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Everything but the tensors of one FP8 linear (:class:`_LinearFn`)."""
+
+    col: int  # the state column of the input; the weight's is col + 1, the output gradient's col + 2
+    fwd_fmt: str  # the input's and the weight's format
+    grad_fmt: str  # the output gradient's
+    margin_factor: float
+    current_first: bool  # a tensor's first step quantizes with its own amax (False: the state's scale)
+    need_dgrad: bool  # the forward writes the weight's transpose (for dx)
+    need_wgrad: bool  # the forward writes the input's transpose (for dw)
+    pad: int  # every operand padded to multiples of it (gemm_pad_to)
+    gemm: str  # the CUDA GEMM backend (scaled_mm's)
+    amax_group: str | None = None  # the process group (its name) of CurrentScaling across ranks
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """Everything but the tensors of the fused MLP core (:class:`_MLPFn`)."""
+
+    c1: int  # fc1's state columns: h, w1, dz = c1, c1 + 1, c1 + 2
+    c2: int  # fc2's: gelu(z), w2, dy = c2, c2 + 1, c2 + 2
+    fwd_fmt: str
+    grad_fmt: str
+    margin_factor: float
+    current_first1: bool  # fc1's tensors' first steps quantize with their own amax
+    current_first2: bool  # fc2's
+    approximate: str  # the gelu: 'tanh' or 'none'
+    training: bool  # a backward follows: the forward writes the transposes and saves for it
+    pad: int  # every operand padded to multiples of it (gemm_pad_to)
+    ln_eps: float | None  # not None: the input is LayerNorm's, fused into h's quantization
+    gemms: tuple  # the CUDA GEMM backends of fc1's and fc2's GEMMs
+    amax_group: str | None = None  # the process group (its name) of CurrentScaling across ranks
 
 
 def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None,
@@ -137,19 +185,20 @@ class QuantizeSTE(torch.autograd.Function):
 
     Forward: ``dequantize(quantize(x))`` in x's dtype, through a state slot (the amax of x goes
     into the state, the scale comes from it). Backward: the incoming gradient, unchanged.
-    Arguments after ``x`` are those of :func:`fusedfp8.pytorch.ops.quantize`; most callers use
-    :func:`quantize_ste`.
+    ``apply(x, amax_history, scale, scale_inv, updates, cfg)``: the state's tensors (as
+    :func:`fusedfp8.pytorch.custom_ops.quantize` takes them) and a :class:`QuantizeConfig`; most
+    callers use :func:`quantize_ste`.
     """
 
     @staticmethod
-    def forward(ctx, x, amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first):
-        q, q_si = fops.call(fops.quantize, x.contiguous(), amax_history, scale, scale_inv, updates, index, fmt,
-                            margin_factor, current_first)
+    def forward(ctx, x, amax_history, scale, scale_inv, updates, cfg: QuantizeConfig):
+        q, q_si = fops.call(fops.quantize, x.contiguous(), amax_history, scale, scale_inv, updates, cfg.index, cfg.fmt,
+                            cfg.margin_factor, cfg.current_first)
         return fops.call(fops.dequantize, q, q_si, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def quantize_ste(x: Tensor, state: ScalingState, index: int, recipe: DelayedScaling) -> Tensor:
@@ -175,9 +224,9 @@ def quantize_ste(x: Tensor, state: ScalingState, index: int, recipe: DelayedScal
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x: expected a torch.Tensor; got {type(x).__name__} (fusedfp8.ops.quantize takes any array)")
-    fmt = state.format_of(index, recipe).name
-    return QuantizeSTE.apply(x, state.amax_history, state.scale, state.scale_inv, state.updates, index, fmt,
-                             recipe.margin_factor, recipe.first_step == "current")
+    cfg = QuantizeConfig(index, state.format_of(index, recipe).name, recipe.margin_factor,
+                         recipe.first_step == "current")
+    return QuantizeSTE.apply(x, state.amax_history, state.scale, state.scale_inv, state.updates, cfg)
 
 
 # ---- FP8 linear ------------------------------------------------------------------------------
@@ -210,28 +259,24 @@ class _LinearFn(torch.autograd.Function):
     """y = x @ w.T + b with x (tensor 0) and w (tensor 1) in E4M3-style forward format, the
     output gradient (tensor 2) in the gradient format; see the module docstring for layouts.
 
-    ``state`` = (amax_history, scale, scale_inv, updates) of the module; ``cfg`` = (fwd_fmt,
-    grad_fmt, margin_factor, current_first); ``need_dgrad`` / ``need_wgrad`` say which
-    transposes the forward must produce; ``amax_group``: None, or the name of the process group
-    over which the output gradient's amax is reduced before its cast (CurrentScaling across
-    ranks, :func:`reduce_current`; ``current_first`` is then False).
+    ``apply(x, weight, bias, w_q, w_t, w_si, amax_history, scale, scale_inv, updates, cfg)``: the
+    weight quantized by :func:`quantized_weight` (``w_t`` None without ``cfg.need_dgrad``), the
+    module's state and a :class:`LinearConfig`. With ``cfg.amax_group`` the output gradient's amax
+    is reduced across the ranks before its cast (:func:`reduce_current`; ``cfg.current_first`` is
+    then False).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_q, w_t, w_si, amax_history, scale, scale_inv, updates, col, fwd_fmt, grad_fmt,
-                margin_factor, current_first, need_dgrad, need_wgrad, pad, gemm, amax_group=None):
+    def forward(ctx, x, weight, bias, w_q, w_t, w_si, amax_history, scale, scale_inv, updates, cfg: LinearConfig):
         state = (amax_history, scale, scale_inv, updates)
         x2 = _as_2d(x).contiguous()
         (m, k), n = x2.shape, weight.shape[0]
-        x_q, x_t, x_si = _quantize(x2, state, col, fwd_fmt, margin_factor, current_first, need_wgrad, pad)
-        y = scaled_mm(x_q, w_q.t(), x_si, w_si, _padded_bias(bias, w_q.shape[0]), x.dtype, True, gemm)
+        x_q, x_t, x_si = _quantize(x2, state, cfg.col, cfg.fwd_fmt, cfg.margin_factor, cfg.current_first,
+                                   cfg.need_wgrad, cfg.pad)
+        y = scaled_mm(x_q, w_q.t(), x_si, w_si, _padded_bias(bias, w_q.shape[0]), x.dtype, True, cfg.gemm)
         y = _unpad(y, m, n)
         ctx.save_for_backward(x_t, w_t, x_si, w_si)
-        ctx.state, ctx.col = state, col
-        ctx.cfg = (grad_fmt, margin_factor, current_first)
-        ctx.dims = (m, k, n, pad)
-        ctx.gemm = gemm
-        ctx.amax_group = amax_group
+        ctx.state, ctx.cfg, ctx.dims = state, cfg, (m, k, n)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -240,23 +285,24 @@ class _LinearFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         x_t, w_t, x_si, w_si = ctx.saved_tensors
+        cfg: LinearConfig = ctx.cfg
         g2 = _as_2d(grad).contiguous()
         dx = dw = db = None
         if x_t is not None or w_t is not None:
-            grad_fmt, margin_factor, current_first = ctx.cfg
-            m, k, n, pad = ctx.dims
-            if ctx.amax_group is not None:
-                reduce_current([_amax(g2)], ctx.state, ctx.col + 2, grad_fmt, margin_factor, ctx.amax_group)
-            g_q, g_t, g_si = fops.call(fops.quantize_t, g2, *ctx.state, ctx.col + 2, grad_fmt, margin_factor,
-                                       current_first, pad)
+            m, k, n = ctx.dims
+            col = cfg.col + 2
+            if cfg.amax_group is not None:
+                reduce_current([_amax(g2)], ctx.state, col, cfg.grad_fmt, cfg.margin_factor, cfg.amax_group)
+            g_q, g_t, g_si = fops.call(fops.quantize_t, g2, *ctx.state, col, cfg.grad_fmt, cfg.margin_factor,
+                                       cfg.current_first, cfg.pad)
             if w_t is not None:
-                dx = _unpad(scaled_mm(g_q, w_t.t(), g_si, w_si, None, ctx.x_dtype, False, ctx.gemm), m,
+                dx = _unpad(scaled_mm(g_q, w_t.t(), g_si, w_si, None, ctx.x_dtype, False, cfg.gemm), m,
                             k).reshape(ctx.x_shape)
             if x_t is not None:
-                dw = _unpad(scaled_mm(g_t, x_t.t(), g_si, x_si, None, ctx.w_dtype, False, ctx.gemm), n, k).contiguous()
+                dw = _unpad(scaled_mm(g_t, x_t.t(), g_si, x_si, None, ctx.w_dtype, False, cfg.gemm), n, k).contiguous()
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _bias_grad(g2, ctx.bias_dtype)
-        return (dx, dw, db) + (None,) * 17
+        return (dx, dw, db) + (None,) * 8
 
 
 def quantized_weight(w: Tensor, state: tuple, col: int, fmt: str, margin_factor: float, current_first: bool,
@@ -286,16 +332,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: tuple, cfg: tu
     the weight before their casts, one for the output gradient in the backward).
     Inputs are checked by the caller (:class:`fusedfp8.pytorch.Fp8Linear`)."""
     *st, col = state
-    fwd_fmt, _, mf, cf = cfg
+    fwd_fmt, grad_fmt, mf, cf = cfg
     if amax_group is not None:
         reduce_current([_amax(x), _amax(weight)], st, col, fwd_fmt, mf, amax_group)
         cf = False
-        cfg = (*cfg[:3], cf)
     m = math.prod(x.shape[:-1])
     pad = gemm_pad_to(x.shape[-1], weight.shape[0], *((m,) if need_wgrad else ()))  # tokens: a K only in wgrad
     w_q, w_t, w_si = quantized_weight(weight, tuple(st), col + 1, fwd_fmt, mf, cf, need_dgrad, pad, cache)
-    return _LinearFn.apply(x, weight, bias, w_q, w_t, w_si, *state, *cfg, need_dgrad, need_wgrad, pad, gemm,
-                           amax_group)
+    return _LinearFn.apply(x, weight, bias, w_q, w_t, w_si, *st, LinearConfig(
+        col, fwd_fmt, grad_fmt, mf, cf, need_dgrad, need_wgrad, pad, gemm, amax_group))
 
 
 # ---- fused MLP core: Linear -> gelu -> Linear ------------------------------------------------
@@ -308,12 +353,18 @@ class _MLPFn(torch.autograd.Function):
     w2, dy. Saved: h_t_q, w1_t_q, the pre-activation z (bf16: the gelu backward needs it),
     a_t_q, w2_t_q and the scale_inv their quantize ops returned.
 
-    With ``ln_eps`` (not None) the input is the MLP block's input x, and h = LayerNorm(x) (weight
-    ``ln_w``, bias ``ln_b``) comes quantized from the layernorm_quantize kernel with its
+    ``apply(h, ln_w, ln_b, w1, b1, w2, b2, w1_q, w1_t, w1_si, w2_q, w2_t, w2_si, hist1, scale1,
+    scale_inv1, updates1, hist2, scale2, scale_inv2, updates2, cfg, w2_cache)``: the weights
+    quantized by :func:`quantized_weight`, fc1's and fc2's states (fc2's None when both columns
+    are in one linked state: dynamo refuses a tensor given twice), an :class:`MLPConfig`, and
+    fc2's :class:`WeightCache` (or None), a holder this forward may fill, not configuration.
+
+    With ``cfg.ln_eps`` (not None) the input is the MLP block's input x, and h = LayerNorm(x)
+    (weight ``ln_w``, bias ``ln_b``) comes quantized from the layernorm_quantize kernel with its
     transpose and the per-row mean and rstd: h is never written in bf16. The LayerNorm backward
     runs in torch from the saved x, mean and rstd (``native_layer_norm_backward`` on CUDA).
 
-    ``amax_group`` (CurrentScaling across ranks, see :func:`reduce_current`): the name of the
+    ``cfg.amax_group`` (CurrentScaling across ranks, see :func:`reduce_current`): the name of the
     process group over which the amaxes of gelu(z) and w2 are reduced (one all_reduce) before
     their casts, here, since z exists only now: fc2's weight is then quantized in here (``w2_q``,
     ``w2_t``, ``w2_si`` None; from ``w2_cache`` where it holds it), and in the backward those of
@@ -322,43 +373,39 @@ class _MLPFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, ln_w, ln_b, w1, b1, w2, b2, w1_q, w1_t, w1_si, w2_q, w2_t, w2_si, hist1, scale1, scale_inv1,
-                updates1, c1, hist2, scale2, scale_inv2, updates2, c2, fwd_fmt, grad_fmt, margin_factor,
-                current_first1, current_first2, approximate, training, pad, ln_eps, gemms, amax_group=None,
-                w2_cache=None):
+                updates1, hist2, scale2, scale_inv2, updates2, cfg: MLPConfig, w2_cache=None):
         st1 = (hist1, scale1, scale_inv1, updates1)
         st2 = st1 if hist2 is None else (hist2, scale2, scale_inv2, updates2)
-        mf = margin_factor
+        fmt, mf, c1, c2, pad = cfg.fwd_fmt, cfg.margin_factor, cfg.c1, cfg.c2, cfg.pad
         h2 = _as_2d(h).contiguous()
         (m, hid), ffn, out = h2.shape, w1.shape[0], w2.shape[0]
         ln_saved = ()
-        if ln_eps is None:
-            h_q, h_t, h_si = _quantize(h2, st1, c1, fwd_fmt, mf, current_first1, training, pad)
+        if cfg.ln_eps is None:
+            h_q, h_t, h_si = _quantize(h2, st1, c1, fmt, mf, cfg.current_first1, cfg.training, pad)
         else:
-            h_q, h_t, h_si, mean, rstd = fops.call(fops.layernorm_quantize, h2, ln_w, ln_b, ln_eps, *st1, c1, fwd_fmt,
-                                                   mf, current_first1, training, pad)
-            h_t = h_t if training else None
+            h_q, h_t, h_si, mean, rstd = fops.call(fops.layernorm_quantize, h2, ln_w, ln_b, cfg.ln_eps, *st1, c1, fmt,
+                                                   mf, cfg.current_first1, cfg.training, pad)
+            h_t = h_t if cfg.training else None
             ln_saved = (h2, mean, rstd, ln_w, ln_b)
-        z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, _padded_bias(b1, w1_q.shape[0]), h.dtype, True, gemms[0])
+        z = scaled_mm(h_q, w1_q.t(), h_si, w1_si, _padded_bias(b1, w1_q.shape[0]), h.dtype, True, cfg.gemms[0])
         z = _unpad(z, m, ffn).contiguous()  # the pad of z holds the bias: not an input of the activation
-        if amax_group is not None:  # gelu(z) and w2: one all_reduce, then their casts with the scales given
-            reduce_current([_amax(z, None, "gelu", approximate), _amax(w2)], st2, c2, fwd_fmt, mf, amax_group)
-            w2_q, w2_t, w2_si = quantized_weight(w2, st2, c2 + 1, fwd_fmt, mf, current_first2, training, pad, w2_cache)
-        if training:
-            a_q, a_t, a_si = fops.call(fops.gelu_quantize_t, z, *st2, c2, fwd_fmt, mf, current_first2, approximate,
-                                       pad)
+        if cfg.amax_group is not None:  # gelu(z) and w2: one all_reduce, then their casts with the scales given
+            reduce_current([_amax(z, None, "gelu", cfg.approximate), _amax(w2)], st2, c2, fmt, mf, cfg.amax_group)
+            w2_q, w2_t, w2_si = quantized_weight(w2, st2, c2 + 1, fmt, mf, cfg.current_first2, cfg.training, pad,
+                                                 w2_cache)
+        if cfg.training:
+            a_q, a_t, a_si = fops.call(fops.gelu_quantize_t, z, *st2, c2, fmt, mf, cfg.current_first2,
+                                       cfg.approximate, pad)
         else:
-            (a_q, a_si), a_t = fops.call(fops.gelu_quantize, z, *st2, c2, fwd_fmt, mf, current_first2, approximate,
-                                         pad), None
-        y = _unpad(scaled_mm(a_q, w2_q.t(), a_si, w2_si, _padded_bias(b2, w2_q.shape[0]), h.dtype, True, gemms[1]),
-                   m, out)
-        if training:
+            (a_q, a_si), a_t = fops.call(fops.gelu_quantize, z, *st2, c2, fmt, mf, cfg.current_first2,
+                                         cfg.approximate, pad), None
+        y = _unpad(scaled_mm(a_q, w2_q.t(), a_si, w2_si, _padded_bias(b2, w2_q.shape[0]), h.dtype, True,
+                             cfg.gemms[1]), m, out)
+        if cfg.training:
             ctx.save_for_backward(h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si, *ln_saved)
-            ctx.ln = ln_eps is not None, ln_w is not None, ln_b is not None
-            ctx.states, ctx.cols = (st1, st2), (c1, c2)
-            ctx.cfg = (grad_fmt, mf, current_first1, current_first2, approximate)
-            ctx.dims = (m, hid, ffn, out, pad)
-            ctx.gemms = gemms
-            ctx.amax_group = amax_group
+            ctx.ln = cfg.ln_eps is not None, ln_w is not None, ln_b is not None
+            ctx.states, ctx.cfg = (st1, st2), cfg
+            ctx.dims = (m, hid, ffn, out)
             ctx.meta = (h.shape, h.dtype, w1.dtype, w2.dtype, None if b1 is None else b1.dtype,
                         None if b2 is None else b2.dtype)
         return y.reshape(*h.shape[:-1], y.shape[-1])
@@ -368,22 +415,22 @@ class _MLPFn(torch.autograd.Function):
     def backward(ctx, grad):
         h_t, w1_t, z, a_t, w2_t, h_si, w1_si, a_si, w2_si, *ln_saved = ctx.saved_tensors
         st1, st2 = ctx.states
-        grad_fmt, mf, cf1, cf2, approximate = ctx.cfg
+        cfg: MLPConfig = ctx.cfg
+        fmt, mf, approximate, pad, group = cfg.grad_fmt, cfg.margin_factor, cfg.approximate, cfg.pad, cfg.amax_group
         h_shape, h_dtype, w1_dtype, w2_dtype, b1_dtype, b2_dtype = ctx.meta
         gy = _as_2d(grad).contiguous()
-        c1, c2 = ctx.cols
-        m, hid, ffn, out, pad = ctx.dims
-        if ctx.amax_group is not None:
-            reduce_current([_amax(gy)], st2, c2 + 2, grad_fmt, mf, ctx.amax_group)
-        gy_q, gy_t, gy_si = fops.call(fops.quantize_t, gy, *st2, c2 + 2, grad_fmt, mf, cf2, pad)
-        g1, g2 = ctx.gemms
+        m, hid, ffn, out = ctx.dims
+        if group is not None:
+            reduce_current([_amax(gy)], st2, cfg.c2 + 2, fmt, mf, group)
+        gy_q, gy_t, gy_si = fops.call(fops.quantize_t, gy, *st2, cfg.c2 + 2, fmt, mf, cfg.current_first2, pad)
+        g1, g2 = cfg.gemms
         da = _unpad(scaled_mm(gy_q, w2_t.t(), gy_si, w2_si, None, z.dtype, False, g2), m, ffn).contiguous()
         dw2 = _unpad(scaled_mm(gy_t, a_t.t(), gy_si, a_si, None, w2_dtype, False, g2), out, ffn).contiguous()
         db2 = _bias_grad(gy, b2_dtype) if b2_dtype is not None else None
-        if ctx.amax_group is not None:
-            reduce_current([_amax(da, z, "dgelu", approximate)], st1, c1 + 2, grad_fmt, mf, ctx.amax_group)
-        dz_q, dz_t, db1, dz_si = fops.call(fops.dgelu_quantize_t, da, z, *st1, c1 + 2, grad_fmt, mf, cf1,
-                                           approximate, b1_dtype is not None, pad)
+        if group is not None:
+            reduce_current([_amax(da, z, "dgelu", approximate)], st1, cfg.c1 + 2, fmt, mf, group)
+        dz_q, dz_t, db1, dz_si = fops.call(fops.dgelu_quantize_t, da, z, *st1, cfg.c1 + 2, fmt, mf,
+                                           cfg.current_first1, approximate, b1_dtype is not None, pad)
         dh = _unpad(scaled_mm(dz_q, w1_t.t(), dz_si, w1_si, None, h_dtype, False, g1), m, hid)
         dw1 = _unpad(scaled_mm(dz_t, h_t.t(), dz_si, h_si, None, w1_dtype, False, g1), ffn, hid).contiguous()
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
@@ -391,7 +438,7 @@ class _MLPFn(torch.autograd.Function):
         if ctx.ln[0]:
             dh, dlw, dlb = _layernorm_backward(dh.contiguous(), *ln_saved[:3], ln_saved[3] if ctx.ln[1] else None,
                                                ln_saved[-1] if ctx.ln[2] else None, ctx.needs_input_grad[1:3])
-        return (dh.reshape(h_shape), dlw, dlb, dw1, db1, dw2, db2) + (None,) * 28
+        return (dh.reshape(h_shape), dlw, dlb, dw1, db1, dw2, db2) + (None,) * 16
 
 
 def _layernorm_backward(dh: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, w: Tensor | None, b: Tensor | None,
@@ -423,7 +470,7 @@ def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
     ``amax_group``: None, or the name of the process group of CurrentScaling across ranks (one
     all_reduce per GEMM's operand pair in the forward, (h, w1) here and (gelu(z), w2) in
     :class:`_MLPFn`, and one per quantized gradient in the backward: 4 per training step)."""
-    fwd_fmt, _, mf, cf1, cf2 = cfg
+    fwd_fmt, grad_fmt, mf, cf1, cf2 = cfg
     m = math.prod(h.shape[:-1])
     pad = gemm_pad_to(h.shape[-1], w1.shape[0], w2.shape[0], *((m,) if training else ()))
     w2_cache = None
@@ -434,13 +481,14 @@ def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
                 norm.weight, norm.bias)), float(norm.eps))
         reduce_current([ah, _amax(w1)], state1[:4], state1[4], fwd_fmt, mf, amax_group)
         cf1 = cf2 = False
-        cfg = (*cfg[:3], cf1, cf2)
         w2_cache = None if torch.compiler.is_compiling() else caches[1]
     w1q = quantized_weight(w1, tuple(state1[:4]), state1[4] + 1, fwd_fmt, mf, cf1, training, pad, caches[0])
     w2q = (None, None, None) if amax_group is not None else quantized_weight(
         w2, tuple(state2[:4]), state2[4] + 1, fwd_fmt, mf, cf2, training, pad, caches[1])
-    if all(a is b for a, b in zip(state1[:4], state2[:4])):  # both columns of one linked state:
-        state2 = (None,) * 4 + tuple(state2[4:])  # passed once (dynamo refuses a tensor given twice)
-    ln = (None, None, None) if norm is None else (norm.weight, norm.bias, float(norm.eps))
-    return _MLPFn.apply(h, ln[0], ln[1], w1, b1, w2, b2, *w1q, *w2q, *state1, *state2, *cfg, approximate, training,
-                        pad, ln[2], tuple(gemms), amax_group, w2_cache)
+    st2 = tuple(state2[:4])
+    if all(a is b for a, b in zip(state1[:4], st2)):  # both columns of one linked state:
+        st2 = (None,) * 4  # passed once (dynamo refuses a tensor given twice)
+    ln_w, ln_b, ln_eps = (None, None, None) if norm is None else (norm.weight, norm.bias, float(norm.eps))
+    config = MLPConfig(state1[4], state2[4], fwd_fmt, grad_fmt, mf, cf1, cf2, approximate, training, pad, ln_eps,
+                       tuple(gemms), amax_group)
+    return _MLPFn.apply(h, ln_w, ln_b, w1, b1, w2, b2, *w1q, *w2q, *state1[:4], *st2, config, w2_cache)

@@ -41,6 +41,7 @@ not 16-byte aligned, such as column views of the state) and a value frozen for t
 """
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 
@@ -59,6 +60,7 @@ __all__ = ["quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgelu_
 
 _MUTATED = ("amax_history", "scale", "scale_inv")
 _IMPLS: dict = {}  # custom op -> its Python implementation
+_WRITES: dict = {}  # custom op -> the positions of the tensors it mutates (its schema's (a!) arguments)
 _PLAIN = (Tensor, torch.nn.Parameter)  # tensor types that nothing can be tracing
 _checked: dict = {}  # call signature -> its launch plan (the full argument check has passed)
 # the ops in the order of torch_ops.cc's Op enum; (kernel op, transpose) of each quantizing one
@@ -73,6 +75,7 @@ def _register(name: str, mutates_args):
     def wrap(fn):
         op = torch.library.custom_op(f"fusedfp8::{name}", mutates_args=mutates_args)(fn)
         _IMPLS[op] = fn
+        _WRITES[op] = tuple(i for i, p in enumerate(inspect.signature(fn).parameters) if p in mutates_args)
         if name in _CPP_OPS:
             _CPP_INDEX[op] = _CPP_OPS.index(name)
         return op
@@ -89,14 +92,20 @@ def call(op, *args):
     arguments), several times the kernel launch itself. Whenever anything may be tracing (torch.compile,
     a TorchDispatchMode such as make_fx or FakeTensorMode, functorch transforms, tensor
     subclasses) the call goes through the dispatcher, so the op is seen as the custom op it is.
+    The direct call bumps the version counters of the tensors the op mutates, as the dispatcher
+    does, so that autograd sees the writes.
     """
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._are_functorch_transforms_active()
             or any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args)):
         return op(*args)
     if _cpp is not None and args[0].is_cuda and op in _CPP_INDEX:  # the C++ implementation, without the dispatcher
-        return _cpp.call(_CPP_INDEX[op], *args)
-    return _IMPLS[op](*args)
+        return _cpp.call(_CPP_INDEX[op], *args)  # (it bumps the versions of what it writes, as below)
+    out = _IMPLS[op](*args)
+    if _WRITES[op]:  # what the dispatcher's ADInplaceOrView kernel does for the mutated arguments, so that
+        # autograd's saved-tensor check sees the writes (inference tensors have no version counter)
+        torch.autograd.graph.increment_version([args[i] for i in _WRITES[op]])
+    return out
 
 
 # ---- the C++ implementation (fusedfp8/csrc/torch_ops.cc) --------------------------------------
@@ -162,7 +171,7 @@ def _cpp_plan(name: str, args: tuple):
         q, scale_inv, dtype = args
         dtype = str(dtype).replace("torch.", "")
         qi, _, f = _ops.check_dequantize(q, scale_inv, dtype, None)
-        data, names = _cuda.dequantize_plan(qi.device, dtype, f.name, qi.size).encode()
+        data, names = _cuda.plan_on(_stream(q), _cuda.dequantize_plan, qi.device, dtype, f.name, qi.size).encode()
         return data.tobytes(), names, 0, 0, False
     op, transpose = _OP_OF[name]
     x, b, rest = (args[0], args[1], args[2:]) if op == "dgelu" else (args[0], None, args[1:])
@@ -210,6 +219,11 @@ def _fp8_dtype(fmt: str) -> torch.dtype:
     return getattr(torch, get_format(fmt).dtype_name)
 
 
+def _stream(x: Tensor) -> int:
+    """torch's current stream on x's device (the stream every launch of the ops runs on)."""
+    return torch._C._cuda_getCurrentRawStream(x.get_device())
+
+
 def _rows(x: Tensor):
     return math.prod(x.shape[:-1])
 
@@ -245,9 +259,9 @@ def _checked_plan(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int
                 and all(t.is_contiguous() and t.device == x.device for t in state)):
             raise ValueError("fusedfp8 custom ops need contiguous inputs and state tensors on the input's device")
         rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
-        plan = _checked[key] = _cuda.quantize_plan(x.get_device(), str(x.dtype)[6:], fmt, kernel_op(op, approximate),
-                                                   rows, cols, transpose, dbias, bool(current_first),
-                                                   float(margin_factor), index * 4, int(pad_to))
+        plan = _checked[key] = _cuda.plan_on(_stream(x), _cuda.quantize_plan, x.get_device(), str(x.dtype)[6:], fmt,
+                                             kernel_op(op, approximate), rows, cols, transpose, dbias,
+                                             bool(current_first), float(margin_factor), index * 4, int(pad_to))
     return plan
 
 
@@ -293,9 +307,8 @@ def _run(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int, fmt: st
     def p(t):
         return t.data_ptr() if t is not None else 0
 
-    device = x.get_device()
     _cuda.execute(plan, (x.data_ptr(), p(b), q.data_ptr(), p(q_t), p(db), p(partial), p(counters), s, h, s, sinv,
-                         si.data_ptr(), updates.data_ptr()), torch._C._cuda_getCurrentRawStream(device))
+                         si.data_ptr(), updates.data_ptr()), _stream(x))
     return q, q_t, db, si
 
 
@@ -429,9 +442,9 @@ def _layernorm_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
         p = _ops._LayerNormPlan(x, weight, bias, eps, slot, None, None, transpose, pad_to=pad_to)
         if not (x.is_contiguous() and all(t.is_contiguous() and t.device == x.device for t in state)):
             raise ValueError("fusedfp8 custom ops need contiguous inputs and state tensors on the input's device")
-        plan = _checked[key] = _cuda.layernorm_plan(x.get_device(), str(x.dtype)[6:], p.param_dtype, fmt, rows, cols,
-                                                    transpose, bool(current_first), float(eps), float(margin_factor),
-                                                    index * 4, int(pad_to))
+        plan = _checked[key] = _cuda.plan_on(_stream(x), _cuda.layernorm_plan, x.get_device(), str(x.dtype)[6:],
+                                             p.param_dtype, fmt, rows, cols, transpose, bool(current_first),
+                                             float(eps), float(margin_factor), index * 4, int(pad_to))
     dt = _fp8_dtype(fmt)
     q_shape, t_shape = _q_shapes(x, pad_to)
     q = torch.empty(q_shape, dtype=dt, device=x.device)
@@ -446,7 +459,7 @@ def _layernorm_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
     s = scale.data_ptr()
     _cuda.execute(plan, (x.data_ptr(), p(weight), p(bias), q.data_ptr(), p(q_t), mean.data_ptr(), rstd.data_ptr(),
                          s, amax_history.data_ptr(), s, scale_inv.data_ptr(), si.data_ptr(), updates.data_ptr()),
-                  torch._C._cuda_getCurrentRawStream(x.get_device()))
+                  _stream(x))
     return q, q_t, si, mean, rstd
 
 
@@ -510,11 +523,13 @@ def amax(x: Tensor, b: Tensor | None, op: str, approximate: str) -> Tensor:
             r = _ops.dgelu_quantize(x, b, 1.0, approximate=approximate)
         return torch.cat([r.amax.reshape(1), r.amax.new_zeros((1,))])
     out = _amax_buffer(x)
-    plan = _cuda.amax_plan(x.get_device(), str(x.dtype)[6:], kernel_op(op, approximate), x.numel())
+    stream = _stream(x)
+    plan = _cuda.plan_on(stream, _cuda.amax_plan, x.get_device(), str(x.dtype)[6:], kernel_op(op, approximate),
+                         x.numel())
     ptrs = [0] * len(_cuda.QUANTIZE_SLOTS)
     ptrs[0], ptrs[1], ptrs[_cuda.QUANTIZE_SLOTS.index("amax")] = x.data_ptr(), 0 if b is None else b.data_ptr(), \
         out.data_ptr()
-    _cuda.execute(plan, ptrs, torch._C._cuda_getCurrentRawStream(x.get_device()))
+    _cuda.execute(plan, ptrs, stream)
     return out
 
 
@@ -539,12 +554,14 @@ def layernorm_amax(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: f
         raise ValueError(f"weight / bias must be contiguous ({x.shape[-1]},) tensors of one dtype on x's device")
     out = _amax_buffer(x)
     param = str(params[0].dtype)[6:] if params else "float32"
-    plan = _cuda.layernorm_amax_plan(x.get_device(), str(x.dtype)[6:], param, _rows(x), int(x.shape[-1]), float(eps))
+    stream = _stream(x)
+    plan = _cuda.plan_on(stream, _cuda.layernorm_amax_plan, x.get_device(), str(x.dtype)[6:], param, _rows(x),
+                         int(x.shape[-1]), float(eps))
     ptrs = [0] * len(_cuda.LAYERNORM_SLOTS)
     ptrs[0] = x.data_ptr()
     ptrs[1], ptrs[2] = (0 if t is None else t.data_ptr() for t in (weight, bias))
     ptrs[_cuda.LAYERNORM_SLOTS.index("amax")] = out.data_ptr()
-    _cuda.execute(plan, ptrs, torch._C._cuda_getCurrentRawStream(x.get_device()))
+    _cuda.execute(plan, ptrs, stream)
     return out
 
 

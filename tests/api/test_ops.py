@@ -313,3 +313,24 @@ def test_non_default_stream_ordering():
     done.synchronize()
     want = ref.quantize(x.cpu().numpy(), np.float32(1), "e4m3", True)
     assert bytes_of(r.data) == want.data.tobytes() and bytes_of(r.data_t) == want.data_t.tobytes()
+
+
+def test_torch_arrays_written_in_place_advance_their_versions(device):
+    """What a function writes behind torch's back (the kernels, the host path's numpy views) is
+    recorded as an in-place write: exactly the written state tensors (and a given amax) move
+    their version counters, so autograd's check of saved tensors sees the writes."""
+    recipe = DelayedScaling(amax_history_len=4)
+    st = ScalingState.create(2, recipe, like=torch.zeros(1, device=device))
+    x = torch.randn(32, 48, device=device)
+    quantized = {"amax_history", "scale", "scale_inv"}
+    for call, written in [(lambda: ops.quantize(x, st.slot(0, recipe), transpose=True), quantized),
+                          (lambda: ops.layernorm_quantize(x, None, None, 1e-5, st.slot(1, recipe)), quantized),
+                          (lambda: ops.update_scales(st, recipe), set(STATE_FIELDS))]:
+        before = [getattr(st, f)._version for f in STATE_FIELDS]
+        call()
+        after = [getattr(st, f)._version for f in STATE_FIELDS]
+        assert {f for f, b, a in zip(STATE_FIELDS, before, after) if a > b} == written
+    amax = torch.zeros(1, device=device)
+    v = amax._version
+    ops.gelu_quantize(x, 1.0, amax=amax)
+    assert amax._version > v and amax.item() > 0

@@ -19,6 +19,7 @@ from fusedfp8 import csrc as shim
 from fusedfp8.csrc import plan as P
 from support import nvrtc as N
 from support import shapes as S
+from support.fake_cuda import FakeContexts
 from support.shim import built as built_shim
 
 SMS = 132
@@ -248,7 +249,7 @@ def test_python_executor_packs_into_the_driver_call(monkeypatch):
     seen = []
     coop_size = struct.calcsize(_cuda.signature("coop_tiled"))
 
-    class FakeDriver:
+    class FakeDriver(FakeContexts):
         def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
             size = ctypes.c_size_t.from_address(extra[3]).value
             assert (gy, gz, by, bz, params, extra[0], extra[2], extra[4]) == (1, 1, 1, 1, None, 1, 2, None)
@@ -267,7 +268,9 @@ def test_python_executor_packs_into_the_driver_call(monkeypatch):
             seen.append(("memset", ptr, 4 * words))
             return 0
 
-    monkeypatch.setattr(P, "driver", lambda: FakeDriver())
+    fake = FakeDriver(start=0)  # device 0's context is current, as the plans' device
+    monkeypatch.setattr(P, "driver", lambda: fake)
+    monkeypatch.setattr(P, "_primary", {})
     monkeypatch.setattr(_cuda, "kernel_refs", lambda key, dev: fake_refs(key))
     monkeypatch.setattr(_cuda, "sm_count", lambda dev: SMS)
     for cached in (_cuda.quantize_plan, _cuda.dequantize_plan, _cuda.update_plan):
@@ -294,6 +297,7 @@ def test_python_executor_packs_into_the_driver_call(monkeypatch):
         _cuda.launch_update_scales(0, 0x5, amax_history=1, scale=2, scale_inv=3, overflows=4, updates=5, fmt_max=6,
                                    n=3, L=8, margin_factor=1.0, algo_max=True)
         assert len(seen) == 1 and seen[0][2] == 3
+        assert fake.calls == []  # the plans' device's context was current: nothing pushed
     finally:
         for cached in (_cuda.quantize_plan, _cuda.dequantize_plan, _cuda.update_plan):
             cached.cache_clear()

@@ -3,6 +3,8 @@ call path) and fusedfp8.pytorch.autograd's straight-through quantizer, on the CP
 numerics); the ops' kernels on the GPU are tests/kernels/, their use in modules tests/pytorch/."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -177,3 +179,63 @@ def test_custom_op_layernorm_quantize_pads_as_the_eager_function(device, shape):
     assert same_bytes(q, r.quantized.data) and same_bytes(q_t, r.quantized.data_t)
     assert same_bytes(mean, r.mean) and same_bytes(rstd, r.rstd) and same_bytes(si, r.quantized.scale_inv)
     assert same_bytes(a.amax_history, b.amax_history) and same_bytes(a.scale, b.scale)
+
+
+# ---- version counters: the direct call bumps what the dispatcher bumps -------------------------
+WRITING = OPS[:-1] + ["layernorm_quantize"]
+
+
+def _writing_args(name, device):
+    """(args, state) of a call of ``name`` on ``device`` that writes the state (a first step)."""
+    s, st = _state_args()
+    st = [t.to(device) for t in st]
+    if name == "layernorm_quantize":
+        x = inputs(32, 48, torch.bfloat16, device=device)
+        return (x, None, None, 1e-5, *st, 0, "e4m3", 1.0, True, True), st
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in _op_args(name))
+    n_in = 2 if name.startswith("dgelu") else 1
+    return (*args[:n_in], *st, *args[n_in + 4:]), st
+
+
+@pytest.mark.parametrize("device, cpp", [pytest.param("cpu", False, id="cpu"),
+                                         pytest.param("cuda", True, id="cuda-cpp", marks=pytest.mark.gpu),
+                                         pytest.param("cuda", False, id="cuda-python", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", WRITING)
+def test_the_direct_call_bumps_the_versions_the_dispatcher_bumps(device, cpp, name):
+    """fops.call's direct routes (the Python implementation; on CUDA also the C++ one) advance
+    the version counters of exactly the state tensors the schema declares written, as the
+    dispatcher's route does: autograd's saved-tensor check sees every write."""
+    from fusedfp8.pytorch import custom_ops as fops
+    from support.torch_helpers import launch_path
+
+    op = getattr(fops, name)
+    with launch_path(cpp) if device == "cuda" else contextlib.nullcontext():
+        deltas = []
+        for route in (lambda a: fops.call(op, *a), lambda a: op(*a)):
+            args, st = _writing_args(name, device)
+            before = [t._version for t in st]
+            route(args)
+            deltas.append([t._version - b for t, b in zip(st, before)])
+    assert deltas[0] == deltas[1] and min(deltas[0][:3]) >= 1 and deltas[0][3] == 0  # updates is only read
+
+
+def test_a_saved_state_written_by_the_direct_call_fails_the_backward(device):
+    """The consequence: a state tensor saved for a backward and then written is caught, not read
+    with its new values."""
+    from fusedfp8.pytorch import custom_ops as fops
+
+    args, st = _writing_args("quantize", device)
+    w = torch.ones(2, device=device, requires_grad=True)
+    y = (st[1] * w).sum()  # saves scale for w's gradient
+    fops.call(fops.quantize, *args)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_the_direct_call_bumps_no_version_of_an_inference_tensor():
+    from fusedfp8.pytorch import custom_ops as fops
+
+    with torch.inference_mode():
+        args, st = _writing_args("quantize", "cpu")
+        fops.call(fops.quantize, *args)
+    assert all(t.is_inference() for t in st) and st[0][0, 0].item() > 0

@@ -438,3 +438,36 @@ def test_fp8_mlp_runs_its_layernorm_inside_the_quantization(monkeypatch, device)
     assert sqnr(yp, y) >= 20
     for (name, p), q in zip(m.named_parameters(), plain.parameters()):
         assert sqnr(q.grad, p.grad) >= 15, name
+
+
+# ---- what the layers hand their autograd functions -----------------------------------------------
+def test_the_layers_hand_their_autograd_functions_tensors_and_one_frozen_config(monkeypatch):
+    """Fp8Linear and Fp8MLP call _LinearFn / _MLPFn with tensors (or None) and one frozen,
+    hashable config that says what the layer is (columns, formats, margin, first step, the
+    transposes a backward needs, the pad, the GEMM backends, the fused LayerNorm's eps); _MLPFn
+    also gets fc2's weight cache (a holder, not configuration)."""
+    import dataclasses
+
+    from fusedfp8.pytorch import autograd as A8
+
+    seen = {}
+    for fn in (A8._LinearFn, A8._MLPFn):
+        real = fn.apply
+        monkeypatch.setattr(fn, "apply", lambda *a, fn=fn, real=real: seen.setdefault(fn, a) and real(*a))
+    recipe = DelayedScaling(amax_history_len=4, margin=1)
+    lin = fp8.Fp8Linear(32, 24, recipe=recipe)
+    lin(inputs(10, 32))  # (an input without a gradient: no dgrad, so no transposed weight)
+    mlp = fp8.Fp8MLP(32, 48, recipe)
+    mlp(inputs(16, 32))
+    *tensors, cfg = seen[A8._LinearFn]
+    assert all(t is None or isinstance(t, torch.Tensor) for t in tensors)
+    mf = recipe.margin_factor
+    assert cfg == A8.LinearConfig(0, "e4m3", "e5m2", mf, True, False, True, 16, "scaled_mm", None)
+    *tensors, cfg, cache = seen[A8._MLPFn]
+    assert all(t is None or isinstance(t, torch.Tensor) for t in tensors) and cache is None
+    assert cfg == A8.MLPConfig(0, 0, "e4m3", "e5m2", mf, True, True, "tanh", True, 1, 1e-5,
+                               ("scaled_mm", "scaled_mm"), None)
+    for c in (cfg, A8.QuantizeConfig(1, "e5m2", 1.0, False)):
+        assert hash(c) == hash(dataclasses.replace(c)) and c == dataclasses.replace(c)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(c, dataclasses.fields(c)[0].name, 7)

@@ -3,6 +3,7 @@ comparisons, one train step; the plain-torch twin of Fp8MLP is the library's own
 (fusedfp8.demo.task.TorchMLP, shared with the demo and the scripts)."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -71,3 +72,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def launch_path(cpp: bool):
+    """The custom ops' CUDA launch path for the block: the compiled shim's C++ kernels (``cpp``; a
+    skip without a C++ compiler) or the Python executor; as it was after."""
+    from fusedfp8.pytorch import custom_ops as C
+
+    from .shim import built
+
+    was, decided = C._cpp, list(C._cpp_state)
+    if cpp:
+        built("torch")
+    C.use_cpp(cpp)
+    try:
+        yield
+    finally:
+        C.use_cpp(was is not None)
+        C._cpp_state[:] = decided

@@ -1,0 +1,147 @@
+"""A stand-in for the CUDA driver's context calls that :mod:`fusedfp8.csrc.plan` and
+:class:`fusedfp8._cuda.Kernel` make through ctypes, for testing on a machine without a GPU
+(or with one GPU) which context a launch or an occupancy query runs in.
+
+Device ``d``'s primary context is the handle ``PRIMARY + d``; each thread has its own context
+stack, empty (no current context) or holding ``start``'s primary context when it first looks.
+:class:`FakeDriver` adds the launches, occupancy queries and function attributes, each recorded with
+the context it ran in, and the capture status of streams."""
+from __future__ import annotations
+
+import threading
+import types
+
+PRIMARY = 0xC0_0000
+CUDA_ERROR_INVALID_CONTEXT = 201
+CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906
+
+
+def primary(device: int) -> int:
+    return PRIMARY + device
+
+
+class FakeContexts:
+    """cuCtxGetCurrent / cuCtxPushCurrent_v2 / cuCtxPopCurrent_v2 / cuDeviceGet /
+    cuDevicePrimaryCtxRetain / cuGetErrorString over a per-thread context stack. ``calls`` lists
+    ("push", ctx) and ("pop", ctx) in order; ``retained`` the devices whose primary context was
+    retained."""
+
+    def __init__(self, start: int | None = 0):
+        self.start = start
+        self._tls = threading.local()
+        self.calls: list = []
+        self.retained: list = []
+
+    def stack(self) -> list:
+        s = getattr(self._tls, "stack", None)
+        if s is None:
+            s = self._tls.stack = [] if self.start is None else [primary(self.start)]
+        return s
+
+    def current(self) -> int | None:
+        s = self.stack()
+        return s[-1] if s else None
+
+    def cuCtxGetCurrent(self, p):
+        p._obj.value = self.current()
+        return 0
+
+    def cuCtxPushCurrent_v2(self, ctx):
+        self.stack().append(ctx.value)
+        self.calls.append(("push", ctx.value))
+        return 0
+
+    def cuCtxPopCurrent_v2(self, p):
+        p._obj.value = self.stack().pop()
+        self.calls.append(("pop", p._obj.value))
+        return 0
+
+    def cuDeviceGet(self, p, ordinal):
+        p._obj.value = ordinal
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, p, dev):
+        p._obj.value = primary(dev.value)
+        self.retained.append(dev.value)
+        return 0
+
+    def cuGetErrorString(self, err, p):
+        p._obj.value = f"fake CUDA error {err}".encode()
+        return 0
+
+
+class FakeDriver(FakeContexts):
+    """The context calls, and launches / occupancy queries that record the context they ran in.
+    A kernel handle belongs to the device ``handle // DEVICE_STRIDE``: a query in another context
+    fails as the driver's does (CUDA_ERROR_INVALID_CONTEXT)."""
+
+    DEVICE_STRIDE = 0x1_0000
+
+    def __init__(self, start, fail_launch: int = 0, per_sm: dict | None = None):
+        super().__init__(start)
+        self.fail_launch = fail_launch
+        self.per_sm = per_sm or {}  # device -> the occupancy its kernels report
+        self.records: list = []
+        self.capturing: set = set()
+
+    def _own(self, func) -> bool:
+        return self.current() == primary(int(func) // self.DEVICE_STRIDE)
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        self.records.append(("launch", func, self.current(), stream))
+        return self.fail_launch or (0 if self._own(func) else CUDA_ERROR_INVALID_CONTEXT)
+
+    def cuLaunchCooperativeKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, params):
+        self.records.append(("coop", func, self.current(), stream))
+        return self.fail_launch or (0 if self._own(func) else CUDA_ERROR_INVALID_CONTEXT)
+
+    def cuMemsetD32Async(self, ptr, value, words, stream):
+        self.records.append(("memset", ptr, self.current(), stream))
+        return 0
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, n, func, block, shared):
+        self.records.append(("occupancy", func.value, self.current(), block))
+        if not self._own(func.value):
+            return CUDA_ERROR_INVALID_CONTEXT
+        n._obj.value = self.per_sm.get(func.value // self.DEVICE_STRIDE, 3)
+        return 0
+
+    def cuFuncGetAttribute(self, n, attribute, func):
+        self.records.append(("get_attribute", func.value, self.current(), attribute))
+        n._obj.value = 1216
+        return 0 if self._own(func.value) else CUDA_ERROR_INVALID_CONTEXT
+
+    def cuFuncSetAttribute(self, func, attribute, value):
+        self.records.append(("set_attribute", func.value, self.current(), value.value))
+        return 0 if self._own(func.value) else CUDA_ERROR_INVALID_CONTEXT
+
+    def cuStreamIsCapturing(self, stream, status):
+        """``capturing``: the streams capturing a graph; the legacy stream (0) while any does."""
+        if stream.value is None and self.capturing:
+            return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+        status._obj.value = 1 if stream.value in self.capturing else 0
+        return 0
+
+
+def install(setattr_, start: int | None = 0) -> FakeDriver:
+    """A FakeDriver (``start``'s context current) as the driver of the executor and the kernels,
+    patched with ``setattr_(obj, name, value)`` (pytest's ``monkeypatch.setattr``)."""
+    from fusedfp8 import _cuda
+    from fusedfp8.csrc import plan as P
+
+    drv = FakeDriver(start)
+    setattr_(P, "driver", lambda: drv)
+    setattr_(_cuda, "driver", lambda: drv)
+    setattr_(P, "_primary", {})
+    return drv
+
+
+def fake_kernels(key, device: int) -> dict:
+    """What fusedfp8._cuda.kernels (or its _build) returns, made up: real Kernel objects (the
+    occupancy and attribute calls go to the driver installed) whose handles belong to ``device``
+    by :class:`FakeDriver`'s rule."""
+    from fusedfp8 import _cuda
+
+    return {role: _cuda.Kernel(types.SimpleNamespace(kernel=types.SimpleNamespace(
+        ptr=device * FakeDriver.DEVICE_STRIDE + 0x100 + i)), role, expr, device)
+        for i, (role, expr) in enumerate(_cuda.name_expressions(key).items())}
