@@ -24,7 +24,6 @@ from fusedfp8 import _cuda
 from fusedfp8 import csrc as shim
 from fusedfp8.csrc import plan as P
 from support import fake_cuda as F
-from support import ptx as SP
 from support.fake_cuda import FakeDriver, primary
 
 SMS = 132
@@ -37,9 +36,10 @@ def fake(monkeypatch):
 
 
 def device_refs(key: _cuda.ModuleKey, device: int) -> dict:
-    """support.ptx's made-up kernel references, with handles of ``device`` (FakeDriver's rule)."""
-    return {role: r._replace(func=device * FakeDriver.DEVICE_STRIDE + r.func)
-            for role, r in SP.fake_refs(key, device).items()}
+    """Made-up kernel references (4 resident blocks a multiprocessor), with handles of ``device``
+    (FakeDriver's rule)."""
+    return {role: _cuda.KernelRef(device * FakeDriver.DEVICE_STRIDE + 1000 + i, expr, role, 4)
+            for i, (role, expr) in enumerate(_cuda.name_expressions(key).items())}
 
 
 def a_plan(device: int) -> P.Plan:
