@@ -221,13 +221,13 @@ def test_readme_prose_numbers_carry_their_source():
 def test_the_checks_can_fail():
     """Control: a wrong number, a missing key and an unsourced row are each reported."""
     rows = [["case", "value"], ["row a", "1.23 (4.0x)"], ["row b", "7"]]
-    block = ("file: docs/bench/bench_mlp_torch.json\n"
+    block = ("file: docs/bench/bench_mlp_torch_1024.json\n"
              "row a => results[0].modes.bf16_eager.step_ms results[0].summary.best.speedup\n")
     problems = check_table(rows, block)
     assert any("printed 1.23" in p for p in problems) and any("printed 4.0" in p for p in problems)
     assert any("row 'row b': 0 source lines" in p for p in problems)
     assert check_table(rows[:2], block.replace("step_ms ", "step_ms results[0].nothing ")) != []
-    good = json.loads((DOCS / "bench" / "bench_mlp_torch.json").read_text())["results"][0]
+    good = json.loads((DOCS / "bench" / "bench_mlp_torch_1024.json").read_text())["results"][0]
     rows = [["case", "value"], ["row a", f"{good['modes']['bf16_eager']['step_ms']:.3f} "
                                          f"({good['summary']['best']['speedup']:.2f}x)"]]
     assert check_table(rows, block) == []
