@@ -19,7 +19,7 @@ Where a library comes from, first match wins:
    retry it; delete that file to retry.
 
 The frameworks use the shim by default (:func:`default_on`; its GPU tests compare it with the
-Python launch path byte for byte, and passed on an H200 on 2026-12-03); ``impl='ffi'`` in JAX and
+Python launch path byte for byte); ``impl='ffi'`` in JAX and
 ``fusedfp8.pytorch.custom_ops.use_cpp(True)`` ask for it explicitly. Without a C++ compiler,
 without the headers, or with ``FUSEDFP8_NO_SHIM=1`` (which also refuses the explicit requests) the frameworks keep the Python launch path, and :func:`library` /
 :func:`status` say why. This module imports only

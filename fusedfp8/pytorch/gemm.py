@@ -12,10 +12,8 @@ Every FP8 layer (:class:`~fusedfp8.pytorch.Fp8Linear`, :class:`~fusedfp8.pytorch
 - ``'scaled_mm'``: ``torch._scaled_mm`` (the only GEMM before the shim's).
 - ``'auto'`` (the default): ``'cublaslt'`` where the shim can be had, else ``'scaled_mm'`` (the
   reason is in :func:`gemm_path`). With the bias in the GEMM's epilogue both run the same cuBLASLt
-  kernels: on the H200 (2026-12-04, ``scripts/gemm_backends.py``) each of the six GEMMs of the MLP
-  step took 0.98-1.02x of ``_scaled_mm``'s time, the CUDA-graphed step 0.321 against 0.322 ms at
-  hidden 1024 and 7.48 against 7.55 ms at 4096, while the eager step spent less time on the host
-  (``scripts/bench_mlp_torch.py --torch-gemm``, hidden 1024: 2.30 and 2.39 against 2.63 ms a step).
+  kernels (``scripts/gemm_backends.py`` compares them GEMM by GEMM); the shim's call costs less
+  host time per GEMM, which is what an eager step is made of.
 
 The choice is made once per process and value (the first CUDA forward loads, and if needed
 compiles, the shim), never per call; :func:`gemm_path` says what it is. On the CPU every value
