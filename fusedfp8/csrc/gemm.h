@@ -255,9 +255,11 @@ struct ShapeHash {
 
 // The heuristic assumes 256-byte aligned buffers unless told otherwise, and may pick an algorithm
 // that needs them; the key carries the alignment the algorithm was chosen for: the smallest of
-// the three pointers' (and the bias's) (a power of two, 16..256). prepare() assumes 256 (XLA's own
-// buffers). The heuristic reads the bias pointer's value for its alignment (cublasLt.h), so build()
-// hands it a stand-in of exactly the key's alignment.
+// the three pointers' (and the bias's) (a power of two, 16..256), or for XLA's custom calls the
+// alignment XLA guarantees (kXlaAlign), which the trace-time prepare() keys by too, so that a call
+// never builds an entry inside XLA's command-buffer recording. The heuristic reads the bias
+// pointer's value for its alignment (cublasLt.h), so build() hands it a stand-in of exactly the
+// key's alignment.
 struct Key {
   int device;
   uint32_t align;
@@ -269,6 +271,9 @@ struct KeyHash {
     return (ShapeHash()(k.shape) * 31 + static_cast<size_t>(k.device)) * 31 + k.align;
   }
 };
+
+// XLA aligns a custom call's buffers to 16 bytes at least (its allocations: 64 or 16), not 256.
+constexpr uint32_t kXlaAlign = 16;
 
 inline uint32_t alignment(std::initializer_list<const void*> ptrs) {
   uint32_t a = 256;
@@ -366,8 +371,10 @@ inline std::string entry(int device, const Shape& s, uint32_t align, Entry** out
 
 // Runs out = sa * sb * (a[:m] @ b[:n].T) (+ bias) on `stream` (device `device`, whose context is
 // current). `bias`: n elements of s.bias_type when s.epilogue is kEpilogueBias, else nullptr.
+// `align`: the alignment the algorithm is chosen for (0: the pointers' own, alignment()).
 inline std::string run(int device, const Shape& s, const void* a, const void* b, const float* sa, const float* sb,
-                       void* out, void* workspace, CUstream stream, const void* bias = nullptr) {
+                       void* out, void* workspace, CUstream stream, const void* bias = nullptr,
+                       uint32_t align = 0) {
   for (const void* p : {a, b, static_cast<const void*>(out), bias})
     if (reinterpret_cast<uintptr_t>(p) % 16)
       return "fusedfp8 FP8 GEMM: the operands, the bias and the output must be 16-byte aligned (cuBLASLt FP8)";
@@ -375,7 +382,7 @@ inline std::string run(int device, const Shape& s, const void* a, const void* b,
     return bias ? "fusedfp8 FP8 GEMM: a bias was given for a shape without the bias epilogue"
                 : "fusedfp8 FP8 GEMM: the bias epilogue needs a bias pointer";
   Entry* e = nullptr;
-  std::string err = entry(device, s, alignment({a, b, out, bias}), &e);
+  std::string err = entry(device, s, align ? align : alignment({a, b, out, bias}), &e);
   if (!err.empty()) return err;
   Handle h;
   {

@@ -137,7 +137,7 @@ ffi::Error Fp8Gemm(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuf
     return ffi::Error::Internal("fusedfp8: cuCtxGetDevice failed in the XLA FFI handler: " + ff8::cuda_error(e));
   std::string err = ff8::lt::run(dev, shape, a.untyped_data(), b.untyped_data(), static_cast<const float*>(sa.untyped_data()),
                                  static_cast<const float*>(sb.untyped_data()), out->untyped_data(), ws->untyped_data(),
-                                 stream);
+                                 stream, nullptr, ff8::lt::kXlaAlign);
   if (!err.empty()) return ffi::Error::Internal(err);
   return ffi::Error::Success();
 }
@@ -235,7 +235,7 @@ int64_t ff8_gemm_prepare(int64_t device, const int64_t* v, char* err, int64_t er
   const ff8::lt::Shape s = gemm_shape(v);
   std::string why = ff8::lt::on_device(static_cast<int>(device), [&] {
     ff8::lt::Entry* e = nullptr;
-    return ff8::lt::entry(static_cast<int>(device), s, 256, &e);  // XLA's buffers: 256-byte aligned
+    return ff8::lt::entry(static_cast<int>(device), s, ff8::lt::kXlaAlign, &e);  // the key the handler runs with
   });
   return put_error(why, err, errcap);
 }
