@@ -19,6 +19,7 @@
 using namespace ff8;
 
 #define UPD_ROWS 4  // rows per thread per roll chunk
+#define META_CHECK 12  // meta cells per thread whose corruption check loads are issued early (3 x 1024 rows)
 static_assert(FF8_THREADS % 32 == 0, "update_scales reduces whole warps");
 
 // update_meta (JAX): the same rule on a flax meta (fusedfp8/jax/meta.py), in the same launch as
@@ -29,7 +30,10 @@ static_assert(FF8_THREADS % 32 == 0, "update_scales reduces whole warps");
 // nothing but scale_inv = 1. Writes the counters both as the state's int32 (for the
 // quantizations) and back as float32 (the output meta). Out of place: the meta is the step's
 // input (a parameter XLA would copy before an in-place kernel), so every output element is
-// written, the column copied where it does not roll.
+// written, the column copied where it does not roll. A meta holding what no step writes
+// (meta.corrupted: a negative amax in any row of any column, a counter or marker that is not a
+// whole number >= 0: an optimizer updated it as a parameter) is refused in the same launch: NaN
+// scales, so the step's outputs are NaN under jax.jit, where the refusal cannot raise.
 // The out-of-place rule (update_meta's, after the decode): every thread reads the staging slot itself
 // (nothing writes it in place) and each past row once, into the max and straight to its rolled place
 // in hout (row r to row r - 1, or to row r where the column does not roll), so the column costs one
@@ -89,42 +93,21 @@ __device__ __forceinline__ void update_meta_column(
     }
 }
 
-// update_column: the rule for column blockIdx.x, from (hin, sin, counters in) to (hout, sout,
-// siout, counters out); in place (update_scales) when hin == hout and sin == sout.
-template <bool META>
+// update_column: the rule for column blockIdx.x, in place (update_scales).
 __device__ __forceinline__ void update_column(
-    const float* hin, float* hout, const float* sin, float* sout, float* __restrict__ siout,
-    const int* oin, const int* uin, int* oout, int* uout, const float* __restrict__ fmt_max,
-    const float* __restrict__ ofin, const float* __restrict__ ufin, float* __restrict__ ofout,
-    float* __restrict__ ufout, const float* __restrict__ writes, int n, int L, float margin_factor, int algo_max)
+    float* history, float* scale, float* __restrict__ scale_inv, int* overflows, int* updates,
+    const float* __restrict__ fmt_max, int n, int L, float margin_factor, int algo_max)
 {
     const int i = blockIdx.x;  // the tensor: every branch below is uniform over the block
     if (i >= n) return;
     const int t = threadIdx.x;
     __shared__ float a_sh;
     __shared__ u32 red[FF8_THREADS / 32];
-    if (META && writes[i] != 1.0f) {  // decode: a fresh column (the rule then changes nothing but scale_inv)
-        for (int r = t; r < L; r += FF8_THREADS) hout[(i64)r * n + i] = 0.0f;
-        if (t == 0) {
-            sout[i] = 1.0f;
-            siout[i] = fdiv(1.0f, 1.0f);
-            oout[i] = 0;
-            uout[i] = 0;
-            ofout[i] = 0.0f;
-            ufout[i] = 0.0f;
-        }
-        return;
-    }
     // every thread reads what thread 0 writes back in place before the barrier below
-    const int ovf = META ? (int)ofin[i] : oin[i];  // (meta_to_state's astype(int32))
-    const int upd = META ? (int)ufin[i] : uin[i];
-    float s = sin[i];
-    if (META) {  // out of place: one pass, every row read once (update_meta_column)
-        update_meta_column(hin, hout, s, sout, siout, ovf, upd, oout, uout, fmt_max, ofout, ufout, n, L, margin_factor,
-                           algo_max, red);
-        return;
-    }
-    if (t == 0) a_sh = hin[i];  // read once: thread 0 clears the slot at the end
+    const int ovf = overflows[i];
+    const int upd = updates[i];
+    float s = scale[i];
+    if (t == 0) a_sh = history[i];  // read once: thread 0 clears the slot at the end
     __syncthreads();
     const float a = a_sh;
     const u32 abits = __float_as_uint(a) & 0x7fffffffu;  // |a|: -0 is 0 (not quantized this step)
@@ -134,7 +117,7 @@ __device__ __forceinline__ void update_column(
         u32 amax = abits;  // max of |history| as bits (finite, non-negative: ordered as floats)
         if (algo_max) {
             for (int r = 1 + t; r < L; r += FF8_THREADS)
-                amax = max(amax, __float_as_uint(hin[(i64)r * n + i]) & 0x7fffffffu);
+                amax = max(amax, __float_as_uint(history[(i64)r * n + i]) & 0x7fffffffu);
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
             if ((t & 31) == 0) red[t >> 5] = amax;
@@ -151,33 +134,30 @@ __device__ __forceinline__ void update_column(
 #pragma unroll
             for (int k = 0; k < UPD_ROWS; ++k) {
                 const int r = base + k * FF8_THREADS + t;
-                if (r < L - 1) v[k] = hin[(i64)(r + 1) * n + i];
+                if (r < L - 1) v[k] = history[(i64)(r + 1) * n + i];
             }
             __syncthreads();
 #pragma unroll
             for (int k = 0; k < UPD_ROWS; ++k) {
                 const int r = base + k * FF8_THREADS + t;
-                if (r < L - 1) hout[(i64)r * n + i] = v[k];
+                if (r < L - 1) history[(i64)r * n + i] = v[k];
             }
         }
         __syncthreads();  // row L-1 was read by the last chunk
-        if (t == 0 && L > 1) hout[(i64)(L - 1) * n + i] = a;
-    } else if (hin != hout) {  // out of place: the past rows as they were
-        for (int r = 1 + t; r < L; r += FF8_THREADS) hout[(i64)r * n + i] = hin[(i64)r * n + i];
+        if (t == 0 && L > 1) history[(i64)(L - 1) * n + i] = a;
     }
     if (t == 0) {
-        const int o = ovf + (overflow ? 1 : 0), u = upd + (updated ? 1 : 0);
-        oout[i] = o;
-        uout[i] = u;
-        if (META) {
-            ofout[i] = (float)o;
-            ufout[i] = (float)u;
-        }
-        hout[i] = 0.0f;  // the staging slot is cleared in every case (a -0 included)
-        sout[i] = s;
-        siout[i] = fdiv(1.0f, s);
+        overflows[i] = ovf + (overflow ? 1 : 0);
+        updates[i] = upd + (updated ? 1 : 0);
+        history[i] = 0.0f;  // the staging slot is cleared in every case (a -0 included)
+        scale[i] = s;
+        scale_inv[i] = fdiv(1.0f, s);
     }
 }
+
+// A float32 meta counter or marker as a step writes it: a whole number >= 0 (meta.corrupted's
+// test; NaN fails it, inf passes as jnp.floor(inf) == inf).
+__device__ __forceinline__ bool whole(float v) { return v >= 0.0f && v == floorf(v); }
 
 // The entry points.
 extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
@@ -192,8 +172,7 @@ extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_scales(
     float margin_factor,                // 2**margin
     int algo_max)                       // 1: 'max', 0: 'most_recent'
 {
-    update_column<false>(history, history, scale, scale, scale_inv, overflows, updates, overflows, updates, fmt_max,
-                         nullptr, nullptr, nullptr, nullptr, nullptr, n, L, margin_factor, algo_max);
+    update_column(history, scale, scale_inv, overflows, updates, fmt_max, n, L, margin_factor, algo_max);
 }
 
 extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_meta(
@@ -212,7 +191,46 @@ extern "C" __global__ void __launch_bounds__(FF8_THREADS) update_meta(
     float* __restrict__ updates_f_out,      // [n]
     int n, int L, float margin_factor, int algo_max)
 {
-    update_column<true>(history, history_out, scale, scale_out, scale_inv_out, nullptr, nullptr, overflows, updates,
-                        fmt_max, overflows_f, updates_f, overflows_f_out, updates_f_out, writes, n, L, margin_factor,
-                        algo_max);
+    const int i = blockIdx.x;  // the tensor: every branch below is uniform over the block
+    if (i >= n) return;
+    const int t = threadIdx.x;
+    __shared__ u32 red[FF8_THREADS / 32];
+    // The corruption check (meta.corrupted) of the whole meta, which every column's block makes
+    // itself: its first chunk of loads is in flight during the column's own work and compared
+    // after it, so the check adds no round trip where the history fits the chunk.
+    const i64 cells = (i64)L * n;
+    float early[META_CHECK];
+#pragma unroll
+    for (int k = 0; k < META_CHECK; ++k) {
+        const i64 e = t + (i64)k * FF8_THREADS;
+        early[k] = e < cells ? history[e] : 0.0f;
+    }
+    if (writes[i] != 1.0f) {  // decode: a fresh column (the rule then changes nothing but scale_inv)
+        for (int r = t; r < L; r += FF8_THREADS) history_out[(i64)r * n + i] = 0.0f;
+        if (t == 0) {
+            scale_out[i] = 1.0f;
+            scale_inv_out[i] = fdiv(1.0f, 1.0f);
+            overflows[i] = 0;
+            updates[i] = 0;
+            overflows_f_out[i] = 0.0f;
+            updates_f_out[i] = 0.0f;
+        }
+    } else {  // (meta_to_state's astype(int32))
+        update_meta_column(history, history_out, scale[i], scale_out, scale_inv_out, (int)overflows_f[i],
+                           (int)updates_f[i], overflows, updates, fmt_max, overflows_f_out, updates_f_out, n, L,
+                           margin_factor, algo_max, red);
+    }
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < META_CHECK; ++k) bad |= early[k] < 0.0f;
+    for (i64 e = t + (i64)META_CHECK * FF8_THREADS; e < cells; e += FF8_THREADS) bad |= history[e] < 0.0f;
+    for (int c = t; c < n; c += FF8_THREADS) bad |= !whole(overflows_f[c]) || !whole(updates_f[c]) || !whole(writes[c]);
+    // Refused: NaN scales, so that this step's casts and GEMM outputs are NaN, and an int32 update
+    // count of at least 1, so that no quantization takes its first-step scale from its own amax
+    // instead. Thread 0 overwrites what it wrote itself above.
+    if (__syncthreads_or(bad) && t == 0) {
+        scale_out[i] = __uint_as_float(0x7fc00000u);
+        scale_inv_out[i] = __uint_as_float(0x7fc00000u);
+        updates[i] = max(updates[i], 1);
+    }
 }

@@ -129,6 +129,13 @@ def _advance(meta, cfg, grad=LINEAR_GRAD) -> tuple[ScalingState, tuple | None]:
     return P.update_scales(st, cfg.recipe, axis_name=None if _across(cfg) else cfg.axis_name, impl=cfg.impl), None
 
 
+def _refused_here(cfg) -> bool:
+    """Whether the forward itself refuses a corrupted stored meta (:func:`refusing`): on a first
+    use that :func:`_advance` did not update with :func:`fusedfp8.jax.primitives.update_meta`,
+    which refuses in the same launch (NaN scales)."""
+    return cfg.first and (cfg.recipe.current or cfg.axis_name is not None)
+
+
 def _across(cfg) -> bool:
     """CurrentScaling across the devices of ``cfg.axis_name``: every quantization takes the amax
     of the tensor over the devices (:func:`_sync`)."""
@@ -181,7 +188,7 @@ def _dot_fwd(x, w, meta, fp8_weight, cfg: _Cfg, training: bool = True):
     # ragged: the operands come out of the quantize kernels padded (pad_to), no copy
     rx, st = P.quantize(x, st, 0, rec, transpose=training, pad_to=pad, impl=cfg.impl)
     rw, st = _weight(w, fp8_weight, st, rec, cfg.impl, pad)
-    sx = refusing(rx.scale_inv, (meta,) if cfg.first else ())  # NaN out where the stored meta is corrupted
+    sx = refusing(rx.scale_inv, (meta,) if _refused_here(cfg) else ())  # NaN out where the stored meta is corrupted
     y = gemm(rx.data, rw.data_t, sx, rw.scale_inv, cfg.out_dtype, fast_accum=cfg.forward_fast_accum, impl=cfg.impl,
              shape=(m, n))
     dtypes = (jnp.zeros((0, m, k), x.dtype), jnp.zeros((0, k, n), w.dtype))  # dtypes and real shapes
@@ -410,7 +417,7 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
         ln_saved = (h, rn.mean, rn.rstd, *ln) if training else None
     rw1, st1 = _weight(w1, q1, st1, r1, impl, p)
     fast = cfg.forward_fast_accum
-    sh = refusing(rh.scale_inv, (meta1, meta2) if cfg.first else ())  # NaN out where a stored meta is corrupted
+    sh = refusing(rh.scale_inv, (meta1, meta2) if _refused_here(cfg) else ())  # NaN out where a stored meta is corrupted
     z = gemm(rh.data, rw1.data_t, sh, rw1.scale_inv, dt, fast_accum=fast, impl=impl, shape=(m, ffn)) + b1.astype(dt)
     st2, r2 = _sync(st2, [(0, lambda: P.amax(z, op="gelu", approximate=cfg.approximate, impl=impl)),
                           (1, _weight_amax(w2, q2, impl))], cfg)  # (gelu(z), w2): one pmax

@@ -26,7 +26,9 @@ values no step writes: Adam's first step moves every staged amax to -lr and the 
 (``jax.grad`` over the variables needs float leaves, and optax keeps their dtypes), so the
 first use in a step checks the values (:func:`corrupted`): where they are concrete (an eager
 call) it raises ValueError saying how to train (:func:`refuse_corrupted`); under ``jax.jit``
-the forward refuses by returning NaN (:func:`refusing`).
+the forward refuses by returning NaN: the update of a delayed-scaling meta makes its scales NaN
+(:func:`fusedfp8.jax.primitives.update_meta`, in the same launch on CUDA), the other first uses
+take :func:`refusing`.
 
 Everything here is built from the state's field list, so the state, the meta and the flax
 variables cannot drift apart.

@@ -428,11 +428,15 @@ def _update_kernel(recipe: DelayedScaling, backend: str, hist, scale, scale_inv,
 
 # ---- the first use of a flax meta in a step: decoded, updated, counters converted, one launch ----
 def _meta_update_jnp(recipe: DelayedScaling, grad: tuple, hist, scale, scale_inv, ovf_f, upd_f, writes, fmt_max):
-    from .meta import decode, meta_to_state
+    from .meta import corrupted, decode, meta_to_state
 
-    st = meta_to_state(decode((hist, scale, scale_inv, ovf_f, upd_f, writes)), grad)
-    new = _update_jnp(recipe, st.amax_history, st.scale, st.scale_inv, st.overflows, st.updates, fmt_max)
-    return (*new, new[3].astype(jnp.float32), new[4].astype(jnp.float32))
+    meta = (hist, scale, scale_inv, ovf_f, upd_f, writes)
+    st = meta_to_state(decode(meta), grad)
+    h, s, si, o, u = _update_jnp(recipe, st.amax_history, st.scale, st.scale_inv, st.overflows, st.updates, fmt_max)
+    counters = (o.astype(jnp.float32), u.astype(jnp.float32))
+    bad = corrupted(meta)  # refused: NaN scales, and no first-step scale from the tensors' own amaxes
+    nan = jnp.float32(jnp.nan)
+    return (h, jnp.where(bad, nan, s), jnp.where(bad, nan, si), o, jnp.where(bad, jnp.maximum(u, 1), u), *counters)
 
 
 def _meta_update_kernel(recipe: DelayedScaling, backend: str, hist, scale, scale_inv, ovf_f, upd_f, writes, fmt_max):
@@ -450,7 +454,10 @@ def update_meta(meta, recipe: DelayedScaling, grad: tuple, *, impl: str = "auto"
     """The first use of a flax meta (:mod:`fusedfp8.jax.meta`) in a step: ``meta`` decoded
     (:func:`~fusedfp8.jax.meta.decode`), turned into a state (int32 counters) and updated
     (:func:`update_scales`), as ``update_scales(meta_to_state(decode(meta), grad), recipe)``,
-    byte for byte. Returns (the state, its counters as float32 (overflows, updates)): the output
+    byte for byte; and refused where the meta is :func:`~fusedfp8.jax.meta.corrupted` (an
+    optimizer updated it as a parameter): then the state's scales are NaN, so that the step's
+    casts and GEMM outputs are NaN (under ``jax.jit`` the refusal cannot raise), and its int32
+    update counts at least 1 (no quantization takes a first-step scale instead). Returns (the state, its counters as float32 (overflows, updates)): the output
     meta takes them (:func:`~fusedfp8.jax.meta.state_to_meta`) instead of converting. On CUDA
     that is ONE kernel launch (update_meta) where XLA would run the decoding and each conversion
     as kernels of their own. Delayed scaling on one device (no ``axis_name``): the callers take

@@ -552,7 +552,8 @@ def test_weight_cache_quantizes_each_weight_once_per_step():
 
 def _meta_cases(L, n=3, seed=0):
     """Metas of ``n`` columns that reach every branch of update_meta: valid columns staged with a
-    normal amax, NaN, inf, +-0, a denormal; columns to decode (writes 0, 2, NaN); counters > 0."""
+    normal amax, NaN, inf, +-0, a denormal; columns to decode (writes 0, 2, NaN); counters > 0; and
+    corrupted metas, refused (NaN scales)."""
     rng = np.random.default_rng(seed)
     staged = [3.5, np.nan, np.inf, -0.0, 0.0, 1e-40, -7.25, 2.0 ** -20, 448.0]
     writes = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 2.0, np.nan, 1.0]
@@ -562,6 +563,15 @@ def _meta_cases(L, n=3, seed=0):
         w = np.resize(writes[start:start + n], n).astype(np.float32)
         yield (hist, (rng.random(n) * 100 + 1).astype(np.float32), rng.random(n).astype(np.float32),
                rng.integers(0, 50, n).astype(np.float32), rng.integers(0, 5000, n).astype(np.float32), w)
+    # corrupted metas (an optimizer's work, refused with NaN scales), each in one cell another column's
+    # block must see: a negative amax in the last row, fractional, negative and NaN counters, a marker
+    ok = [np.abs(rng.standard_normal((L, n))).astype(np.float32) * 10, np.ones(n, np.float32) * 3,
+          np.ones(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32) * 7, np.ones(n, np.float32)]
+    for field, cell, value in [(0, (L - 1, n - 1), -1e-3), (3, (n - 1,), 0.5), (4, (0,), -1.0), (4, (1,), np.nan),
+                               (5, (n - 1,), 0.999)]:
+        bad = [a.copy() for a in ok]
+        bad[field][cell] = value
+        yield tuple(bad)
 
 
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)

@@ -567,20 +567,25 @@ def _decoded_numpy_state(meta, recipe, grad):
                         updates=upd.astype(np.int32), grad=grad)
 
 
-@pytest.mark.parametrize("L,algo,margin", [(1, "max", 0), (5, "most_recent", 0), (7, "max", 2)])
-def test_update_meta_is_decode_then_the_rule(L, algo, margin):
-    """update_meta (the first use of a flax meta in a step) equals the reference rule on the meta
-    decoded by hand: every branch (normal, NaN, inf, +-0, denormal amaxes; markers 0, 2, NaN), and
-    the counters it hands the output meta are the state's as float32 (no conversion left to do)."""
-    recipe = fusedfp8.DelayedScaling(amax_history_len=L, amax_compute_algo=algo, margin=margin)
+def _nine_column_meta(L):
+    """A meta of nine columns that a step can write, reaching every branch of the rule and of the decoding."""
     rng = np.random.default_rng(1)
     n = 9
     hist = (np.abs(rng.standard_normal((L, n))) * 10).astype(f32)
-    hist[0] = [3.5, np.nan, np.inf, -0.0, 0.0, 1e-40, -7.25, 2.0 ** -20, 448.0]
+    hist[0] = [3.5, np.nan, np.inf, -0.0, 0.0, 1e-40, 7.25, 2.0 ** -20, 448.0]
     meta = (hist, (rng.random(n) * 100 + 1).astype(f32), rng.random(n).astype(f32),
             rng.integers(0, 50, n).astype(f32), rng.integers(0, 5000, n).astype(f32),
-            np.array([1, 1, 1, 1, 0, 1, 2, np.nan, 1], f32))
-    grad = (False,) * 4 + (True,) * 5
+            np.array([1, 1, 1, 1, 0, 1, 2, 3, 1], f32))
+    return meta, (False,) * 4 + (True,) * 5
+
+
+@pytest.mark.parametrize("L,algo,margin", [(1, "max", 0), (5, "most_recent", 0), (7, "max", 2)])
+def test_update_meta_is_decode_then_the_rule(L, algo, margin):
+    """update_meta (the first use of a flax meta in a step) equals the reference rule on the meta
+    decoded by hand: every branch (normal, NaN, inf, +-0, denormal amaxes; markers 0, 2, 3), and
+    the counters it hands the output meta are the state's as float32 (no conversion left to do)."""
+    recipe = fusedfp8.DelayedScaling(amax_history_len=L, amax_compute_algo=algo, margin=margin)
+    meta, grad = _nine_column_meta(L)
     st, (ovf_f, upd_f) = jax.jit(lambda m: P.update_meta(m, recipe, grad, impl="jnp"))(tuple(map(jnp.asarray, meta)))
     want = apply_update(_decoded_numpy_state(meta, recipe, grad), recipe)
     for name in ("amax_history", "scale", "scale_inv", "overflows", "updates"):
@@ -590,6 +595,33 @@ def test_update_meta_is_decode_then_the_rule(L, algo, margin):
     np.testing.assert_array_equal(np.asarray(ovf_f), want.overflows.astype(f32))
     np.testing.assert_array_equal(np.asarray(upd_f), want.updates.astype(f32))
     assert np.asarray(st.scale)[4] == 1 and int(st.updates[4]) == 0 and int(st.overflows[1]) == meta[3][1] + 1
+
+
+@pytest.mark.parametrize("field,row,col,value", [
+    ("amax_history", -1, 8, -1e-3), ("amax_history", 0, 0, -0.5), ("overflows", None, 3, 0.5),
+    ("updates", None, 4, np.nan), ("updates", None, 2, -1.0), ("writes", None, 6, 0.999)])
+def test_update_meta_refuses_a_corrupted_meta(field, row, col, value):
+    """A meta holding what no step writes in ANY cell (an optimizer updated it as a parameter) is
+    refused in the update itself: every column's scale and scale_inv NaN (the step's casts and
+    GEMMs give NaN under jax.jit), its int32 update count at least 1 (no first-step scale from
+    the tensor's own amax), everything else as the rule gives it on the decoded meta."""
+    L = 5
+    recipe = fusedfp8.DelayedScaling(amax_history_len=L)
+    meta, grad = _nine_column_meta(L)
+    meta = tuple(np.array(a, copy=True) for a in meta)
+    k = JM.META_FIELDS.index(field)
+    if row is None:
+        meta[k][col] = value
+    else:
+        meta[k][row, col] = value
+    assert bool(JM.corrupted(meta, np))
+    st, (ovf_f, upd_f) = jax.jit(lambda m: P.update_meta(m, recipe, grad, impl="jnp"))(tuple(map(jnp.asarray, meta)))
+    want = apply_update(_decoded_numpy_state(meta, recipe, grad), recipe)
+    assert np.isnan(np.asarray(st.scale)).all() and np.isnan(np.asarray(st.scale_inv)).all()
+    np.testing.assert_array_equal(np.asarray(st.updates), np.maximum(want.updates, 1))
+    for name in ("amax_history", "overflows"):
+        assert np.asarray(getattr(st, name)).tobytes() == getattr(want, name).tobytes(), name
+    np.testing.assert_array_equal(np.asarray(upd_f), want.updates.astype(f32))  # the stored counters: the rule's
 
 
 def test_update_meta_refuses_current_scaling():
