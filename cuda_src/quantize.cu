@@ -222,7 +222,8 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 // per column, so 8 lanes write one full 128-byte line of q_t and a warp store writes 4 lines
 // (when q_t is 16-byte aligned and prows % 16 == 0, in every tile: a 16-row group lies wholly inside
 // prows or wholly past it; else byte stores with bounds).
-// dbias (OP 3/4 only: the plan refuses it with another op): each thread adds its two rows (y0 + y1,
+// dbias (a gradient's: OP 3/4, dgelu, and OP 0, the identity, with HAS_DBIAS; the plan refuses it
+// with gelu): each thread adds its two rows (y0 + y1,
 // per column), a thread per (column, 16-row group) adds its 16 rows in order, one per column adds the
 // 4 groups ((g0 + g1) + (g2 + g3)) into the tile's row of the workspace; after its last tile a block
 // counts its tiles on their strips' counters (one fence first) and the block that completes a strip
@@ -286,7 +287,9 @@ __device__ __forceinline__ void finish_dbias(float* __restrict__ dbias, const fl
 }
 #define T2_LOADS (2 * (int)sizeof(T))  // 16-byte loads per thread, tile and input (2 rows x 16 columns)
 
-template <typename T, int FMT, int OP, class Pre = StagedAmax>
+// HAS_DBIAS: the column sums' code is compiled in (dgelu: always; the identity: its own instantiation
+// for a plain gradient, so the forward's identity kernel keeps its registers, 58 against 128).
+template <typename T, int FMT, int OP, class Pre = StagedAmax, bool HAS_DBIAS = (OP >= 3)>
 __global__ void __launch_bounds__(256) quantize_tiled(
     const T* __restrict__ x,          // [rows, cols] input (dy for OP 3/4)
     const T* __restrict__ b,          // [rows, cols] second input (x for OP 3/4), else null
@@ -416,11 +419,11 @@ __global__ void __launch_bounds__(256) quantize_tiled(
                     *reinterpret_cast<float4*>(&colsum[lr][cs_at(lc + j)]) = make_float4(cs[j], cs[j + 1], cs[j + 2], cs[j + 3]);
             }
         };
-        if (OP >= 3 && dbias != nullptr) body(Flag<true>());  // (dbias: OP 3/4 only, see above)
+        if (HAS_DBIAS && dbias != nullptr) body(Flag<true>());
         else body(Flag<false>());
         __syncthreads();
         if (q_t != nullptr) store_tile_t(tl, q_t, lanes, r0, c0, prows, pcols, t16);
-        if (OP >= 3 && dbias != nullptr) {  // the tile's column sums: one partial row of the workspace
+        if (HAS_DBIAS && dbias != nullptr) {  // the tile's column sums: one partial row of the workspace
             {
                 const int c = t & 63, g = t >> 6;
                 float acc = colsum[16 * g][cs_at(c)];
@@ -441,6 +444,6 @@ __global__ void __launch_bounds__(256) quantize_tiled(
             if (OP >= 3) bc[k] = bn[k];
         }
     }
-    if (OP >= 3 && dbias != nullptr) finish_dbias(dbias, partial, strip_count, cols, tiles_r, tiles_c, ntiles);
+    if (HAS_DBIAS && dbias != nullptr) finish_dbias(dbias, partial, strip_count, cols, tiles_r, tiles_c, ntiles);
     if (!fresh) block_amax_atomic<256>(m, amax);
 }

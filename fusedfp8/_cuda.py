@@ -124,12 +124,16 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
         names = {f"flat_vec{int(v)}_store{int(s)}": f"quantize_flat<{t}, {f}, {o}, {str(v).lower()}, {str(s).lower()}>"
                  for v in (True, False) for s in (True, False)}
         names["tiled"] = f"quantize_tiled<{t}, {f}, {o}>"
+        if key.op == "identity":  # a plain gradient's column sums (the bias gradient) with its cast
+            names["tiled_dbias"] = f"quantize_tiled<{t}, {f}, {o}, StagedAmax, true>"
         return names
     if key.family == "current_quantize":  # the same kernels with the first step's amax in the launch
         t, f, o = CPP_TYPES[key.dtype], FMT_IDS[key.fmt], OPS[key.op]
         names = {f"coop_flat_vec{int(v)}": f"quantize_flat<{t}, {f}, {o}, {str(v).lower()}, true, GridAmax>"
                  for v in (True, False)}
         names["coop_tiled"] = f"quantize_tiled<{t}, {f}, {o}, GridAmax>"
+        if key.op == "identity":
+            names["coop_tiled_dbias"] = f"quantize_tiled<{t}, {f}, {o}, GridAmax, true>"
         return names
     if key.family == "layernorm_quantize":
         t, p, f = CPP_TYPES[key.dtype], CPP_TYPES[key.param], FMT_IDS[key.fmt]
@@ -305,7 +309,7 @@ def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
 
 def kernel_refs(key: ModuleKey, device_id: int) -> dict:
     """Role -> :class:`KernelRef` of module ``key`` on ``device_id`` (compiles it on first use)."""
-    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if role.endswith("tiled") else THREADS))
+    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if "tiled" in role else THREADS))
             for role, k in kernels(key, device_id).items()}
 
 
@@ -315,10 +319,12 @@ def quantize_plan(device: int, dtype: str, fmt: str, op: str, rows: int, cols: i
                   dbias: bool = False, first: bool = False, margin_factor: float = 1.0, offset: int = 0,
                   pad_to: int = 1, coop: bool = True) -> Plan:
     """:func:`build_quantize_plan` for module (dtype, fmt, op) on ``device`` (and, for a first step
-    in one launch, its current_quantize twin). ``dbias`` goes with the dgelu ops only (the column
-    sums of a gradient: the tiled kernel sums nothing for another op); ValueError otherwise."""
-    if dbias and OPS[op] < OPS["dgelu_tanh"]:
-        raise ValueError(f"dbias: the column sums come with op 'dgelu_tanh' or 'dgelu_erf' (a gradient); got op {op!r}")
+    in one launch, its current_quantize twin). ``dbias`` goes with a gradient's ops only, the
+    identity and the dgelu ops (the bias gradient: the column sums of what is cast); ValueError
+    with a gelu op."""
+    if dbias and op not in ("identity", "dgelu_tanh", "dgelu_erf"):
+        raise ValueError(f"dbias: the column sums come with op 'identity', 'dgelu_tanh' or 'dgelu_erf' (a gradient); "
+                         f"got op {op!r}")
     refs = kernel_refs(ModuleKey("quantize", dtype, fmt, op), device)
     if first and coop:
         refs = {**refs, **kernel_refs(ModuleKey("current_quantize", dtype, fmt, op), device)}

@@ -167,7 +167,8 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
                                                             NULLPTR, st(U), imm64(n), imm64(0), mf)))
     so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
     if transpose or dbias or pcols != cols:
-        r = refs["coop_tiled" if coop else "tiled"]
+        role = "coop_tiled" if coop else "tiled"
+        r = refs.get(f"{role}_dbias", refs[role]) if dbias else refs[role]  # (the identity's own dbias kernel)
         opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((QT, transpose), (DB, dbias), (PART, dbias),
                                                                     (CNT, dbias))}
         grid = _tiled_grid(r, sms, prows, pcols)

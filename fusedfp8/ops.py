@@ -333,7 +333,7 @@ def _device_layernorm(p: _LayerNormPlan) -> LayerNormQuantized:
 
 # ---- public API ------------------------------------------------------------------------------
 def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose: bool = False,
-             pad_to: int = 1) -> Quantized:
+             dbias: bool = False, pad_to: int = 1) -> Quantized:
     """Quantize ``x`` to FP8 and compute its amax in one pass.
 
     Parameters
@@ -348,6 +348,9 @@ def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose:
         Max-accumulated in place (NaN-propagating); a new one is returned when omitted.
     transpose : bool
         Also return the quantized transpose of x viewed as (prod(shape[:-1]), shape[-1]).
+    dbias : bool
+        Also return that view's (N,) float32 column sums (a gradient's bias gradient), from the
+        same read.
     pad_to : int
         1 (default): ``data`` has x's shape. Else ``data`` is x's (M, N) view with M and N
         rounded up to multiples of ``pad_to``, and ``data_t`` the (N', M') transpose, zeros in
@@ -358,7 +361,8 @@ def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose:
     -------
     Quantized
         ``data`` (shape of x, FP8), ``amax`` (1-element float32), ``data_t`` ((N, M) or None),
-        ``scale_inv`` ((1,) float32 in a buffer of its own: 1 / the scale used, the GEMM operand scale).
+        ``dbias`` ((N,) float32 or None), ``scale_inv`` ((1,) float32 in a buffer of its own: 1 /
+        the scale used, the GEMM operand scale).
 
     Raises
     ------
@@ -366,7 +370,7 @@ def quantize(x, scale, fmt: str | Format | None = None, *, amax=None, transpose:
         On a bad dtype, device, shape, format, an output aliasing an input, or a non-contiguous
         input; nothing is written.
     """
-    return _run(_Plan(x, None, scale, fmt, amax, "identity", transpose, False, pad_to=pad_to))
+    return _run(_Plan(x, None, scale, fmt, amax, "identity", transpose, dbias, pad_to=pad_to))
 
 
 def gelu_quantize(x, scale, fmt: str | Format | None = None, *, approximate: str = "tanh", amax=None,

@@ -448,10 +448,11 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
     p = gemm_pad_to(m, hid, ffn, out)  # as the forward padded
     impl = cfg.impl
     st2, r = _sync(st2, [(2, lambda: P.amax(g, impl=impl))], cfg)
-    rg, st2 = P.quantize(g, st2, 2, r, transpose=True, pad_to=p, impl=impl)
+    # the bias gradient from the same read as the cast (not a reduction of its own)
+    rg, st2 = P.quantize(g, st2, 2, r, transpose=True, dbias=True, pad_to=p, impl=impl)
     da = gemm(rg.data, w2_q, rg.scale_inv, sw2, z.dtype, impl=impl, shape=(m, ffn))
     dw2 = gemm(a_t, rg.data_t, sa, rg.scale_inv, w2z.dtype, impl=impl, shape=(ffn, out))
-    db2 = jnp.sum(g.reshape(-1, g.shape[-1]), axis=0, dtype=jnp.float32).astype(b2z.dtype)
+    db2 = rg.dbias.astype(b2z.dtype)
     st1, r = _sync(st1, [(2, lambda: P.amax(da, z, op="dgelu", approximate=cfg.approximate, impl=impl))], cfg)
     rdz, st1 = P.dgelu_quantize(da, z, st1, 2, r, approximate=cfg.approximate, transpose=True, dbias=True,
                                 pad_to=p, impl=impl)

@@ -332,8 +332,9 @@ def _cfg(op, approximate, state, index, recipe, transpose, dbias, pad_to=1) -> _
 
 # ---- public functions ------------------------------------------------------------------------
 def quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *, transpose: bool = False,
-             pad_to: int = 1, impl: str = "auto") -> tuple[Quantized, ScalingState]:
-    """Quantize ``x`` with tensor ``index`` of ``state`` (one fused pass: cast, amax, transpose).
+             dbias: bool = False, pad_to: int = 1, impl: str = "auto") -> tuple[Quantized, ScalingState]:
+    """Quantize ``x`` with tensor ``index`` of ``state`` (one fused pass: cast, amax, transpose,
+    and for a gradient the bias gradient).
 
     Parameters
     ----------
@@ -341,6 +342,8 @@ def quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *, tran
     state : ScalingState of jax arrays; recipe : DelayedScaling (the format is
         ``recipe.format_for(state.grad[index])``)
     transpose : also return the quantized transpose of x viewed as (prod(shape[:-1]), shape[-1])
+    dbias : also return the column sums of that view in float32 (a gradient's bias gradient), from
+        the same read (the tiled kernel's deterministic order on CUDA)
     pad_to : 1 (``data`` has x's shape), or ``data`` is that (rows, cols) view rounded up to
         multiples of ``pad_to`` (``data_t`` its transpose), FP8 zeros in the pad, outside the amax:
         the operands of an FP8 GEMM of ragged shape, written padded by the same kernel (no copy)
@@ -350,13 +353,13 @@ def quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *, tran
     -------
     (Quantized, ScalingState)
         ``data`` (x's shape or padded as above, jnp float8), ``amax`` (the staged slot after this call, a float32
-        scalar), ``data_t`` or None, ``dbias`` None, ``scale_inv`` ((1,) float32, 1 / the scale
-        used: the GEMM operand scale), and the new state.
+        scalar), ``data_t`` or None, ``dbias`` ((cols,) float32) or None, ``scale_inv`` ((1,)
+        float32, 1 / the scale used: the GEMM operand scale), and the new state.
     """
     _check_impl(impl)
     state = _check_state(state, recipe)
-    cfg = _cfg("identity", "tanh", state, index, recipe, transpose, False, pad_to)
-    return _run(cfg, _check_x(x, "x", transpose), None, state, impl)
+    cfg = _cfg("identity", "tanh", state, index, recipe, transpose, dbias, pad_to)
+    return _run(cfg, _check_x(x, "x", transpose or dbias), None, state, impl)
 
 
 def gelu_quantize(x, state: ScalingState, index: int, recipe: DelayedScaling, *, approximate: str = "tanh",

@@ -106,10 +106,11 @@ def pad2d(q: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return out
 
 
-def quantize(x, scale, fmt: str | Format = "e4m3", transpose: bool = False) -> Quantized:
-    """``q = fp8(float32(x) * scale)``, ``amax = max |x|``; optionally also ``q.T`` (2-D view)."""
+def quantize(x, scale, fmt: str | Format = "e4m3", transpose: bool = False, dbias: bool = False) -> Quantized:
+    """``q = fp8(float32(x) * scale)``, ``amax = max |x|``; optionally also ``q.T`` (2-D view)
+    and the column sums of ``x`` (a gradient's bias gradient, as :func:`dgelu_quantize`'s)."""
     v = to_float32(x)
-    return finish(v, amax(v), scale, fmt, transpose)
+    return finish(v, amax(v), scale, fmt, transpose, column_sums(v, "x") if dbias else None)
 
 
 def dequantize(q, scale_inv, dtype=np.float32) -> np.ndarray:

@@ -95,11 +95,15 @@ def _quantize_grad(x, st, impl):  # a gradient (E5M2)
     return P.quantize(x, st, 2, RECIPE, transpose=False, impl=impl)
 
 
+def _quantize_grad_dbias(x, st, impl):  # a gradient with its transpose and the bias gradient (the identity's own kernel)
+    return P.quantize(x, st, 2, RECIPE, transpose=True, dbias=True, impl=impl)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_kernel_matches_jnp(dtype, shape):
     x = inputs(shape, dtype)
-    for index, fn in ((0, _quantize_fwd), (2, _quantize_grad)):
+    for index, fn in ((0, _quantize_fwd), (2, _quantize_grad), (2, _quantize_grad_dbias)):
         st = fresh_state()
         assert_kernels_match_jnp(fn, (x, st), f"quantize[{index}]")
         # delayed scaling: a set scale, a staged amax to accumulate into, updates > 0
@@ -117,12 +121,13 @@ def _dgelu(dy, x, st, impl, approximate):
 
 
 def _padded_ops(dy, x, st, impl, pad_to):
-    """quantize (E4M3, transpose), gelu_quantize and dgelu_quantize (E5M2, transpose, dbias) of
-    one call each, every output written padded to multiples of ``pad_to``."""
+    """quantize (E4M3, transpose), gelu_quantize, dgelu_quantize and quantize of a gradient (E5M2,
+    transpose, dbias) of one call each, every output written padded to multiples of ``pad_to``."""
     r0, st = P.quantize(x, st, 0, RECIPE, transpose=True, pad_to=pad_to, impl=impl)
     r1, st = P.gelu_quantize(x, st, 1, RECIPE, transpose=True, pad_to=pad_to, impl=impl)
     r2, st = P.dgelu_quantize(dy, x, st, 2, RECIPE, transpose=True, dbias=True, pad_to=pad_to, impl=impl)
-    return (r0, r1, r2), st
+    r3, st = P.quantize(dy, st, 2, RECIPE, transpose=True, dbias=True, pad_to=pad_to, impl=impl)
+    return (r0, r1, r2, r3), st
 
 
 @pytest.mark.parametrize("pad_to", [16])  # what fp8_dot / fp8_mlp use

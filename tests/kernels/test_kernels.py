@@ -40,7 +40,7 @@ def seeded(*key) -> np.random.Generator:
 
 def run_op(op, x, b, scale, fmt, transpose, dbias=False):
     if op == "identity":
-        return fusedfp8.quantize(x, scale, fmt, transpose=transpose)
+        return fusedfp8.quantize(x, scale, fmt, transpose=transpose, dbias=dbias)
     kind, approx = op.split("_")
     if kind == "gelu":
         return fusedfp8.gelu_quantize(x, scale, fmt, approximate=approx, transpose=transpose)
@@ -49,7 +49,7 @@ def run_op(op, x, b, scale, fmt, transpose, dbias=False):
 
 def ref_op(op, x, b, scale, fmt, transpose, dbias=False):
     if op == "identity":
-        return ref.quantize(x, scale, fmt, transpose)
+        return ref.quantize(x, scale, fmt, transpose, dbias)
     kind, approx = op.split("_")
     if kind == "gelu":
         return ref.gelu_quantize(x, scale, fmt, approx, transpose)
@@ -157,6 +157,19 @@ def test_dgelu_dbias_matches_reference(device, shape, approx, transpose):
     xn = S.make_input(rng, shape, "bfloat16", "e5m2", edges=False)
     bn = S.make_input(rng, shape, "bfloat16", "e5m2", edges=False)
     check(device, f"dgelu_{approx}", xn, bn, 100.0, "e5m2", transpose, dbias=True)
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["no-transpose", "transpose"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device, shape", S.on_devices("aligned-64x128", "ragged-303x300", "ragged-1x5", "ragged-0x16",
+                                                      large=("large-4096x8192",)))
+def test_gradient_dbias_matches_reference(device, shape, dtype, transpose):
+    """quantize of a plain gradient with its bias gradient (the identity's dbias kernel): FP8 bytes,
+    amax and transpose as the reference's, the column sums bitwise on the host and within float32
+    summation order on the GPU."""
+    rng = seeded("gradient-dbias", dtype, shape, transpose)
+    xn = S.make_input(rng, shape, dtype, "e5m2", edges=False)
+    check(device, "identity", xn, None, 100.0, "e5m2", transpose, dbias=True)
 
 
 
