@@ -21,7 +21,9 @@
 //   operands  a (>= m, k) FP8, b (>= n, k) FP8, scale_inv_a (1,) f32, scale_inv_b (1,) f32
 //   results   out (m, n) bf16 / f16 / f32, workspace u8[bytes] (cuBLASLt's, buffer-assigned by XLA)
 //   attrs     fast_accum int64 (0 / 1)
-// out = scale_inv_a * scale_inv_b * (a[:m] @ b[:n].T). The workspace is a result rather than an
+// out = scale_inv_a * scale_inv_b * (a[:m] @ b[:n].T). `ff8_xla_fp8_gemm_bias` ("fusedfp8_fp8_gemm_bias")
+// takes a fifth operand, bias (n,) of the output's type, added in cuBLASLt's epilogue before the
+// one rounding to the output type. The workspace is a result rather than an
 // ffi::ScratchAllocator allocation: a scratch allocation is released when the handler returns,
 // and a CUDA graph recorded from the handler would keep its address; an XLA-assigned buffer is
 // what XLA's own cuBLASLt calls use, and stays valid for every replay.
@@ -114,8 +116,10 @@ int32_t lt_type(ffi::DataType t) {
   }
 }
 
-ffi::Error Fp8Gemm(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
-                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> ws, int64_t fast_accum) {
+// `bias`: null, or the (n,) bias of the bias epilogue (the output's type).
+ffi::Error Fp8GemmImpl(void* stream, ffi::AnyBuffer& a, ffi::AnyBuffer& b, ffi::AnyBuffer& sa, ffi::AnyBuffer& sb,
+                       const ffi::AnyBuffer* bias, ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& ws,
+                       int64_t fast_accum) {
   const ff8::Driver& d = ff8::driver();
   if (!d.why.empty()) return ffi::Error::Internal("fusedfp8: " + d.why);
   auto da = a.dimensions(), db = b.dimensions(), dout = out->dimensions();
@@ -129,17 +133,35 @@ ffi::Error Fp8Gemm(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuf
   for (const ffi::AnyBuffer* s : {&sa, &sb})
     if (s->element_type() != ffi::DataType::F32 || s->element_count() < 1)
       return ffi::Error::InvalidArgument("fusedfp8 FP8 GEMM: the scales must be float32 arrays of one element");
-  const ff8::lt::Shape shape{dout[0], dout[1], da[1], da[1], db[1], dout[1], lt_type(a.element_type()),
-                             lt_type(b.element_type()), lt_type(out->element_type()), static_cast<int32_t>(fast_accum),
-                             static_cast<int64_t>(ws->size_bytes())};
+  ff8::lt::Shape shape{dout[0], dout[1], da[1], da[1], db[1], dout[1], lt_type(a.element_type()),
+                       lt_type(b.element_type()), lt_type(out->element_type()), static_cast<int32_t>(fast_accum),
+                       static_cast<int64_t>(ws->size_bytes())};
+  if (bias != nullptr) {
+    if (bias->element_count() != static_cast<size_t>(dout[1]))
+      return ffi::Error::InvalidArgument("fusedfp8 FP8 GEMM: the bias must have one element per output column (" +
+                                         std::to_string(dout[1]) + "); got " + std::to_string(bias->element_count()));
+    shape.epilogue = ff8::lt::kEpilogueBias;
+    shape.bias_type = lt_type(bias->element_type());
+  }
   int dev = -1;
   if (ff8::CUresult e = d.ctx_get_device(&dev))
     return ffi::Error::Internal("fusedfp8: cuCtxGetDevice failed in the XLA FFI handler: " + ff8::cuda_error(e));
   std::string err = ff8::lt::run(dev, shape, a.untyped_data(), b.untyped_data(), static_cast<const float*>(sa.untyped_data()),
                                  static_cast<const float*>(sb.untyped_data()), out->untyped_data(), ws->untyped_data(),
-                                 stream, nullptr, ff8::lt::kXlaAlign);
+                                 stream, bias ? bias->untyped_data() : nullptr, ff8::lt::kXlaAlign);
   if (!err.empty()) return ffi::Error::Internal(err);
   return ffi::Error::Success();
+}
+
+ffi::Error Fp8Gemm(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> ws, int64_t fast_accum) {
+  return Fp8GemmImpl(stream, a, b, sa, sb, nullptr, out, ws, fast_accum);
+}
+
+ffi::Error Fp8GemmBias(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
+                       ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> ws,
+                       int64_t fast_accum) {
+  return Fp8GemmImpl(stream, a, b, sa, sb, &bias, out, ws, fast_accum);
 }
 
 }  // namespace
@@ -148,6 +170,20 @@ ffi::Error Fp8Gemm(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuf
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm, Fp8Gemm,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("fast_accum"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// a, b, scale_inv_a, scale_inv_b, bias -> out, workspace: out = the product + bias[j], rounded once
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm_bias, Fp8GemmBias,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -201,9 +237,11 @@ int64_t put_error(const std::string& why, char* err, int64_t errcap) {
   return why.empty() ? 0 : -1;
 }
 
-ff8::lt::Shape gemm_shape(const int64_t* v) {  // m, n, k, lda, ldb, ldd, ta, tb, td, fast_accum, workspace
+// m, n, k, lda, ldb, ldd, ta, tb, td, fast_accum, workspace, epilogue, bias_type
+ff8::lt::Shape gemm_shape(const int64_t* v) {
   return ff8::lt::Shape{v[0], v[1], v[2], v[3], v[4], v[5], static_cast<int32_t>(v[6]), static_cast<int32_t>(v[7]),
-                        static_cast<int32_t>(v[8]), static_cast<int32_t>(v[9]), v[10]};
+                        static_cast<int32_t>(v[8]), static_cast<int32_t>(v[9]), v[10], static_cast<uint32_t>(v[11]),
+                        static_cast<int32_t>(v[12])};
 }
 }  // namespace
 
@@ -222,8 +260,9 @@ int64_t ff8_gemm_load(char* err, int64_t errcap) {
   return static_cast<int64_t>(a.version());
 }
 
-// 0 when cuBLASLt's FP8 GEMM takes the shape `v` (11 int64s: m, n, k, lda, ldb, ldd, a's, b's and
-// the output's cudaDataType, fast_accum, workspace bytes), else -1 with the reason. No GPU needed.
+// 0 when cuBLASLt's FP8 GEMM takes the shape `v` (13 int64s: m, n, k, lda, ldb, ldd, a's, b's and
+// the output's cudaDataType, fast_accum, workspace bytes, epilogue, the bias's cudaDataType), else
+// -1 with the reason. No GPU needed.
 int64_t ff8_gemm_check(const int64_t* v, char* err, int64_t errcap) {
   return put_error(ff8::lt::check_shape(gemm_shape(v)), err, errcap);
 }

@@ -74,8 +74,9 @@ def quantize_ste(x, state: ScalingState, index: int, recipe: DelayedScaling, *,
 
 
 # ---- the FP8 GEMM ----------------------------------------------------------------------------
-def gemm(a, b, scale_inv_a, scale_inv_b, out_dtype, *, fast_accum: bool = False, impl: str = "auto", shape=None):
-    """``out_dtype((a @ b.T) * scale_inv_a * scale_inv_b)`` for FP8 a (M, K), b (N, K), cut to
+def gemm(a, b, scale_inv_a, scale_inv_b, out_dtype, *, fast_accum: bool = False, impl: str = "auto", shape=None,
+         bias=None):
+    """``out_dtype((a @ b.T) * scale_inv_a * scale_inv_b (+ bias))`` for FP8 a (M, K), b (N, K), cut to
     ``shape`` (m, n) when given: :func:`fusedfp8.jax.gemm.fp8_gemm` (cuBLASLt through the shim's
     FFI handler on CUDA, XLA's dot elsewhere and for impl 'jnp' / 'callback').
 
@@ -84,7 +85,8 @@ def gemm(a, b, scale_inv_a, scale_inv_b, out_dtype, *, fast_accum: bool = False,
     (``forward_fast_accum`` of :func:`fp8_dot` / :func:`fp8_mlp`) and the gradients, summed over
     many more terms, split.
     """
-    return G.fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype, shape=shape, fast_accum=fast_accum, impl=impl)
+    return G.fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype, shape=shape, fast_accum=fast_accum, bias=bias,
+                      impl=impl)
 
 
 class _Cfg(NamedTuple):
@@ -418,13 +420,14 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
     rw1, st1 = _weight(w1, q1, st1, r1, impl, p)
     fast = cfg.forward_fast_accum
     sh = refusing(rh.scale_inv, (meta1, meta2) if _refused_here(cfg) else ())  # NaN out where a stored meta is corrupted
-    z = gemm(rh.data, rw1.data_t, sh, rw1.scale_inv, dt, fast_accum=fast, impl=impl, shape=(m, ffn)) + b1.astype(dt)
+    # the biases in the GEMMs' epilogues (added before the one rounding; no pass of their own)
+    z = gemm(rh.data, rw1.data_t, sh, rw1.scale_inv, dt, fast_accum=fast, impl=impl, shape=(m, ffn), bias=b1.astype(dt))
     st2, r2 = _sync(st2, [(0, lambda: P.amax(z, op="gelu", approximate=cfg.approximate, impl=impl)),
                           (1, _weight_amax(w2, q2, impl))], cfg)  # (gelu(z), w2): one pmax
     ra, st2 = P.gelu_quantize(z, st2, 0, r2, approximate=cfg.approximate, transpose=training, pad_to=p, impl=impl)
     rw2, st2 = _weight(w2, q2, st2, r2, impl, p)
-    y = gemm(ra.data, rw2.data_t, ra.scale_inv, rw2.scale_inv, dt, fast_accum=fast,
-             impl=impl, shape=(m, out)) + b2.astype(dt)
+    y = gemm(ra.data, rw2.data_t, ra.scale_inv, rw2.scale_inv, dt, fast_accum=fast, impl=impl, shape=(m, out),
+             bias=b2.astype(dt))
     # dtypes, and the real shapes of h, w1, w2 (zero-size arrays: static)
     dtypes = (jnp.zeros((0, m, hid), h.dtype), jnp.zeros((0, hid, ffn), w1.dtype), jnp.zeros((0,), b1.dtype),
               jnp.zeros((0, ffn, out), w2.dtype), jnp.zeros((0,), b2.dtype))

@@ -40,12 +40,14 @@ from ..types import FP8_DTYPES, GEMM_MULTIPLE
 from . import callbacks
 from . import primitives as P
 
-__all__ = ["fp8_gemm", "gemm_target", "gemm_path", "output_cols", "TARGET", "WORKSPACE_BYTES"]
+__all__ = ["fp8_gemm", "gemm_target", "gemm_path", "output_cols", "TARGET", "TARGET_BIAS", "WORKSPACE_BYTES"]
 
 TARGET = "fusedfp8_fp8_gemm"  # command-buffer compatible
+TARGET_BIAS = "fusedfp8_fp8_gemm_bias"  # the same with cuBLASLt's bias epilogue
 WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace on Hopper (torch and Transformer Engine give it 32 MiB)
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 _LT_TYPE = {"float8_e4m3fn": 28, "float8_e5m2": 29, "bfloat16": 14, "float16": 2, "float32": 0}  # cudaDataType
+_EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4  # cublasLtEpilogue_t
 _XLA_IMPLS = ("jnp", "callback")
 
 
@@ -59,9 +61,12 @@ def output_cols(n: int) -> int:
     return n if n % GEMM_MULTIPLE == 0 else _round_up(n)
 
 
-def _shape_code(m, n, k, lda, ldb, ldd, ta, tb, td, fast, workspace) -> np.ndarray:
-    """The 11 int64s of the shim's GEMM shape (ff8_gemm_check / ff8_gemm_prepare)."""
-    return np.array([m, n, k, lda, ldb, ldd, _LT_TYPE[ta], _LT_TYPE[tb], _LT_TYPE[td], int(fast), workspace], np.int64)
+def _shape_code(m, n, k, lda, ldb, ldd, ta, tb, td, fast, workspace, bias: bool = False) -> np.ndarray:
+    """The 13 int64s of the shim's GEMM shape (ff8_gemm_check / ff8_gemm_prepare); ``bias``: the
+    bias epilogue, the bias of the output's type."""
+    return np.array([m, n, k, lda, ldb, ldd, _LT_TYPE[ta], _LT_TYPE[tb], _LT_TYPE[td], int(fast), workspace,
+                     _EPILOGUE_BIAS if bias else _EPILOGUE_DEFAULT, _LT_TYPE[td] if bias else _LT_TYPE["bfloat16"]],
+                    np.int64)
 
 
 def _call(fn, *args) -> str:
@@ -85,6 +90,7 @@ def gemm_target() -> tuple[bool, str]:
         return False, f"the FP8 GEMM cannot load cuBLASLt: {err.value.decode(errors='replace')}"
     try:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ff8_xla_fp8_gemm), platform="CUDA")
+        jax.ffi.register_ffi_target(TARGET_BIAS, jax.ffi.pycapsule(lib.ff8_xla_fp8_gemm_bias), platform="CUDA")
     except Exception as e:  # noqa: BLE001 - say why and keep XLA's dot
         return False, f"registering the FP8 GEMM's XLA FFI target failed ({type(e).__name__}: {e})"
     return True, f"cuBLASLt {version} ({err.value.decode(errors='replace')})"
@@ -103,13 +109,14 @@ def gemm_path() -> tuple[str, str]:
     return TARGET, f"from the first CUDA trace on, cuBLASLt from {where} (or the copy already loaded)"
 
 
-def check_shape(m, n, k, lda, ldb, ldd, ta, tb, td, fast=False, workspace=WORKSPACE_BYTES) -> str:
+def check_shape(m, n, k, lda, ldb, ldd, ta, tb, td, fast=False, workspace=WORKSPACE_BYTES, bias=False) -> str:
     """"" or why the shim's FP8 GEMM refuses the shape (its own check, gemm.h's check_shape; no GPU
     needed, the shim is built on first use)."""
     lib, why = _shim.library("xla")
     if lib is None:
         return f"the shim is not available: {why}"
-    return _call(lib.ff8_gemm_check, _shape_code(m, n, k, lda, ldb, ldd, ta, tb, td, fast, workspace).ctypes.data)
+    code = _shape_code(m, n, k, lda, ldb, ldd, ta, tb, td, fast, workspace, bias)
+    return _call(lib.ff8_gemm_check, code.ctypes.data)
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,15 +133,17 @@ def _prepared(code: tuple) -> str:
 
 
 # ---- the two backends ------------------------------------------------------------------------
-def _xla_dot(a, b, sa, sb, out_dtype, m: int, n: int, fast_accum: bool):
+def _xla_dot(a, b, sa, sb, bias, out_dtype, m: int, n: int, fast_accum: bool):
     """XLA's dot (its GEMM rewriter makes it one cuBLASLt FP8 call with a float32 output). XLA maps
     the dot's precision to the FP8 accumulation: DEFAULT fast, HIGHEST the split accumulator.
-    Every operand dimension padded to 16 when one is ragged (XLA's rewriter needs them all)."""
+    Every operand dimension padded to 16 when one is ragged (XLA's rewriter needs them all). The
+    bias (or None) is added in float32 before the one rounding, as the epilogue does."""
     if any(d % GEMM_MULTIPLE for d in (*a.shape, *b.shape)):
         a, b = (jnp.pad(x, [(0, -d % GEMM_MULTIPLE) for d in x.shape]) for x in (a, b))
     precision = lax.Precision.DEFAULT if fast_accum else lax.Precision.HIGHEST
     y = lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-    return (y * (sa[0] * sb[0])).astype(out_dtype)[:m, :n]
+    y = (y * (sa[0] * sb[0]))[:m, :n]
+    return (y if bias is None else y + bias.astype(jnp.float32)).astype(out_dtype)
 
 
 def _pad_to(x, rows: int, cols: int):
@@ -143,40 +152,44 @@ def _pad_to(x, rows: int, cols: int):
     return jnp.pad(x, [(0, rows - x.shape[0]), (0, cols - x.shape[1])])
 
 
-def _ffi_operands(a, b, out_name: str, m: int, n: int, fast_accum: bool):
-    """(a, b, output columns, shape code) of the FFI call: K zero-padded to 16, b's rows to the
-    output columns (only where the caller's operands are not padded already)."""
+def _ffi_operands(a, b, bias, out_name: str, m: int, n: int, fast_accum: bool):
+    """(a, b, bias, output columns, shape code) of the FFI call: K zero-padded to 16, b's rows and
+    the bias to the output columns (only where the caller's operands are not padded already)."""
     k, cols = _round_up(a.shape[1]), output_cols(n)
     a = _pad_to(a, a.shape[0], k)
     b = _pad_to(b, max(b.shape[0], cols), k)
-    code = _shape_code(m, cols, k, k, k, cols, a.dtype.name, b.dtype.name, out_name, fast_accum, WORKSPACE_BYTES)
-    return a, b, cols, tuple(int(v) for v in code)
+    if bias is not None and cols != n:
+        bias = jnp.pad(bias, (0, cols - n))
+    code = _shape_code(m, cols, k, k, k, cols, a.dtype.name, b.dtype.name, out_name, fast_accum, WORKSPACE_BYTES,
+                       bias is not None)
+    return a, b, bias, cols, tuple(int(v) for v in code)
 
 
-def _ffi_gemm(a, b, sa, sb, out_name: str, m: int, n: int, fast_accum: bool):
-    a, b, cols, code = _ffi_operands(a, b, out_name, m, n, fast_accum)
+def _ffi_gemm(a, b, sa, sb, bias, out_name: str, m: int, n: int, fast_accum: bool):
+    a, b, bias, cols, code = _ffi_operands(a, b, bias, out_name, m, n, fast_accum)
     why = _prepared(code)
     if why:
         raise RuntimeError(f"fusedfp8: the FP8 GEMM (m={m}, n={n}, k={a.shape[1]}) cannot run: {why}")
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, cols), jnp.dtype(out_name)),
-                                     jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)), vmap_method="sequential")
-    out, _ = call(a, b, sa, sb, fast_accum=int(bool(fast_accum)))
+    call = jax.ffi.ffi_call(TARGET if bias is None else TARGET_BIAS,
+                            (jax.ShapeDtypeStruct((m, cols), jnp.dtype(out_name)),
+                             jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)), vmap_method="sequential")
+    out, _ = call(a, b, sa, sb, *(() if bias is None else (bias,)), fast_accum=int(bool(fast_accum)))
     return out if cols == n else out[:, :n]
 
 
-def _auto_uses_ffi(a, b, out_name: str, m: int, n: int, fast_accum: bool) -> bool:
+def _auto_uses_ffi(a, b, bias, out_name: str, m: int, n: int, fast_accum: bool) -> bool:
     """impl='auto' on CUDA: the FFI GEMM where the shim and cuBLASLt are available and cuBLASLt has
     an algorithm for the shape on every local GPU (decided at trace time), else XLA's dot."""
     if not (_shim.default_on()[0] and callbacks.gpu_devices() and gemm_target()[0]):
         return False
-    why = _prepared(_ffi_operands(a, b, out_name, m, n, fast_accum)[3])
+    why = _prepared(_ffi_operands(a, b, bias, out_name, m, n, fast_accum)[4])
     if why:
         warnings.warn(f"fusedfp8: the FP8 GEMM (m={m}, n={n}, k={a.shape[1]}) runs as XLA's dot: {why}", stacklevel=2)
     return not why
 
 
 # ---- the public function ---------------------------------------------------------------------
-def _check(a, b, scale_inv_a, scale_inv_b, out_dtype, shape):
+def _check(a, b, scale_inv_a, scale_inv_b, out_dtype, shape, bias):
     a, b = jnp.asarray(a), jnp.asarray(b)
     for name, x in (("a", a), ("b", b)):
         if x.dtype.name not in FP8_DTYPES:
@@ -203,13 +216,18 @@ def _check(a, b, scale_inv_a, scale_inv_b, out_dtype, shape):
     if not (0 <= m <= a.shape[0] and 0 <= n <= b.shape[0]):
         raise ValueError(f"shape (m, n) must be within a's rows ({a.shape[0]}) and b's rows ({b.shape[0]}); "
                          f"got {(m, n)}")
-    return a, b, *scales, out_name, int(m), int(n)
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (int(n),) or bias.dtype.name != out_name:
+            raise ValueError(f"bias must be None or a ({int(n)},) {out_name} array (one element per output column, "
+                             f"the output's dtype); got {bias.dtype} {bias.shape}")
+    return a, b, *scales, bias, out_name, int(m), int(n)
 
 
 def fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype=jnp.bfloat16, *, shape=None, fast_accum: bool = False,
-             impl: str = "auto"):
-    """``out_dtype((a[:m] @ b[:n].T) * scale_inv_a * scale_inv_b)``: the FP8 GEMM of every linear
-    layer in :mod:`fusedfp8.jax.functional`.
+             bias=None, impl: str = "auto"):
+    """``out_dtype((a[:m] @ b[:n].T) * scale_inv_a * scale_inv_b (+ bias))``: the FP8 GEMM of every
+    linear layer in :mod:`fusedfp8.jax.functional`.
 
     Parameters
     ----------
@@ -220,12 +238,15 @@ def fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype=jnp.bfloat16, *, shape=No
         (the zero padding our kernels write for ragged GEMMs) are not read by the FFI GEMM
     fast_accum : cuBLASLt's FP8 fast accumulation (partial sums never promoted); False: the split
         accumulator
+    bias : None, or (n,) of ``out_dtype``: added to each row in float32 before the one rounding to
+        ``out_dtype`` (cuBLASLt's bias epilogue on the FFI GEMM, bf16 / fp16 outputs; added by XLA
+        to a float32 output), so no separate pass over the output
     impl : see the module docstring
 
     Returns the (m, n) array of ``out_dtype``.
     """
     P._check_impl(impl)
-    a, b, sa, sb, out_name, m, n = _check(a, b, scale_inv_a, scale_inv_b, out_dtype, shape)
+    a, b, sa, sb, bias, out_name, m, n = _check(a, b, scale_inv_a, scale_inv_b, out_dtype, shape, bias)
     fast = bool(fast_accum)
     if impl == "ffi":
         ok, why = gemm_target()
@@ -233,20 +254,26 @@ def fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype=jnp.bfloat16, *, shape=No
             raise ValueError(f"impl='ffi' needs the FP8 GEMM of the compiled shim, which is not available: {why}. "
                              "Use impl='auto' or impl='callback' (XLA's dot)")
     if m == 0 or n == 0 or a.shape[1] == 0:  # nothing to multiply: no GEMM is launched
-        return jnp.zeros((m, n), out_name)
+        zeros = jnp.zeros((m, n), out_name)
+        return zeros if bias is None else zeros + bias
+    if bias is not None and out_name == "float32":  # (cuBLASLt's FP8 bias epilogue has no float32 output)
+        return fp8_gemm(a, b, sa, sb, out_name, shape=(m, n), fast_accum=fast, impl=impl) + bias
+    args = (a, b, sa, sb) + (() if bias is None else (bias,))
 
-    def xla(a, b, sa, sb):
-        return _xla_dot(a, b, sa, sb, out_name, m, n, fast)
+    def xla(a, b, sa, sb, *bias):
+        return _xla_dot(a, b, sa, sb, bias[0] if bias else None, out_name, m, n, fast)
 
-    def ffi(a, b, sa, sb):
-        return P._as_varying_as((_ffi_gemm(a, b, sa, sb, out_name, m, n, fast),), (a, b, sa, sb))[0]
+    def ffi(a, b, sa, sb, *bias):
+        out = _ffi_gemm(a, b, sa, sb, bias[0] if bias else None, out_name, m, n, fast)
+        return P._as_varying_as((out,), (a, b, sa, sb, *bias))[0]
 
     if impl in _XLA_IMPLS:
-        return xla(a, b, sa, sb)
+        return xla(*args)
     if impl == "ffi":
-        return ffi(a, b, sa, sb)
+        return ffi(*args)
 
-    def cuda(a, b, sa, sb):
-        return (ffi if _auto_uses_ffi(a, b, out_name, m, n, fast) else xla)(a, b, sa, sb)
+    def cuda(a, b, sa, sb, *bias):
+        use = _auto_uses_ffi(a, b, bias[0] if bias else None, out_name, m, n, fast)
+        return (ffi if use else xla)(a, b, sa, sb, *bias)
 
-    return lax.platform_dependent(a, b, sa, sb, cuda=cuda, default=xla)
+    return lax.platform_dependent(*args, cuda=cuda, default=xla)

@@ -114,6 +114,35 @@ def test_ffi_gemm_takes_unpadded_operands(pair):
     np.testing.assert_array_equal(np.asarray(plain, np.float32), np.asarray(padded, np.float32))
 
 
+@pytest.mark.parametrize("out", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("mkn", [(2048, 1024, 4096), (303, 300, 200)], ids=["aligned", "ragged"])
+def test_ffi_gemm_bias_is_added_before_the_one_rounding(mkn, out):
+    """bias= (cuBLASLt's bias epilogue on bf16 / fp16 outputs, XLA's add on a float32 one): within
+    the output's rounding of the float64 product + bias (so rounded once, not twice), on a bias of
+    the product's magnitude; the same bound as without a bias, and XLA's dot path the same."""
+    m, k, n = mkn
+    (a, a64), (b, b64) = operand(m, k, "float8_e4m3fn", 5), operand(n, k, "float8_e4m3fn", 6)
+    sa, sb = 0.5, 2.0 ** -5
+    ref, absref = reference(a64, b64, sa, sb)
+    bias = (np.random.default_rng(7).standard_normal(n) * np.abs(ref).mean()).astype(np.float32)
+    bias_q = jnp.asarray(bias).astype(out)
+    want = ref + np.asarray(bias_q.astype(jnp.float32), np.float64)[None, :]
+    s = (gpu(jnp.asarray([sa], jnp.float32)), gpu(jnp.asarray([sb], jnp.float32)))
+    for impl in ("ffi", "jnp"):
+        got = jax.jit(lambda a, b, x, y, c: G.fp8_gemm(a, b, x, y, jnp.dtype(out), shape=(m, n), bias=c,
+                                                       impl=impl))(a, b, *s, gpu(bias_q))
+        assert got.dtype == jnp.dtype(out)
+        assert_close(got, want, absref + np.abs(want), out, False, f"{impl} + bias {mkn} -> {out}")
+
+
+def test_a_bad_bias_is_refused_naming_it():
+    a = jnp.zeros((32, 64), jnp.float8_e4m3fn)
+    s = jnp.ones((1,), jnp.float32)
+    for bias, got in ((jnp.zeros((31,), jnp.bfloat16), "bfloat16 (31,)"), (jnp.zeros((32,), jnp.float32), "float32 (32,)")):
+        with pytest.raises(ValueError, match=rf"^bias must be None or a \(32,\) bfloat16 array .*got {re.escape(got)}"):
+            G.fp8_gemm(a, a, s, s, jnp.bfloat16, bias=bias, impl="jnp")
+
+
 # ---- fp8_dot / fp8_mlp on the FFI GEMM ------------------------------------------------------------
 def _inputs(shape, seed, scale):
     rng = np.random.default_rng(seed)
@@ -190,6 +219,20 @@ def test_the_compiled_step_runs_three_ffi_gemms_writing_bf16():
     for shape in ("2048,4096", "2048,1024", "1024,4096"):
         written = [ln for ln in unfused_lines(text) if re.match(rf"\s*(ROOT )?%\S+ = f32\[{shape}\]", ln)]
         assert not written, written[:2]
+
+
+def test_the_fp8_mlp_forward_adds_its_biases_in_the_gemm_epilogues():
+    """fp8_mlp's two forward GEMMs take the biases (fusedfp8_fp8_gemm_bias): no add over a GEMM
+    output of its own in the compiled forward."""
+    M, H, F_ = 2048, 1024, 4096
+    h, w1, w2 = _inputs((M, H), 0, 1.0), _inputs((H, F_), 1, 0.03), _inputs((F_, H), 2, 0.03)
+    b1, b2 = _inputs((F_,), 3, 0.1), _inputs((H,), 4, 0.1)
+    m1, m2 = (jax.tree.map(gpu, JM.fresh_meta(RECIPE)) for _ in range(2))
+    text = jax.jit(lambda *a: F.fp8_mlp(*a, RECIPE)).lower(h, w1, b1, w2, b2, m1, m2).compile().as_text()
+    calls = [ln for ln in text.splitlines() if 'custom_call_target="fusedfp8_fp8_gemm_bias"' in ln]
+    assert len(calls) == 2, calls
+    adds = [ln for ln in unfused_lines(text) if re.search(rf"= bf16\[{M},({F_}|{H})\]\S* (add|fusion)\(", ln)]
+    assert not adds, adds[:2]
 
 
 def unfused_lines(text: str) -> list[str]:

@@ -105,15 +105,27 @@ def test_the_shim_refuses_what_cublaslt_fp8_cannot_run(xla_lib, args, message):
 @pytest.mark.parametrize("pair", [(E4, E4), (E4, E5), (E5, E4)], ids=["e4m3xe4m3", "e4m3xe5m2", "e5m2xe4m3"])
 @pytest.mark.parametrize("out", ["bfloat16", "float16", "float32"])
 def test_the_wrapper_hands_the_shim_only_shapes_it_takes(xla_lib, pair, out):
-    """Every shape the JAX wrapper makes (K padded to 16, the output columns of output_cols) passes
-    the shim's own check, for the ragged shapes of issue 19 and their backward GEMMs."""
+    """Every shape the JAX wrapper makes (K padded to 16, the output columns of output_cols, the
+    bias padded with them) passes the shim's own check, for ragged shapes and their backward GEMMs,
+    with and without the bias epilogue (bf16 / fp16 outputs: fp8_gemm adds a float32 output's bias
+    itself)."""
     for m, k, n in ((1000, 48, 80), (17, 33, 50), (303, 300, 200), (8190, 64, 128), (2048, 1024, 4096), (1, 1, 1)):
         for mm, kk, nn in ((m, k, n), (m, n, k), (k, m, n)):  # forward, dgrad, wgrad
             a = jnp.zeros((mm, kk), pair[0])
             b = jnp.zeros((nn, kk), pair[1])
-            _, _, cols, code = G._ffi_operands(a, b, out, mm, nn, False)
-            assert cols >= nn and cols % 16 == 0 and (cols == nn or nn % 16)
-            assert G.check_shape(*code[:6], pair[0], pair[1], out) == ""
+            for bias in (None, jnp.zeros((nn,), out))[:1 if out == "float32" else 2]:
+                _, _, padded_bias, cols, code = G._ffi_operands(a, b, bias, out, mm, nn, False)
+                assert cols >= nn and cols % 16 == 0 and (cols == nn or nn % 16)
+                assert bias is None or padded_bias.shape == (cols,)
+                assert G.check_shape(*code[:6], pair[0], pair[1], out, bias=bias is not None) == ""
+
+
+def test_the_shim_refuses_a_bias_it_cannot_add(xla_lib):
+    """cuBLASLt's FP8 bias epilogue: a bias of the output's type, bf16 or fp16 (not float32)."""
+    for out in ("bfloat16", "float16"):
+        assert G.check_shape(64, 64, 48, 48, 48, 64, E4, E4, out, bias=True) == ""
+    why = G.check_shape(64, 64, 48, 48, 48, 64, E4, E4, "float32", bias=True)
+    assert "the bias must have the output's type, bfloat16 or float16" in why, why
 
 
 # ---- the wrapper's checks -----------------------------------------------------------------------
