@@ -19,6 +19,7 @@ from fusedfp8 import csrc as shim
 from fusedfp8.csrc import plan as P
 from support import nvrtc as N
 from support import shapes as S
+from support import fake_cuda as F
 from support.fake_cuda import FakeContexts
 from support.shim import built as built_shim
 
@@ -35,7 +36,7 @@ def fake_refs(key: _cuda.ModuleKey, base: int | None = None) -> dict:
         base = {"quantize": 0x7F00_0000_1000, "dequantize": 0x7F10_0000_1000,
                 "layernorm_quantize": 0x7F30_0000_1000}.get(key.family, 0x7F20_0000_1000)
     names = _cuda.name_expressions(key)
-    refs = {role: _cuda.KernelRef(base + 0x100 * i, expr, role, 2 + i % 3)
+    refs = {role: _cuda.KernelRef(base + 0x100 * i, expr, role, 2 + i % 3, F.fake_id(expr))
             for i, (role, expr) in enumerate(names.items())}
     if key.family == "quantize":
         refs.update(fake_refs(key._replace(family="current_quantize"), base + 0x10_0000))
@@ -200,7 +201,7 @@ def test_one_launch_plans_encode_the_cooperative_step():
     refs = fake_refs(QKEY)
     plan = _cuda.build_quantize_plan(refs, SMS, 300, 64, True, False, True, 1.0, 4)
     data, names = plan.encode()
-    assert list(data[:4]) == [P.PLAN_VERSION, len(P.QUANTIZE_SLOTS), 1, P.COOP_LAUNCH] and P.PLAN_VERSION == 2
+    assert list(data[:4]) == [P.PLAN_VERSION, len(P.QUANTIZE_SLOTS), 1, P.COOP_LAUNCH] and P.PLAN_VERSION == 3
     assert names == refs["coop_tiled"].name and plan.steps[0].coop
     assert [st.coop for st in _cuda.build_quantize_plan(refs, SMS, 300, 64, True, False, True, 1.0, 4, 1,
                                                         False).steps] == [False, False]
@@ -311,6 +312,9 @@ def test_encode_layout():
     assert list(data[3:6]) == [P.MEMSET, P.QUANTIZE_SLOTS.index("counters"), 4]
     assert names == refs["tiled"].name  # one launch of one variant
     assert plan.steps[1].layout == _cuda.signature("tiled")
+    # the launch step names its kernel by id, not by handle (a pointer of this process)
+    assert list(data[6:12]) == [P.LAUNCH, 1, 0, 256, 0, len(plan.steps[1].params)]
+    assert data[12] == refs["tiled"].kid and refs["tiled"].func not in data
 
 
 # ---- the compiled shim ---------------------------------------------------------------------------
@@ -346,12 +350,21 @@ def test_status_and_library_agree(xla_lib):
     assert ready is True and why == shim.library("xla")[1]
 
 
-def cxx_dry_run(lib, plan_data: np.ndarray, ptrs) -> bytes:
+def register(plan: P.Plan, device: int = 0) -> P.Plan:
+    """Register the plan's (made-up) kernels on ``device`` in every loaded shim, as loading their
+    module does, so that the shims resolve its kernel ids to the handles the Python executor uses."""
+    shim.register_kernels(device, {(v.kid, v.func) for st in plan.steps if isinstance(st, P.Launch)
+                                   for v in st.variants})
+    return plan
+
+
+def cxx_dry_run(lib, plan_data: np.ndarray, ptrs, names: str = "", device: int = 0) -> bytes:
     out = ctypes.create_string_buffer(1 << 16)
-    err = ctypes.create_string_buffer(512)
+    err = ctypes.create_string_buffer(1024)
     bufs = (ctypes.c_uint64 * max(len(ptrs), 1))(*ptrs)
     data = np.ascontiguousarray(plan_data, np.int64)
-    n = lib.ff8_dry_run(data.ctypes.data, len(data), bufs, len(ptrs), out, len(out), err, len(err))
+    n = lib.ff8_dry_run(data.ctypes.data, len(data), bufs, len(ptrs), device, names.encode(), out, len(out), err,
+                        len(err))
     if n < 0:
         raise ValueError(err.value.decode())
     return out.raw[:n]
@@ -360,11 +373,11 @@ def cxx_dry_run(lib, plan_data: np.ndarray, ptrs) -> bytes:
 def test_cxx_packer_matches_the_python_executor(xla_lib, torch_lib):
     checked = 0
     for _, plan in quantize_plans() + other_plans():
-        data, _ = plan.encode()
+        data, names = register(plan).encode()
         for ptrs in pointer_sets(len(plan.slots)):
             want = P.dry_run(plan, ptrs)
-            assert cxx_dry_run(xla_lib, data, ptrs) == want
-            assert torch_lib.dry_run(data.tobytes(), ptrs) == want
+            assert cxx_dry_run(xla_lib, data, ptrs, names) == want
+            assert torch_lib.dry_run(data.tobytes(), ptrs, 0, names) == want
             checked += 1
     assert checked > 400
 
@@ -378,8 +391,10 @@ def test_the_jax_plan_table_holds_each_devices_plan(xla_lib):
     table, offsets, names = C.encode_plans(plans)
     assert list(offsets) == [0, -1, len(plans[0].encode()[0])] and names == plans[0].encode()[1]
     ptrs = pointer_sets(len(P.QUANTIZE_SLOTS))[1]
+    for dev, plan in plans.items():  # the same kernel ids, each device's own handles
+        register(plan, dev)
     for dev, plan in plans.items():
-        assert cxx_dry_run(xla_lib, table[offsets[dev]:], ptrs) == P.dry_run(plan, ptrs)
+        assert cxx_dry_run(xla_lib, table[offsets[dev]:], ptrs, names, dev) == P.dry_run(plan, ptrs)
     table, offsets, names = C.encode_plans({})
     assert list(offsets) == [-1] and names == ""
 
@@ -396,7 +411,7 @@ def test_the_jax_plan_table_holds_each_devices_plan(xla_lib):
      "malformed launch step"),
 ], ids=["truncated", "version", "short", "variants", "memset-slot", "memset-bytes", "kind", "coop-params"])
 def test_cxx_interpreter_refuses_a_malformed_plan(xla_lib, bad, message):
-    data, _ = _cuda.build_quantize_plan(fake_refs(QKEY), SMS, 64, 64, True, True, True, 1.0, 0).encode()
+    data, _ = register(_cuda.build_quantize_plan(fake_refs(QKEY), SMS, 64, 64, True, True, True, 1.0, 0)).encode()
     with pytest.raises(ValueError, match=message):
         cxx_dry_run(xla_lib, bad(data), pointer_sets(len(P.QUANTIZE_SLOTS))[0])
     with pytest.raises(ValueError, match="takes 13 buffers, 3 were given"):
@@ -430,7 +445,7 @@ def test_every_plan_packs_exactly_the_parameter_size_the_cubin_declares(cubin_si
     seen = set()
     for _, plan in quantize_plans() + other_plans():
         for ptrs in pointer_sets(len(plan.slots)):
-            for rec in records(cxx_dry_run(xla_lib, plan.encode()[0], ptrs)):
+            for rec in records(cxx_dry_run(xla_lib, register(plan).encode()[0], ptrs)):
                 if rec[0] in ("launch", "coop"):
                     assert len(rec[5]) == by_func[rec[1]], rec
                     seen.add(rec[1])

@@ -136,6 +136,14 @@ def install(setattr_, start: int | None = 0) -> FakeDriver:
     return drv
 
 
+def fake_id(name: str) -> int:
+    """The kernel id (fusedfp8.csrc.plan.kernel_id) of a made-up kernel named ``name``: made of no
+    real source, so it never names a compiled kernel's handle in the shims' registries."""
+    from fusedfp8.csrc import plan as P
+
+    return P.kernel_id(name, "made up", (), "no target")
+
+
 def fake_kernels(key, device: int) -> dict:
     """What fusedfp8._cuda.kernels (or its _build) returns, made up: real Kernel objects (the
     occupancy and attribute calls go to the driver installed) whose handles belong to ``device``
@@ -143,5 +151,5 @@ def fake_kernels(key, device: int) -> dict:
     from fusedfp8 import _cuda
 
     return {role: _cuda.Kernel(types.SimpleNamespace(kernel=types.SimpleNamespace(
-        ptr=device * FakeDriver.DEVICE_STRIDE + 0x100 + i)), role, expr, device)
+        ptr=device * FakeDriver.DEVICE_STRIDE + 0x100 + i)), role, expr, device, fake_id(expr))
         for i, (role, expr) in enumerate(_cuda.name_expressions(key).items())}
