@@ -205,6 +205,7 @@ def library(target: str):
 
 
 # ---- the kernel registry: the handles behind the ids of encoded plans (plan.h, plan.kernel_id) ----
+MAX_DEVICES = 64  # CUDA ordinals 0 .. 63 (plan.h's kernels::kMaxDevices)
 _kernels: dict = {}  # CUDA ordinal -> {kernel id: CUfunction handle}, every kernel loaded in this process
 _shims: list = []  # (target, library) of the libraries loaded, each told of every kernel
 _kernels_lock = threading.Lock()
@@ -212,14 +213,22 @@ _kernels_lock = threading.Lock()
 
 def register_kernels(device: int, kernels) -> None:
     """Kernel id ``kid`` is the handle ``func`` on CUDA device ``device``, for each (kid, func) of
-    ``kernels`` (the kernels of a module just loaded: fusedfp8._cuda calls this). The libraries
-    loaded now are told at once, any loaded later when it loads: an encoded plan names its kernels
-    by id, which the libraries resolve."""
+    ``kernels`` (the kernels of a module just loaded: fusedfp8._cuda calls this; a later handle of
+    an id replaces the earlier). The libraries loaded now are told at once, any loaded later when
+    it loads: an encoded plan names its kernels by id, which the libraries resolve."""
     pairs = [(int(k), int(f)) for k, f in kernels]
+    if not 0 <= device < MAX_DEVICES:
+        raise ValueError(f"fusedfp8: CUDA device {device} is out of range for the kernel registry "
+                         f"(0 .. {MAX_DEVICES - 1})")
+    for k, f in pairs:
+        if not 0 < k < 2 ** 63:
+            raise ValueError(f"fusedfp8: id {k} is not a kernel id (1 .. 2**63 - 1: fusedfp8.csrc.plan.kernel_id)")
+        if not 0 < f < 2 ** 64:
+            raise ValueError(f"fusedfp8: kernel {k:016x}: handle {f} is null or not a pointer")
     with _kernels_lock:
-        _kernels.setdefault(device, {}).update(pairs)
         for target, lib in _shims:
             _tell(target, lib, device, pairs)
+        _kernels.setdefault(device, {}).update(pairs)
 
 
 def _adopt(target: str, lib) -> None:

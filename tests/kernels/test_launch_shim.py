@@ -1,15 +1,22 @@
 """The launch plans (fusedfp8._cuda, fusedfp8.csrc.plan) and the compiled host shim (fusedfp8/csrc):
 the shim compiles; its packer hands the driver the same bytes as the Python executor; every
 plan's parameter layout has exactly the parameter size the cubin declares; the plans launch what
-the launch interface launched before plans existed; the XLA FFI target registers and a jitted
-function lowers to the custom call on CUDA; the torch C++ kernels are registered for the ops.
+the launch interface launched before plans existed; an encoded plan names its kernels by stable
+ids, which the shims resolve in their registries (filled when a module loads) and refuse by name
+when unloaded; the XLA FFI target registers and a jitted function lowers to the custom call on
+CUDA; the torch C++ kernels are registered for the ops.
 On the GPU (marked, skipped here): the shim path against the Python path byte for byte (torch
 eager / dispatcher / compiled / CUDA-graphed, JAX jit with and without donation)."""
 from __future__ import annotations
 
 import ctypes
 import json
+import os
+import re
 import struct
+import subprocess
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -17,9 +24,9 @@ import pytest
 from fusedfp8 import _cuda
 from fusedfp8 import csrc as shim
 from fusedfp8.csrc import plan as P
+from support import fake_cuda as F
 from support import nvrtc as N
 from support import shapes as S
-from support import fake_cuda as F
 from support.fake_cuda import FakeContexts
 from support.shim import built as built_shim
 
@@ -397,6 +404,134 @@ def test_the_jax_plan_table_holds_each_devices_plan(xla_lib):
         assert cxx_dry_run(xla_lib, table[offsets[dev]:], ptrs, names, dev) == P.dry_run(plan, ptrs)
     table, offsets, names = C.encode_plans({})
     assert list(offsets) == [-1] and names == ""
+
+
+# ---- kernel ids and the shims' registries ----------------------------------------------------------
+ID_ARGS = ("quantize_tiled<__nv_bfloat16, 0, 0>", "sm_90 nvrtc 12.8")  # a kernel's name, a target
+
+
+def test_kernel_ids_are_the_same_in_another_process_and_change_with_every_input():
+    """kernel_id of a real module's kernel (its source and NVRTC options as _cuda builds it): the same
+    in a fresh process (another hash seed), 63 bits, not 0; another for any other name, source
+    (one character), option set or target."""
+    name, target = ID_ARGS
+    src, opts = _cuda.family_source("quantize"), _cuda.compile_options()
+    kid = P.kernel_id(name, src, opts, target)
+    code = ("from fusedfp8 import _cuda; from fusedfp8.csrc import plan as P; "
+            f"print(P.kernel_id({name!r}, _cuda.family_source('quantize'), _cuda.compile_options(), {target!r}))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == kid and 0 < kid < 2 ** 63
+    at = len(src) // 2
+    others = [P.kernel_id(name.replace("0, 0>", "0, 1>"), src, opts, target),
+              P.kernel_id(name, src[:at] + ("x" if src[at] != "x" else "y") + src[at + 1:], opts, target),
+              P.kernel_id(name, src, opts[:-1], target), P.kernel_id(name, src, (*opts, "-DFF8_X=1"), target),
+              P.kernel_id(name, src, opts, "sm_89 nvrtc 12.8"), P.kernel_id(name, src, opts, "sm_90 nvrtc 12.9"),
+              P.kernel_id(name + src[:8], src[8:], opts, target)]  # (the parts do not run into each other)
+    assert len(set(others)) == len(others) and kid not in others
+
+
+def test_the_shims_resolve_kernel_ids_per_device_and_refuse_an_unloaded_kernel_by_name(xla_lib, torch_lib):
+    """A plan's kernels registered on device 5: both shims launch their handles there (the Python
+    executor's bytes); on device 6, or with an id no module had (an executable of another fusedfp8),
+    they refuse the plan naming the kernel and what to do; a later registration of an id replaces
+    its handle (a module loaded again)."""
+    plan = _cuda.build_dequantize_plan(fake_refs(DQKEY, 0x7F50_0000_1000), SMS, 4096)
+    (step,) = plan.steps
+    data, names = plan.encode()
+    ptrs = (0x1000, 0x2000, 0x3000)
+    want = P.dry_run(plan, ptrs)
+    register(plan, 5)
+
+    def both(data, device):
+        got = cxx_dry_run(xla_lib, data, ptrs, names, device)
+        assert torch_lib.dry_run(data.tobytes(), ptrs, device, names) == got
+        return got
+
+    assert both(data, 5) == want
+    for data_, device in ((data, 6), (np.where(data == step.variants[0].kid, P.kernel_id("x", "", (), ""), data), 5)):
+        for run in (lambda: cxx_dry_run(xla_lib, data_, ptrs, names, device),
+                    lambda: torch_lib.dry_run(data_.tobytes(), ptrs, device, names)):
+            with pytest.raises(ValueError) as e:
+                run()
+            assert str(e.value).startswith(f"fusedfp8: kernel dequantize_flat<__half, 1> is not loaded on CUDA "
+                                           f"device {device} in this process (kernel id ")
+            assert "trace the function in this process first" in str(e.value)
+    v = step.variants[0]
+    shim.register_kernels(5, [(v.kid, v.func + 0x40)])
+    assert records(both(data, 5))[0][1] == v.func + 0x40
+
+
+@pytest.mark.parametrize("device, kid, func, message", [
+    (64, 1, 1, "device 64 is out of range"), (-1, 1, 1, "device -1 is out of range"),
+    (0, 0, 1, "id 0 is not a kernel id"), (0, 2 ** 63, 1, "is not a kernel id"), (0, 1, 0, "handle 0 is null")])
+def test_the_registry_refuses_what_is_no_kernel(xla_lib, device, kid, func, message):
+    with pytest.raises(ValueError, match=message):
+        shim.register_kernels(device, [(kid, func)])
+    assert (kid, func) not in shim._kernels.get(device, {}).items()
+
+
+def test_a_full_registry_still_resolves_and_refuses_more(xla_lib, torch_lib):
+    """Device 63's table filled (4096 kernels): each id resolves, an unknown one is refused after a
+    walk over every slot, and one more kernel is refused."""
+    plan = _cuda.build_dequantize_plan(fake_refs(DQKEY, 0x7F60_0000_1000), SMS, 4096)
+    (v,) = plan.steps[0].variants
+    others = [(k, 0x6000 + k) for k in range(1, 4096)]  # with v's: the 4096 slots of a device (plan.h)
+    assert v.kid >= 4096
+    shim.register_kernels(63, [(v.kid, v.func), *others])
+    data, names = plan.encode()
+    ptrs = (0x1000, 0x2000, 0x3000)
+    assert cxx_dry_run(xla_lib, data, ptrs, names, 63) == P.dry_run(plan, ptrs)
+    assert all(records(cxx_dry_run(xla_lib, np.where(data == v.kid, k, data), ptrs, names, 63))[0][1] == f
+               for k, f in others[::97])
+    with pytest.raises(ValueError, match="is not loaded on CUDA device 63"):
+        cxx_dry_run(xla_lib, np.where(data == v.kid, 7777, data), ptrs, names, 63)
+    with pytest.raises(ValueError, match=r"the kernel registry of CUDA device 63 is full \(4096 kernels\)"):
+        shim.register_kernels(63, [(7777, 0x7777)])
+
+
+def test_a_shim_learns_every_kernel_registered_before_it_loaded_and_after(monkeypatch):
+    told = []
+
+    def tell(device, ids, funcs):
+        told.append((device, struct.unpack(f"<{len(ids) // 8}q", ids), struct.unpack(f"<{len(funcs) // 8}Q", funcs)))
+
+    lib = types.SimpleNamespace(register_kernels=tell)
+    monkeypatch.setattr(shim, "_kernels", {})
+    monkeypatch.setattr(shim, "_shims", [])
+    monkeypatch.setattr(shim, "_found", {})
+    monkeypatch.setattr(shim, "_find", lambda target: (lib, "made up"))
+    shim.register_kernels(0, [(5, 0x50), (6, 0x60)])
+    shim.register_kernels(1, [(5, 0x51)])
+    shim.register_kernels(0, [(5, 0x55)])  # (a module loaded again: the latest handle)
+    assert shim.library("torch") == (lib, "made up")
+    assert sorted(told) == [(0, (5, 6), (0x55, 0x60)), (1, (5,), (0x51,))]
+    told.clear()
+    shim.register_kernels(2, [(7, 0x72)])
+    assert told == [(2, (7,), (0x72,))]
+
+
+def test_loading_a_module_registers_its_kernels_in_the_loaded_shims(monkeypatch, xla_lib, torch_lib):
+    """The real _cuda._build over a made-up CuPy: each kernel's id is kernel_id of its name, its
+    family's source, compile_options() and the target, and the shims resolve a plan of the module
+    to the handles CuPy gave, on the module's device only."""
+    handles: dict = {}
+    F.pretend_gpu(monkeypatch.setattr, monkeypatch.setitem, lambda expr: handles.setdefault(expr, 0x5000 + len(handles)))
+    kernels = _cuda.kernels(DQKEY, 0)
+    src = _cuda.family_source("dequantize")
+    assert {k.name: (k.func, k.kid) for k in kernels.values()} == {
+        name: (h, P.kernel_id(name, src, _cuda.compile_options(), F.FAKE_TARGET)) for name, h in handles.items()}
+    plan = _cuda.build_dequantize_plan(_cuda.kernel_refs(DQKEY, 0), SMS, 4096)
+    data, names = plan.encode()
+    ptrs = (0x1000, 0x2000, 0x3000)
+    want = P.dry_run(plan, ptrs)
+    assert records(want)[0][1] == handles[names]
+    assert cxx_dry_run(xla_lib, data, ptrs, names, 0) == want
+    assert torch_lib.dry_run(data.tobytes(), ptrs, 0, names) == want
+    with pytest.raises(ValueError, match=re.escape(f"kernel {names} is not loaded on CUDA device 1")):
+        cxx_dry_run(xla_lib, data, ptrs, names, 1)
 
 
 @pytest.mark.parametrize("bad, message", [
