@@ -93,8 +93,8 @@ def _resident(ref: KernelRef, sms: int, grid: int) -> int:
 def _launch(variants, select: int, block: int, params: tuple, shared: int = 0, coop: bool = False) -> Launch:
     """A Launch whose parameter layout is checked against SIGNATURES for every variant's kernel
     (``coop``: a cooperative launch, whose grid must not exceed the resident blocks)."""
-    step = Launch(tuple(Variant(r.func, grid, r.name, r.kid) for r, grid in variants), select, block, tuple(params), shared,
-                  coop)
+    step = Launch(tuple(Variant(r.func, grid, r.name, r.kid) for r, grid in variants), select, block, tuple(params),
+                  shared, coop)
     for r, _ in variants:
         if step.layout != signature(r.role):
             raise RuntimeError(f"fusedfp8: the plan lays out {r.name}'s parameters as {step.layout}, but its "

@@ -238,7 +238,8 @@ inline const void* find(int64_t device, int64_t id) {
   if (t == nullptr) return nullptr;
   for (size_t k = 0, i = home(id); k < kSlots; ++k, i = (i + 1) & (kSlots - 1)) {
     const int64_t at = t->slot[i].id.load(std::memory_order_acquire);
-    if (at == id) return reinterpret_cast<const void*>(static_cast<uintptr_t>(t->slot[i].func.load(std::memory_order_acquire)));
+    if (at == id)
+      return reinterpret_cast<const void*>(static_cast<uintptr_t>(t->slot[i].func.load(std::memory_order_acquire)));
     if (at == 0) return nullptr;
   }
   return nullptr;

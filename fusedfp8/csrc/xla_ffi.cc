@@ -11,7 +11,10 @@
 //   plans    int64[]  the encoded plans of every local GPU, one after the other (kernels named by
 //                     id, resolved in the kernel registry of plan.h: nothing in the attributes
 //                     differs between processes, so XLA's persistent compilation cache finds the
-//                     program in the next process that traces it)
+//                     program in the next process that traces it). The ids are resolved at every
+//                     call (a lock-free probe a launch), not once in an instantiate stage: one
+//                     executable serves every local GPU, each with its own handles, and a process
+//                     may load the kernels after XLA instantiated the handler.
 //   offsets  int64[]  CUDA ordinal -> where its plan starts in `plans` (-1: no plan)
 //   slots    int64[]  plan slot -> its buffer: k >= 0 the k-th argument, -1 none (null),
 //                     k <= -2 the (-k - 2)-th result

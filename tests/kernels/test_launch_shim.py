@@ -518,7 +518,8 @@ def test_loading_a_module_registers_its_kernels_in_the_loaded_shims(monkeypatch,
     family's source, compile_options() and the target, and the shims resolve a plan of the module
     to the handles CuPy gave, on the module's device only."""
     handles: dict = {}
-    F.pretend_gpu(monkeypatch.setattr, monkeypatch.setitem, lambda expr: handles.setdefault(expr, 0x5000 + len(handles)))
+    F.pretend_gpu(monkeypatch.setattr, monkeypatch.setitem,
+                  lambda expr: handles.setdefault(expr, 0x5000 + len(handles)))
     kernels = _cuda.kernels(DQKEY, 0)
     src = _cuda.family_source("dequantize")
     assert {k.name: (k.func, k.kid) for k in kernels.values()} == {

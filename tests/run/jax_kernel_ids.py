@@ -129,7 +129,8 @@ def train(out_path: str) -> None:
         x, y = (jax.device_put(a, gpu) for a in batch(step))
         state, loss = train_step(state, x, y)
         losses.append(np.asarray(loss))
-    out = {f"var/{jax.tree_util.keystr(p)}": np.asarray(a) for p, a in jax.tree_util.tree_leaves_with_path(state.params)}
+    leaves = jax.tree_util.tree_leaves_with_path(state.params)
+    out = {f"var/{jax.tree_util.keystr(p)}": np.asarray(a) for p, a in leaves}
     prefix = "/jax/compilation_cache/"
     np.savez(out_path, losses=np.stack(losses), text=np.asarray(text), missed=np.asarray(";".join(missed)),
              requests=events.get(prefix + "compile_requests_use_cache", 0), hits=events.get(prefix + "cache_hits", 0),
