@@ -1,10 +1,12 @@
 """An XLA program holding fusedfp8 kernels is the same program in every process: its launch plans
 name the kernels by stable id (fusedfp8.csrc.plan.kernel_id), not by CUfunction handle (a pointer
-of one process), so JAX's persistent compilation cache serves it to the next process.
+of one process), so JAX's persistent compilation cache serves it to the next process, and an
+executable run where its kernels were never loaded is refused by name.
 
-Both tests run tests/run/jax_kernel_ids.py (a flax train step: Dense with Fp8DotGeneral, a residual
-Fp8MLP, Adam) in two fresh processes: on the CPU, lowered for CUDA in processes made to see one GPU
-with random kernel handles; on the GPU (marked), trained with the compilation cache shared."""
+The tests run tests/run/jax_kernel_ids.py in two fresh processes: a flax train step (Dense with
+Fp8DotGeneral, a residual Fp8MLP, Adam) lowered for CUDA in processes made to see one GPU with
+random kernel handles (CPU), or trained with the compilation cache shared (GPU, marked); and an
+executable serialized in one process and loaded in the other (GPU, marked)."""
 from __future__ import annotations
 
 import json
@@ -116,3 +118,23 @@ def test_a_second_process_compiles_nothing_and_gives_the_same_bytes(tmp_path):
     for key in first:
         if key not in ("requests", "hits", "misses", "missed"):
             assert first[key].tobytes() == second[key].tobytes(), key
+
+
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+def test_a_serialized_executable_refuses_kernels_its_process_has_not_loaded(tmp_path):
+    """An executable of the primitives' step serialized in one process and loaded in a fresh one:
+    run before anything there traced a fusedfp8 function, the handler refuses it, naming the kernel
+    and what to do (it launched a dead handle before kernels were named by id); after the process
+    traced the step (which loads and registers its kernels) the same executable gives the first
+    process's bytes."""
+    _finish(_start("serialize", tmp_path))
+    _finish(_start("run_serialized", tmp_path))
+    refused = (tmp_path / "refused.txt").read_text()
+    assert re.search(r"fusedfp8: kernel \S.* is not loaded on CUDA device 0 in this process \(kernel id [0-9a-f]{16}\)",
+                     refused), refused
+    assert "trace the function in this process first" in refused
+    direct, loaded = dict(np.load(tmp_path / "direct.npz")), dict(np.load(tmp_path / "loaded.npz"))
+    assert sorted(direct) == sorted(loaded) and len(direct) == 7
+    for key in direct:
+        assert direct[key].tobytes() == loaded[key].tobytes(), key
