@@ -10,8 +10,8 @@ folded into that text here (an edited header can never leave a stale kernel behi
 
 Launches go through *plans* (:func:`quantize_plan`, :func:`layernorm_plan`, :func:`dequantize_plan`,
 :func:`update_plan`):
-for one signature, the memsets and kernel launches of a call as pure data (CUfunction handles,
-grids, blocks, and each parameter as an immediate or "pointer of buffer slot i plus an offset"),
+for one signature, the memsets and kernel launches of a call as pure data (kernels, by handle and
+by stable id, grids, blocks, and each parameter as an immediate or "pointer of buffer slot i plus an offset"),
 built once and cached, tagged with the device whose context holds its kernels. The Python
 executor (:func:`fusedfp8.csrc.plan.execute`, which runs a plan in its device's context whatever
 the caller's current device) and the compiled shim (fusedfp8/csrc: the XLA FFI handler, the torch
@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 # the plan format and the Python executor (re-exported: the launch interface is this module)
+from . import csrc as _shim
 from .csrc.plan import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, NULLPTR, QUANTIZE_SLOTS, UPDATE_SLOTS, Launch,  # noqa: F401
                         Memset, Plan, Variant, _check, _mask, _plan, driver, dry_run, execute, flag, imm32, imm64, immf32,
-                        on_device, plan_on, ptr, refuse_in_capture)
+                        kernel_id, on_device, plan_on, ptr, refuse_in_capture)
 from .numerics import layernorm as _ln
 # the plans' sizes, layouts and builders (re-exported, as the plan format above). Not re-exported: the
 # grid rules (_flat_grid, _tiled_grid, _resident) that the builders read as module globals, so that
@@ -81,6 +82,11 @@ def family_source(family: str) -> str:
         return _INCLUDE.sub(repl, text)
 
     return expand((root / f"{family}.cu").read_text())
+
+
+def compile_options() -> tuple:
+    """NVRTC's options for every module: the tunables, then the folders holding cuda_fp8.h."""
+    return COMPILE_OPTIONS + tuple(f"-I{d}" for d in cuda_include_dirs())
 
 
 def families() -> list[str]:
@@ -169,14 +175,15 @@ compile_count = 0  # modules compiled (or loaded from CuPy's disk cache) in this
 
 class Kernel:
     """A compiled kernel: its CUfunction handle (``func``), its name, the device whose context
-    holds it, and its occupancy. CuPy compiles and loads the module and keeps it alive (``raw``);
-    launches go through plans. Every driver call on the handle runs in the device's context: the
-    handle means nothing in another GPU's, and the caller's current device may be any."""
+    holds it, its stable id (``kid``, :func:`kernel_id`) and its occupancy. CuPy compiles and loads
+    the module and keeps it alive (``raw``); launches go through plans. Every driver call on the
+    handle runs in the device's context: the handle means nothing in another GPU's, and the
+    caller's current device may be any."""
 
-    def __init__(self, raw, role: str, name: str, device: int):
+    def __init__(self, raw, role: str, name: str, device: int, kid: int):
         if driver() is None:
             raise RuntimeError("fusedfp8: libcuda.so.1 cannot be loaded, so no kernel can be launched")
-        self.raw, self.role, self.name, self.device = raw, role, name, device
+        self.raw, self.role, self.name, self.device, self.kid = raw, role, name, device, kid
         self.func = raw.kernel.ptr
 
     @functools.lru_cache(maxsize=None)
@@ -222,17 +229,20 @@ def _build(key: ModuleKey, device_id: int) -> dict:
 
     global compile_count
     names = name_expressions(key)
-    options = COMPILE_OPTIONS + tuple(f"-I{d}" for d in cuda_include_dirs())
+    source, options = family_source(key.family), compile_options()
     with cupy.cuda.Device(device_id):
         try:  # CuPy may compile when the module is built or at the first get_function
-            mod = cupy.RawModule(code=family_source(key.family), options=options,
-                                 name_expressions=list(names.values()))
-            out = {role: Kernel(mod.get_function(expr), role, expr, device_id) for role, expr in names.items()}
+            mod = cupy.RawModule(code=source, options=options, name_expressions=list(names.values()))
+            # what besides the source and the options decides the code (CuPy compiles for the device's architecture)
+            target = "sm_{} nvrtc {}.{}".format(cupy.cuda.Device().compute_capability, *cupy.cuda.nvrtc.getVersion())
+            out = {role: Kernel(mod.get_function(expr), role, expr, device_id, kernel_id(expr, source, options, target))
+                   for role, expr in names.items()}
         except cupy.cuda.compiler.CompileException as e:
             raise CompileError(
                 f"fusedfp8: NVRTC failed to compile {key.family}.cu (kernels {sorted(names.values())}) with options "
                 f"{list(options)}. If cuda_fp8.h is missing, pip install nvidia-cuda-runtime or set CUDA_PATH.\n"
                 f"Compiler log:\n{e}") from None
+    _shim.register_kernels(device_id, [(k.kid, k.func) for k in out.values()])  # encoded plans name them by id
     compile_count += 1
     return out
 
@@ -309,8 +319,8 @@ def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
 
 def kernel_refs(key: ModuleKey, device_id: int) -> dict:
     """Role -> :class:`KernelRef` of module ``key`` on ``device_id`` (compiles it on first use)."""
-    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if "tiled" in role else THREADS))
-            for role, k in kernels(key, device_id).items()}
+    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if "tiled" in role else THREADS),
+                            k.kid) for role, k in kernels(key, device_id).items()}
 
 
 # Cached per signature. Pass the arguments positionally: the cache keys on them as given.
@@ -351,7 +361,7 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
         return k.blocks_per_sm(layernorm_block(tpr, tile[0]), tile[1]) if role.endswith("_t") else \
             k.blocks_per_sm(layernorm_block(tpr))
 
-    refs = {role: KernelRef(k.func, k.name, role, per_sm(role, k)) for role, k in ks.items()}
+    refs = {role: KernelRef(k.func, k.name, role, per_sm(role, k), k.kid) for role, k in ks.items()}
     return build_layernorm_plan(refs, sm_count(device), rows, cols, transpose, first, eps, margin_factor, offset, tile,
                                 pad_to)._replace(device=device)
 

@@ -71,6 +71,7 @@ class KernelRef(NamedTuple):
     name: str  # name expression (for errors)
     role: str  # its role (SIGNATURES key prefix)
     per_sm: int  # resident blocks per multiprocessor at the block size it is launched with
+    kid: int  # its stable id (fusedfp8.csrc.plan.kernel_id), which the encoded plan holds
 
 
 def _flat_grid(ref: KernelRef, sms: int, n: int) -> int:
@@ -92,8 +93,8 @@ def _resident(ref: KernelRef, sms: int, grid: int) -> int:
 def _launch(variants, select: int, block: int, params: tuple, shared: int = 0, coop: bool = False) -> Launch:
     """A Launch whose parameter layout is checked against SIGNATURES for every variant's kernel
     (``coop``: a cooperative launch, whose grid must not exceed the resident blocks)."""
-    step = Launch(tuple(Variant(r.func, grid, r.name) for r, grid in variants), select, block, tuple(params), shared,
-                  coop)
+    step = Launch(tuple(Variant(r.func, grid, r.name, r.kid) for r, grid in variants), select, block, tuple(params),
+                  shared, coop)
     for r, _ in variants:
         if step.layout != signature(r.role):
             raise RuntimeError(f"fusedfp8: the plan lays out {r.name}'s parameters as {step.layout}, but its "

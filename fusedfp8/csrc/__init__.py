@@ -18,6 +18,10 @@ Where a library comes from, first match wins:
    (``<name>-<fingerprint>.failed``, with the compiler's log) so that later processes do not
    retry it; delete that file to retry.
 
+An encoded plan names its kernels by stable id (:func:`fusedfp8.csrc.plan.kernel_id`), which a
+library resolves in a registry of its own (``plan.h``) that :func:`register_kernels` fills with the
+handles of every module loaded in the process, before or after the library loads.
+
 The frameworks use the shim by default (:func:`default_on`; its GPU tests compare it with the
 Python launch path byte for byte); ``impl='ffi'`` in JAX and
 ``fusedfp8.pytorch.custom_ops.use_cpp(True)`` ask for it explicitly. Without a C++ compiler,
@@ -155,8 +159,11 @@ def _open(target: str, path: Path):
         lib = ctypes.CDLL(str(path))
         lib.ff8_plan_version.restype = ctypes.c_int64
         lib.ff8_dry_run.restype = ctypes.c_int64
-        lib.ff8_dry_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64]
+        lib.ff8_dry_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64]
+        lib.ff8_register_kernels.restype = ctypes.c_int64
+        lib.ff8_register_kernels.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                             ctypes.c_char_p, ctypes.c_int64]
         i64, vp, cp = ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p  # the FP8 GEMM's (gemm.h)
         for name, args, res in (("ff8_gemm_set_library", [cp], None), ("ff8_gemm_load", [cp, i64], i64),
                                 ("ff8_gemm_check", [vp, cp, i64], i64), ("ff8_gemm_prepare", [i64, vp, cp, i64], i64)):
@@ -184,14 +191,68 @@ _found: dict = {}  # target -> (library or None, where it came from or why not)
 
 def library(target: str):
     """(library, origin) of ``target``, loading, and on first use compiling, it once per process;
-    (None, why) where it cannot be had."""
+    (None, why) where it cannot be had. A library loaded is told of every kernel registered."""
     found = _found.get(target)
     if found is None:
         with _lock:
             found = _found.get(target)
             if found is None:
-                found = _found[target] = _find(target)
+                found = _find(target)
+                if found[0] is not None:
+                    _adopt(target, found[0])
+                _found[target] = found
     return found
+
+
+# ---- the kernel registry: the handles behind the ids of encoded plans (plan.h, plan.kernel_id) ----
+MAX_DEVICES = 64  # CUDA ordinals 0 .. 63 (plan.h's kernels::kMaxDevices)
+_kernels: dict = {}  # CUDA ordinal -> {kernel id: CUfunction handle}, every kernel loaded in this process
+_shims: list = []  # (target, library) of the libraries loaded, each told of every kernel
+_kernels_lock = threading.Lock()
+
+
+def register_kernels(device: int, kernels) -> None:
+    """Kernel id ``kid`` is the handle ``func`` on CUDA device ``device``, for each (kid, func) of
+    ``kernels`` (the kernels of a module just loaded: fusedfp8._cuda calls this; a later handle of
+    an id replaces the earlier). The libraries loaded now are told at once, any loaded later when
+    it loads: an encoded plan names its kernels by id, which the libraries resolve."""
+    pairs = [(int(k), int(f)) for k, f in kernels]
+    if not 0 <= device < MAX_DEVICES:
+        raise ValueError(f"fusedfp8: CUDA device {device} is out of range for the kernel registry "
+                         f"(0 .. {MAX_DEVICES - 1})")
+    for k, f in pairs:
+        if not 0 < k < 2 ** 63:
+            raise ValueError(f"fusedfp8: id {k} is not a kernel id (1 .. 2**63 - 1: fusedfp8.csrc.plan.kernel_id)")
+        if not 0 < f < 2 ** 64:
+            raise ValueError(f"fusedfp8: kernel {k:016x}: handle {f} is null or not a pointer")
+    with _kernels_lock:
+        for target, lib in _shims:
+            _tell(target, lib, device, pairs)
+        _kernels.setdefault(device, {}).update(pairs)
+
+
+def _adopt(target: str, lib) -> None:
+    with _kernels_lock:
+        for device, known in _kernels.items():
+            _tell(target, lib, device, list(known.items()))
+        _shims.append((target, lib))
+
+
+def _tell(target: str, lib, device: int, pairs: list) -> None:
+    if not pairs:
+        return
+    import struct
+
+    ids = struct.pack(f"<{len(pairs)}q", *(k for k, _ in pairs))
+    funcs = struct.pack(f"<{len(pairs)}Q", *(f for _, f in pairs))
+    if target == "torch":
+        lib.register_kernels(device, ids, funcs)  # (raises ValueError with the reason)
+        return
+    import ctypes
+
+    err = ctypes.create_string_buffer(512)
+    if lib.ff8_register_kernels(device, ids, funcs, len(pairs), err, len(err)) != 0:
+        raise ValueError(err.value.decode())
 
 
 def switched_off() -> bool:

@@ -7,7 +7,9 @@
 //   memset step: [MEMSET, slot, nbytes]                     zero nbytes (cuMemsetD32Async); none
 //                                                           for a null slot
 //   launch step: [LAUNCH | COOP_LAUNCH, n_variants, select, block, shared, n_params,
-//                 (func, grid) * n_variants, (kind, a, b, c) * n_params]
+//                 (kernel id, grid) * n_variants, (kind, a, b, c) * n_params]
+//     A kernel is named by its id (fusedfp8.csrc.plan.kernel_id), resolved to its CUfunction in
+//     the kernel registry below when the plan runs: see there for why not the handle.
 //     COOP_LAUNCH goes through cuLaunchCooperativeKernel (a pointer per parameter into the packed
 //     buffer), which guarantees every block resident (the kernels' grid-wide barrier).
 //     variant 0 runs when every slot in the bit mask `select` is 16-byte aligned, else variant 1.
@@ -23,14 +25,17 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <string_view>
 
 namespace ff8 {
 
-constexpr int64_t kPlanVersion = 2;  // 2: the cooperative launch step
+constexpr int64_t kPlanVersion = 3;  // 2: the cooperative launch step; 3: kernels named by id
 enum : int64_t { kMemset = 0, kLaunch = 1, kCoopLaunch = 2 };
 enum : int64_t { kI64 = 1, kI32 = 2, kF32 = 3, kPtr = 4, kNull = 5, kFlag = 6 };
 constexpr size_t kMaxParamBytes = 4096;  // the driver's limit for kernel parameters
@@ -169,6 +174,78 @@ class ContextGuard {
   std::string error_;
 };
 
+// ---- the kernel registry ---------------------------------------------------------------------
+// A plan names each kernel by a stable id (fusedfp8.csrc.plan.kernel_id: a hash of its name, its
+// module's source, the compile options and the target), not by its CUfunction handle, a pointer
+// that means something in one process only: an XLA program holding plans is then the same program
+// in every process that traces it (JAX's persistent compilation cache finds it), and an
+// executable run in a process that has not loaded its kernels is refused with their names
+// instead of launching dead handles. Python registers (device, id) -> handle for every kernel of
+// every module it loads (fusedfp8.csrc.register_kernels); the walk resolves the ids here.
+//
+// One open-addressing table per device, allocated on its first kernel. Writers take a lock;
+// readers take none: a slot's handle is stored before its id is published (release / acquire),
+// and a slot, once taken, keeps its id (a later registration of the id replaces the handle).
+namespace kernels {
+constexpr int kMaxDevices = 64;
+constexpr int kSlotBits = 12;  // 4096 slots per device: every module of every family is 356 kernels
+constexpr size_t kSlots = size_t{1} << kSlotBits;
+
+struct Slot {
+  std::atomic<int64_t> id{0};  // 0: free
+  std::atomic<uint64_t> func{0};
+};
+struct Table {
+  Slot slot[kSlots];
+};
+
+inline std::atomic<Table*>& table(int device) {
+  static std::atomic<Table*> tables[kMaxDevices] = {};
+  return tables[device];
+}
+
+inline size_t home(int64_t id) {  // Fibonacci hashing: the top bits of id * 2^64 / phi
+  return static_cast<size_t>((static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> (64 - kSlotBits));
+}
+
+// Kernel `id` is the handle `func` on CUDA device `device` from now on. "" or why not.
+inline std::string add(int64_t device, int64_t id, uint64_t func) {
+  if (device < 0 || device >= kMaxDevices)
+    return "fusedfp8: CUDA device index " + std::to_string(device) + " out of range for the kernel registry";
+  if (id <= 0 || func == 0) return "fusedfp8: a kernel registration needs a positive id and a non-null handle";
+  static std::mutex mu;
+  std::lock_guard<std::mutex> g(mu);
+  Table* t = table(static_cast<int>(device)).load(std::memory_order_acquire);
+  if (t == nullptr) {
+    t = new Table();  // kept for the process's lifetime, as the kernels it points at
+    table(static_cast<int>(device)).store(t, std::memory_order_release);
+  }
+  for (size_t k = 0, i = home(id); k < kSlots; ++k, i = (i + 1) & (kSlots - 1)) {
+    const int64_t at = t->slot[i].id.load(std::memory_order_relaxed);
+    if (at != 0 && at != id) continue;
+    t->slot[i].func.store(func, std::memory_order_release);
+    if (at == 0) t->slot[i].id.store(id, std::memory_order_release);
+    return "";
+  }
+  return "fusedfp8: the kernel registry of CUDA device " + std::to_string(device) + " is full (" +
+         std::to_string(kSlots) + " kernels)";
+}
+
+// The handle of kernel `id` on `device`, or null when no module holding it was loaded there.
+inline const void* find(int64_t device, int64_t id) {
+  if (device < 0 || device >= kMaxDevices || id <= 0) return nullptr;
+  const Table* t = table(static_cast<int>(device)).load(std::memory_order_acquire);
+  if (t == nullptr) return nullptr;
+  for (size_t k = 0, i = home(id); k < kSlots; ++k, i = (i + 1) & (kSlots - 1)) {
+    const int64_t at = t->slot[i].id.load(std::memory_order_acquire);
+    if (at == id)
+      return reinterpret_cast<const void*>(static_cast<uintptr_t>(t->slot[i].func.load(std::memory_order_acquire)));
+    if (at == 0) return nullptr;
+  }
+  return nullptr;
+}
+}  // namespace kernels
+
 // ---- the plan walk ---------------------------------------------------------------------------
 inline std::string_view nth_name(std::string_view names, int64_t i) {
   size_t start = 0;
@@ -181,13 +258,27 @@ inline std::string_view nth_name(std::string_view names, int64_t i) {
   return names.substr(start, end == std::string_view::npos ? std::string_view::npos : end - start);
 }
 
-// Walks the plan `p` (n int64s) over the device pointers `bufs` (nbuf, one per slot), calling
+inline std::string not_loaded(std::string_view names, int64_t name_index, int64_t id, int64_t device) {
+  char hex[24];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(id));
+  return "fusedfp8: kernel " + std::string(nth_name(names, name_index)) + " is not loaded on CUDA device " +
+         std::to_string(device) + " in this process (kernel id " + hex + "). A process loads a kernel when it " +
+         "traces (JAX) or first calls (torch) a fusedfp8 function that launches it, so an XLA executable that was " +
+         "deserialized, or compiled by another version of fusedfp8, may name kernels this process never loaded: " +
+         "trace the function in this process first (calling the jitted function, or jax.jit(f).lower(...), " +
+         "loads its kernels), or compile it again with this version";
+}
+
+// Walks the plan `p` (n int64s) over the device pointers `bufs` (nbuf, one per slot), its kernels
+// resolved in `device`'s registry, calling
 //   sink.memset(ptr, nbytes) -> std::string (empty = ok)
 //   sink.launch(func, grid, block, shared, params, size, name_index, coop_args) -> std::string
 //     (coop_args: null, or for a cooperative launch one pointer per parameter into params)
-// Returns "" or the first error (a malformed plan, or the sink's).
+// Returns "" or the first error (a malformed plan, a kernel not loaded, or the sink's); `names`
+// (the plan's kernel names, ';'-separated) name the kernel in an error.
 template <class Sink>
-std::string walk(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, Sink& sink) {
+std::string walk(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, int64_t device,
+                 std::string_view names, Sink& sink) {
   size_t at = 0;
   auto need = [&](size_t k) { return at + k <= n; };
   if (!need(3) || p[0] != kPlanVersion) return "fusedfp8: not a launch plan of version " + std::to_string(kPlanVersion);
@@ -224,7 +315,8 @@ std::string walk(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, 
     for (size_t i = 0; i < nbuf; ++i)
       if ((select >> i & 1) && bufs[i] % 16 != 0) choice = 1;
     if (choice >= nvar) return "fusedfp8: a launch plan selects a variant it does not have";
-    const void* func = reinterpret_cast<const void*>(static_cast<uintptr_t>(p[at + 2 * choice]));
+    const void* func = kernels::find(device, p[at + 2 * choice]);
+    if (func == nullptr) return not_loaded(names, name_base + choice, p[at + 2 * choice], device);
     const int64_t grid = p[at + 2 * choice + 1];
     if (grid < 1) return "fusedfp8: a launch plan has an empty grid";
     at += 2 * nvar;
@@ -305,13 +397,13 @@ struct DriverSink {
   }
 };
 
-// Runs the plan on the stream. "" or the error.
-inline std::string run(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, CUstream stream,
+// Runs the plan on the stream, with the kernels `device` registered. "" or the error.
+inline std::string run(const int64_t* p, size_t n, const uint64_t* bufs, size_t nbuf, int64_t device, CUstream stream,
                        std::string_view names) {
   const Driver& d = driver();
   if (!d.why.empty()) return "fusedfp8: " + d.why;
   DriverSink sink{stream, names};
-  return walk(p, n, bufs, nbuf, sink);
+  return walk(p, n, bufs, nbuf, device, names, sink);
 }
 
 // The sink of ff8_dry_run: records what the driver would get, in the byte format of

@@ -7,6 +7,11 @@ builds them once per signature and caches them). Two executors read it: :func:`e
 (:meth:`Plan.encode`). Both hand the driver the same bytes (:func:`dry_run` and the shim's
 ``ff8_dry_run`` are compared in tests/kernels/test_launch_shim.py).
 
+The Python executor launches a kernel by its CUfunction handle; the encoded plan names it by a
+stable id instead (:func:`kernel_id`), which the shim resolves in a registry of the handles of
+the modules loaded in the process (``fusedfp8.csrc.register_kernels``): a handle is a pointer that
+means nothing in another process, and an XLA program holds its encoded plans as attributes.
+
 A plan names buffers by slot: a parameter is "the pointer of slot i plus a byte offset", and
 the caller hands one device pointer per slot, 0 for an absent buffer (whose pointer parameters
 are then null, whatever their offset).
@@ -18,13 +23,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import struct
 import threading
 from typing import NamedTuple
 
 import numpy as np
 
-PLAN_VERSION = 2  # 2: the cooperative launch step (COOP_LAUNCH)
+PLAN_VERSION = 3  # 2: the cooperative launch step (COOP_LAUNCH); 3: kernels named by id (kernel_id)
 MEMSET, LAUNCH, COOP_LAUNCH = 0, 1, 2  # step kinds (COOP_LAUNCH: a LAUNCH through cuLaunchCooperativeKernel)
 I64, I32, F32, PTR, NULL, FLAG = 1, 2, 3, 4, 5, 6  # parameter (token) kinds
 _LAYOUT_CHAR = {I64: "q", I32: "i", F32: "f", PTR: "P", NULL: "P", FLAG: "i"}
@@ -80,12 +86,26 @@ def flag(slots, align: int, cond: bool = True) -> Token:
     return Token(FLAG, _mask(slots), align, int(bool(cond)))
 
 
+def kernel_id(name: str, source: str, options, target: str) -> int:
+    """The stable id of a compiled kernel, by which an encoded plan names it: a 63-bit hash
+    (blake2b) of its name expression, its module's source text, the compile options and the
+    target (the architecture and compiler it was built for). The same in every process that
+    compiles the same kernel alike, another wherever any of the four differs; never 0."""
+    h = hashlib.blake2b(digest_size=8, person=b"fusedfp8 kernel")
+    for part in (name, source, *options, target):
+        data = part.encode()
+        h.update(len(data).to_bytes(8, "little") + data)
+    return (int.from_bytes(h.digest(), "little") >> 1) or 1
+
+
 class Variant(NamedTuple):
-    """One kernel a launch step may run: its CUfunction handle, grid (blocks) and name."""
+    """One kernel a launch step may run: its CUfunction handle (the Python executor's), grid
+    (blocks), name and :func:`kernel_id` (the encoded plan's)."""
 
     func: int
     grid: int
     name: str
+    kid: int
 
 
 class Launch(NamedTuple):
@@ -125,8 +145,9 @@ class Plan(NamedTuple):
     def encode(self) -> tuple[np.ndarray, str]:
         """(int64 array, names) for the compiled shim: ``[PLAN_VERSION, n_slots, n_steps]``, then per
         step ``[MEMSET, slot, nbytes]`` or ``[LAUNCH | COOP_LAUNCH, n_variants, select, block,
-        shared_bytes, n_params, (func, grid) * n_variants, (kind, a, b, c) * n_params]``; names: the
-        variants' kernel names in the same order, joined by ';'."""
+        shared_bytes, n_params, (kernel id, grid) * n_variants, (kind, a, b, c) * n_params]``;
+        names: the variants' kernel names in the same order, joined by ';'. No handle: the same
+        bytes in every process that builds the plan on the same device."""
         out = [PLAN_VERSION, len(self.slots), len(self.steps)]
         names = []
         for st in self.steps:
@@ -136,7 +157,7 @@ class Plan(NamedTuple):
             out += [COOP_LAUNCH if st.coop else LAUNCH, len(st.variants), st.select, st.block, st.shared,
                     len(st.params)]
             for v in st.variants:
-                out += [v.func, v.grid]
+                out += [v.kid, v.grid]
                 names.append(v.name)
             for t in st.params:
                 out += list(t)

@@ -191,7 +191,7 @@ uint64_t addr(const at::Tensor& t) { return t.defined() ? reinterpret_cast<uint6
 void run_plan(const Entry& e, const uint64_t* bufs, size_t nbuf, const c10::Device& device) {
   ff8::ContextGuard ctx(device.index());
   TORCH_CHECK(ctx.error().empty(), ctx.error());
-  std::string err = ff8::run(e.plan.data(), e.plan.size(), bufs, nbuf, current_stream(device), e.names);
+  std::string err = ff8::run(e.plan.data(), e.plan.size(), bufs, nbuf, device.index(), current_stream(device), e.names);
   TORCH_CHECK(err.empty(), err);
 }
 
@@ -554,12 +554,15 @@ PyObject* py_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   FF8_CATCH
 }
 
-// dry_run(plan: bytes, ptrs: tuple[int]) -> bytes: what the plan would hand the driver (tests).
+// dry_run(plan: bytes, ptrs: tuple[int], device: int, names: str) -> bytes: what the plan would hand
+// the driver, its kernels resolved in `device`'s registry (tests).
 PyObject* py_dry_run(PyObject*, PyObject* args) {
   const char* plan = nullptr;
   Py_ssize_t nplan = 0;
   PyObject* ptrs = nullptr;
-  if (!PyArg_ParseTuple(args, "y#O!", &plan, &nplan, &PyTuple_Type, &ptrs)) return nullptr;
+  long long device = 0;
+  const char* names = nullptr;
+  if (!PyArg_ParseTuple(args, "y#O!Ls", &plan, &nplan, &PyTuple_Type, &ptrs, &device, &names)) return nullptr;
   const Py_ssize_t nbuf = PyTuple_GET_SIZE(ptrs);
   std::vector<uint64_t> bufs(static_cast<size_t>(nbuf));
   for (Py_ssize_t i = 0; i < nbuf; ++i) {
@@ -570,12 +573,38 @@ PyObject* py_dry_run(PyObject*, PyObject* args) {
   std::memcpy(p.data(), plan, p.size() * sizeof(int64_t));
   std::vector<unsigned char> out(1 << 16);
   ff8::RecordSink sink{out.data(), out.size()};
-  std::string err = ff8::walk(p.data(), p.size(), bufs.data(), bufs.size(), sink);
+  std::string err = ff8::walk(p.data(), p.size(), bufs.data(), bufs.size(), device, names, sink);
   if (!err.empty()) {
     PyErr_SetString(PyExc_ValueError, err.c_str());
     return nullptr;
   }
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()), static_cast<Py_ssize_t>(sink.used));
+}
+
+// register_kernels(device: int, ids: bytes, funcs: bytes): the int64 ids[i] is the handle funcs[i]
+// (uint64) on CUDA device `device` (fusedfp8.csrc.register_kernels, for every module loaded).
+PyObject* py_register_kernels(PyObject*, PyObject* args) {
+  long long device = 0;
+  const char* ids = nullptr;
+  const char* funcs = nullptr;
+  Py_ssize_t nids = 0, nfuncs = 0;
+  if (!PyArg_ParseTuple(args, "Ly#y#", &device, &ids, &nids, &funcs, &nfuncs)) return nullptr;
+  if (nids != nfuncs || nids % 8) {
+    PyErr_SetString(PyExc_ValueError, "register_kernels: ids and funcs must be 8 bytes each, as many of both");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < nids / 8; ++i) {
+    int64_t id = 0;
+    uint64_t func = 0;
+    std::memcpy(&id, ids + 8 * i, 8);
+    std::memcpy(&func, funcs + 8 * i, 8);
+    std::string err = ff8::kernels::add(device, id, func);
+    if (!err.empty()) {
+      PyErr_SetString(PyExc_ValueError, err.c_str());
+      return nullptr;
+    }
+  }
+  Py_RETURN_NONE;
 }
 
 PyObject* py_cache_size(PyObject*, PyObject*) {
@@ -634,7 +663,10 @@ PyMethodDef kMethods[] = {
     {"registered", py_registered, METH_NOARGS, "whether they are installed"},
     {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call)), METH_FASTCALL,
      "call(op_index, *args): run an op on CUDA tensors without the dispatcher"},
-    {"dry_run", py_dry_run, METH_VARARGS, "dry_run(plan, ptrs) -> bytes: what the plan would hand the driver (tests)"},
+    {"dry_run", py_dry_run, METH_VARARGS,
+     "dry_run(plan, ptrs, device, names) -> bytes: what the plan would hand the driver (tests)"},
+    {"register_kernels", py_register_kernels, METH_VARARGS,
+     "register_kernels(device, ids, funcs): the kernels (int64 ids, uint64 handles) of a module loaded on device"},
     {"cache_size", py_cache_size, METH_NOARGS, "signatures with a cached plan"},
     {"clear_cache", py_clear_cache, METH_NOARGS, "forget every cached plan"},
     {"plan_version", py_plan_version, METH_NOARGS, "the plan format this module reads"},

@@ -8,7 +8,13 @@
 // without calling back into the host.
 //
 // Attributes (written by fusedfp8/jax/primitives.py):
-//   plans    int64[]  the encoded plans of every local GPU, one after the other
+//   plans    int64[]  the encoded plans of every local GPU, one after the other (kernels named by
+//                     id, resolved in the kernel registry of plan.h: nothing in the attributes
+//                     differs between processes, so XLA's persistent compilation cache finds the
+//                     program in the next process that traces it). The ids are resolved at every
+//                     call (a lock-free probe a launch), not once in an instantiate stage: one
+//                     executable serves every local GPU, each with its own handles, and a process
+//                     may load the kernels after XLA instantiated the handler.
 //   offsets  int64[]  CUDA ordinal -> where its plan starts in `plans` (-1: no plan)
 //   slots    int64[]  plan slot -> its buffer: k >= 0 the k-th argument, -1 none (null),
 //                     k <= -2 the (-k - 2)-th result
@@ -100,7 +106,7 @@ ffi::Error Launch(void* stream, ffi::RemainingArgs args, ffi::RemainingRets rets
     }
   }
   const int64_t at = offsets[dev];
-  std::string err = ff8::run(plans.begin() + at, plans.size() - at, bufs, slots.size(), stream, names);
+  std::string err = ff8::run(plans.begin() + at, plans.size() - at, bufs, slots.size(), dev, stream, names);
   if (!err.empty()) return ffi::Error::Internal(err);
   return ffi::Error::Success();
 }
@@ -211,22 +217,6 @@ extern "C" {
 // The plan format this library reads (fusedfp8.csrc.plan.PLAN_VERSION must match).
 int64_t ff8_plan_version() { return ff8::kPlanVersion; }
 
-// Test entry point: what running `plan` on `bufs` would hand the driver, without launching
-// (the byte format of fusedfp8.csrc.plan.dry_run). Returns the bytes written, or -1 with the
-// reason in `err` (NUL-terminated, truncated to errcap).
-int64_t ff8_dry_run(const int64_t* plan, int64_t n, const uint64_t* bufs, int64_t nbuf, unsigned char* out,
-                    int64_t cap, char* err, int64_t errcap) {
-  ff8::RecordSink sink{out, static_cast<size_t>(cap)};
-  std::string why = ff8::walk(plan, static_cast<size_t>(n), bufs, static_cast<size_t>(nbuf), sink);
-  if (why.empty()) return static_cast<int64_t>(sink.used);
-  if (errcap > 0) {
-    size_t k = std::min(why.size(), static_cast<size_t>(errcap - 1));
-    std::memcpy(err, why.data(), k);
-    err[k] = '\0';
-  }
-  return -1;
-}
-
 namespace {
 int64_t put_error(const std::string& why, char* err, int64_t errcap) {
   if (errcap > 0) {
@@ -236,6 +226,33 @@ int64_t put_error(const std::string& why, char* err, int64_t errcap) {
   }
   return why.empty() ? 0 : -1;
 }
+}  // namespace
+
+// Test entry point: what running `plan` on `bufs` with the kernels registered for `device` would
+// hand the driver, without launching (the byte format of fusedfp8.csrc.plan.dry_run); `names` as
+// the handler's attribute. Returns the bytes written, or -1 with the reason in `err`
+// (NUL-terminated, truncated to errcap).
+int64_t ff8_dry_run(const int64_t* plan, int64_t n, const uint64_t* bufs, int64_t nbuf, int64_t device,
+                    const char* names, unsigned char* out, int64_t cap, char* err, int64_t errcap) {
+  ff8::RecordSink sink{out, static_cast<size_t>(cap)};
+  std::string why = ff8::walk(plan, static_cast<size_t>(n), bufs, static_cast<size_t>(nbuf), device,
+                              names ? names : "", sink);
+  if (why.empty()) return static_cast<int64_t>(sink.used);
+  return put_error(why, err, errcap);
+}
+
+// Registers n kernels of CUDA device `device`: ids[i] is the handle funcs[i] (fusedfp8.csrc.
+// register_kernels calls it for every module loaded). 0, or -1 with the reason in `err`.
+int64_t ff8_register_kernels(int64_t device, const int64_t* ids, const uint64_t* funcs, int64_t n, char* err,
+                             int64_t errcap) {
+  for (int64_t i = 0; i < n; ++i) {
+    std::string why = ff8::kernels::add(device, ids[i], funcs[i]);
+    if (!why.empty()) return put_error(why, err, errcap);
+  }
+  return 0;
+}
+
+namespace {
 
 // m, n, k, lda, ldb, ldd, ta, tb, td, fast_accum, workspace, epilogue, bias_type
 ff8::lt::Shape gemm_shape(const int64_t* v) {

@@ -2,7 +2,8 @@
 XLA's own buffers and stream:
 
 - ``'ffi'``: a custom call to ``fusedfp8_launch``, the XLA FFI handler of the compiled shim
-  (fusedfp8/csrc/xla_ffi.cc), with the plans of every local GPU as attributes. Nothing of Python
+  (fusedfp8/csrc/xla_ffi.cc), with the plans of every local GPU as attributes (their kernels named
+  by stable id: the same program in every process, which JAX's persistent cache finds). Nothing of Python
   runs when the program executes, and the handler is declared command-buffer compatible, so XLA
   records its launches into CUDA graphs.
 - ``'callback'``: ``jax.experimental.buffer_callback`` callbacks that run the same plans with the

@@ -14,7 +14,6 @@ import logging
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ import fusedfp8
 from fusedfp8 import __main__ as cli
 from fusedfp8 import _cuda
 from fusedfp8.demo import bench as demo_bench
+from support.fake_cuda import fake_cupy
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--hidden", "32", "--ffn", "64", "--tokens", "48"]
@@ -384,19 +384,9 @@ def test_nvrtc_failure_names_kernels_options_and_log(monkeypatch):
         def __init__(self, code, options, name_expressions):
             raise CompileException("quantize.cu(12): error: identifier \"__nv_fp8_e4m3\" is undefined")
 
-    class Device:
-        def __init__(self, i):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    fake = types.ModuleType("cupy")
+    fake = fake_cupy(lambda expr: 1)
     fake.RawModule = RawModule
-    fake.cuda = types.SimpleNamespace(Device=Device, compiler=types.SimpleNamespace(CompileException=CompileException))
+    fake.cuda.compiler.CompileException = CompileException
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(_cuda, "probe", lambda device_id=0, need_fp8_gemm=False: (True, "fake GPU"))
     with pytest.raises(_cuda.CompileError) as e:

@@ -38,7 +38,7 @@ def fake(monkeypatch):
 def device_refs(key: _cuda.ModuleKey, device: int) -> dict:
     """Made-up kernel references (4 resident blocks a multiprocessor), with handles of ``device``
     (FakeDriver's rule)."""
-    return {role: _cuda.KernelRef(device * FakeDriver.DEVICE_STRIDE + 1000 + i, expr, role, 4)
+    return {role: _cuda.KernelRef(device * FakeDriver.DEVICE_STRIDE + 1000 + i, expr, role, 4, F.fake_id(expr))
             for i, (role, expr) in enumerate(_cuda.name_expressions(key).items())}
 
 
@@ -232,8 +232,9 @@ int main() {
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   auto launches = reinterpret_cast<Launches>(dlsym(lib, "fake_launches"));
   auto sets = reinterpret_cast<Sets>(dlsym(lib, "fake_sets"));
-  const int64_t plan[] = {ff8::kPlanVersion, 1, 1, ff8::kLaunch, 1, 0, 32, 0, 1, 0x10000 + 0x40, 1,
-                          ff8::kPtr, 0, 0, 0};
+  const int64_t kid = 7;  // device 1's kernel, registered as the Python side does for a module it loads
+  if (!ff8::kernels::add(1, kid, 0x10000 + 0x40).empty()) return 1;
+  const int64_t plan[] = {ff8::kPlanVersion, 1, 1, ff8::kLaunch, 1, 0, 32, 0, 1, kid, 1, ff8::kPtr, 0, 0, 0};
   const uint64_t bufs[] = {0x1000};
   auto run = [&](const char* label, void* start, int device, bool guarded) {
     d.ctx_set_current(start);
@@ -243,7 +244,7 @@ int main() {
       ff8::ContextGuard g(device);
       err = g.error();
       if (err.empty() || !guarded) {
-        std::string e = ff8::run(plan, sizeof plan / sizeof plan[0], bufs, 1, nullptr, "k");
+        std::string e = ff8::run(plan, sizeof plan / sizeof plan[0], bufs, 1, 1, nullptr, "k");
         if (err.empty()) err = e;
       }
     }

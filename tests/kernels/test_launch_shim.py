@@ -1,15 +1,22 @@
 """The launch plans (fusedfp8._cuda, fusedfp8.csrc.plan) and the compiled host shim (fusedfp8/csrc):
 the shim compiles; its packer hands the driver the same bytes as the Python executor; every
 plan's parameter layout has exactly the parameter size the cubin declares; the plans launch what
-the launch interface launched before plans existed; the XLA FFI target registers and a jitted
-function lowers to the custom call on CUDA; the torch C++ kernels are registered for the ops.
+the launch interface launched before plans existed; an encoded plan names its kernels by stable
+ids, which the shims resolve in their registries (filled when a module loads) and refuse by name
+when unloaded; the XLA FFI target registers and a jitted function lowers to the custom call on
+CUDA; the torch C++ kernels are registered for the ops.
 On the GPU (marked, skipped here): the shim path against the Python path byte for byte (torch
 eager / dispatcher / compiled / CUDA-graphed, JAX jit with and without donation)."""
 from __future__ import annotations
 
 import ctypes
 import json
+import os
+import re
 import struct
+import subprocess
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -17,6 +24,7 @@ import pytest
 from fusedfp8 import _cuda
 from fusedfp8 import csrc as shim
 from fusedfp8.csrc import plan as P
+from support import fake_cuda as F
 from support import nvrtc as N
 from support import shapes as S
 from support.fake_cuda import FakeContexts
@@ -35,7 +43,7 @@ def fake_refs(key: _cuda.ModuleKey, base: int | None = None) -> dict:
         base = {"quantize": 0x7F00_0000_1000, "dequantize": 0x7F10_0000_1000,
                 "layernorm_quantize": 0x7F30_0000_1000}.get(key.family, 0x7F20_0000_1000)
     names = _cuda.name_expressions(key)
-    refs = {role: _cuda.KernelRef(base + 0x100 * i, expr, role, 2 + i % 3)
+    refs = {role: _cuda.KernelRef(base + 0x100 * i, expr, role, 2 + i % 3, F.fake_id(expr))
             for i, (role, expr) in enumerate(names.items())}
     if key.family == "quantize":
         refs.update(fake_refs(key._replace(family="current_quantize"), base + 0x10_0000))
@@ -200,7 +208,7 @@ def test_one_launch_plans_encode_the_cooperative_step():
     refs = fake_refs(QKEY)
     plan = _cuda.build_quantize_plan(refs, SMS, 300, 64, True, False, True, 1.0, 4)
     data, names = plan.encode()
-    assert list(data[:4]) == [P.PLAN_VERSION, len(P.QUANTIZE_SLOTS), 1, P.COOP_LAUNCH] and P.PLAN_VERSION == 2
+    assert list(data[:4]) == [P.PLAN_VERSION, len(P.QUANTIZE_SLOTS), 1, P.COOP_LAUNCH] and P.PLAN_VERSION == 3
     assert names == refs["coop_tiled"].name and plan.steps[0].coop
     assert [st.coop for st in _cuda.build_quantize_plan(refs, SMS, 300, 64, True, False, True, 1.0, 4, 1,
                                                         False).steps] == [False, False]
@@ -311,6 +319,9 @@ def test_encode_layout():
     assert list(data[3:6]) == [P.MEMSET, P.QUANTIZE_SLOTS.index("counters"), 4]
     assert names == refs["tiled"].name  # one launch of one variant
     assert plan.steps[1].layout == _cuda.signature("tiled")
+    # the launch step names its kernel by id, not by handle (a pointer of this process)
+    assert list(data[6:12]) == [P.LAUNCH, 1, 0, 256, 0, len(plan.steps[1].params)]
+    assert data[12] == refs["tiled"].kid and refs["tiled"].func not in data
 
 
 # ---- the compiled shim ---------------------------------------------------------------------------
@@ -346,12 +357,21 @@ def test_status_and_library_agree(xla_lib):
     assert ready is True and why == shim.library("xla")[1]
 
 
-def cxx_dry_run(lib, plan_data: np.ndarray, ptrs) -> bytes:
+def register(plan: P.Plan, device: int = 0) -> P.Plan:
+    """Register the plan's (made-up) kernels on ``device`` in every loaded shim, as loading their
+    module does, so that the shims resolve its kernel ids to the handles the Python executor uses."""
+    shim.register_kernels(device, {(v.kid, v.func) for st in plan.steps if isinstance(st, P.Launch)
+                                   for v in st.variants})
+    return plan
+
+
+def cxx_dry_run(lib, plan_data: np.ndarray, ptrs, names: str = "", device: int = 0) -> bytes:
     out = ctypes.create_string_buffer(1 << 16)
-    err = ctypes.create_string_buffer(512)
+    err = ctypes.create_string_buffer(1024)
     bufs = (ctypes.c_uint64 * max(len(ptrs), 1))(*ptrs)
     data = np.ascontiguousarray(plan_data, np.int64)
-    n = lib.ff8_dry_run(data.ctypes.data, len(data), bufs, len(ptrs), out, len(out), err, len(err))
+    n = lib.ff8_dry_run(data.ctypes.data, len(data), bufs, len(ptrs), device, names.encode(), out, len(out), err,
+                        len(err))
     if n < 0:
         raise ValueError(err.value.decode())
     return out.raw[:n]
@@ -360,11 +380,11 @@ def cxx_dry_run(lib, plan_data: np.ndarray, ptrs) -> bytes:
 def test_cxx_packer_matches_the_python_executor(xla_lib, torch_lib):
     checked = 0
     for _, plan in quantize_plans() + other_plans():
-        data, _ = plan.encode()
+        data, names = register(plan).encode()
         for ptrs in pointer_sets(len(plan.slots)):
             want = P.dry_run(plan, ptrs)
-            assert cxx_dry_run(xla_lib, data, ptrs) == want
-            assert torch_lib.dry_run(data.tobytes(), ptrs) == want
+            assert cxx_dry_run(xla_lib, data, ptrs, names) == want
+            assert torch_lib.dry_run(data.tobytes(), ptrs, 0, names) == want
             checked += 1
     assert checked > 400
 
@@ -378,10 +398,141 @@ def test_the_jax_plan_table_holds_each_devices_plan(xla_lib):
     table, offsets, names = C.encode_plans(plans)
     assert list(offsets) == [0, -1, len(plans[0].encode()[0])] and names == plans[0].encode()[1]
     ptrs = pointer_sets(len(P.QUANTIZE_SLOTS))[1]
+    for dev, plan in plans.items():  # the same kernel ids, each device's own handles
+        register(plan, dev)
     for dev, plan in plans.items():
-        assert cxx_dry_run(xla_lib, table[offsets[dev]:], ptrs) == P.dry_run(plan, ptrs)
+        assert cxx_dry_run(xla_lib, table[offsets[dev]:], ptrs, names, dev) == P.dry_run(plan, ptrs)
     table, offsets, names = C.encode_plans({})
     assert list(offsets) == [-1] and names == ""
+
+
+# ---- kernel ids and the shims' registries ----------------------------------------------------------
+ID_ARGS = ("quantize_tiled<__nv_bfloat16, 0, 0>", "sm_90 nvrtc 12.8")  # a kernel's name, a target
+
+
+def test_kernel_ids_are_the_same_in_another_process_and_change_with_every_input():
+    """kernel_id of a real module's kernel (its source and NVRTC options as _cuda builds it): the same
+    in a fresh process (another hash seed), 63 bits, not 0; another for any other name, source
+    (one character), option set or target."""
+    name, target = ID_ARGS
+    src, opts = _cuda.family_source("quantize"), _cuda.compile_options()
+    kid = P.kernel_id(name, src, opts, target)
+    code = ("from fusedfp8 import _cuda; from fusedfp8.csrc import plan as P; "
+            f"print(P.kernel_id({name!r}, _cuda.family_source('quantize'), _cuda.compile_options(), {target!r}))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == kid and 0 < kid < 2 ** 63
+    at = len(src) // 2
+    others = [P.kernel_id(name.replace("0, 0>", "0, 1>"), src, opts, target),
+              P.kernel_id(name, src[:at] + ("x" if src[at] != "x" else "y") + src[at + 1:], opts, target),
+              P.kernel_id(name, src, opts[:-1], target), P.kernel_id(name, src, (*opts, "-DFF8_X=1"), target),
+              P.kernel_id(name, src, opts, "sm_89 nvrtc 12.8"), P.kernel_id(name, src, opts, "sm_90 nvrtc 12.9"),
+              P.kernel_id(name + src[:8], src[8:], opts, target)]  # (the parts do not run into each other)
+    assert len(set(others)) == len(others) and kid not in others
+
+
+def test_the_shims_resolve_kernel_ids_per_device_and_refuse_an_unloaded_kernel_by_name(xla_lib, torch_lib):
+    """A plan's kernels registered on device 5: both shims launch their handles there (the Python
+    executor's bytes); on device 6, or with an id no module had (an executable of another fusedfp8),
+    they refuse the plan naming the kernel and what to do; a later registration of an id replaces
+    its handle (a module loaded again)."""
+    plan = _cuda.build_dequantize_plan(fake_refs(DQKEY, 0x7F50_0000_1000), SMS, 4096)
+    (step,) = plan.steps
+    data, names = plan.encode()
+    ptrs = (0x1000, 0x2000, 0x3000)
+    want = P.dry_run(plan, ptrs)
+    register(plan, 5)
+
+    def both(data, device):
+        got = cxx_dry_run(xla_lib, data, ptrs, names, device)
+        assert torch_lib.dry_run(data.tobytes(), ptrs, device, names) == got
+        return got
+
+    assert both(data, 5) == want
+    for data_, device in ((data, 6), (np.where(data == step.variants[0].kid, P.kernel_id("x", "", (), ""), data), 5)):
+        for run in (lambda: cxx_dry_run(xla_lib, data_, ptrs, names, device),
+                    lambda: torch_lib.dry_run(data_.tobytes(), ptrs, device, names)):
+            with pytest.raises(ValueError) as e:
+                run()
+            assert str(e.value).startswith(f"fusedfp8: kernel dequantize_flat<__half, 1> is not loaded on CUDA "
+                                           f"device {device} in this process (kernel id ")
+            assert "trace the function in this process first" in str(e.value)
+    v = step.variants[0]
+    shim.register_kernels(5, [(v.kid, v.func + 0x40)])
+    assert records(both(data, 5))[0][1] == v.func + 0x40
+
+
+@pytest.mark.parametrize("device, kid, func, message", [
+    (64, 1, 1, "device 64 is out of range"), (-1, 1, 1, "device -1 is out of range"),
+    (0, 0, 1, "id 0 is not a kernel id"), (0, 2 ** 63, 1, "is not a kernel id"), (0, 1, 0, "handle 0 is null")])
+def test_the_registry_refuses_what_is_no_kernel(xla_lib, device, kid, func, message):
+    with pytest.raises(ValueError, match=message):
+        shim.register_kernels(device, [(kid, func)])
+    assert (kid, func) not in shim._kernels.get(device, {}).items()
+
+
+def test_a_full_registry_still_resolves_and_refuses_more(xla_lib, torch_lib):
+    """Device 63's table filled (4096 kernels): each id resolves, an unknown one is refused after a
+    walk over every slot, and one more kernel is refused."""
+    plan = _cuda.build_dequantize_plan(fake_refs(DQKEY, 0x7F60_0000_1000), SMS, 4096)
+    (v,) = plan.steps[0].variants
+    others = [(k, 0x6000 + k) for k in range(1, 4096)]  # with v's: the 4096 slots of a device (plan.h)
+    assert v.kid >= 4096
+    shim.register_kernels(63, [(v.kid, v.func), *others])
+    data, names = plan.encode()
+    ptrs = (0x1000, 0x2000, 0x3000)
+    assert cxx_dry_run(xla_lib, data, ptrs, names, 63) == P.dry_run(plan, ptrs)
+    assert all(records(cxx_dry_run(xla_lib, np.where(data == v.kid, k, data), ptrs, names, 63))[0][1] == f
+               for k, f in others[::97])
+    with pytest.raises(ValueError, match="is not loaded on CUDA device 63"):
+        cxx_dry_run(xla_lib, np.where(data == v.kid, 7777, data), ptrs, names, 63)
+    with pytest.raises(ValueError, match=r"the kernel registry of CUDA device 63 is full \(4096 kernels\)"):
+        shim.register_kernels(63, [(7777, 0x7777)])
+
+
+def test_a_shim_learns_every_kernel_registered_before_it_loaded_and_after(monkeypatch):
+    told = []
+
+    def tell(device, ids, funcs):
+        told.append((device, struct.unpack(f"<{len(ids) // 8}q", ids), struct.unpack(f"<{len(funcs) // 8}Q", funcs)))
+
+    lib = types.SimpleNamespace(register_kernels=tell)
+    monkeypatch.setattr(shim, "_kernels", {})
+    monkeypatch.setattr(shim, "_shims", [])
+    monkeypatch.setattr(shim, "_found", {})
+    monkeypatch.setattr(shim, "_find", lambda target: (lib, "made up"))
+    shim.register_kernels(0, [(5, 0x50), (6, 0x60)])
+    shim.register_kernels(1, [(5, 0x51)])
+    shim.register_kernels(0, [(5, 0x55)])  # (a module loaded again: the latest handle)
+    assert shim.library("torch") == (lib, "made up")
+    assert sorted(told) == [(0, (5, 6), (0x55, 0x60)), (1, (5,), (0x51,))]
+    told.clear()
+    shim.register_kernels(2, [(7, 0x72)])
+    assert told == [(2, (7,), (0x72,))]
+
+
+def test_loading_a_module_registers_its_kernels_in_the_loaded_shims(monkeypatch, xla_lib, torch_lib):
+    """The real _cuda._build over a made-up CuPy: each kernel's id is kernel_id of its name, its
+    family's source, compile_options() and the target, and the shims resolve a plan of the module
+    to the handles CuPy gave, on the module's device only."""
+    handles: dict = {}
+    F.pretend_gpu(monkeypatch.setattr, monkeypatch.setitem,
+                  lambda expr: handles.setdefault(expr, 0x5000 + len(handles)))
+    kernels = _cuda.kernels(DQKEY, 0)
+    src = _cuda.family_source("dequantize")
+    assert {k.name: (k.func, k.kid) for k in kernels.values()} == {
+        name: (h, P.kernel_id(name, src, _cuda.compile_options(), F.FAKE_TARGET)) for name, h in handles.items()}
+    plan = _cuda.build_dequantize_plan(_cuda.kernel_refs(DQKEY, 0), SMS, 4096)
+    data, names = plan.encode()
+    ptrs = (0x1000, 0x2000, 0x3000)
+    want = P.dry_run(plan, ptrs)
+    assert records(want)[0][1] == handles[names]
+    assert cxx_dry_run(xla_lib, data, ptrs, names, 0) == want
+    assert torch_lib.dry_run(data.tobytes(), ptrs, 0, names) == want
+    with pytest.raises(ValueError, match=re.escape(f"kernel {names} is not loaded on CUDA device 1")):
+        cxx_dry_run(xla_lib, data, ptrs, names, 1)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -396,7 +547,7 @@ def test_the_jax_plan_table_holds_each_devices_plan(xla_lib):
      "malformed launch step"),
 ], ids=["truncated", "version", "short", "variants", "memset-slot", "memset-bytes", "kind", "coop-params"])
 def test_cxx_interpreter_refuses_a_malformed_plan(xla_lib, bad, message):
-    data, _ = _cuda.build_quantize_plan(fake_refs(QKEY), SMS, 64, 64, True, True, True, 1.0, 0).encode()
+    data, _ = register(_cuda.build_quantize_plan(fake_refs(QKEY), SMS, 64, 64, True, True, True, 1.0, 0)).encode()
     with pytest.raises(ValueError, match=message):
         cxx_dry_run(xla_lib, bad(data), pointer_sets(len(P.QUANTIZE_SLOTS))[0])
     with pytest.raises(ValueError, match="takes 13 buffers, 3 were given"):
@@ -430,7 +581,7 @@ def test_every_plan_packs_exactly_the_parameter_size_the_cubin_declares(cubin_si
     seen = set()
     for _, plan in quantize_plans() + other_plans():
         for ptrs in pointer_sets(len(plan.slots)):
-            for rec in records(cxx_dry_run(xla_lib, plan.encode()[0], ptrs)):
+            for rec in records(cxx_dry_run(xla_lib, register(plan).encode()[0], ptrs)):
                 if rec[0] in ("launch", "coop"):
                     assert len(rec[5]) == by_func[rec[1]], rec
                     seen.add(rec[1])

@@ -471,7 +471,7 @@ SMS = 132
 
 def fake_refs() -> dict:
     names = _cuda.name_expressions(_cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"))
-    return {role: _cuda.KernelRef(0x7F40_0000_1000 + 0x100 * i, expr, role, 2) for i, (role, expr) in
+    return {role: _cuda.KernelRef(0x7F40_0000_1000 + 0x100 * i, expr, role, 2, 1 + i) for i, (role, expr) in
             enumerate(names.items())}
 
 

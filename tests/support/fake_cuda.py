@@ -136,6 +136,14 @@ def install(setattr_, start: int | None = 0) -> FakeDriver:
     return drv
 
 
+def fake_id(name: str) -> int:
+    """The kernel id (fusedfp8.csrc.plan.kernel_id) of a made-up kernel named ``name``: made of no
+    real source, so it never names a compiled kernel's handle in the shims' registries."""
+    from fusedfp8.csrc import plan as P
+
+    return P.kernel_id(name, "made up", (), "no target")
+
+
 def fake_kernels(key, device: int) -> dict:
     """What fusedfp8._cuda.kernels (or its _build) returns, made up: real Kernel objects (the
     occupancy and attribute calls go to the driver installed) whose handles belong to ``device``
@@ -143,5 +151,74 @@ def fake_kernels(key, device: int) -> dict:
     from fusedfp8 import _cuda
 
     return {role: _cuda.Kernel(types.SimpleNamespace(kernel=types.SimpleNamespace(
-        ptr=device * FakeDriver.DEVICE_STRIDE + 0x100 + i)), role, expr, device)
+        ptr=device * FakeDriver.DEVICE_STRIDE + 0x100 + i)), role, expr, device, fake_id(expr))
         for i, (role, expr) in enumerate(_cuda.name_expressions(key).items())}
+
+
+# No real architecture and compiler: the ids of kernels "compiled" by fake_cupy never name a real
+# kernel in the shims' registries of a process that also runs real ones (a GPU test run).
+FAKE_TARGET = "sm_00 nvrtc 0.0"
+
+
+def fake_cupy(handle_of) -> types.ModuleType:
+    """A stand-in for what fusedfp8._cuda._build uses of CuPy: RawModule (which "compiles" a module
+    into kernels whose handles are ``handle_of(name expression)``), Device (a context manager; its
+    compute capability and NVRTC's version give :data:`FAKE_TARGET`) and CompileException."""
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions):
+            self.code, self.options, self.name_expressions = code, tuple(options), tuple(name_expressions)
+
+        def get_function(self, expr):
+            return types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=handle_of(expr)))
+
+    class Device:
+        compute_capability = "00"
+
+        def __init__(self, device_id=0):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    cupy = types.ModuleType("cupy")
+    cupy.RawModule = RawModule
+    cupy.cuda = types.SimpleNamespace(Device=Device, compiler=types.SimpleNamespace(CompileException=Exception),
+                                      nvrtc=types.SimpleNamespace(getVersion=lambda: (0, 0)))
+    return cupy
+
+
+class AnyHandleDriver(FakeDriver):
+    """A FakeDriver that takes any handle for its device's (handles that are not ``device *
+    DEVICE_STRIDE + k``: random ones, as a real process's)."""
+
+    def _own(self, func) -> bool:
+        return True
+
+
+def pretend_gpu(setattr_, setitem_, handle_of) -> FakeDriver:
+    """Make this process see one FP8 GPU (device 0; the H200's multiprocessors and shared memory)
+    where fusedfp8._cuda looks: the probe passes, CuPy is :func:`fake_cupy` (so the real
+    ``_cuda._build`` runs: kernel ids, registration in the shims) and the driver an
+    :class:`AnyHandleDriver`; no module loaded yet. Patched with ``setattr_`` / ``setitem_``
+    (pytest's monkeypatch.setattr / setitem, or plain ones in a process of its own). The cached
+    plans of _cuda (quantize_plan, ...) are not patched: in a process that goes on with real
+    kernels, build plans with the build_*_plan functions, or clear those caches after."""
+    import sys
+
+    from fusedfp8 import _cuda
+    from fusedfp8.csrc import plan as P
+
+    drv = AnyHandleDriver(0)
+    setitem_(sys.modules, "cupy", fake_cupy(handle_of))
+    setattr_(_cuda, "probe", lambda device_id=0, need_fp8_gemm=False: (True, "a pretended GPU"))
+    setattr_(_cuda, "driver", lambda: drv)
+    setattr_(P, "driver", lambda: drv)
+    setattr_(P, "_primary", {})
+    setattr_(_cuda, "_loaded", {})
+    setattr_(_cuda, "sm_count", lambda device_id: 132)
+    setattr_(_cuda, "shared_optin", lambda device_id: 227 << 10)
+    return drv
