@@ -21,7 +21,7 @@ import types
 import numpy as np
 import pytest
 
-from fusedfp8 import _cuda
+from fusedfp8 import _cuda, _plans
 from fusedfp8 import csrc as shim
 from fusedfp8.csrc import plan as P
 from support import fake_cuda as F
@@ -777,13 +777,29 @@ def test_padded_plans_take_the_tiled_kernel_with_the_padded_shape(rows, cols, tr
         assert _cuda.dbias_workspace(rows, cols, 16)[1] == -(-(-(-cols // 16) * 16) // _cuda.TILE_C)
 
 
-@pytest.mark.parametrize("op", ["identity", "gelu_tanh", "gelu_erf"])
-def test_dbias_goes_with_the_dgelu_ops_only(op):
-    """The tiled kernel sums columns for the dgelu ops only: any other op with dbias is refused by
-    name before anything compiles or launches."""
-    with pytest.raises(ValueError, match=f"dbias: the column sums come with op 'dgelu_tanh' or 'dgelu_erf'.*"
-                                         f"got op '{op}'"):
+@pytest.mark.parametrize("op", ["gelu_tanh", "gelu_erf"])
+def test_dbias_goes_with_a_gradients_ops_only(op):
+    """The tiled kernel sums columns for a gradient's ops only (the identity, dgelu): a gelu op with
+    dbias is refused by name before anything compiles or launches."""
+    with pytest.raises(ValueError, match=f"dbias: the column sums come with op 'identity', 'dgelu_tanh' or "
+                                         f"'dgelu_erf'.*got op '{op}'"):
         _cuda.quantize_plan(0, "bfloat16", "e4m3", op, 303, 300, True, True)
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["delayed", "first-step"])
+def test_a_gradients_dbias_takes_the_identitys_own_kernel(first):
+    """quantize with dbias runs the identity's instantiation with the column sums compiled in
+    (tiled_dbias / coop_tiled_dbias); without dbias the forward's kernel, whose registers the sums
+    would double."""
+    key = _cuda.ModuleKey("quantize", "bfloat16", "e5m2", "identity")
+    refs = fake_refs(key)
+    names = {"tiled_dbias", "coop_tiled_dbias"}
+    for dbias in (False, True):
+        plan = _plans.build_quantize_plan(refs, 132, 303, 300, True, dbias, first)
+        (launch,) = [st for st in plan.steps if isinstance(st, _cuda.Launch)]
+        role = next(r for r, k in refs.items() if k.name == launch.variants[0].name)
+        assert (role in names) == dbias, (dbias, role)
+        assert role.startswith("coop_") == first, role
 
 
 def test_torch_direct_call_refuses_cpu_tensors(cpp_ops):
