@@ -87,11 +87,14 @@ def test_every_family_and_instantiation_is_listed():
     assert dq == {(d, f) for d in _cuda.CPP_TYPES for f in _cuda.FMT_IDS}
     # every launch role the launch interface uses is among the name expressions
     roles = _cuda.name_expressions(_cuda.ModuleKey("quantize", "bfloat16", "e4m3", "identity"))
-    assert set(roles) == {"flat_vec1_store1", "flat_vec1_store0", "flat_vec0_store1", "flat_vec0_store0", "tiled"}
+    assert set(roles) == {"flat_vec1_store1", "flat_vec1_store0", "flat_vec0_store1", "flat_vec0_store0", "tiled",
+                          "tiled_dbias"}
+    assert roles["tiled_dbias"] == "quantize_tiled<__nv_bfloat16, 0, 0, StagedAmax, true>"
     roles = _cuda.name_expressions(_cuda.ModuleKey("current_quantize", "bfloat16", "e4m3", "identity"))
     assert roles == {"coop_flat_vec1": "quantize_flat<__nv_bfloat16, 0, 0, true, true, GridAmax>",
                      "coop_flat_vec0": "quantize_flat<__nv_bfloat16, 0, 0, false, true, GridAmax>",
-                     "coop_tiled": "quantize_tiled<__nv_bfloat16, 0, 0, GridAmax>"}
+                     "coop_tiled": "quantize_tiled<__nv_bfloat16, 0, 0, GridAmax>",
+                     "coop_tiled_dbias": "quantize_tiled<__nv_bfloat16, 0, 0, GridAmax, true>"}
     roles = _cuda.name_expressions(_cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"))
     assert set(roles) == {"layernorm_store1", "layernorm_store1_t", "layernorm_store0", "padded_layernorm_store1",
                           "padded_layernorm_store1_t", "transpose_tiled"}
