@@ -125,16 +125,17 @@ def _advance(meta, cfg, grad=LINEAR_GRAD) -> tuple[ScalingState, tuple | None]:
     returns (or a later use's own) go to :func:`state_to_meta`."""
     if not cfg.first:
         return meta_to_state(meta, grad), float_counters(meta)
-    if not cfg.recipe.current and cfg.axis_name is None:
+    if not _refused_here(cfg):
         return P.update_meta(meta, cfg.recipe, grad, impl=cfg.impl)
     st = meta_to_state(decode(meta), grad)
     return P.update_scales(st, cfg.recipe, axis_name=None if _across(cfg) else cfg.axis_name, impl=cfg.impl), None
 
 
 def _refused_here(cfg) -> bool:
-    """Whether the forward itself refuses a corrupted stored meta (:func:`refusing`): on a first
-    use that :func:`_advance` did not update with :func:`fusedfp8.jax.primitives.update_meta`,
-    which refuses in the same launch (NaN scales)."""
+    """Whether a first use advances its stored meta without
+    :func:`fusedfp8.jax.primitives.update_meta` (CurrentScaling, or an ``axis_name``), so that the
+    forward itself refuses a corrupted one (:func:`refusing`); update_meta refuses in its own
+    launch (NaN scales)."""
     return cfg.first and (cfg.recipe.current or cfg.axis_name is not None)
 
 
@@ -395,7 +396,7 @@ def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, tra
     h, w1, b1, w2, b2 = map(_first_order, (h, w1, b1, w2, b2))
     ln = jax.tree.map(_first_order, ln)
     r, impl, dt = cfg.recipe, cfg.impl, jnp.dtype(cfg.dtype)
-    if cfg.first and (r.current or cfg.axis_name is not None):
+    if _refused_here(cfg):
         # both linears' staged amaxes in one all-reduce, then the two (local) updates (none under
         # CurrentScaling across devices: the staged amaxes are global already)
         st1, st2 = P.sync_staged([meta_to_state(decode(meta1)), meta_to_state(decode(meta2))],

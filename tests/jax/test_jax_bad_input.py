@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from fusedfp8.jax import functional as JF
+from fusedfp8.jax import gemm as JG
 from fusedfp8.jax import meta as JM
 from fusedfp8.jax import primitives as JP
 from fusedfp8.jax.flax import OVERWRITE_WITH_GRADIENT as OWG
@@ -202,3 +203,12 @@ def test_accepted_jax_calls_on_the_same_world_dispatch_and_return_a_new_state(di
     assert [_bytes(a) for a in jax.tree.leaves(world.dense_next)] != \
         [_bytes(a) for a in jax.tree.leaves(world.dense_vars[OWG])]
     assert world.snapshot() == before
+
+
+def test_a_bad_gemm_bias_is_refused_naming_it():
+    """fp8_gemm's bias: (n,) of the output's dtype, else ValueError naming it (no GPU needed)."""
+    a = jnp.zeros((32, 64), jnp.float8_e4m3fn)
+    s = jnp.ones((1,), jnp.float32)
+    for bias, got in ((jnp.zeros((31,), jnp.bfloat16), "bfloat16 (31,)"), (jnp.zeros((32,), jnp.float32), "float32 (32,)")):
+        with pytest.raises(ValueError, match=rf"^bias must be None or a \(32,\) bfloat16 array .*got {re.escape(got)}"):
+            JG.fp8_gemm(a, a, s, s, jnp.bfloat16, bias=bias, impl="jnp")

@@ -62,8 +62,9 @@ def assert_same(got, want, what):
         np.testing.assert_array_equal(u8(rg.data_t), u8(rw.data_t), err_msg=f"{what}: data_t")
     np.testing.assert_array_equal(np.asarray(rg.scale_inv), np.asarray(rw.scale_inv), err_msg=f"{what}: scale_inv")
     if rw.dbias is not None:
-        np.testing.assert_allclose(np.asarray(rg.dbias), np.asarray(rw.dbias), rtol=1e-5, atol=1e-6,
-                                   err_msg=f"{what}: dbias")
+        want_db = np.asarray(rw.dbias)  # float32 sums in another order: within a few ulps of the largest
+        np.testing.assert_allclose(np.asarray(rg.dbias), want_db, rtol=2e-5,
+                                   atol=1e-5 * float(np.nanmax(np.abs(want_db), initial=0.1)), err_msg=f"{what}: dbias")
     for name in ("amax_history", "scale", "scale_inv", "overflows", "updates"):
         np.testing.assert_array_equal(np.asarray(getattr(sg, name)), np.asarray(getattr(sw, name)),
                                       err_msg=f"{what}: state.{name}")
@@ -425,7 +426,7 @@ def test_flax_mlp_train_step_kernel_path_matches_jnp_path_and_bf16():
     (lk, gk), (lj, gj) = loss_and_grads("auto"), loss_and_grads("jnp")
     print(f"step-1 loss kernel {float(lk)!r} jnp {float(lj)!r}; bitwise equal gradients: "
           f"{sorted(n for n in gk if np.array_equal(gk[n], gj[n]))}")
-    np.testing.assert_allclose(float(lk), float(lj), rtol=1e-6)
+    np.testing.assert_allclose(float(lk), float(lj), rtol=2e-6)
     for name in gk:
         noise = ((gk[name] - gj[name]) ** 2).sum()
         assert noise <= 1e-4 * (gj[name] ** 2).sum(), name

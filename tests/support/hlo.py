@@ -44,12 +44,13 @@ def _fp8_dot_computations(comps: dict[str, list[str]]) -> set[str]:
 def fp8_gemm_counts(text: str) -> dict[str, int]:
     """How many FP8 GEMMs the compiled module runs, by backend: cuBLASLt's FP8 custom call, a
     Triton GEMM fusion (XLA's autotuner picks it for small / ragged shapes: a kCustom fusion whose
-    computation is a dot of two FP8 operands), fusedfp8's own GEMM custom call."""
+    computation is a dot of two FP8 operands), fusedfp8's own GEMM custom calls (with and without
+    the bias epilogue)."""
     comps = computations(text)
     fp8_comps = _fp8_dot_computations(comps)
     triton = sum(1 for m in map(_FUSION.search, text.splitlines()) if m and m.group(1) in fp8_comps)
     return {"cublaslt": text.count(CUBLASLT_FP8), "triton": triton,
-            "fusedfp8": len(re.findall(r'custom_call_target="fusedfp8_fp8_gemm"', text))}
+            "fusedfp8": len(re.findall(r'custom_call_target="fusedfp8_fp8_gemm(?:_bias)?"', text))}
 
 
 def other_gemms(text: str) -> int:
