@@ -3,7 +3,7 @@
 The CUDA sources live in the top-level ``cuda_src/`` directory of the repository. They are
 shipped inside the installed package as ``fusedfp8/cuda_src/*.cu|*.cuh`` (a package-dir
 mapping below), so that a non-editable install can compile its kernels. At run time
-``fusedfp8._cuda`` looks first at ``<repo>/cuda_src`` next to the package (editable install
+``fusedfp8.launch.kernels`` looks first at ``<repo>/cuda_src`` next to the package (editable install
 or a source checkout), then at ``fusedfp8/cuda_src`` inside the package.
 
 The compiled host shim (``fusedfp8/csrc``: the launch-plan interpreter as an XLA FFI handler

@@ -2,8 +2,8 @@
 dequantize, update_scales.
 
 Every function accepts torch tensors, jax arrays, cupy arrays and numpy arrays. Device arrays
-run the fused CUDA kernels on the caller's current stream (through :mod:`fusedfp8._cuda`'s launch
-interface); host arrays run the NumPy reference (:mod:`fusedfp8.numerics.reference`), which is
+run the fused CUDA kernels on the caller's current stream (through the launch interface,
+:mod:`fusedfp8.launch`); host arrays run the NumPy reference (:mod:`fusedfp8.numerics.reference`), which is
 bit-identical. Results come back in the caller's framework: FP8 data as ``torch.float8_*``
 tensors, ``jnp.float8_*`` arrays, ml_dtypes arrays (numpy), or uint8 arrays (cupy, which has no
 float8 dtype).
@@ -28,8 +28,8 @@ import threading
 
 import numpy as np
 
-from . import _cuda
 from . import _interop as io
+from . import launch
 from .formats import Format, get_format
 from .numerics import layernorm as ln
 from .numerics import reference as ref
@@ -151,7 +151,7 @@ class _Plan:
         self.rows = math.prod(shape[:-1])
         self.cols = int(shape[-1]) if shape else 1
         self.pad_to = int(pad_to)
-        self.prows, self.pcols = _cuda.padded(self.rows, self.cols, self.pad_to)
+        self.prows, self.pcols = launch.padded(self.rows, self.cols, self.pad_to)
         # the shape of q: x's own, or its (rows, cols) view rounded up to multiples of pad_to
         self.q_shape = shape if pad_to == 1 else (self.prows, self.pcols)
 
@@ -270,25 +270,32 @@ def _device_run(p: _Plan, approximate: str) -> Quantized:
     scale_inv = io.empty(p.xi, (1,), "float32")
     dbias = partial = counters = None
     if p.dbias:
-        part_shape, n_counters = _cuda.dbias_workspace(p.rows, p.cols, p.pad_to)
+        part_shape, n_counters = launch.dbias_workspace(p.rows, p.cols, p.pad_to)
         dbias = io.empty(p.xi, (p.cols,), "float32")  # the plan zeroes it when there is nothing to sum
         partial = io.empty(p.xi, part_shape, "float32")
         counters = io.empty(p.xi, (n_counters,), "int32")  # and zeroes the counters before the kernel
     first = p.slot is not None and p.slot.current_first
     ptr = io.data_ptr
-    _cuda.launch_quantize(
-        xi.device, io.stream_ptr(p.xi), dtype=xi.dtype, fmt=p.fmt.name, op=kernel_op(p.op, approximate), x=xi.ptr,
-        b=bi.ptr if bi is not None else 0, q=ptr(q), scale=io.device_view(p.scale).ptr, amax=ptr(amax_arr),
-        rows=p.rows, cols=p.cols, q_t=ptr(q_t) if q_t is not None else 0,
-        dbias=ptr(dbias) if p.dbias else 0, partial=ptr(partial) if p.dbias else 0,
-        counters=ptr(counters) if p.dbias else 0, scale_inv_used=ptr(scale_inv), first=first,
-        updates=p.updates.ptr if first else 0, scale_out=p.scale.ptr if first else 0,
-        scale_inv_out=p.scale_inv.ptr if first else 0,
-        margin_factor=p.slot.margin_factor if p.slot is not None else 1.0, pad_to=p.pad_to)
+    buffers = {"x": xi.ptr, "q": ptr(q), "scale": io.device_view(p.scale).ptr, "amax": ptr(amax_arr),
+               "scale_inv_used": ptr(scale_inv), **_first_step_buffers(p, first)}
+    if bi is not None:
+        buffers["b"] = bi.ptr
+    if q_t is not None:
+        buffers["q_t"] = ptr(q_t)
+    if p.dbias:
+        buffers.update(dbias=ptr(dbias), partial=ptr(partial), counters=ptr(counters))
+    launch.quantize(xi.device, io.stream_ptr(p.xi), buffers, dtype=xi.dtype, fmt=p.fmt.name,
+                    op=kernel_op(p.op, approximate), rows=p.rows, cols=p.cols, first=first,
+                    margin_factor=p.slot.margin_factor if p.slot is not None else 1.0, pad_to=p.pad_to)
     c = p.xi
     return Quantized(io.fp8_out(q, p.fmt, c), io.out_for_caller(amax_arr, c) if amax is None else p.amax.array,
                      io.fp8_out(q_t, p.fmt, c) if q_t is not None else None,
                      io.out_for_caller(dbias, c) if dbias is not None else None, io.out_for_caller(scale_inv, c))
+
+
+def _first_step_buffers(p: _Plan, first: bool) -> dict:
+    """The state's entries a first step writes (scale_out, scale_inv_out) and its flag (updates)."""
+    return {"updates": p.updates.ptr, "scale_out": p.scale.ptr, "scale_inv_out": p.scale_inv.ptr} if first else {}
 
 
 def _run(p: _Plan, approximate: str = "tanh") -> Quantized:
@@ -316,14 +323,16 @@ def _device_layernorm(p: _LayerNormPlan) -> LayerNormQuantized:
     scale_inv = io.empty(p.xi, (1,), "float32")
     first = p.slot is not None and p.slot.current_first
     ptr = io.data_ptr
-    _cuda.launch_layernorm_quantize(
-        xi.device, io.stream_ptr(p.xi), dtype=xi.dtype, param=p.param_dtype, fmt=p.fmt.name, x=xi.ptr,
-        weight=wi.ptr if wi is not None else 0, bias=bi.ptr if bi is not None else 0, q=ptr(q), mean=ptr(mean),
-        rstd=ptr(rstd), scale=io.device_view(p.scale).ptr, amax=ptr(amax_arr), rows=p.rows, cols=p.cols, eps=p.eps,
-        q_t=ptr(q_t) if q_t is not None else 0, scale_inv_used=ptr(scale_inv), first=first,
-        updates=p.updates.ptr if first else 0, scale_out=p.scale.ptr if first else 0,
-        scale_inv_out=p.scale_inv.ptr if first else 0,
-        margin_factor=p.slot.margin_factor if p.slot is not None else 1.0, pad_to=p.pad_to)
+    buffers = {"x": xi.ptr, "q": ptr(q), "mean": ptr(mean), "rstd": ptr(rstd), "scale": io.device_view(p.scale).ptr,
+               "amax": ptr(amax_arr), "scale_inv_used": ptr(scale_inv), **_first_step_buffers(p, first)}
+    for name, view in (("weight", wi), ("bias", bi)):
+        if view is not None:
+            buffers[name] = view.ptr
+    if q_t is not None:
+        buffers["q_t"] = ptr(q_t)
+    launch.layernorm_quantize(xi.device, io.stream_ptr(p.xi), buffers, dtype=xi.dtype, param=p.param_dtype,
+                              fmt=p.fmt.name, rows=p.rows, cols=p.cols, eps=p.eps, first=first,
+                              margin_factor=p.slot.margin_factor if p.slot is not None else 1.0, pad_to=p.pad_to)
     c = p.xi
     quantized = Quantized(io.fp8_out(q, p.fmt, c), io.out_for_caller(amax_arr, c) if amax is None else p.amax.array,
                           io.fp8_out(q_t, p.fmt, c) if q_t is not None else None, None,
@@ -456,8 +465,8 @@ def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = 
         return io.from_numpy(ref.dequantize(qn, io.to_numpy(si), out_dtype), qi)
     qd, sd = io.device_view(qi), io.device_view(si)
     out = io.empty(qi, qi.shape, dtype)
-    _cuda.launch_dequantize(qi.device, io.stream_ptr(qi), dtype=dtype, fmt=f.name, q=qd.ptr, out=io.data_ptr(out),
-                            scale_inv=sd.ptr, n=qi.size)
+    launch.dequantize(qi.device, io.stream_ptr(qi), {"q": qd.ptr, "out": io.data_ptr(out), "scale_inv": sd.ptr},
+                      dtype=dtype, fmt=f.name, n=qi.size)
     return io.out_for_caller(out, qi)
 
 
@@ -537,9 +546,9 @@ def update_scales(state: ScalingState, recipe: DelayedScaling | CurrentScaling) 
     if immutable:  # jax buffers: update copies, return a new state
         views = [io.describe(io.copy(v.array), "state") for v in views]
     fmt_max = _fmt_max_device(state, recipe, hi)
-    _cuda.launch_update_scales(hi.device, io.stream_ptr(hi), **{f: v.ptr for f, v in zip(STATE_FIELDS, views)},
-                               fmt_max=io.data_ptr(fmt_max), n=state.num_tensors, L=state.history_len,
-                               margin_factor=recipe.margin_factor, algo_max=recipe.amax_compute_algo == "max")
+    buffers = {**{f: v.ptr for f, v in zip(STATE_FIELDS, views)}, "fmt_max": io.data_ptr(fmt_max)}
+    launch.update_scales(hi.device, io.stream_ptr(hi), buffers, n=state.num_tensors, L=state.history_len,
+                         margin_factor=recipe.margin_factor, algo_max=recipe.amax_compute_algo == "max")
     if immutable:
         return state.replace(**{f: io.out_for_caller(v.array, hi) for f, v in zip(STATE_FIELDS, views)})
     io.mark_written(infos)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import _bench
-from fusedfp8 import _cuda
+from fusedfp8 import launch
 from fusedfp8.numerics import reference as ref
 
 JOBS = ["quantize", "quantize_t", "gelu", "gelu_t", "dgelu_dbias", "dgelu_dbias_t"]
@@ -45,7 +45,7 @@ FIRST = ("one_launch", "two_pass")  # the modes that run a first step (updates 0
 
 
 class Call:
-    """One job's launch_quantize on (x, b) with a state of its own (mode: one of MODES)."""
+    """One job's launch.quantize on (x, b) with a state of its own (mode: one of MODES)."""
 
     def __init__(self, job: str, mode: str, m: int, n: int):
         self.job, self.mode, self.m, self.n = job, mode, m, n
@@ -61,7 +61,7 @@ class Call:
         self.updates = torch.full((1,), 0 if mode in FIRST else 1, dtype=torch.int32, device=dev)
         self.dbias = self.partial = self.counters = None
         if "dbias" in job:
-            shape, n_cnt = _cuda.dbias_workspace(m, n)
+            shape, n_cnt = launch.dbias_workspace(m, n)
             self.dbias = torch.empty(n, device=dev)
             self.partial = torch.empty(shape, device=dev)
             self.counters = torch.empty(n_cnt, dtype=torch.int32, device=dev)
@@ -71,20 +71,21 @@ class Call:
             return a.data_ptr() if a is not None else 0
 
         first = self.mode != "delayed"
-        _cuda.launch_quantize(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream, dtype="bfloat16",
-                              fmt=self.fmt, op=self.op, x=x.data_ptr(), b=p(b) if self.op.startswith("dgelu") else 0,
-                              q=self.q.data_ptr(), scale=p(self.scale), amax=p(self.amax), rows=self.m, cols=self.n,
-                              q_t=p(self.q_t), dbias=p(self.dbias), partial=p(self.partial), counters=p(self.counters),
-                              scale_inv_used=p(self.siu), first=first, updates=p(self.updates) if first else 0,
-                              scale_out=p(self.scale) if first else 0, scale_inv_out=p(self.scale_inv) if first else 0,
-                              coop=self.mode != "two_pass")
+        buffers = dict(x=x.data_ptr(), b=p(b) if self.op.startswith("dgelu") else 0, q=self.q.data_ptr(),
+                       scale=p(self.scale), amax=p(self.amax), q_t=p(self.q_t), dbias=p(self.dbias),
+                       partial=p(self.partial), counters=p(self.counters), scale_inv_used=p(self.siu))
+        if first:
+            buffers.update(updates=p(self.updates), scale_out=p(self.scale), scale_inv_out=p(self.scale_inv))
+        launch.quantize(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream, buffers,
+                        dtype="bfloat16", fmt=self.fmt, op=self.op, rows=self.m, cols=self.n, first=first,
+                        coop=self.mode != "two_pass")
 
     def plan(self) -> dict:
-        """The kernel and grid of this mode's last launch (its plan, as launch_quantize builds it)."""
+        """The kernel and grid of this mode's last launch (its plan, as launch.quantize builds it)."""
         first = self.mode != "delayed"
-        main = _cuda.quantize_plan(torch.cuda.current_device(), "bfloat16", self.fmt, self.op, self.m, self.n,
-                                   self.q_t is not None, self.dbias is not None, first, 1.0, 0, 1,
-                                   self.mode != "two_pass").steps[-1]
+        main = launch.quantize_plan(torch.cuda.current_device(), "bfloat16", self.fmt, self.op, self.m, self.n,
+                                    self.q_t is not None, self.dbias is not None, first, 1.0, 0, 1,
+                                    self.mode != "two_pass").steps[-1]
         return {"kernel": main.variants[0].name, "grid": main.variants[0].grid}
 
 

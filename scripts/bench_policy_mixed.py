@@ -65,7 +65,7 @@ from torch import nn
 import _bench
 import fusedfp8
 import fusedfp8.pytorch as fp8
-from fusedfp8 import _cuda
+from fusedfp8 import launch
 from fusedfp8.policy import MissingTableError
 
 MODELS = ("bf16", "fp8_all", "fp8_auto")
@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     args, modes, ap = arguments(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
-        ok, reason = _cuda.probe(need_fp8_gemm=True)
+        ok, reason = launch.probe(need_fp8_gemm=True)
         if not ok:
             ap.error(f"the benchmark times FP8 GEMMs on the GPU, and this machine has none usable: {reason} "
                      "(--device cpu runs a smoke test of the script)")

@@ -65,7 +65,7 @@ from torch import nn
 import _bench
 import fusedfp8
 import fusedfp8.pytorch as fp8
-from fusedfp8 import _cuda
+from fusedfp8 import launch
 from fusedfp8.policy import MEASURED_AS, MODES, TABLE_ENV, TABLE_MODES, PolicyTable, table_file_name
 
 TOKENS = (512, 1024, 2048, 4096, 8192)
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
         print(f"would write {where} (dry run: nothing measured)")
         return 0
     if device.type == "cuda":
-        ok, reason = _cuda.probe(need_fp8_gemm=True)
+        ok, reason = launch.probe(need_fp8_gemm=True)
         if not ok:
             ap.error(f"the calibration times FP8 GEMMs on the GPU, and this machine has none usable: {reason}. "
                      "(--device cpu runs a smoke test of the script, not a measurement)")

@@ -24,7 +24,7 @@ import torch
 
 import _bench
 import fusedfp8
-from fusedfp8 import _cuda
+from fusedfp8 import launch
 from fusedfp8 import _interop as io
 
 
@@ -41,11 +41,12 @@ def quantize_part() -> None:
     print(f"fusedfp8.quantize: {per_call_us(call):.1f} us/call")
     device, stream = x.device.index, io.stream_ptr(io.describe(x, "x"))
 
-    def launch():
-        _cuda.launch_quantize(device, stream, dtype="bfloat16", fmt="e4m3", op="identity", x=x.data_ptr(), b=0,
-                              q=q.data_ptr(), scale=s.data_ptr(), amax=amax.data_ptr(), rows=1024, cols=1024)
+    def on_pointers():
+        launch.quantize(device, stream, {"x": x.data_ptr(), "q": q.data_ptr(), "scale": s.data_ptr(),
+                                         "amax": amax.data_ptr()},
+                        dtype="bfloat16", fmt="e4m3", op="identity", rows=1024, cols=1024)
 
-    print(f"launch interface (_cuda.launch_quantize on raw pointers): {per_call_us(launch):.1f} us")
+    print(f"launch interface (launch.quantize on raw pointers): {per_call_us(on_pointers):.1f} us")
     print(f"stream_ptr: {per_call_us(lambda: io.stream_ptr(io.describe(x, 'x'))):.1f} us")
     print(f"torch.empty fp8: {per_call_us(lambda: x.new_empty(x.shape, dtype=torch.float8_e4m3fn)):.1f} us")
     print(f"describe: {per_call_us(lambda: io.describe(x, 'x')):.1f} us")

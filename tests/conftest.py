@@ -2,7 +2,7 @@
 
 Markers (registered in pytest.ini):
 
-- ``gpu``: needs a CUDA GPU that runs the FP8 kernels (``fusedfp8._cuda.probe()``);
+- ``gpu``: needs a CUDA GPU that runs the FP8 kernels (``fusedfp8.launch.probe()``);
 - ``fp8_gemm``: also needs FP8 GEMMs (``probe(need_fp8_gemm=True)``); it only matters for a
   test that runs on the GPU (a ``gpu`` test, or the ``cuda`` parameter of ``device``);
 - ``jax_gpu``: a ``gpu`` test that also needs jax's GPU backend;
@@ -64,10 +64,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import fusedfp8._cuda as _cuda  # noqa: E402  (imports neither CuPy nor jax)
+from fusedfp8 import launch  # noqa: E402  (imports neither CuPy nor jax)
 
-GPU = _cuda.probe()
-FP8_GEMM = _cuda.probe(need_fp8_gemm=True)
+GPU = launch.probe()
+FP8_GEMM = launch.probe(need_fp8_gemm=True)
 
 
 def _jax_gpu() -> tuple[bool, str]:

@@ -18,16 +18,18 @@ Where a library comes from, first match wins:
    (``<name>-<fingerprint>.failed``, with the compiler's log) so that later processes do not
    retry it; delete that file to retry.
 
-An encoded plan names its kernels by stable id (:func:`fusedfp8.csrc.plan.kernel_id`), which a
+An encoded plan (:mod:`fusedfp8.launch.format`) names its kernels by stable id
+(:func:`fusedfp8.launch.kernels.kernel_id`), which a
 library resolves in a registry of its own (``plan.h``) that :func:`register_kernels` fills with the
 handles of every module loaded in the process, before or after the library loads.
 
 The frameworks use the shim by default (:func:`default_on`; its GPU tests compare it with the
 Python launch path byte for byte); ``impl='ffi'`` in JAX and
 ``fusedfp8.pytorch.custom_ops.use_cpp(True)`` ask for it explicitly. Without a C++ compiler,
-without the headers, or with ``FUSEDFP8_NO_SHIM=1`` (which also refuses the explicit requests) the frameworks keep the Python launch path, and :func:`library` /
-:func:`status` say why. This module imports only
-the standard library at import time (setup.py loads it by path, before any dependency exists).
+without the headers, or with ``FUSEDFP8_NO_SHIM=1`` (which also refuses the explicit requests) the
+frameworks keep the Python launch path (:mod:`fusedfp8.launch.executor`), and :func:`library` /
+:func:`status` say why. This module imports only the standard library at import time (setup.py
+loads it by path, before any dependency exists).
 """
 from __future__ import annotations
 
@@ -151,7 +153,7 @@ def _stamped(path: Path, key: str) -> bool:
 
 def _open(target: str, path: Path):
     """Load a built library: the ctypes library (xla) or the extension module (torch)."""
-    from .plan import PLAN_VERSION
+    from ..launch.format import PLAN_VERSION  # (here: setup.py loads this module by path, without the package)
 
     if target == "xla":
         import ctypes
@@ -204,7 +206,7 @@ def library(target: str):
     return found
 
 
-# ---- the kernel registry: the handles behind the ids of encoded plans (plan.h, plan.kernel_id) ----
+# ---- the kernel registry: the handles behind the ids of encoded plans (plan.h, launch.kernels.kernel_id) ----
 MAX_DEVICES = 64  # CUDA ordinals 0 .. 63 (plan.h's kernels::kMaxDevices)
 _kernels: dict = {}  # CUDA ordinal -> {kernel id: CUfunction handle}, every kernel loaded in this process
 _shims: list = []  # (target, library) of the libraries loaded, each told of every kernel
@@ -213,7 +215,7 @@ _kernels_lock = threading.Lock()
 
 def register_kernels(device: int, kernels) -> None:
     """Kernel id ``kid`` is the handle ``func`` on CUDA device ``device``, for each (kid, func) of
-    ``kernels`` (the kernels of a module just loaded: fusedfp8._cuda calls this; a later handle of
+    ``kernels`` (the kernels of a module just loaded: fusedfp8.launch.kernels calls this; a later handle of
     an id replaces the earlier). The libraries loaded now are told at once, any loaded later when
     it loads: an encoded plan names its kernels by id, which the libraries resolve."""
     pairs = [(int(k), int(f)) for k, f in kernels]
@@ -222,7 +224,7 @@ def register_kernels(device: int, kernels) -> None:
                          f"(0 .. {MAX_DEVICES - 1})")
     for k, f in pairs:
         if not 0 < k < 2 ** 63:
-            raise ValueError(f"fusedfp8: id {k} is not a kernel id (1 .. 2**63 - 1: fusedfp8.csrc.plan.kernel_id)")
+            raise ValueError(f"fusedfp8: id {k} is not a kernel id (1 .. 2**63 - 1: fusedfp8.launch.kernels.kernel_id)")
         if not 0 < f < 2 ** 64:
             raise ValueError(f"fusedfp8: kernel {k:016x}: handle {f} is null or not a pointer")
     with _kernels_lock:

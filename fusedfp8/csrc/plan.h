@@ -2,13 +2,13 @@
 // the torch C++ ops (torch_ops.cc). C++17, no CUDA headers: the few driver entry points it needs
 // are declared here and found with dlopen("libcuda.so.1") / dlsym at first use.
 //
-// A plan is the int64 encoding of fusedfp8.csrc.plan.Plan (Plan.encode there is the writer):
+// A plan is the int64 encoding of fusedfp8.launch.format.Plan (Plan.encode there is the writer):
 //   [PLAN_VERSION, n_slots, n_steps, step...]
 //   memset step: [MEMSET, slot, nbytes]                     zero nbytes (cuMemsetD32Async); none
 //                                                           for a null slot
 //   launch step: [LAUNCH | COOP_LAUNCH, n_variants, select, block, shared, n_params,
 //                 (kernel id, grid) * n_variants, (kind, a, b, c) * n_params]
-//     A kernel is named by its id (fusedfp8.csrc.plan.kernel_id), resolved to its CUfunction in
+//     A kernel is named by its id (fusedfp8.launch.kernels.kernel_id), resolved to its CUfunction in
 //     the kernel registry below when the plan runs: see there for why not the handle.
 //     COOP_LAUNCH goes through cuLaunchCooperativeKernel (a pointer per parameter into the packed
 //     buffer), which guarantees every block resident (the kernels' grid-wide barrier).
@@ -175,7 +175,7 @@ class ContextGuard {
 };
 
 // ---- the kernel registry ---------------------------------------------------------------------
-// A plan names each kernel by a stable id (fusedfp8.csrc.plan.kernel_id: a hash of its name, its
+// A plan names each kernel by a stable id (fusedfp8.launch.kernels.kernel_id: a hash of its name, its
 // module's source, the compile options and the target), not by its CUfunction handle, a pointer
 // that means something in one process only: an XLA program holding plans is then the same program
 // in every process that traces it (JAX's persistent compilation cache finds it), and an
@@ -407,7 +407,7 @@ inline std::string run(const int64_t* p, size_t n, const uint64_t* bufs, size_t 
 }
 
 // The sink of ff8_dry_run: records what the driver would get, in the byte format of
-// fusedfp8.csrc.plan.dry_run (int64 fields, little-endian; parameters zero-padded to 8 bytes).
+// fusedfp8.launch.executor.dry_run (int64 fields, little-endian; parameters zero-padded to 8 bytes).
 struct RecordSink {
   unsigned char* out;
   size_t cap;

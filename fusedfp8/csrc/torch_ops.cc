@@ -7,7 +7,7 @@
 //   (op, dtypes, rows/cols, device, 16-byte alignment of the inputs, state shapes and dtypes,
 //   index, format, flags); a new signature calls back into Python once, under the GIL
 //   (custom_ops._cpp_plan: the full argument check of fusedfp8.ops, then the launch plan of
-//   fusedfp8._cuda), and the plan is kept. A hot call checks devices and contiguity, allocates
+//   fusedfp8.launch), and the plan is kept. A hot call checks devices and contiguity, allocates
 //   its outputs with at::empty on the caller's device, and runs the plan (plan.h) on torch's
 //   current stream.
 // - AutogradCUDA kernels that stand in for the Python Autograd and ADInplaceOrView kernels that
@@ -53,7 +53,19 @@ namespace {
 enum Op : int64_t { kQuantize, kQuantizeT, kGelu, kGeluT, kDgeluT, kDequant, kNumOps };
 constexpr const char* kOpNames[kNumOps] = {"quantize",        "quantize_t",       "gelu_quantize",
                                            "gelu_quantize_t", "dgelu_quantize_t", "dequantize"};
-constexpr size_t kQuantizeSlots = 13;  // fusedfp8.csrc.plan.QUANTIZE_SLOTS
+
+// The buffer slots of the plans these ops run, by name, in the order of fusedfp8.launch.plans
+// QUANTIZE_SLOTS / DEQUANTIZE_SLOTS (tests/kernels/test_launch_layout.py holds the two orders against
+// each other); the ops fill each slot by its name.
+namespace quantize_slot {
+enum : size_t {
+  kX, kB, kQ, kQT, kDbias, kPartial, kCounters, kScale, kAmax, kScaleOut, kScaleInvOut, kScaleInvUsed, kUpdates,
+  kCount
+};
+}  // namespace quantize_slot
+namespace dequantize_slot {
+enum : size_t { kQ, kOut, kScaleInv, kCount };
+}  // namespace dequantize_slot
 
 bool has_transpose(Op op) { return op == kQuantizeT || op == kGeluT || op == kDgeluT; }
 bool has_approximate(Op op) { return op == kGelu || op == kGeluT || op == kDgeluT; }
@@ -275,11 +287,24 @@ std::vector<at::Tensor> quantize(Op op, const QArgs& a, MakeArgs make_args) {
     partial = at::empty({e->part_rows, cols}, f32);
     counters = at::empty({e->n_counters}, x.options().dtype(at::kInt));  // zeroed by the plan
   }
-  const uint64_t bufs[kQuantizeSlots] = {addr(x),       addr(a.b),     addr(q),        addr(q_t),
-                                         addr(db),      addr(partial), addr(counters), addr(a.scale),
-                                         addr(a.hist),  addr(a.scale), addr(a.scale_inv), addr(si),
-                                         addr(a.updates)};
-  run_plan(*e, bufs, kQuantizeSlots, x.device());
+  uint64_t bufs[quantize_slot::kCount] = {};
+  {
+    using namespace quantize_slot;
+    bufs[kX] = addr(x);
+    bufs[kB] = addr(a.b);
+    bufs[kQ] = addr(q);
+    bufs[kQT] = addr(q_t);
+    bufs[kDbias] = addr(db);
+    bufs[kPartial] = addr(partial);
+    bufs[kCounters] = addr(counters);
+    bufs[kScale] = addr(a.scale);  // the state's, at the tensor's index (the plan's offset)
+    bufs[kAmax] = addr(a.hist);    // row 0 of the history
+    bufs[kScaleOut] = addr(a.scale);
+    bufs[kScaleInvOut] = addr(a.scale_inv);
+    bufs[kScaleInvUsed] = addr(si);
+    bufs[kUpdates] = addr(a.updates);
+  }
+  run_plan(*e, bufs, quantize_slot::kCount, x.device());
   switch (op) {
     case kQuantize:
     case kGelu:
@@ -334,8 +359,11 @@ at::Tensor dequantize(const at::Tensor& q, const at::Tensor& scale_inv, at::Scal
   }
   c10::DeviceGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(dtype));
-  const uint64_t bufs[3] = {addr(q), addr(out), addr(scale_inv)};
-  run_plan(*e, bufs, 3, q.device());
+  uint64_t bufs[dequantize_slot::kCount] = {};
+  bufs[dequantize_slot::kQ] = addr(q);
+  bufs[dequantize_slot::kOut] = addr(out);
+  bufs[dequantize_slot::kScaleInv] = addr(scale_inv);
+  run_plan(*e, bufs, dequantize_slot::kCount, q.device());
   return out;
 }
 

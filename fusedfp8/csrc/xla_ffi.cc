@@ -214,7 +214,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_launch, Launch,
 // ---- C entry points (ctypes) -------------------------------------------------------------------
 extern "C" {
 
-// The plan format this library reads (fusedfp8.csrc.plan.PLAN_VERSION must match).
+// The plan format this library reads (fusedfp8.launch.format.PLAN_VERSION must match).
 int64_t ff8_plan_version() { return ff8::kPlanVersion; }
 
 namespace {
@@ -229,7 +229,7 @@ int64_t put_error(const std::string& why, char* err, int64_t errcap) {
 }  // namespace
 
 // Test entry point: what running `plan` on `bufs` with the kernels registered for `device` would
-// hand the driver, without launching (the byte format of fusedfp8.csrc.plan.dry_run); `names` as
+// hand the driver, without launching (the byte format of fusedfp8.launch.executor.dry_run); `names` as
 // the handler's attribute. Returns the bytes written, or -1 with the reason in `err`
 // (NUL-terminated, truncated to errcap).
 int64_t ff8_dry_run(const int64_t* plan, int64_t n, const uint64_t* bufs, int64_t nbuf, int64_t device,

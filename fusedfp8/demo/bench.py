@@ -137,7 +137,7 @@ def run_bench(out, dry_run: bool = False, tiny: bool = False, only=None, echo: C
     """Run (or with ``dry_run`` only list) the benchmarks, ``only`` the named ones if given, and
     write ``summary.md`` to ``out``. Returns 0, 1 when a benchmark failed, 2 without a source
     checkout. The last line echoed says where the files went."""
-    from .. import _cuda
+    from .. import launch
 
     scripts = scripts_dir()
     if scripts is None:
@@ -146,7 +146,7 @@ def run_bench(out, dry_run: bool = False, tiny: bool = False, only=None, echo: C
               " are not installed with the package; run this from a source checkout (git clone the fusedfp8 "
               "repository, pip install -e '.[all]' there)", file=sys.stderr)
         return 2
-    ok, reason = _cuda.probe(need_fp8_gemm=True)
+    ok, reason = launch.probe(need_fp8_gemm=True)
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cmds = [c for c in bench_commands(scripts, out, ok, tiny, _jax_gpu() if ok else "")
@@ -195,7 +195,7 @@ def run_calibrate(out, dry_run: bool = False, tiny: bool = False, echo: Callable
     output as it comes and keeping it in ``calibrate_policy.log``. Returns the script's exit code,
     1 where it cannot run here, 2 without a source checkout. The last line echoed says where the
     table went."""
-    from .. import _cuda
+    from .. import launch
 
     scripts = scripts_dir((CALIBRATE,))
     if scripts is None:
@@ -203,7 +203,7 @@ def run_calibrate(out, dry_run: bool = False, tiny: bool = False, echo: Callable
               "run this from a source checkout (git clone the fusedfp8 repository, pip install -e '.[all]' there)",
               file=sys.stderr)
         return 2
-    ok, reason = _cuda.probe(need_fp8_gemm=True)
+    ok, reason = launch.probe(need_fp8_gemm=True)
     out = Path(out).resolve()
     cmd = calibrate_command(scripts, out, ok, tiny)
     shown = " ".join(cmd.argv)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import _cuda
+from .. import launch
 from ..recipe import DelayedScaling
 
 GPU_SHAPE = (4096, 16384, 8192)  # hidden, ffn, tokens: the MLP of docs/design.md
@@ -83,7 +83,7 @@ class DemoConfig:
 def choose_device(requested: str) -> tuple[str, str]:
     """('cuda' | 'cpu', reason). 'auto' takes the GPU when the probe accepts it; an explicit
     'cuda' that the probe refuses raises :class:`DemoError` with the probe's reason."""
-    ok, reason = _cuda.probe(0, need_fp8_gemm=True)
+    ok, reason = launch.probe(0, need_fp8_gemm=True)
     if requested == "cpu":
         return "cpu", "--device cpu"
     if requested == "cuda" and not ok:

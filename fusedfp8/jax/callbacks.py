@@ -1,4 +1,4 @@
-"""The CUDA backends of the JAX primitives. Both run the launch plans of :mod:`fusedfp8._cuda` on
+"""The CUDA backends of the JAX primitives. Both run the launch plans of :mod:`fusedfp8.launch` on
 XLA's own buffers and stream:
 
 - ``'ffi'``: a custom call to ``fusedfp8_launch``, the XLA FFI handler of the compiled shim
@@ -7,25 +7,25 @@ XLA's own buffers and stream:
   runs when the program executes, and the handler is declared command-buffer compatible, so XLA
   records its launches into CUDA graphs.
 - ``'callback'``: ``jax.experimental.buffer_callback`` callbacks that run the same plans with the
-  Python executor (:func:`fusedfp8.csrc.plan.execute`) on ``ctx.stream``; with
+  Python executor (:func:`fusedfp8.launch.execute`) on ``ctx.stream``; with
   ``command_buffer_compatible=True`` XLA records their launches into its command buffer, but runs
   the callback again whenever the buffers it records move.
 
 A primitive hands :func:`run` its plans, the result shapes, its operands, where each plan slot's
-buffer comes from (``("in", k)``, ``("out", k)`` or None for a null pointer) and the operand ->
-result aliases of the state. Plans are made (and kernels compiled) at trace time for every local
-GPU, never inside a stream capture; a callback depends on nothing but its buffers (the
-first-step decision is made on the device from ``updates``).
+buffer comes from (``("in", k)``, ``("out", k)`` or None for a null pointer; written by slot name
+and put in slot order by the family's slots, ``launch.QUANTIZE_SLOTS.arrange(sources, None)``) and
+the operand -> result aliases of the state. Plans are made (and kernels compiled) at trace time
+for every local GPU, never inside a stream capture; a callback depends on nothing but its buffers
+(the first-step decision is made on the device from ``updates``).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import numpy as np
 
-from .. import _cuda
 from .. import csrc as _shim
+from .. import launch
 
 TARGET = "fusedfp8_launch"  # the XLA FFI custom call target (platform CUDA)
 _F32 = 4  # bytes of a float32 / int32 state entry
@@ -37,15 +37,6 @@ def _ptr(buf) -> int:
 
 def _size(buf) -> int:
     return int(np.prod(buf.shape)) if buf.shape else 1
-
-
-def _current_device() -> int:
-    """The CUDA ordinal of the calling thread's current context (XLA's device for this call)."""
-    dev = ctypes.c_int(0)
-    err = _cuda.driver().cuCtxGetDevice(ctypes.byref(dev))
-    if err:
-        raise RuntimeError(f"fusedfp8.jax: cuCtxGetDevice failed with CUDA error {err} inside an XLA callback")
-    return dev.value
 
 
 def gpu_devices() -> list[int]:
@@ -62,20 +53,20 @@ def gpu_devices() -> list[int]:
 # ---- plans -----------------------------------------------------------------------------------
 def quantize_plans(dtype: str, fmt: str, op: str, rows: int, cols: int, transpose: bool, dbias: bool, first: bool,
                    margin_factor: float, offset: int, pad_to: int = 1) -> dict:
-    """CUDA ordinal -> :func:`fusedfp8._cuda.quantize_plan` for every local GPU (compiles the module)."""
-    return {dev: _cuda.quantize_plan(dev, dtype, fmt, op, rows, cols, transpose, dbias, first, margin_factor, offset,
-                                     pad_to) for dev in gpu_devices()}
+    """CUDA ordinal -> :func:`fusedfp8.launch.quantize_plan` for every local GPU (compiles the module)."""
+    return {dev: launch.quantize_plan(dev, dtype, fmt, op, rows, cols, transpose, dbias, first, margin_factor, offset,
+                                      pad_to) for dev in gpu_devices()}
 
 
 def layernorm_plans(dtype: str, param: str, fmt: str, rows: int, cols: int, transpose: bool, first: bool, eps: float,
                     margin_factor: float, offset: int, pad_to: int) -> dict:
-    """CUDA ordinal -> :func:`fusedfp8._cuda.layernorm_plan` for every local GPU (compiles the module)."""
-    return {dev: _cuda.layernorm_plan(dev, dtype, param, fmt, rows, cols, transpose, first, eps, margin_factor, offset,
-                                      pad_to) for dev in gpu_devices()}
+    """CUDA ordinal -> :func:`fusedfp8.launch.layernorm_plan` for every local GPU (compiles the module)."""
+    return {dev: launch.layernorm_plan(dev, dtype, param, fmt, rows, cols, transpose, first, eps, margin_factor,
+                                       offset, pad_to) for dev in gpu_devices()}
 
 
 def update_plans(n: int, L: int, margin_factor: float, algo_max: bool, meta: bool = False) -> dict:
-    return {dev: _cuda.update_plan(dev, n, L, margin_factor, algo_max, meta) for dev in gpu_devices()}
+    return {dev: launch.update_plan(dev, n, L, margin_factor, algo_max, meta) for dev in gpu_devices()}
 
 
 # ---- the XLA FFI backend ---------------------------------------------------------------------
@@ -140,13 +131,13 @@ def plan_callback(plans: dict, sources, aliases: dict):
         stream = int(ctx.stream)
         for i, o in aliases.items():
             _same_or_copy(outs[o], ins[i], stream)
-        dev = _current_device()
+        dev = launch.current_device()
         plan = plans.get(dev)
         if plan is None:
             raise RuntimeError(f"fusedfp8.jax: no launch plan for CUDA device {dev} (plans are made at trace time "
                                f"for jax's local GPUs {sorted(plans)})")
         ptrs = [0 if s is None else _ptr(ins[s[1]] if s[0] == "in" else outs[s[1]]) for s in sources]
-        _cuda.execute(plan, ptrs, stream)
+        launch.execute(plan, ptrs, stream)
 
     return callback
 

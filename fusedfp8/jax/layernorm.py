@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import _cuda
+from .. import launch
 from ..formats import Format
 from ..numerics import jnp as jn
 from ..ops import _check_eps
@@ -52,7 +52,7 @@ def _layernorm_kernel(cfg: _LnCfg, backend: str, x, *rest):
     """``rest``: weight and bias (those present), then hist, scale, scale_inv, updates."""
     params, (hist, scale, scale_inv, updates) = rest[:-4], rest[-4:]
     rows, cols = P._rows_cols(x.shape)
-    prows, pcols = _cuda.padded(rows, cols, cfg.pad_to)
+    prows, pcols = launch.padded(rows, cols, cfg.pad_to)
     param = params[0].dtype.name if params else "float32"
     plans = callbacks.layernorm_plans(x.dtype.name, param, cfg.fmt.name, rows, cols, cfg.transpose, cfg.current_first,
                                       cfg.eps, cfg.margin_factor, 4 * cfg.index, cfg.pad_to)
@@ -72,12 +72,19 @@ def _layernorm_kernel(cfg: _LnCfg, backend: str, x, *rest):
 
     at_mean = 1 + cfg.transpose
     si_used, hist_o, scale_o, scale_inv_o = (out(k) for k in range(n_out - 4, n_out))
-    # the buffer of each slot of _cuda.LAYERNORM_SLOTS: x, weight, bias, q, q_t, mean, rstd, scale, amax (row 0
-    # of the history), scale_out, scale_inv_out, scale_inv_used, updates
-    sources = (("in", 0), ("in", 1) if cfg.has_weight else None, ("in", 1 + cfg.has_weight) if cfg.has_bias else None,
-               out(0), out(1) if cfg.transpose else None, out(at_mean), out(at_mean + 1),
-               scale_o, hist_o, scale_o, scale_inv_o, si_used, ("in", first_state + 3))
-    return tuple(callbacks.run(backend, plans, shapes, ins, sources, aliases))
+    # the amax is staged in row 0 of the history; the state's scale is read, and written on a first step
+    sources = {"x": ("in", 0), **_param_sources(cfg.has_weight, cfg.has_bias), "q": out(0), "mean": out(at_mean),
+               "rstd": out(at_mean + 1), "scale": scale_o, "amax": hist_o, "scale_out": scale_o,
+               "scale_inv_out": scale_inv_o, "scale_inv_used": si_used, "updates": ("in", first_state + 3)}
+    if cfg.transpose:
+        sources["q_t"] = out(1)
+    return tuple(callbacks.run(backend, plans, shapes, ins, launch.LAYERNORM_SLOTS.arrange(sources, None), aliases))
+
+
+def _param_sources(has_weight: bool, has_bias: bool) -> dict:
+    """Where weight and bias come from: the operands after x, those present."""
+    return {name: ("in", 1 + k) for k, name in enumerate(n for n, on in (("weight", has_weight), ("bias", has_bias))
+                                                          if on)}
 
 
 @P.compiled_when_eager(0, 5)
@@ -103,11 +110,11 @@ def _run_layernorm(cfg: _LnCfg, x, w, b, state: ScalingState, impl: str) -> tupl
 def _layernorm_amax_kernel(eps: float, has_weight: bool, has_bias: bool, backend: str, x, *params):
     rows, cols = P._rows_cols(x.shape)
     param = params[0].dtype.name if params else "float32"
-    plans = {dev: _cuda.layernorm_amax_plan(dev, x.dtype.name, param, rows, cols, eps)
+    plans = {dev: launch.layernorm_amax_plan(dev, x.dtype.name, param, rows, cols, eps)
              for dev in callbacks.gpu_devices()}
-    # _cuda.LAYERNORM_SLOTS: x, weight, bias, then nothing but the amax (a (2,) buffer: the amax, the zeroed flag)
-    sources = (("in", 0), ("in", 1) if has_weight else None, ("in", 1 + has_weight) if has_bias else None,
-               *(None,) * 5, ("out", 0), *(None,) * 4)
+    # nothing but x, weight, bias and the amax (a (2,) buffer: the amax, the zeroed flag)
+    sources = launch.LAYERNORM_SLOTS.arrange({"x": ("in", 0), **_param_sources(has_weight, has_bias),
+                                              "amax": ("out", 0)}, None)
     ins = (x, *params, jnp.zeros((2,), jnp.float32))  # the amax buffer, aliased to the result (as primitives.amax)
     return (callbacks.run(backend, plans, [jax.ShapeDtypeStruct((2,), jnp.float32)], ins, sources,
                           {len(ins) - 1: 0})[0][0],)
@@ -130,7 +137,7 @@ def _run_layernorm_amax(x, w, b, eps: float, impl: str):
 def layernorm_amax(x, weight, bias, eps: float, *, impl: str = "auto"):
     """``max |LayerNorm(x) * weight + bias|`` as a float32 scalar, without a cast: the amax that
     :func:`layernorm_quantize` stages, bit for bit (on CUDA its kernel's first-step pre-pass
-    alone, :func:`fusedfp8._cuda.layernorm_amax_plan`). Arguments as there."""
+    alone, :func:`fusedfp8.launch.layernorm_amax_plan`). Arguments as there."""
     P._check_impl(impl)
     x = P._check_x(x, "x", True)
     if x.shape[-1] == 0:
@@ -182,7 +189,7 @@ def layernorm_quantize(x, weight, bias, eps: float, state: ScalingState, index: 
 
     On the CUDA backends ``transpose=True`` takes any width: below 4096 columns q_t comes from the
     kernel's shared tile, from 4096 on from a second launch over q
-    (:func:`fusedfp8._plans.split_transpose`).
+    (:func:`fusedfp8.launch.plans.split_transpose`).
     """
     P._check_impl(impl)
     state = P._check_state(state, recipe)

@@ -54,8 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .. import _cuda
 from .. import _interop as io
+from .. import launch
 from .. import csrc as _shim
 from ..formats import Format
 from ..numerics import jnp as jn
@@ -110,7 +110,7 @@ def _check_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
     if impl in _CUDA_IMPLS:
-        ok, reason = _cuda.probe()
+        ok, reason = launch.probe()
         if ok and not callbacks.gpu_devices():
             ok, reason = False, "jax has no CUDA backend (install jax[cuda13])"
         if not ok:
@@ -174,7 +174,7 @@ def pad_fp8(q, rows: int, cols: int, pad_to: int, transpose: bool) -> list:
     is (``pad_to`` 1) or its (rows, cols) view with FP8 zeros appended to multiples of
     ``pad_to``, then (with ``transpose``) the transpose likewise: [q, q_t]."""
     q2 = q.reshape(rows, cols)
-    prows, pcols = _cuda.padded(rows, cols, pad_to)
+    prows, pcols = launch.padded(rows, cols, pad_to)
     out = [q if pad_to == 1 else jnp.pad(q2, ((0, prows - rows), (0, pcols - cols)))]
     if transpose:
         out.append(q2.T if pad_to == 1 else jnp.pad(q2.T, ((0, pcols - cols), (0, prows - rows))))
@@ -239,7 +239,7 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
 # ---- the CUDA backends ------------------------------------------------------------------------
 def _quantize_kernel(cfg: _QCfg, backend: str, x, b, hist, scale, scale_inv, updates):
     rows, cols = _rows_cols(x.shape)
-    prows, pcols = _cuda.padded(rows, cols, cfg.pad_to)
+    prows, pcols = launch.padded(rows, cols, cfg.pad_to)
     plans = callbacks.quantize_plans(x.dtype.name, cfg.fmt.name, kernel_op(cfg.op, cfg.approximate), rows, cols,
                                      cfg.transpose, cfg.dbias, cfg.current_first, cfg.margin_factor, 4 * cfg.index,
                                      cfg.pad_to)
@@ -248,7 +248,7 @@ def _quantize_kernel(cfg: _QCfg, backend: str, x, b, hist, scale, scale_inv, upd
     if cfg.transpose:
         shapes.append(jax.ShapeDtypeStruct((pcols, prows), u8))
     if cfg.dbias:
-        part_shape, n_counters = _cuda.dbias_workspace(rows, cols, cfg.pad_to)
+        part_shape, n_counters = launch.dbias_workspace(rows, cols, cfg.pad_to)
         shapes += [jax.ShapeDtypeStruct((cols,), jnp.float32),
                    jax.ShapeDtypeStruct((part_shape[0] * part_shape[1],), jnp.float32),
                    jax.ShapeDtypeStruct((n_counters,), jnp.int32)]
@@ -265,13 +265,16 @@ def _quantize_kernel(cfg: _QCfg, backend: str, x, b, hist, scale, scale_inv, upd
         return ("out", k)
 
     si_used, hist_o, scale_o, scale_inv_o = (out(k) for k in range(n_out - 4, n_out))
-    # the buffer of each slot of _cuda.QUANTIZE_SLOTS: x, b, q, q_t, dbias, partial, counters, scale, amax
-    # (row 0 of the history), scale_out, scale_inv_out, scale_inv_used, updates
-    sources = (("in", 0), ("in", 1) if has_b else None, out(0),
-               out(at_t) if cfg.transpose else None,
-               *((out(at_db + k) for k in range(3)) if cfg.dbias else (None,) * 3),
-               scale_o, hist_o, scale_o, scale_inv_o, si_used, ("in", first_state + 3))
-    outs = callbacks.run(backend, plans, shapes, ins, sources, aliases)
+    # the amax is staged in row 0 of the history; the state's scale is read, and written on a first step
+    sources = {"x": ("in", 0), "q": out(0), "scale": scale_o, "amax": hist_o, "scale_out": scale_o,
+               "scale_inv_out": scale_inv_o, "scale_inv_used": si_used, "updates": ("in", first_state + 3)}
+    if has_b:
+        sources["b"] = ("in", 1)
+    if cfg.transpose:
+        sources["q_t"] = out(at_t)
+    if cfg.dbias:
+        sources.update(dbias=out(at_db), partial=out(at_db + 1), counters=out(at_db + 2))
+    outs = callbacks.run(backend, plans, shapes, ins, launch.QUANTIZE_SLOTS.arrange(sources, None), aliases)
     if cfg.dbias:
         del outs[at_db + 1:at_db + 3]  # the workspaces (partial, counters) follow dbias
     return tuple(outs)
@@ -425,8 +428,9 @@ def _update_kernel(recipe: DelayedScaling, backend: str, hist, scale, scale_inv,
     plans = callbacks.update_plans(n, L, float(recipe.margin_factor), recipe.amax_compute_algo == "max")
     arrays = (hist, scale, scale_inv, overflows, updates)
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
-    sources = (*(("out", k) for k in range(5)), ("in", 5))  # _cuda.UPDATE_SLOTS order
-    return tuple(callbacks.run(backend, plans, shapes, (*arrays, fmt_max), sources, {k: k for k in range(5)}))
+    sources = {**{f: ("out", k) for k, f in enumerate(STATE_FIELDS)}, "fmt_max": ("in", len(arrays))}
+    return tuple(callbacks.run(backend, plans, shapes, (*arrays, fmt_max), launch.UPDATE_SLOTS.arrange(sources, None),
+                               {k: k for k in range(len(arrays))}))
 
 
 # ---- the first use of a flax meta in a step: decoded, updated, counters converted, one launch ----
@@ -447,10 +451,16 @@ def _meta_update_kernel(recipe: DelayedScaling, backend: str, hist, scale, scale
     plans = callbacks.update_plans(n, L, float(recipe.margin_factor), recipe.amax_compute_algo == "max", True)
     f32, i32 = (jax.ShapeDtypeStruct((n,), t) for t in (jnp.float32, jnp.int32))
     shapes = [jax.ShapeDtypeStruct(hist.shape, jnp.float32), f32, f32, i32, i32, f32, f32]
-    # _cuda.META_UPDATE_SLOTS: the meta in (its scale_inv is not read), every result written whole:
-    # out of place, so XLA copies no parameter for the kernel to update
-    sources = (*(("in", k) for k in range(6)), *(("out", k) for k in range(7)))
-    return tuple(callbacks.run(backend, plans, shapes, (hist, scale, ovf_f, upd_f, writes, fmt_max), sources, {}))
+    # the meta in (its scale_inv is not read), every result written whole: out of place, so XLA copies no
+    # parameter for the kernel to update
+    ins = {"amax_history": hist, "scale": scale, "overflows_f": ovf_f, "updates_f": upd_f, "writes": writes,
+           "fmt_max": fmt_max}
+    results = ("amax_history_out", "scale_out", "scale_inv_out", "overflows", "updates", "overflows_f_out",
+               "updates_f_out")
+    sources = {**{name: ("in", k) for k, name in enumerate(ins)},
+               **{name: ("out", k) for k, name in enumerate(results)}}
+    return tuple(callbacks.run(backend, plans, shapes, tuple(ins.values()),
+                               launch.META_UPDATE_SLOTS.arrange(sources, None), {}))
 
 
 def update_meta(meta, recipe: DelayedScaling, grad: tuple, *, impl: str = "auto"):
@@ -478,15 +488,16 @@ def update_meta(meta, recipe: DelayedScaling, grad: tuple, *, impl: str = "auto"
 
 # ---- amax only, and current scaling across devices --------------------------------------------
 def _amax_kernel(op: str, approximate: str, backend: str, x, b):
-    plans = {dev: _cuda.amax_plan(dev, x.dtype.name, kernel_op(op, approximate), math.prod(x.shape))
+    plans = {dev: launch.amax_plan(dev, x.dtype.name, kernel_op(op, approximate), math.prod(x.shape))
              for dev in callbacks.gpu_devices()}
     shapes = [jax.ShapeDtypeStruct((2,), jnp.float32)]
     # the amax buffer comes in (aliased to the result, as the state buffers of the other kernels:
     # the backends' common form) and the plan zeroes it first
     ins = ((x,) if b is None else (x, b)) + (jnp.zeros((2,), jnp.float32),)
-    # _cuda.QUANTIZE_SLOTS: x, b, then nothing but the amax (a (2,) buffer: the amax, the zeroed flag)
-    sources = (("in", 0), None if b is None else ("in", 1), *(None,) * 6, ("out", 0), *(None,) * 4)
-    return (callbacks.run(backend, plans, shapes, ins, sources, {len(ins) - 1: 0})[0][0],)
+    # nothing but x, b and the amax (a (2,) buffer: the amax, the zeroed flag)
+    sources = {"x": ("in", 0), "amax": ("out", 0)} | ({} if b is None else {"b": ("in", 1)})
+    return (callbacks.run(backend, plans, shapes, ins, launch.QUANTIZE_SLOTS.arrange(sources, None),
+                          {len(ins) - 1: 0})[0][0],)
 
 
 @compiled_when_eager(0, 1, 4)
@@ -506,7 +517,7 @@ def amax(x, b=None, *, op: str = "identity", approximate: str = "tanh", impl: st
     """``max |op(x, b)|`` as a float32 scalar, without a cast: the amax that :func:`quantize`
     (op 'identity'), :func:`gelu_quantize` ('gelu') or :func:`dgelu_quantize` ('dgelu': ``x`` is
     dy, ``b`` the gelu's input) stages, bit for bit; on CUDA the quantize kernels' first-step
-    pre-pass alone (:func:`fusedfp8._cuda.amax_plan`: a memset and one launch), elsewhere
+    pre-pass alone (:func:`fusedfp8.launch.amax_plan`: a memset and one launch), elsewhere
     jax.numpy."""
     _check_impl(impl)
     if op not in ("identity", "gelu", "dgelu"):

@@ -1,21 +1,38 @@
-"""The launch plans of every kernel family, as pure data built from :class:`KernelRef` s: the
-kernels' parameter layouts (:data:`SIGNATURES`), block and tile sizes, grids, the workspaces'
-shapes and the ``build_*_plan`` functions. Nothing here touches a device: :mod:`fusedfp8._cuda`
-compiles the kernels, reads the device's occupancy and caches the plans built here per signature;
-tests build the same plans from made-up kernel references.
+"""The launch plans of every kernel family, as pure data: the buffer slots of each family (by
+name, the order written once), the tile geometry, the kernels' parameter layouts
+(:data:`SIGNATURES`), grids, the workspaces' shapes and the ``build_*_plan`` functions, which
+build a :class:`~fusedfp8.launch.format.Plan` from :class:`KernelRef` s. Nothing here touches a
+device: :mod:`fusedfp8.launch` compiles the kernels, reads the device's occupancy and caches the
+plans built here per signature; tests build the same plans from made-up kernel references.
+
+The kernels hold the same numbers: tests/kernels/test_launch_layout.py holds the slots against the
+C++ shim's (torch_ops.cc), the parameter layouts against the kernels' parameter lists in
+``cuda_src/*.cu``, and the geometry against the constants of the ``.cu`` files.
 """
 from __future__ import annotations
 
 import re
 from typing import NamedTuple
 
-from .csrc.plan import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, NULLPTR, QUANTIZE_SLOTS, UPDATE_SLOTS, Launch,
-                        Memset, Plan, Variant, _mask, _plan, flag, imm32, imm64, immf32, ptr)
-from .numerics import layernorm as _ln
+from ..numerics import layernorm as _ln
+from .format import NULLPTR, Launch, Memset, Plan, Slots, Variant, flag, imm32, imm64, immf32, make_plan, mask, ptr
 
-THREADS = 256  # -DFF8_THREADS for the element-wise kernels
-TILE_R, TILE_C = 128, 64  # the tiled kernel's tile (rows, columns), fixed in quantize.cu
-TILED_BLOCK = 256  # the tiled kernel's block (its __launch_bounds__)
+# ---- the buffers of each family, by name: the order the pointers come in --------------------------
+QUANTIZE_SLOTS = Slots("x", "b", "q", "q_t", "dbias", "partial", "counters", "scale", "amax", "scale_out",
+                       "scale_inv_out", "scale_inv_used", "updates")
+LAYERNORM_SLOTS = Slots("x", "weight", "bias", "q", "q_t", "mean", "rstd", "scale", "amax", "scale_out",
+                        "scale_inv_out", "scale_inv_used", "updates")
+DEQUANTIZE_SLOTS = Slots("q", "out", "scale_inv")
+UPDATE_SLOTS = Slots("amax_history", "scale", "scale_inv", "overflows", "updates", "fmt_max")
+# update_meta (JAX, out of place): the meta's arrays in, the state's (int32 counters) and the output meta's counters out
+META_UPDATE_SLOTS = Slots("amax_history", "scale", "overflows_f", "updates_f", "writes", "fmt_max", "amax_history_out",
+                          "scale_out", "scale_inv_out", "overflows", "updates", "overflows_f_out", "updates_f_out")
+
+# ---- the tile geometry: the one source of the grids, the padding rules and the workspaces --------
+THREADS = 256  # the element-wise kernels' block: -DFF8_THREADS (kernels.COMPILE_OPTIONS)
+FLAT_ELEMS = 16  # elements a thread of the flat kernels takes a step (one 16-byte load of 1-byte codes)
+TILE_R, TILE_C = 128, 64  # the tiled kernels' tile (rows, columns): TILE_R, TILE_C in common.cuh
+TILED_BLOCK = 256  # the tiled kernels' block: the __launch_bounds__ of quantize_tiled and transpose_fp8
 LN_THREADS = _ln.MAX_THREADS_PER_ROW  # the layernorm kernel's largest block (LN_THREADS in layernorm_quantize.cu)
 LN_BLOCK = 256  # its block when a row takes fewer threads (blockDim / threads-per-row rows per pass)
 # the layernorm kernel's transposed tile: (rows per tile, most shared bytes), first that fits wins
@@ -34,11 +51,13 @@ def split_transpose(cols: int) -> bool:
     launch (transpose_fp8) instead of from the kernel's shared tile. Any width takes q_t then."""
     return cols >= LN_SPLIT_COLS
 
+
 # Parameter layouts (struct format, native alignment) of every kernel, by role prefix. The packed
 # size must equal the kernel's parameter size exactly (no trailing padding), or the driver
 # refuses the launch (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); tests/kernels/test_compile.py checks each
-# against the parameter bank size NVRTC records in the cubin, and every plan below is checked
-# against these when it is built.
+# against the parameter bank size NVRTC records in the cubin, tests/kernels/test_launch_layout.py
+# against the parameter lists of the .cu files, and every plan below is checked against these when
+# it is built.
 SIGNATURES = {
     "flat": "@9Pqqf",        # quantize_flat: x, b, q, scale, amax, scale_out, scale_inv_out, scale_inv_used,
                              #                updates, n, npad, margin
@@ -71,12 +90,12 @@ class KernelRef(NamedTuple):
     name: str  # name expression (for errors)
     role: str  # its role (SIGNATURES key prefix)
     per_sm: int  # resident blocks per multiprocessor at the block size it is launched with
-    kid: int  # its stable id (fusedfp8.csrc.plan.kernel_id), which the encoded plan holds
+    kid: int  # its stable id (fusedfp8.launch.kernels.kernel_id), which the encoded plan holds
 
 
 def _flat_grid(ref: KernelRef, sms: int, n: int) -> int:
-    """One resident wave: min(work items of 16 elements per thread, resident blocks); grid-stride beyond."""
-    return max(1, min(-(-n // (16 * THREADS)), ref.per_sm * sms))
+    """One resident wave: min(work items of FLAT_ELEMS elements per thread, resident blocks); grid-stride beyond."""
+    return max(1, min(-(-n // (FLAT_ELEMS * THREADS)), ref.per_sm * sms))
 
 
 def _tiled_grid(ref: KernelRef, sms: int, rows: int, cols: int) -> int:
@@ -135,25 +154,25 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
     pad. A shape padded in rows only, without q_t or dbias, takes the flat kernel (q's first
     rows * cols bytes are x's, row-major, in either shape) with the (prows - rows) * cols zeros
     after them written by the same launch (npad); any other padded shape the tiled kernel."""
-    X, B, Q, QT, DB, PART, CNT, S, A, SO, SIO, SIU, U = range(len(QUANTIZE_SLOTS))
+    k = QUANTIZE_SLOTS
     n = rows * cols
     prows, pcols = padded(rows, cols, pad_to)
     mf = immf32(margin_factor)
 
-    def st(slot):
+    def st(slot):  # the tensor's entry of a state buffer
         return ptr(slot, offset)
 
     steps = []
     if dbias and n == 0 and cols:
-        steps.append(Memset(DB, 4 * cols))  # no kernel runs: the column sums of nothing are 0
+        steps.append(Memset(k.dbias, 4 * cols))  # no kernel runs: the column sums of nothing are 0
     if n == 0:  # nothing to quantize: still hand out 1 / scale (amax max-accumulates 0)
         r = refs["flat_vec0_store1"]
-        steps.append(_launch([(r, 1)], 0, THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
-                                                    ptr(SIU), NULLPTR, imm64(0), imm64(0), mf)))
-        return _plan(QUANTIZE_SLOTS, steps)
+        steps.append(_launch([(r, 1)], 0, THREADS, (ptr(k.x), ptr(k.b), ptr(k.q), st(k.scale), st(k.amax), NULLPTR,
+                                                    NULLPTR, ptr(k.scale_inv_used), NULLPTR, imm64(0), imm64(0), mf)))
+        return make_plan(k, steps)
     if dbias:
-        steps.append(Memset(CNT, 4 * dbias_workspace(rows, cols, pad_to)[1]))
-    vec = (X, B, Q)
+        steps.append(Memset(k.counters, 4 * dbias_workspace(rows, cols, pad_to)[1]))
+    vec = (k.x, k.b, k.q)
 
     def flat(store):
         # the pre-pass (store 0) runs at most one block per multiprocessor: on a first step it
@@ -164,27 +183,30 @@ def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: b
 
     coop = coop and first
     if first and not coop:  # first-step pre-pass: amax of the whole tensor, only if *updates == 0
-        steps.append(_launch(flat(0), _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), NULLPTR, NULLPTR,
-                                                            NULLPTR, st(U), imm64(n), imm64(0), mf)))
-    so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
+        steps.append(_launch(flat(0), mask(vec), THREADS, (ptr(k.x), ptr(k.b), ptr(k.q), st(k.scale), st(k.amax),
+                                                           NULLPTR, NULLPTR, NULLPTR, st(k.updates), imm64(n), imm64(0),
+                                                           mf)))
+    so, sio, u = (st(k.scale_out), st(k.scale_inv_out), st(k.updates)) if first else (NULLPTR, NULLPTR, NULLPTR)
     if transpose or dbias or pcols != cols:
         role = "coop_tiled" if coop else "tiled"
         r = refs.get(f"{role}_dbias", refs[role]) if dbias else refs[role]  # (the identity's own dbias kernel)
-        opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((QT, transpose), (DB, dbias), (PART, dbias),
-                                                                    (CNT, dbias))}
+        opt = {slot: ptr(slot) if on else NULLPTR for slot, on in ((k.q_t, transpose), (k.dbias, dbias),
+                                                                    (k.partial, dbias), (k.counters, dbias))}
         grid = _tiled_grid(r, sms, prows, pcols)
         steps.append(_launch([(r, _resident(r, sms, grid) if coop else grid)], 0, TILED_BLOCK, (
-            ptr(X), ptr(B), ptr(Q), opt[QT], opt[DB], opt[PART], opt[CNT], st(S), st(A), so, sio, ptr(SIU), u,
-            imm64(rows), imm64(cols), imm64(prows), imm64(pcols), flag((X, B), 16, cols % 8 == 0),
-            flag((QT,), 8, transpose and prows % 8 == 0), mf), coop=coop))
+            ptr(k.x), ptr(k.b), ptr(k.q), opt[k.q_t], opt[k.dbias], opt[k.partial], opt[k.counters], st(k.scale),
+            st(k.amax), so, sio, ptr(k.scale_inv_used), u, imm64(rows), imm64(cols), imm64(prows), imm64(pcols),
+            flag((k.x, k.b), 16, cols % 8 == 0), flag((k.q_t,), 8, transpose and prows % 8 == 0), mf), coop=coop))
     else:
         if coop:
-            main = [(r, _resident(r, sms, _flat_grid(r, sms, n))) for r in (refs[f"coop_flat_vec{v}"] for v in (1, 0))]
+            main = [(r, _resident(r, sms, _flat_grid(r, sms, n)))
+                    for r in (refs[f"coop_flat_vec{v}"] for v in (1, 0))]
         else:
             main = flat(1)
-        steps.append(_launch(main, _mask(vec), THREADS, (ptr(X), ptr(B), ptr(Q), st(S), st(A), so, sio, ptr(SIU), u,
-                                                         imm64(n), imm64((prows - rows) * cols), mf), coop=coop))
-    return _plan(QUANTIZE_SLOTS, steps)
+        steps.append(_launch(main, mask(vec), THREADS, (
+            ptr(k.x), ptr(k.b), ptr(k.q), st(k.scale), st(k.amax), so, sio, ptr(k.scale_inv_used), u, imm64(n),
+            imm64((prows - rows) * cols), mf), coop=coop))
+    return make_plan(k, steps)
 
 
 def build_amax_plan(refs: dict, sms: int, n: int) -> Plan:
@@ -195,14 +217,14 @@ def build_amax_plan(refs: dict, sms: int, n: int) -> Plan:
     zeroes with the amax: a memset of 8 bytes, then one grid-stride launch (none for n == 0). The
     current-scaling path of several ranks takes it (the local amax, reduced across the ranks
     before the cast with the given scale)."""
-    X, B, A = (QUANTIZE_SLOTS.index(s) for s in ("x", "b", "amax"))
-    steps = [Memset(A, 8)]
+    k = QUANTIZE_SLOTS
+    steps = [Memset(k.amax, 8)]
     if n:
         variants = [(refs[f"flat_vec{v}_store0"], _flat_grid(refs[f"flat_vec{v}_store0"], sms, n)) for v in (1, 0)]
-        steps.append(_launch(variants, _mask((X, B)), THREADS, (ptr(X), ptr(B), NULLPTR, NULLPTR, ptr(A), NULLPTR,
-                                                                NULLPTR, NULLPTR, ptr(A, 4), imm64(n), imm64(0),
-                                                                immf32(1.0))))
-    return _plan(QUANTIZE_SLOTS, steps)
+        steps.append(_launch(variants, mask((k.x, k.b)), THREADS, (
+            ptr(k.x), ptr(k.b), NULLPTR, NULLPTR, ptr(k.amax), NULLPTR, NULLPTR, NULLPTR, ptr(k.amax, 4), imm64(n),
+            imm64(0), immf32(1.0))))
+    return make_plan(k, steps)
 
 
 def layernorm_tile(cols: int, optin: int) -> tuple[int, int]:
@@ -249,7 +271,7 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
     (:func:`split_transpose`), q_t does not come from the kernel's shared tile (``tile`` unused) but
     from a second launch, transpose_fp8 over the q the kernel without q_t wrote (padded: with its
     zeros), in 128 x 64-byte tiles."""
-    X, W, B, Q, QT, MEAN, RSTD, S, A, SO, SIO, SIU, U = range(len(LAYERNORM_SLOTS))
+    k = LAYERNORM_SLOTS
     prows, pcols = padded(rows, cols, pad_to)
     pad = rows > 0 and (prows, pcols) != (rows, cols)
     tpr = _ln.threads_per_row(max(cols, 1))
@@ -258,37 +280,41 @@ def build_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, transpose: 
     tile_rows, shared = tile if fused_t else (0, 0)
     block = layernorm_block(tpr)  # the pre-pass's (and without q_t the main kernel's)
     per_pass = block // tpr
-    vec_in = flag((X, W, B, Q), 16, cols % 8 == 0)  # the pre-pass (and a launch for no rows) writes no q
-    vec = flag((X, W, B, Q), 16, cols % 8 == 0 and pcols % 8 == 0)  # q's rows start 8-byte aligned
+    ins = (k.x, k.weight, k.bias, k.q)
+    vec_in = flag(ins, 16, cols % 8 == 0)  # the pre-pass (and a launch for no rows) writes no q
+    vec = flag(ins, 16, cols % 8 == 0 and pcols % 8 == 0)  # q's rows start 8-byte aligned
     main = refs[("padded_" if pad else "") + ("layernorm_store1_t" if fused_t else "layernorm_store1")]
     pre = refs["layernorm_store0"]
 
-    def st(slot):
+    def st(slot):  # the tensor's entry of a state buffer
         return ptr(slot, offset)
 
     def params(q, q_t, mean, rstd, so, sio, siu, u, n_rows, t_rows, vec_t, padded_shape=(), vec=vec):
-        return (ptr(X), ptr(W), ptr(B), q, q_t, mean, rstd, st(S), st(A), so, sio, siu, u, imm64(n_rows), imm64(cols),
-                *map(imm64, padded_shape), imm32(tpr), imm32(t_rows), vec, vec_t, immf32(eps), immf32(margin_factor))
+        return (ptr(k.x), ptr(k.weight), ptr(k.bias), q, q_t, mean, rstd, st(k.scale), st(k.amax), so, sio, siu, u,
+                imm64(n_rows), imm64(cols), *map(imm64, padded_shape), imm32(tpr), imm32(t_rows), vec, vec_t,
+                immf32(eps), immf32(margin_factor))
 
     if rows == 0:  # nothing to normalise: still hand out 1 / scale (one block, no row)
-        return _plan(LAYERNORM_SLOTS, [_launch([(main, 1)], 0, block, params(
-            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(SIU), NULLPTR, 0, 0, flag((), 16, False),
-            vec=vec_in))])
+        return make_plan(k, [_launch([(main, 1)], 0, block, params(
+            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(k.scale_inv_used), NULLPTR, 0, 0,
+            flag((), 16, False), vec=vec_in))])
     steps = []
     if first:  # at most one block per multiprocessor: past the first step each block reads the flag and exits
         steps.append(_launch([(pre, min(-(-rows // per_pass), sms))], 0, block, params(
-            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, st(U), rows, 0, flag((), 16, False),
+            NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, st(k.updates), rows, 0, flag((), 16, False),
             vec=vec_in)))
-    so, sio, u = (st(SO), st(SIO), st(U)) if first else (NULLPTR, NULLPTR, NULLPTR)
+    so, sio, u = (st(k.scale_out), st(k.scale_inv_out), st(k.updates)) if first else (NULLPTR, NULLPTR, NULLPTR)
     groups = -(-prows // (tile_rows if fused_t else per_pass))
     steps.append(_launch([(main, max(1, min(groups, main.per_sm * sms)))], 0, layernorm_block(tpr, tile_rows), params(
-        ptr(Q), ptr(QT) if fused_t else NULLPTR, ptr(MEAN), ptr(RSTD), so, sio, ptr(SIU), u, rows, tile_rows,
-        flag((QT,), 16, fused_t and prows % max(tile_rows, 1) == 0), (prows, pcols) if pad else ()), shared))
+        ptr(k.q), ptr(k.q_t) if fused_t else NULLPTR, ptr(k.mean), ptr(k.rstd), so, sio, ptr(k.scale_inv_used), u, rows,
+        tile_rows, flag((k.q_t,), 16, fused_t and prows % max(tile_rows, 1) == 0), (prows, pcols) if pad else ()),
+        shared))
     if split:
         tr = refs["transpose_tiled"]
         steps.append(_launch([(tr, _tiled_grid(tr, sms, prows, pcols))], 0, TILED_BLOCK, (
-            ptr(Q), ptr(QT), imm64(prows), imm64(pcols), flag((Q,), 16, pcols % 16 == 0), flag((QT,), 16, prows % 16 == 0))))
-    return _plan(LAYERNORM_SLOTS, steps)
+            ptr(k.q), ptr(k.q_t), imm64(prows), imm64(pcols), flag((k.q,), 16, pcols % 16 == 0),
+            flag((k.q_t,), 16, prows % 16 == 0))))
+    return make_plan(k, steps)
 
 
 def build_layernorm_amax_plan(refs: dict, sms: int, rows: int, cols: int, eps: float = 1e-5) -> Plan:
@@ -296,31 +322,33 @@ def build_layernorm_amax_plan(refs: dict, sms: int, rows: int, cols: int, eps: f
     buffer) gets ``max |LayerNorm(x) * weight + bias|`` in word 0; nothing else is written. The
     first-step pre-pass of :func:`build_layernorm_plan` (the same amax bits) with its flag read
     from word 1, zeroed with the amax by the plan's memset."""
-    X, A = LAYERNORM_SLOTS.index("x"), LAYERNORM_SLOTS.index("amax")
-    steps = [Memset(A, 8)]
+    k = LAYERNORM_SLOTS
+    steps = [Memset(k.amax, 8)]
     if rows:
         tpr = _ln.threads_per_row(max(cols, 1))
         block = max(LN_BLOCK, tpr)
         pre = refs["layernorm_store0"]
         steps.append(_launch([(pre, min(-(-rows // (block // tpr)), sms))], 0, block, (
-            ptr(X), ptr(X + 1), ptr(X + 2), NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(A), NULLPTR, NULLPTR,
-            NULLPTR, ptr(A, 4), imm64(rows), imm64(cols), imm32(tpr), imm32(0), flag((X, X + 1, X + 2), 16, cols % 8 == 0),
-            flag((), 16, False), immf32(eps), immf32(1.0))))
-    return _plan(LAYERNORM_SLOTS, steps)
+            ptr(k.x), ptr(k.weight), ptr(k.bias), NULLPTR, NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(k.amax), NULLPTR,
+            NULLPTR, NULLPTR, ptr(k.amax, 4), imm64(rows), imm64(cols), imm32(tpr), imm32(0),
+            flag((k.x, k.weight, k.bias), 16, cols % 8 == 0), flag((), 16, False), immf32(eps), immf32(1.0))))
+    return make_plan(k, steps)
 
 
 def build_dequantize_plan(refs: dict, sms: int, n: int) -> Plan:
     """``out[i] = dtype(float32(q[i]) * scale_inv[0])`` over :data:`DEQUANTIZE_SLOTS` (nothing for n == 0)."""
+    k = DEQUANTIZE_SLOTS
     if n == 0:
-        return _plan(DEQUANTIZE_SLOTS, ())
+        return make_plan(k, ())
     r = refs["dequant"]
-    return _plan(DEQUANTIZE_SLOTS, [_launch([(r, _flat_grid(r, sms, n))], 0, THREADS,
-                                            (ptr(0), ptr(1), ptr(2), imm64(n), flag((0, 1), 16)))])
+    return make_plan(k, [_launch([(r, _flat_grid(r, sms, n))], 0, THREADS, (
+        ptr(k.q), ptr(k.out), ptr(k.scale_inv), imm64(n), flag((k.q, k.out), 16)))])
 
 
 def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max: bool, meta: bool = False) -> Plan:
     """The fused update over :data:`UPDATE_SLOTS`: one block per tensor. ``meta``: update_meta over
     :data:`META_UPDATE_SLOTS` (a flax meta decoded, updated and its counters converted, in one launch)."""
     slots, role = (META_UPDATE_SLOTS, "meta_update") if meta else (UPDATE_SLOTS, "update")
-    return _plan(slots, [_launch([(refs[role], max(n, 1))], 0, THREADS, (
+    # the kernels take every buffer, in slot order
+    return make_plan(slots, [_launch([(refs[role], max(n, 1))], 0, THREADS, (
         *map(ptr, range(len(slots))), imm32(n), imm32(L), immf32(margin_factor), imm32(int(algo_max))))])

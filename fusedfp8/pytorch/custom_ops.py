@@ -1,7 +1,7 @@
 """The fused kernels as ``torch.library`` custom ops, namespace ``fusedfp8``.
 
 CUDA tensors run the kernels on torch's current stream, outputs allocated by torch, from the
-launch plans of :mod:`fusedfp8._cuda`; the full argument check of :mod:`fusedfp8.ops` runs once
+launch plans of :mod:`fusedfp8.launch`; the full argument check of :mod:`fusedfp8.ops` runs once
 per call signature (shapes, dtypes, device, 16-byte alignment, state shapes, index, format) and
 is cached with the plan. Where the compiled shim is available (:mod:`fusedfp8.csrc`; compiled on
 the first CUDA call when it was not built at install time) the CUDA (and AutogradCUDA) kernels
@@ -48,8 +48,8 @@ import threading
 import torch
 from torch import Tensor
 
-from .. import _cuda
 from .. import csrc as _shim
+from .. import launch
 from .. import ops as _ops
 from ..formats import get_format
 from ..state import Slot
@@ -130,8 +130,9 @@ def _cpp_ops():
 
 def use_cpp(on: bool, _lib=None) -> None:
     """Switch the CUDA implementation of the ops between C++ (``on``; the default where the shim
-    is available and opted into, see :func:`fusedfp8.csrc.default_on`) and the Python executor (``on=False``, e.g. to compare the two). Raises
-    RuntimeError when the shim is wanted but cannot be had."""
+    is available and opted into, see :func:`fusedfp8.csrc.default_on`) and the Python executor
+    (``on=False``, e.g. to compare the two). Raises RuntimeError when the shim is wanted but
+    cannot be had."""
     global _cpp
     if on:
         lib = _lib
@@ -171,7 +172,7 @@ def _cpp_plan(name: str, args: tuple):
         q, scale_inv, dtype = args
         dtype = str(dtype).replace("torch.", "")
         qi, _, f = _ops.check_dequantize(q, scale_inv, dtype, None)
-        data, names = _cuda.plan_on(_stream(q), _cuda.dequantize_plan, qi.device, dtype, f.name, qi.size).encode()
+        data, names = launch.plan_on(_stream(q), launch.dequantize_plan, qi.device, dtype, f.name, qi.size).encode()
         return data.tobytes(), names, 0, 0, False
     op, transpose = _OP_OF[name]
     x, b, rest = (args[0], args[1], args[2:]) if op == "dgelu" else (args[0], None, args[1:])
@@ -183,7 +184,7 @@ def _cpp_plan(name: str, args: tuple):
     plan = _checked_plan(op, x, b, (amax_history, scale, scale_inv, updates), index, fmt, margin_factor,
                          current_first, approximate, transpose, dbias, pad_to)
     rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
-    (part_rows, _), n_counters = _cuda.dbias_workspace(rows, cols, pad_to)
+    (part_rows, _), n_counters = launch.dbias_workspace(rows, cols, pad_to)
     data, names = plan.encode()
     return data.tobytes(), names, part_rows, n_counters, get_format(fmt).name == "e5m2"
 
@@ -238,12 +239,12 @@ def _q_shapes(x: Tensor, pad_to: int) -> tuple[tuple, tuple]:
     rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
     if pad_to == 1:
         return tuple(x.shape), (cols, rows)
-    prows, pcols = _cuda.padded(rows, cols, pad_to)
+    prows, pcols = launch.padded(rows, cols, pad_to)
     return (prows, pcols), (pcols, prows)
 
 
 def _checked_plan(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int, fmt: str, margin_factor: float,
-                  current_first: bool, approximate: str, transpose: bool, dbias: bool, pad_to: int = 1) -> _cuda.Plan:
+                  current_first: bool, approximate: str, transpose: bool, dbias: bool, pad_to: int = 1) -> launch.Plan:
     """The launch plan of a CUDA call, after the full check of fusedfp8.ops once per signature
     (the check writes nothing)."""
     amax_history, scale, scale_inv, updates = state
@@ -259,9 +260,9 @@ def _checked_plan(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int
                 and all(t.is_contiguous() and t.device == x.device for t in state)):
             raise ValueError("fusedfp8 custom ops need contiguous inputs and state tensors on the input's device")
         rows, cols = (_rows(x), int(x.shape[-1])) if x.dim() else (1, 1)
-        plan = _checked[key] = _cuda.plan_on(_stream(x), _cuda.quantize_plan, x.get_device(), str(x.dtype)[6:], fmt,
-                                             kernel_op(op, approximate), rows, cols, transpose, dbias,
-                                             bool(current_first), float(margin_factor), index * 4, int(pad_to))
+        plan = _checked[key] = launch.plan_on(_stream(x), launch.quantize_plan, x.get_device(), str(x.dtype)[6:],
+                                              fmt, kernel_op(op, approximate), rows, cols, transpose, dbias,
+                                              bool(current_first), float(margin_factor), index * 4, int(pad_to))
     return plan
 
 
@@ -298,18 +299,27 @@ def _run(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int, fmt: st
     si = torch.empty((1,), dtype=torch.float32, device=x.device)
     db = partial = counters = None
     if dbias:  # the plan zeroes the counters (and dbias when there is nothing to sum)
-        part_shape, n_counters = _cuda.dbias_workspace(rows, cols, pad_to)
+        part_shape, n_counters = launch.dbias_workspace(rows, cols, pad_to)
         db = torch.empty((cols,), dtype=torch.float32, device=x.device)
         partial = torch.empty(part_shape, dtype=torch.float32, device=x.device)
         counters = torch.empty((n_counters,), dtype=torch.int32, device=x.device)
-    h, s, sinv = amax_history.data_ptr(), scale.data_ptr(), scale_inv.data_ptr()
-
-    def p(t):
-        return t.data_ptr() if t is not None else 0
-
-    _cuda.execute(plan, (x.data_ptr(), p(b), q.data_ptr(), p(q_t), p(db), p(partial), p(counters), s, h, s, sinv,
-                         si.data_ptr(), updates.data_ptr()), _stream(x))
+    buffers = {"x": x, "b": b, "q": q, "q_t": q_t, "dbias": db, "partial": partial, "counters": counters,
+               "scale_inv_used": si, **_state_buffers(state)}
+    launch.run(plan, _pointers(buffers), _stream(x))
     return q, q_t, db, si
+
+
+def _state_buffers(state: tuple) -> dict:
+    """The slots of a quantizing plan that the state fills: the scale read (and written on a first
+    step), the amax staged in row 0 of the history, the first-step flag; the plan adds the tensor's
+    offset."""
+    amax_history, scale, scale_inv, updates = state
+    return {"scale": scale, "amax": amax_history, "scale_out": scale, "scale_inv_out": scale_inv, "updates": updates}
+
+
+def _pointers(buffers: dict) -> dict:
+    """{slot name: tensor or None} as {slot name: device pointer} (0 for None)."""
+    return {name: 0 if t is None else t.data_ptr() for name, t in buffers.items()}
 
 
 # ---- quantize --------------------------------------------------------------------------------
@@ -409,7 +419,8 @@ def layernorm_quantize(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
     never written in 16 or 32 bits), its transpose (an empty tensor without ``transpose``), the
     scale_inv it used, and the (rows,) float32 mean and rstd for the backward; see
     :func:`fusedfp8.layernorm_quantize`. ``pad_to`` as for :func:`quantize` (the kernel writes the
-    pad; the statistics are not padded). CUDA tensors run the kernel through the Python launch path (no C++ kernel yet)."""
+    pad; the statistics are not padded). CUDA tensors run the kernel through the Python launch
+    path (no C++ kernel yet)."""
     state = (amax_history, scale, scale_inv, updates)
     if x.is_cuda:
         q, q_t, si, mean, rstd = _layernorm_cuda(x, weight, bias, eps, state, index, fmt, margin_factor,
@@ -442,9 +453,9 @@ def _layernorm_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
         p = _ops._LayerNormPlan(x, weight, bias, eps, slot, None, None, transpose, pad_to=pad_to)
         if not (x.is_contiguous() and all(t.is_contiguous() and t.device == x.device for t in state)):
             raise ValueError("fusedfp8 custom ops need contiguous inputs and state tensors on the input's device")
-        plan = _checked[key] = _cuda.plan_on(_stream(x), _cuda.layernorm_plan, x.get_device(), str(x.dtype)[6:],
-                                             p.param_dtype, fmt, rows, cols, transpose, bool(current_first),
-                                             float(eps), float(margin_factor), index * 4, int(pad_to))
+        plan = _checked[key] = launch.plan_on(_stream(x), launch.layernorm_plan, x.get_device(), str(x.dtype)[6:],
+                                              p.param_dtype, fmt, rows, cols, transpose, bool(current_first),
+                                              float(eps), float(margin_factor), index * 4, int(pad_to))
     dt = _fp8_dtype(fmt)
     q_shape, t_shape = _q_shapes(x, pad_to)
     q = torch.empty(q_shape, dtype=dt, device=x.device)
@@ -452,14 +463,9 @@ def _layernorm_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
     mean = torch.empty((rows,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
     si = torch.empty((1,), dtype=torch.float32, device=x.device)
-
-    def p(t):
-        return t.data_ptr() if t is not None else 0
-
-    s = scale.data_ptr()
-    _cuda.execute(plan, (x.data_ptr(), p(weight), p(bias), q.data_ptr(), p(q_t), mean.data_ptr(), rstd.data_ptr(),
-                         s, amax_history.data_ptr(), s, scale_inv.data_ptr(), si.data_ptr(), updates.data_ptr()),
-                  _stream(x))
+    buffers = {"x": x, "weight": weight, "bias": bias, "q": q, "q_t": q_t, "mean": mean, "rstd": rstd,
+               "scale_inv_used": si, **_state_buffers(state)}
+    launch.run(plan, _pointers(buffers), _stream(x))
     return q, q_t, si, mean, rstd
 
 
@@ -511,7 +517,7 @@ def amax(x: Tensor, b: Tensor | None, op: str, approximate: str) -> Tensor:
     """``max |op(x, b)|`` without a cast: a (2,) float32 tensor, the amax in element 0 (element 1 is
     0). ``op``: 'identity', 'gelu' or 'dgelu' (then ``b`` is the gelu's input x and ``x`` the
     incoming gradient, as :func:`dgelu_quantize_t`). The same bits as the amax the quantizing op
-    stages: on CUDA the quantize kernels' first-step pre-pass (:func:`fusedfp8._cuda.amax_plan`,
+    stages: on CUDA the quantize kernels' first-step pre-pass (:func:`fusedfp8.launch.amax_plan`,
     one memset and one launch), on the CPU the reference."""
     _check_amax_input(x, b, op)
     if not x.is_cuda:
@@ -524,12 +530,9 @@ def amax(x: Tensor, b: Tensor | None, op: str, approximate: str) -> Tensor:
         return torch.cat([r.amax.reshape(1), r.amax.new_zeros((1,))])
     out = _amax_buffer(x)
     stream = _stream(x)
-    plan = _cuda.plan_on(stream, _cuda.amax_plan, x.get_device(), str(x.dtype)[6:], kernel_op(op, approximate),
-                         x.numel())
-    ptrs = [0] * len(_cuda.QUANTIZE_SLOTS)
-    ptrs[0], ptrs[1], ptrs[_cuda.QUANTIZE_SLOTS.index("amax")] = x.data_ptr(), 0 if b is None else b.data_ptr(), \
-        out.data_ptr()
-    _cuda.execute(plan, ptrs, stream)
+    plan = launch.plan_on(stream, launch.amax_plan, x.get_device(), str(x.dtype)[6:], kernel_op(op, approximate),
+                          x.numel())
+    launch.run(plan, _pointers({"x": x, "b": b, "amax": out}), stream)
     return out
 
 
@@ -542,7 +545,7 @@ def _(x, b, op, approximate):
 def layernorm_amax(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
     """``max |LayerNorm(x) * weight + bias|`` without a cast, as :func:`amax` (a (2,) float32
     tensor, the amax in element 0): the amax :func:`layernorm_quantize` stages, from its
-    kernel's first-step pre-pass on CUDA (:func:`fusedfp8._cuda.layernorm_amax_plan`), from the
+    kernel's first-step pre-pass on CUDA (:func:`fusedfp8.launch.layernorm_amax_plan`), from the
     reference on the CPU."""
     _check_amax_input(x, None, "identity")
     if not x.is_cuda:
@@ -555,13 +558,9 @@ def layernorm_amax(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: f
     out = _amax_buffer(x)
     param = str(params[0].dtype)[6:] if params else "float32"
     stream = _stream(x)
-    plan = _cuda.plan_on(stream, _cuda.layernorm_amax_plan, x.get_device(), str(x.dtype)[6:], param, _rows(x),
-                         int(x.shape[-1]), float(eps))
-    ptrs = [0] * len(_cuda.LAYERNORM_SLOTS)
-    ptrs[0] = x.data_ptr()
-    ptrs[1], ptrs[2] = (0 if t is None else t.data_ptr() for t in (weight, bias))
-    ptrs[_cuda.LAYERNORM_SLOTS.index("amax")] = out.data_ptr()
-    _cuda.execute(plan, ptrs, stream)
+    plan = launch.plan_on(stream, launch.layernorm_amax_plan, x.get_device(), str(x.dtype)[6:], param, _rows(x),
+                          int(x.shape[-1]), float(eps))
+    launch.run(plan, _pointers({"x": x, "weight": weight, "bias": bias, "amax": out}), stream)
     return out
 
 

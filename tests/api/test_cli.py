@@ -21,14 +21,15 @@ import pytest
 
 import fusedfp8
 from fusedfp8 import __main__ as cli
-from fusedfp8 import _cuda
+from fusedfp8 import launch
+from fusedfp8.launch import kernels as K
 from fusedfp8.demo import bench as demo_bench
 from support.fake_cuda import fake_cupy
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--hidden", "32", "--ffn", "64", "--tokens", "48"]
-GPU_OK = _cuda.probe()[0]
-FP8_GEMM_OK = _cuda.probe(need_fp8_gemm=True)[0]
+GPU_OK = launch.probe()[0]
+FP8_GEMM_OK = launch.probe(need_fp8_gemm=True)[0]
 ROLES = ("input", "weight", "grad_output")
 FMT_MAX = np.array([448, 448, 57344] * 2, np.float32)  # hybrid: E4M3 input and weight, E5M2 gradient
 
@@ -98,7 +99,7 @@ def jax_demo(request, tmp_path_factory):
 
 # ---- info ------------------------------------------------------------------------------------
 def test_info_reports_versions_probe_and_cache(capsys):
-    ok, reason = _cuda.probe()
+    ok, reason = launch.probe()
     rc = cli.main(["info"]) if ok else cli.main(["info", "--compile"])  # with a GPU --compile would build everything
     assert rc == (0 if ok else 1)
     stdout = capsys.readouterr().out
@@ -205,7 +206,7 @@ def test_demo_bad_flags_name_the_field(args, rc, message, capsys, tmp_path):
 def test_demo_cuda_without_usable_gpu_says_why(capsys, tmp_path):
     assert cli.main(["demo", "--device", "cuda", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "--device cuda" in err and _cuda.probe(0, need_fp8_gemm=True)[1] in err
+    assert "--device cuda" in err and launch.probe(0, need_fp8_gemm=True)[1] in err
 
 
 def test_demo_help_explains_flags(capsys):
@@ -363,17 +364,17 @@ def test_summary_torch_state_and_bad_names():
 
 # ---- newcomer errors ---------------------------------------------------------------------------
 def test_gpu_array_without_cupy_says_install_cuda_extra(monkeypatch):
-    monkeypatch.setattr(_cuda, "probe", lambda device_id=0, need_fp8_gemm=False:
+    monkeypatch.setattr(K, "probe", lambda device_id=0, need_fp8_gemm=False:
                         (False, "CuPy is not installed (pip install 'fusedfp8[cuda]')"))
     with pytest.raises(RuntimeError, match=r"cannot run on cuda:0: CuPy is not installed \(pip install 'fusedfp8\[cuda\]'\)"):
-        _cuda._build(_cuda.ModuleKey("update_scales"), 0)
+        K._build(K.ModuleKey("update_scales"), 0)
 
 
 def test_gpu_without_fp8_says_so(monkeypatch):
-    monkeypatch.setattr(_cuda, "probe", lambda device_id=0, need_fp8_gemm=False:
+    monkeypatch.setattr(K, "probe", lambda device_id=0, need_fp8_gemm=False:
                         (False, "GPU of compute capability 8.0 has no FP8 conversion instructions (needs 8.9 or newer)"))
     with pytest.raises(RuntimeError, match="compute capability 8.0 has no FP8 conversion instructions"):
-        _cuda._build(_cuda.ModuleKey("quantize", "bfloat16", "e4m3", "identity"), 0)
+        K._build(K.ModuleKey("quantize", "bfloat16", "e4m3", "identity"), 0)
 
 
 def test_nvrtc_failure_names_kernels_options_and_log(monkeypatch):
@@ -388,9 +389,9 @@ def test_nvrtc_failure_names_kernels_options_and_log(monkeypatch):
     fake.RawModule = RawModule
     fake.cuda.compiler.CompileException = CompileException
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(_cuda, "probe", lambda device_id=0, need_fp8_gemm=False: (True, "fake GPU"))
-    with pytest.raises(_cuda.CompileError) as e:
-        _cuda._build(_cuda.ModuleKey("quantize", "bfloat16", "e4m3", "identity"), 0)
+    monkeypatch.setattr(K, "probe", lambda device_id=0, need_fp8_gemm=False: (True, "fake GPU"))
+    with pytest.raises(K.CompileError) as e:
+        K._build(K.ModuleKey("quantize", "bfloat16", "e4m3", "identity"), 0)
     msg = str(e.value)
     assert "NVRTC failed to compile quantize.cu" in msg
     assert "quantize_tiled<__nv_bfloat16, 0, 0>" in msg  # the kernel names

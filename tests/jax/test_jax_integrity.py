@@ -15,7 +15,7 @@ from flax import linen as nn
 from flax.training import train_state
 
 import fusedfp8 as ff
-from fusedfp8._cuda import probe
+from fusedfp8.launch import probe
 from fusedfp8.jax import fp8_dot, fp8_mlp, quantize_weight
 from fusedfp8.jax import primitives as P
 from fusedfp8.jax.flax import OVERWRITE_WITH_GRADIENT as FP8

@@ -1,5 +1,5 @@
 """An XLA program holding fusedfp8 kernels is the same program in every process: its launch plans
-name the kernels by stable id (fusedfp8.csrc.plan.kernel_id), not by CUfunction handle (a pointer
+name the kernels by stable id (fusedfp8.launch.kernels.kernel_id), not by CUfunction handle (a pointer
 of one process), so JAX's persistent compilation cache serves it to the next process, and an
 executable run where its kernels were never loaded is refused by name.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fusedfp8.csrc import plan as P
+from fusedfp8.launch import format as P
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "run" / "jax_kernel_ids.py"

@@ -153,9 +153,9 @@ def test_abstract_shapes_of_every_branch(pad_to):
     t_shape = (7, 15) if pad_to == 1 else (16, 16)
     assert (r.data.shape, r.data_t.shape, r.dbias.shape) == (q_shape, t_shape, (7,))
     assert r.data.dtype == jnp.float8_e5m2 or r.data.dtype == jnp.float8_e4m3fn
-    from fusedfp8 import _cuda
+    from fusedfp8 import launch
 
-    part, counters = _cuda.dbias_workspace(15, 7, pad_to)
+    part, counters = launch.dbias_workspace(15, 7, pad_to)
     (kernel,) = _kernel_branch_shapes(fn, jnp.zeros((3, 5, 7), jnp.bfloat16), jnp.zeros((3, 5, 7), jnp.bfloat16), st)
     assert kernel[:5] == [q_shape, t_shape, (7,), (part[0] * part[1],), (counters,)]
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fusedfp8 import _cuda
+from fusedfp8 import launch
+from fusedfp8.launch import kernels as K
 from fusedfp8.numerics import constants as C
 from fusedfp8.numerics import reference as ref
 
@@ -42,11 +43,11 @@ OPS = {"gelu_tanh": 1, "gelu_none": 2, "dgelu_tanh": 3, "dgelu_none": 4}
 def module():
     import cupy
 
-    ok, reason = _cuda.probe()
+    ok, reason = launch.probe()
     if not ok:
         pytest.skip(reason)
-    code = (_cuda.source_dir() / "common.cuh").read_text().replace("#pragma once", "") + SOURCE
-    options = tuple(_cuda.COMPILE_OPTIONS) + tuple(f"-I{d}" for d in _cuda.cuda_include_dirs())
+    code = (K.source_dir() / "common.cuh").read_text().replace("#pragma once", "") + SOURCE
+    options = tuple(K.COMPILE_OPTIONS) + tuple(f"-I{d}" for d in K.cuda_include_dirs())
     return cupy.RawModule(code=code, options=options)
 
 

@@ -13,33 +13,35 @@ from __future__ import annotations
 
 import pytest
 
-from fusedfp8 import _cuda
+from fusedfp8 import launch
+from fusedfp8.launch import kernels as K
 from support import fake_cuda as F
 
 STREAM = 0x5
-PLAN_FNS = (_cuda.quantize_plan, _cuda.layernorm_plan, _cuda.amax_plan, _cuda.layernorm_amax_plan,
-            _cuda.dequantize_plan, _cuda.update_plan)
+PLAN_FNS = (launch.quantize_plan, launch.layernorm_plan, launch.amax_plan, launch.layernorm_amax_plan,
+            launch.dequantize_plan, launch.update_plan)
 
 # every route that loads a module: the launch functions of fusedfp8.ops, on raw pointers
 LAUNCHES = {
-    "quantize": (lambda: _cuda.launch_quantize(0, STREAM, dtype="bfloat16", fmt="e4m3", op="gelu_tanh", x=0x1000, b=0,
-                                               q=0x2000, scale=0x3000, amax=0x4000, rows=64, cols=64, first=True,
-                                               updates=0x5000, scale_out=0x3000, scale_inv_out=0x6000),
+    "quantize": (lambda: launch.quantize(0, STREAM, dict(x=0x1000, q=0x2000, scale=0x3000, amax=0x4000, updates=0x5000,
+                                                         scale_out=0x3000, scale_inv_out=0x6000),
+                                         dtype="bfloat16", fmt="e4m3", op="gelu_tanh", rows=64, cols=64, first=True),
                  ["quantize", "current_quantize"]),
-    "layernorm": (lambda: _cuda.launch_layernorm_quantize(
-        0, STREAM, dtype="bfloat16", param="float32", fmt="e4m3", x=0x1000, weight=0, bias=0, q=0x2000, mean=0x3000,
-        rstd=0x4000, scale=0x5000, amax=0x6000, rows=64, cols=64, eps=1e-5), ["layernorm_quantize"]),
-    "dequantize": (lambda: _cuda.launch_dequantize(0, STREAM, dtype="float32", fmt="e5m2", q=0x1000, out=0x2000,
-                                                   scale_inv=0x3000, n=64), ["dequantize"]),
-    "update": (lambda: _cuda.launch_update_scales(0, STREAM, amax_history=1, scale=2, scale_inv=3, overflows=4,
-                                                  updates=5, fmt_max=6, n=3, L=8, margin_factor=1.0, algo_max=True),
+    "layernorm": (lambda: launch.layernorm_quantize(
+        0, STREAM, dict(x=0x1000, q=0x2000, mean=0x3000, rstd=0x4000, scale=0x5000, amax=0x6000), dtype="bfloat16",
+        param="float32", fmt="e4m3", rows=64, cols=64, eps=1e-5), ["layernorm_quantize"]),
+    "dequantize": (lambda: launch.dequantize(0, STREAM, dict(q=0x1000, out=0x2000, scale_inv=0x3000), dtype="float32",
+                                             fmt="e5m2", n=64), ["dequantize"]),
+    "update": (lambda: launch.update_scales(0, STREAM, dict(amax_history=1, scale=2, scale_inv=3, overflows=4,
+                                                            updates=5, fmt_max=6), n=3, L=8, margin_factor=1.0,
+                                            algo_max=True),
                ["update_scales"]),
 }
 
 
 @pytest.fixture
 def fake(monkeypatch):
-    """The FakeDriver, no module loaded; _cuda._build makes fake kernels and records what it loads."""
+    """The FakeDriver, no module loaded; K._build makes fake kernels and records what it loads."""
     drv = F.install(monkeypatch.setattr)
     drv.built = []
 
@@ -47,10 +49,10 @@ def fake(monkeypatch):
         drv.built.append(key.family)
         return F.fake_kernels(key, device)
 
-    monkeypatch.setattr(_cuda, "_loaded", {})
-    monkeypatch.setattr(_cuda, "_build", build)
-    monkeypatch.setattr(_cuda, "sm_count", lambda device: 132)
-    monkeypatch.setattr(_cuda, "shared_optin", lambda device: 227 << 10)
+    monkeypatch.setattr(K, "_loaded", {})
+    monkeypatch.setattr(K, "_build", build)
+    monkeypatch.setattr(K, "sm_count", lambda device: 132)
+    monkeypatch.setattr(K, "shared_optin", lambda device: 227 << 10)
     for fn in PLAN_FNS:
         fn.cache_clear()
     yield drv
@@ -77,18 +79,17 @@ def test_a_loaded_module_is_planned_and_launched_inside_a_capture(fake):
     transposed tile needs a new shared-memory attribute) is planned inside the capture: occupancy
     queries and attributes, no module load."""
     LAUNCHES["quantize"][0]()
-    _cuda.launch_layernorm_quantize(0, STREAM, dtype="bfloat16", param="float32", fmt="e4m3", x=0x1000, weight=0,
-                                    bias=0, q=0x2000, q_t=0x7000, mean=0x3000, rstd=0x4000, scale=0x5000, amax=0x6000,
-                                    rows=64, cols=64, eps=1e-5)
+    ln_buffers = dict(x=0x1000, q=0x2000, q_t=0x7000, mean=0x3000, rstd=0x4000, scale=0x5000, amax=0x6000)
+    launch.layernorm_quantize(0, STREAM, ln_buffers, dtype="bfloat16", param="float32", fmt="e4m3", rows=64, cols=64,
+                              eps=1e-5)
     built = list(fake.built)
     fake.capturing.add(STREAM)
     fake.records.clear()
-    _cuda.launch_quantize(0, STREAM, dtype="bfloat16", fmt="e4m3", op="gelu_tanh", x=0x1000, b=0, q=0x2000,
-                          scale=0x3000, amax=0x4000, rows=300, cols=40, q_t=0x7000, first=True, updates=0x5000,
-                          scale_out=0x3000, scale_inv_out=0x6000)
-    _cuda.launch_layernorm_quantize(0, STREAM, dtype="bfloat16", param="float32", fmt="e4m3", x=0x1000, weight=0,
-                                    bias=0, q=0x2000, q_t=0x7000, mean=0x3000, rstd=0x4000, scale=0x5000, amax=0x6000,
-                                    rows=64, cols=4000, eps=1e-5)
+    launch.quantize(0, STREAM, dict(x=0x1000, q=0x2000, scale=0x3000, amax=0x4000, q_t=0x7000, updates=0x5000,
+                                    scale_out=0x3000, scale_inv_out=0x6000),
+                    dtype="bfloat16", fmt="e4m3", op="gelu_tanh", rows=300, cols=40, first=True)
+    launch.layernorm_quantize(0, STREAM, ln_buffers, dtype="bfloat16", param="float32", fmt="e4m3", rows=64, cols=4000,
+                              eps=1e-5)
     assert fake.built == built  # nothing loaded in the capture
     kinds = [r[0] for r in fake.records]
     assert "set_attribute" in kinds and kinds.count("coop") == 1 and kinds.count("launch") == 1
@@ -97,7 +98,7 @@ def test_a_loaded_module_is_planned_and_launched_inside_a_capture(fake):
 def test_the_legacy_stream_counts_as_capturing_while_another_stream_captures(fake):
     fake.capturing.add(0x77)
     with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
-        _cuda.launch_dequantize(0, 0, dtype="float32", fmt="e5m2", q=0x1000, out=0x2000, scale_inv=0x3000, n=64)
+        launch.dequantize(0, 0, dict(q=0x1000, out=0x2000, scale_inv=0x3000), dtype="float32", fmt="e5m2", n=64)
     assert fake.built == []
 
 
@@ -105,7 +106,7 @@ def test_building_plans_outside_a_launch_is_not_refused(fake):
     """Plans built at trace time (the JAX primitives, for every local GPU) name no stream: nothing
     to refuse, the module loads."""
     fake.capturing.add(STREAM)
-    _cuda.quantize_plan(0, "bfloat16", "e4m3", "identity", 64, 64)
+    launch.quantize_plan(0, "bfloat16", "e4m3", "identity", 64, 64)
     assert fake.built == ["quantize"]
 
 
@@ -113,7 +114,7 @@ def test_building_plans_outside_a_launch_is_not_refused(fake):
 @pytest.fixture
 def unloaded(monkeypatch):
     """``unload(*families)``: those modules as not loaded yet (the rest as loaded), and no plan cached
-    anywhere (the _cuda caches, the custom ops' checked signatures, the C++ ops' cache), before and
+    anywhere (the launch caches, the custom ops' checked signatures, the C++ ops' cache), before and
     after the test."""
     from fusedfp8 import csrc
     from fusedfp8.pytorch import custom_ops as C
@@ -127,7 +128,7 @@ def unloaded(monkeypatch):
             lib.clear_cache()
 
     def unload(*families):
-        monkeypatch.setattr(_cuda, "_loaded", {k: v for k, v in _cuda._loaded.items() if k[0].family not in families})
+        monkeypatch.setattr(K, "_loaded", {k: v for k, v in K._loaded.items() if k[0].family not in families})
         forget()
 
     yield unload
@@ -164,7 +165,7 @@ def test_torch_ops_refuse_to_load_in_a_capture_then_capture_after_the_warm_up(cp
         with pytest.raises(RuntimeError, match="not loaded on cuda:0 yet, and the stream is capturing a CUDA graph"):
             with torch.cuda.graph(graph):  # (global mode: a module load here would invalidate the capture)
                 step(x, st)
-        assert not any(k[0].family == "quantize" for k in _cuda._loaded)
+        assert not any(k[0].family == "quantize" for k in K._loaded)
         step(x, state())  # the warm-up
         for shape in ((256, 512), (96, 4000)):  # the warmed-up shape, then a new one of the loaded modules
             xs = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)

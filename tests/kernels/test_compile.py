@@ -16,7 +16,7 @@ import struct
 
 import pytest
 
-from fusedfp8 import _cuda
+from fusedfp8.launch import kernels as K, plans as PL
 from support import nvrtc as N  # (the lists only: it compiles nothing here)
 
 GROUPS = N.groups()
@@ -53,14 +53,14 @@ def test_the_cubin_groups_put_every_template_and_argument_through_ptxas():
     assert ptx_only == {f"{f}-{d}" for f in ("quantize", "current_quantize", "layernorm_quantize")
                         for d in ("float32", "float16")}
     assert {N.target_of(N.group_of(k)) for k in N.SIGNATURE_KEYS.values()} == {N.CUBIN}
-    keys = _cuda.all_module_keys()
+    keys = K.all_module_keys()
     in_cubin = [k for k in keys if N.target_of(N.group_of(k)) == N.CUBIN]
-    for family in _cuda.families():
+    for family in K.families():
         assert ({k._replace(dtype="") for k in keys if k.family == family}
                 == {k._replace(dtype="") for k in in_cubin if k.family == family}), family
 
     def templates(ks):
-        return {e.split("<")[0] for k in ks for e in _cuda.name_expressions(k).values()}
+        return {e.split("<")[0] for k in ks for e in K.name_expressions(k).values()}
 
     assert templates(in_cubin) == templates(keys)
 
@@ -70,39 +70,39 @@ def test_the_check_compiled_every_group(nvrtc):
     assert set(nvrtc["group"]) == set(GROUPS) and len(GROUPS) == 13
     # every instantiation of every module; a kernel without template parameters (transpose_fp8, held by
     # every layernorm_quantize module) once per group
-    assert sum(len(names) for names in GROUPS.values()) == len({(N.group_of(k), e) for k in _cuda.all_module_keys()
-                                                                for e in _cuda.name_expressions(k).values()})
+    assert sum(len(names) for names in GROUPS.values()) == len({(N.group_of(k), e) for k in K.all_module_keys()
+                                                                for e in K.name_expressions(k).values()})
 
 
 def test_every_family_and_instantiation_is_listed():
-    keys = _cuda.all_module_keys()
-    assert {k.family for k in keys} == set(_cuda.families()) == {"quantize", "current_quantize", "layernorm_quantize",
+    keys = K.all_module_keys()
+    assert {k.family for k in keys} == set(K.families()) == {"quantize", "current_quantize", "layernorm_quantize",
                                                                   "dequantize", "update_scales"}
     for family in ("quantize", "current_quantize"):
         q = {(k.dtype, k.fmt, k.op) for k in keys if k.family == family}
-        assert q == {(d, f, o) for d in _cuda.CPP_TYPES for f in _cuda.FMT_IDS for o in _cuda.OPS}
+        assert q == {(d, f, o) for d in K.CPP_TYPES for f in K.FMT_IDS for o in K.OPS}
     ln = {(k.dtype, k.fmt, k.param) for k in keys if k.family == "layernorm_quantize"}
-    assert ln == {(d, f, p) for d in _cuda.CPP_TYPES for f in _cuda.FMT_IDS for p in _cuda.CPP_TYPES}
+    assert ln == {(d, f, p) for d in K.CPP_TYPES for f in K.FMT_IDS for p in K.CPP_TYPES}
     dq = {(k.dtype, k.fmt) for k in keys if k.family == "dequantize"}
-    assert dq == {(d, f) for d in _cuda.CPP_TYPES for f in _cuda.FMT_IDS}
+    assert dq == {(d, f) for d in K.CPP_TYPES for f in K.FMT_IDS}
     # every launch role the launch interface uses is among the name expressions
-    roles = _cuda.name_expressions(_cuda.ModuleKey("quantize", "bfloat16", "e4m3", "identity"))
+    roles = K.name_expressions(K.ModuleKey("quantize", "bfloat16", "e4m3", "identity"))
     assert set(roles) == {"flat_vec1_store1", "flat_vec1_store0", "flat_vec0_store1", "flat_vec0_store0", "tiled",
                           "tiled_dbias"}
     assert roles["tiled_dbias"] == "quantize_tiled<__nv_bfloat16, 0, 0, StagedAmax, true>"
-    roles = _cuda.name_expressions(_cuda.ModuleKey("current_quantize", "bfloat16", "e4m3", "identity"))
+    roles = K.name_expressions(K.ModuleKey("current_quantize", "bfloat16", "e4m3", "identity"))
     assert roles == {"coop_flat_vec1": "quantize_flat<__nv_bfloat16, 0, 0, true, true, GridAmax>",
                      "coop_flat_vec0": "quantize_flat<__nv_bfloat16, 0, 0, false, true, GridAmax>",
                      "coop_tiled": "quantize_tiled<__nv_bfloat16, 0, 0, GridAmax>",
                      "coop_tiled_dbias": "quantize_tiled<__nv_bfloat16, 0, 0, GridAmax, true>"}
-    roles = _cuda.name_expressions(_cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"))
+    roles = K.name_expressions(K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"))
     assert set(roles) == {"layernorm_store1", "layernorm_store1_t", "layernorm_store0", "padded_layernorm_store1",
                           "padded_layernorm_store1_t", "transpose_tiled"}
 
 
 def test_name_expressions_reject_unknown_family():
     with pytest.raises(ValueError, match="unknown kernel family 'softmax'"):
-        _cuda.name_expressions(_cuda.ModuleKey("softmax"))
+        K.name_expressions(K.ModuleKey("softmax"))
 
 
 @uses_the_compiles
@@ -113,12 +113,12 @@ def test_broken_source_fails_with_a_log(nvrtc, broken):
     assert v["log"].strip() and "error" in v["log"].lower()
 
 
-@pytest.mark.parametrize("family", _cuda.families())
+@pytest.mark.parametrize("family", K.families())
 def test_family_source_inlines_the_header(family):
-    src = _cuda.family_source(family)
+    src = K.family_source(family)
     assert '#include "common.cuh"' not in src
     assert '#include "' not in src  # no local include left for CuPy's cache key to miss
-    header = (_cuda.source_dir() / "common.cuh").read_text()
+    header = (K.source_dir() / "common.cuh").read_text()
     body = [ln for ln in header.splitlines() if ln.strip() and not ln.startswith("#")]
     assert all(ln in src for ln in body[-20:])  # the header's text is in the source
     assert src.count("namespace ff8 {") == header.count("namespace ff8 {")  # inlined once
@@ -127,13 +127,13 @@ def test_family_source_inlines_the_header(family):
 def test_family_source_follows_header_edits(tmp_path, monkeypatch):
     """CuPy keys its disk cache on the source text: an edited header must change that text."""
     copy = tmp_path / "cuda_src"
-    shutil.copytree(_cuda.source_dir(), copy)
-    before = {f: _cuda.family_source(f) for f in _cuda.families()}
+    shutil.copytree(K.source_dir(), copy)
+    before = {f: K.family_source(f) for f in K.families()}
     with open(copy / "common.cuh", "a") as fh:
         fh.write("\n// edited: 5c1f0e\n")
-    monkeypatch.setattr(_cuda, "source_dir", lambda: copy)
+    monkeypatch.setattr(K, "source_dir", lambda: copy)
     for family, text in before.items():
-        after = _cuda.family_source(family)
+        after = K.family_source(family)
         assert after != text and "// edited: 5c1f0e" in after
 
 
@@ -143,8 +143,8 @@ def test_launch_signatures_match_kernel_parameters(nvrtc, family):
     """The packed parameter buffer of every launch is exactly the kernel's parameter size (a
     mismatch makes the driver refuse every launch with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)."""
     sizes = nvrtc["sizes"][family]
-    names = _cuda.name_expressions(N.SIGNATURE_KEYS[family])
+    names = K.name_expressions(N.SIGNATURE_KEYS[family])
     assert set(sizes) == set(names.values())
     for role, expr in names.items():
-        sig = _cuda.SIGNATURES[next(k for k in _cuda.SIGNATURES if role.startswith(k))]
+        sig = PL.SIGNATURES[next(k for k in PL.SIGNATURES if role.startswith(k))]
         assert sizes[expr] == struct.calcsize(sig), (role, expr, sizes[expr], sig)

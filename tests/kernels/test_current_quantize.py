@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fusedfp8 import _cuda
+from fusedfp8 import launch
 from fusedfp8.formats import get_format
 from fusedfp8.numerics import reference as ref
 from support.frameworks import np_dtype, to_np, to_torch
@@ -37,13 +37,13 @@ def inputs(shape, dtype, seed, special=None):
 
 def run(x, b, op, approximate, fmt, transpose=False, dbias=False, pad_to=1, coop=True, slot=0.0, updates=0,
         scale=1.0, margin_factor=1.0):
-    """One launch_quantize with a state slot on torch CUDA tensors; every output as numpy."""
+    """One launch.quantize with a state slot on torch CUDA tensors; every output as numpy."""
     import torch
 
     xt = to_torch(x, "cuda")
     bt = to_torch(b, "cuda") if b is not None else None
     rows, cols = x.shape
-    prows, pcols = _cuda.padded(rows, cols, pad_to)
+    prows, pcols = launch.padded(rows, cols, pad_to)
     dev = xt.device
     q = torch.full((prows, pcols), 0xA5, dtype=torch.uint8, device=dev)  # (a kernel that skips a byte shows)
     q_t = torch.full((pcols, prows), 0xA5, dtype=torch.uint8, device=dev) if transpose else None
@@ -54,17 +54,17 @@ def run(x, b, op, approximate, fmt, transpose=False, dbias=False, pad_to=1, coop
     siu = torch.empty(1, dtype=torch.float32, device=dev)
     db = part = cnt = None
     if dbias:
-        shape, n_cnt = _cuda.dbias_workspace(rows, cols, pad_to)
+        shape, n_cnt = launch.dbias_workspace(rows, cols, pad_to)
         db = torch.empty(cols, dtype=torch.float32, device=dev)
         part = torch.empty(shape, dtype=torch.float32, device=dev)
         cnt = torch.empty(n_cnt, dtype=torch.int32, device=dev)
     p = (lambda a: a.data_ptr() if a is not None else 0)
-    _cuda.launch_quantize(dev.index, torch.cuda.current_stream(dev).cuda_stream, dtype=str(xt.dtype)[6:], fmt=fmt,
-                          op=_cuda_op(op, approximate), x=xt.data_ptr(), b=p(bt), q=q.data_ptr(), scale=p(st["scale"]),
-                          amax=p(st["amax"]), rows=rows, cols=cols, q_t=p(q_t), dbias=p(db), partial=p(part),
-                          counters=p(cnt), scale_inv_used=siu.data_ptr(), first=True, updates=p(st["updates"]),
-                          scale_out=p(st["scale"]), scale_inv_out=p(st["scale_inv"]), margin_factor=margin_factor,
-                          pad_to=pad_to, coop=coop)
+    buffers = dict(x=xt.data_ptr(), b=p(bt), q=q.data_ptr(), scale=p(st["scale"]), amax=p(st["amax"]), q_t=p(q_t),
+                   dbias=p(db), partial=p(part), counters=p(cnt), scale_inv_used=siu.data_ptr(),
+                   updates=p(st["updates"]), scale_out=p(st["scale"]), scale_inv_out=p(st["scale_inv"]))
+    launch.quantize(dev.index, torch.cuda.current_stream(dev).cuda_stream, buffers, dtype=str(xt.dtype)[6:], fmt=fmt,
+                    op=_cuda_op(op, approximate), rows=rows, cols=cols, first=True, margin_factor=margin_factor,
+                    pad_to=pad_to, coop=coop)
     torch.cuda.synchronize()
     out = {"q": q.cpu().numpy(), "q_t": q_t.cpu().numpy() if q_t is not None else None,
            "dbias": db.cpu().numpy() if db is not None else None, "scale_inv_used": siu.cpu().numpy()}
@@ -87,7 +87,7 @@ def want(x, b, op, approximate, fmt, transpose=False, pad_to=1, slot=0.0, scale=
     s = ref.current_scale(acc, fmt, margin_factor, f32(scale))
     res = ref.finish(y, a, s, fmt, transpose)
     rows, cols = x.shape
-    prows, pcols = _cuda.padded(rows, cols, pad_to)
+    prows, pcols = launch.padded(rows, cols, pad_to)
     q = ref.pad2d(res.data.reshape(rows, cols), prows, pcols).view(np.uint8)
     q_t = ref.pad2d(res.data_t, pcols, prows).view(np.uint8) if transpose else None
     with np.errstate(divide="ignore"):

@@ -20,14 +20,14 @@ import threading
 import numpy as np
 import pytest
 
-from fusedfp8 import _cuda
+from fusedfp8 import launch
+from fusedfp8.launch import executor as E, format as P, kernels as K, plans as PL
 from fusedfp8 import csrc as shim
-from fusedfp8.csrc import plan as P
 from support import fake_cuda as F
 from support.fake_cuda import FakeDriver, primary
 
 SMS = 132
-QKEY = _cuda.ModuleKey("quantize", "bfloat16", "e4m3", "identity")
+QKEY = K.ModuleKey("quantize", "bfloat16", "e4m3", "identity")
 
 
 @pytest.fixture
@@ -35,24 +35,24 @@ def fake(monkeypatch):
     return F.install(monkeypatch.setattr)
 
 
-def device_refs(key: _cuda.ModuleKey, device: int) -> dict:
+def device_refs(key: K.ModuleKey, device: int) -> dict:
     """Made-up kernel references (4 resident blocks a multiprocessor), with handles of ``device``
     (FakeDriver's rule)."""
-    return {role: _cuda.KernelRef(device * FakeDriver.DEVICE_STRIDE + 1000 + i, expr, role, 4, F.fake_id(expr))
-            for i, (role, expr) in enumerate(_cuda.name_expressions(key).items())}
+    return {role: PL.KernelRef(device * FakeDriver.DEVICE_STRIDE + 1000 + i, expr, role, 4, F.fake_id(expr))
+            for i, (role, expr) in enumerate(K.name_expressions(key).items())}
 
 
 def a_plan(device: int) -> P.Plan:
     """A memset, then a plain launch (dgelu with dbias: the counters' memset, the tiled kernel),
     and a cooperative one (a first step), tagged with ``device``."""
-    key = _cuda.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh")
+    key = K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh")
     refs = {**device_refs(key, device), **device_refs(key._replace(family="current_quantize"), device)}
-    plain = _cuda.build_quantize_plan(refs, SMS, 300, 64, True, True)
-    coop = _cuda.build_quantize_plan(refs, SMS, 300, 64, False, False, True)
-    return P._plan(P.QUANTIZE_SLOTS, plain.steps + coop.steps)._replace(device=device)
+    plain = PL.build_quantize_plan(refs, SMS, 300, 64, True, True)
+    coop = PL.build_quantize_plan(refs, SMS, 300, 64, False, False, True)
+    return P.make_plan(PL.QUANTIZE_SLOTS, plain.steps + coop.steps)._replace(device=device)
 
 
-PTRS = tuple(0x10000 * (i + 1) for i in range(len(P.QUANTIZE_SLOTS)))
+PTRS = tuple(0x10000 * (i + 1) for i in range(len(PL.QUANTIZE_SLOTS)))
 
 
 # ---- the Python executor -----------------------------------------------------------------------
@@ -60,7 +60,7 @@ PTRS = tuple(0x10000 * (i + 1) for i in range(len(P.QUANTIZE_SLOTS)))
 def test_a_plan_runs_in_its_devices_context_and_restores_the_callers(fake, start):
     fake.start = start
     before = list(fake.stack())
-    P.execute(a_plan(1), PTRS, 0x5)
+    E.execute(a_plan(1), PTRS, 0x5)
     kinds = [r[0] for r in fake.records]
     assert kinds == ["memset", "launch", "coop"]
     assert all(r[2] == primary(1) for r in fake.records)  # every step in device 1's context
@@ -72,7 +72,7 @@ def test_a_plan_runs_in_its_devices_context_and_restores_the_callers(fake, start
 def test_a_failed_launch_still_restores_the_callers_context(fake):
     fake.fail_launch = 700
     with pytest.raises(RuntimeError, match=r"launching quantize_tiled<.*CUDA error 700"):
-        P.execute(a_plan(1), PTRS, 0x5)
+        E.execute(a_plan(1), PTRS, 0x5)
     assert fake.stack() == [primary(0)] and [c[0] for c in fake.calls] == ["push", "pop"]
 
 
@@ -80,7 +80,7 @@ def test_without_the_guard_the_launch_would_fail(fake):
     """The fake is faithful: a plan whose device tag is dropped runs in the caller's context, and
     its kernels (device 1's) are refused there, as the driver refuses them."""
     with pytest.raises(RuntimeError, match=f"CUDA error {F.CUDA_ERROR_INVALID_CONTEXT}"):
-        P.execute(a_plan(1)._replace(device=-1), PTRS, 0x5)
+        E.execute(a_plan(1)._replace(device=-1), PTRS, 0x5)
     assert fake.calls == []
 
 
@@ -91,7 +91,7 @@ def test_a_thread_without_a_context_gets_the_plans(fake):
 
     def run():
         try:
-            P.execute(a_plan(0), PTRS, 0x5)
+            E.execute(a_plan(0), PTRS, 0x5)
             assert fake.current() is None
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -104,24 +104,24 @@ def test_a_thread_without_a_context_gets_the_plans(fake):
 
 
 # ---- the plans carry their device ----------------------------------------------------------------
-PLANS = {  # every cached plan of _cuda, by name: a call for device d
-    "quantize": lambda d: _cuda.quantize_plan(d, "bfloat16", "e4m3", "identity", 300, 64, True, False, True),
-    "layernorm": lambda d: _cuda.layernorm_plan(d, "bfloat16", "float32", "e4m3", 300, 4000, True, True),
-    "amax": lambda d: _cuda.amax_plan(d, "bfloat16", "gelu_tanh", 4096),
-    "layernorm_amax": lambda d: _cuda.layernorm_amax_plan(d, "bfloat16", "float32", 300, 1024),
-    "dequantize": lambda d: _cuda.dequantize_plan(d, "bfloat16", "e4m3", 4096),
-    "update": lambda d: _cuda.update_plan(d, 6, 16, 1.0, True),
+PLANS = {  # every cached plan of fusedfp8.launch, by name: a call for device d
+    "quantize": lambda d: launch.quantize_plan(d, "bfloat16", "e4m3", "identity", 300, 64, True, False, True),
+    "layernorm": lambda d: launch.layernorm_plan(d, "bfloat16", "float32", "e4m3", 300, 4000, True, True),
+    "amax": lambda d: launch.amax_plan(d, "bfloat16", "gelu_tanh", 4096),
+    "layernorm_amax": lambda d: launch.layernorm_amax_plan(d, "bfloat16", "float32", 300, 1024),
+    "dequantize": lambda d: launch.dequantize_plan(d, "bfloat16", "e4m3", 4096),
+    "update": lambda d: launch.update_plan(d, 6, 16, 1.0, True),
 }
 
 
 @pytest.fixture
 def fake_gpus(fake, monkeypatch):
     """Two GPUs of the FakeDriver, device 0 current, kernels and plans made from nothing."""
-    monkeypatch.setattr(_cuda, "kernels", F.fake_kernels)
-    monkeypatch.setattr(_cuda, "sm_count", lambda device: SMS)
-    monkeypatch.setattr(_cuda, "shared_optin", lambda device: 227 << 10)
-    clear = [_cuda.quantize_plan, _cuda.layernorm_plan, _cuda.amax_plan, _cuda.layernorm_amax_plan,
-             _cuda.dequantize_plan, _cuda.update_plan]
+    monkeypatch.setattr(K, "load", F.fake_kernels)
+    monkeypatch.setattr(K, "sm_count", lambda device: SMS)
+    monkeypatch.setattr(K, "shared_optin", lambda device: 227 << 10)
+    clear = [launch.quantize_plan, launch.layernorm_plan, launch.amax_plan, launch.layernorm_amax_plan,
+             launch.dequantize_plan, launch.update_plan]
     for fn in clear:
         fn.cache_clear()
     yield fake
@@ -130,7 +130,7 @@ def fake_gpus(fake, monkeypatch):
 
 
 def test_every_cached_plan_is_a_function_of_its_device(fake_gpus):
-    assert set(PLANS) == {n[:-5] for n in vars(_cuda) if n.endswith("_plan") and hasattr(vars(_cuda)[n], "cache_clear")}
+    assert set(PLANS) == {n[:-5] for n, f in vars(launch).items() if n.endswith("_plan") and hasattr(f, "cache_clear")}
     for name, make in PLANS.items():
         for device in (0, 1):
             plan = make(device)
@@ -151,25 +151,25 @@ def test_plans_for_every_gpu_get_each_gpus_occupancy(fake_gpus):
     assert {r[0] for r in queries} == {"occupancy", "get_attribute", "set_attribute"}  # the q_t tile's shared memory
     assert all(r[2] == primary(r[1] // FakeDriver.DEVICE_STRIDE) for r in queries)
     assert fake_gpus.stack() == [primary(0)]
-    grids = [_cuda.amax_plan(d, "bfloat16", "gelu_tanh", 10 ** 8).steps[-1].variants[0].grid for d in (0, 1)]
+    grids = [launch.amax_plan(d, "bfloat16", "gelu_tanh", 10 ** 8).steps[-1].variants[0].grid for d in (0, 1)]
     assert grids == [4 * SMS, 2 * SMS]
 
 
 def test_an_occupancy_error_raises_instead_of_one_block(fake_gpus):
-    kernel = _cuda.kernels(QKEY, 1)["flat_vec1_store1"]
+    kernel = K.load(QKEY, 1)["flat_vec1_store1"]
     fake_gpus.cuOccupancyMaxActiveBlocksPerMultiprocessor = lambda n, func, block, shared: 999
     for _ in range(2):  # not cached as an answer
         with pytest.raises(RuntimeError, match=r"occupancy query of quantize_flat<.*> \(256 threads, 0 bytes .*"
                                                r"cuda:1 failed: CUDA error 999"):
             kernel.blocks_per_sm(256)
     with pytest.raises(RuntimeError, match="occupancy query"):
-        _cuda.quantize_plan(1, "bfloat16", "e4m3", "identity", 64, 64)
+        launch.quantize_plan(1, "bfloat16", "e4m3", "identity", 64, 64)
     assert fake_gpus.stack() == [primary(0)]
 
 
 def test_a_kernel_queried_outside_its_context_would_fail(fake_gpus):
     """The fake is faithful: the same query in device 0's context is refused for device 1's kernel."""
-    kernel = _cuda.kernels(QKEY, 1)["flat_vec1_store1"]
+    kernel = K.load(QKEY, 1)["flat_vec1_store1"]
     kernel.device = 0  # as if the kernel were taken for device 0's: no context switch
     with pytest.raises(RuntimeError, match=f"CUDA error {F.CUDA_ERROR_INVALID_CONTEXT}"):
         kernel.blocks_per_sm(128)
@@ -300,7 +300,7 @@ def test_the_shims_context_guard_holds_the_devices_context(tmp_path):
 
 
 # ---- two GPUs ----------------------------------------------------------------------------------
-two_gpus = pytest.mark.skipif(_cuda._gpu_count()[0] < 2, reason="needs two CUDA GPUs")
+two_gpus = pytest.mark.skipif(K._gpu_count()[0] < 2, reason="needs two CUDA GPUs")
 
 
 @pytest.mark.gpu
@@ -395,8 +395,8 @@ def test_occupancy_on_the_second_gpu_is_its_own():
         pytest.skip(f"two GPUs of different models ({props})")
     with cupy.cuda.Device(0):
         for role in ("flat_vec1_store1", "tiled"):
-            per = [_cuda.kernels(QKEY, d)[role].blocks_per_sm(256) for d in (0, 1)]
+            per = [K.load(QKEY, d)[role].blocks_per_sm(256) for d in (0, 1)]
             assert per[0] == per[1] > 1, (role, per)
-        plans = [_cuda.layernorm_plan(d, "bfloat16", "float32", "e4m3", 4096, 1024, True) for d in (0, 1)]
+        plans = [launch.layernorm_plan(d, "bfloat16", "float32", "e4m3", 4096, 1024, True) for d in (0, 1)]
     grids = [[[v.grid for v in st.variants] for st in p.steps if isinstance(st, P.Launch)] for p in plans]
     assert grids[0] == grids[1] and [p.device for p in plans] == [0, 1]

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fusedfp8 import _cuda, _plans, ops
+from fusedfp8 import launch, ops
+from fusedfp8.launch import kernels as K, plans as PL
 from fusedfp8.numerics import reference as ref
 from fusedfp8.recipe import DelayedScaling
 from fusedfp8.state import STATE_FIELDS, ScalingState
@@ -103,8 +104,8 @@ def test_threads_on_separate_streams_race_to_compile_and_get_correct_results(mon
     """12 threads, each on its own stream, start together (a barrier) with an empty kernel cache:
     6 distinct modules, each wanted by 2 threads at once. Each module is built once, and every
     result equals the reference."""
-    monkeypatch.setattr(_cuda, "_loaded", {})
-    before = _cuda.compile_count
+    monkeypatch.setattr(K, "_loaded", {})
+    before = K.compile_count
     combos = [("bfloat16", "e4m3", "identity"), ("float16", "e5m2", "identity"), ("float32", "e4m3", "gelu"),
               ("bfloat16", "e4m3", "gelu"), ("float32", "e5m2", "dgelu"), ("float16", "e5m2", "dgelu")]
     jobs = [c for c in combos for _ in range(2)]
@@ -140,7 +141,7 @@ def test_threads_on_separate_streams_race_to_compile_and_get_correct_results(mon
     for t in threads:
         t.join()
     assert not errors, errors
-    assert _cuda.compile_count - before == len(combos)
+    assert K.compile_count - before == len(combos)
     for (dtype, fmt, op), (xh, q, q_t, amax) in zip(jobs, results):
         if op == "identity":
             want = ref.quantize(xh, np.float32(2.0), fmt, transpose=True)
@@ -242,15 +243,15 @@ def _everything(xs) -> list[bytes]:
 def fixed_grid(monkeypatch):
     """``fixed_grid(g)``: every flat and tiled launch planned from now on gets ``g`` blocks. The
     launch plans are cached per call signature, so the caches are emptied here and at the end."""
-    plans = [getattr(_cuda, name) for name in ("quantize_plan", "dequantize_plan", "update_plan")]
+    plans = [launch.quantize_plan, launch.dequantize_plan, launch.update_plan]
 
     def clear():
         for cached in plans:
             cached.cache_clear()
 
     def use(g: int) -> None:
-        monkeypatch.setattr(_plans, "_flat_grid", lambda ref, sms, n: g)  # (where the plan builders read them)
-        monkeypatch.setattr(_plans, "_tiled_grid", lambda ref, sms, rows, cols: g)
+        monkeypatch.setattr(PL, "_flat_grid", lambda ref, sms, n: g)  # (where the plan builders read them)
+        monkeypatch.setattr(PL, "_tiled_grid", lambda ref, sms, rows, cols: g)
         clear()
 
     yield use

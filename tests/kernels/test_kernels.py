@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import fusedfp8
-from fusedfp8 import _cuda, _plans
+from fusedfp8 import launch
+from fusedfp8.launch import kernels as K, plans as PL
 from fusedfp8.formats import get_format
 from fusedfp8.numerics import reference as ref
 from fusedfp8.recipe import DelayedScaling
@@ -197,15 +198,15 @@ TILED_CASES = [(1024, 2048, 1), (136, 1032, 1), (303, 300, 1), (333, 517, 16), (
 def tiled_grid(monkeypatch):
     """``tiled_grid(g=None)``: the tiled kernel's grid fixed to ``g`` blocks (None: the default one)
     for the quantize plans built from now on; the default grid comes back after."""
-    grid = _plans._tiled_grid
+    grid = PL._tiled_grid
 
     def use(g=None):  # (set where the plan builders read it)
-        monkeypatch.setattr(_plans, "_tiled_grid", grid if g is None else lambda ref, sms, rows, cols: g)
-        _cuda.quantize_plan.cache_clear()
+        monkeypatch.setattr(PL, "_tiled_grid", grid if g is None else lambda ref, sms, rows, cols: g)
+        launch.quantize_plan.cache_clear()
 
     yield use
     monkeypatch.undo()
-    _cuda.quantize_plan.cache_clear()
+    launch.quantize_plan.cache_clear()
 
 
 @pytest.mark.gpu
@@ -236,7 +237,7 @@ def test_tiled_kernel_matches_reference(tiled_grid, rows, cols, pad_to, dtype, o
                                        pad_to=pad_to)
 
     want = ref_op(op, xn, bn, np.float32(1.5), fmt, True, grad)
-    prows, pcols = _cuda.padded(rows, cols, pad_to)
+    prows, pcols = launch.padded(rows, cols, pad_to)
     expect = {"data": ref.pad2d(want.data, prows, pcols).tobytes(),
               "data_t": ref.pad2d(want.data_t, pcols, prows).tobytes(),
               "amax": np.float32(want.amax).tobytes(), "scale_inv": (np.float32(1) / np.float32(1.5)).tobytes()}
@@ -575,8 +576,8 @@ def test_property_random_shapes_offsets_values(device):
 # ---- the launch interface ----------------------------------------------------------------------
 def test_launch_interface_tables():
     """What every GPU entry point shares: op ids in the kernels' order, format ids, workspaces."""
-    assert list(_cuda.OPS) == ["identity", "gelu_tanh", "gelu_erf", "dgelu_tanh", "dgelu_erf"]
-    assert list(_cuda.OPS.values()) == [0, 1, 2, 3, 4] and _cuda.FMT_IDS == {"e4m3": 0, "e5m2": 1}
-    assert _cuda.dbias_workspace(0, 0) == ((1, 0), 1)
-    assert _cuda.dbias_workspace(300, 130) == ((-(-300 // _cuda.TILE_R), 130), -(-130 // _cuda.TILE_C))
-    assert _cuda.aligned(0, 16, 4096) and not _cuda.aligned(16, 8)
+    assert list(K.OPS) == ["identity", "gelu_tanh", "gelu_erf", "dgelu_tanh", "dgelu_erf"]
+    assert list(K.OPS.values()) == [0, 1, 2, 3, 4] and K.FMT_IDS == {"e4m3": 0, "e5m2": 1}
+    assert launch.dbias_workspace(0, 0) == ((1, 0), 1)
+    assert launch.dbias_workspace(300, 130) == ((-(-300 // PL.TILE_R), 130), -(-130 // PL.TILE_C))
+    assert PL.aligned(0, 16, 4096) and not PL.aligned(16, 8)

@@ -1,4 +1,4 @@
-"""The launch plans (fusedfp8._cuda, fusedfp8.csrc.plan) and the compiled host shim (fusedfp8/csrc):
+"""The launch plans (fusedfp8.launch: plans, format, executor) and the compiled host shim (fusedfp8/csrc):
 the shim compiles; its packer hands the driver the same bytes as the Python executor; every
 plan's parameter layout has exactly the parameter size the cubin declares; the plans launch what
 the launch interface launched before plans existed; an encoded plan names its kernels by stable
@@ -21,9 +21,9 @@ import types
 import numpy as np
 import pytest
 
-from fusedfp8 import _cuda, _plans
+from fusedfp8 import launch
+from fusedfp8.launch import executor as E, format as P, kernels as K, plans as PL
 from fusedfp8 import csrc as shim
-from fusedfp8.csrc import plan as P
 from support import fake_cuda as F
 from support import nvrtc as N
 from support import shapes as S
@@ -31,29 +31,29 @@ from support.fake_cuda import FakeContexts
 from support.shim import built as built_shim
 
 SMS = 132
-THREADS = _cuda.THREADS
+THREADS = PL.THREADS
 
 
 # ---- plans with fake kernels -------------------------------------------------------------------
-def fake_refs(key: _cuda.ModuleKey, base: int | None = None) -> dict:
+def fake_refs(key: K.ModuleKey, base: int | None = None) -> dict:
     """Role -> KernelRef with made-up handles (distinct per role and family) and occupancies. A
     quantize module comes with its current_quantize twin (the one-launch first step), as
-    _cuda.quantize_plan merges them."""
+    launch.quantize_plan merges them."""
     if base is None:
         base = {"quantize": 0x7F00_0000_1000, "dequantize": 0x7F10_0000_1000,
                 "layernorm_quantize": 0x7F30_0000_1000}.get(key.family, 0x7F20_0000_1000)
-    names = _cuda.name_expressions(key)
-    refs = {role: _cuda.KernelRef(base + 0x100 * i, expr, role, 2 + i % 3, F.fake_id(expr))
+    names = K.name_expressions(key)
+    refs = {role: PL.KernelRef(base + 0x100 * i, expr, role, 2 + i % 3, F.fake_id(expr))
             for i, (role, expr) in enumerate(names.items())}
     if key.family == "quantize":
         refs.update(fake_refs(key._replace(family="current_quantize"), base + 0x10_0000))
     return refs
 
 
-QKEY = _cuda.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh")
-DQKEY = _cuda.ModuleKey("dequantize", "float16", "e5m2")
-UKEY = _cuda.ModuleKey("update_scales")
-LNKEY = _cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32")
+QKEY = K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh")
+DQKEY = K.ModuleKey("dequantize", "float16", "e5m2")
+UKEY = K.ModuleKey("update_scales")
+LNKEY = K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32")
 
 # (rows, cols, transpose, dbias, first, margin_factor, offset): every launch configuration
 QUANTIZE_CASES = [(r, c, t, d, f, m, o) for (r, c) in [(256, 1024), (303, 300), (1, 1), (0, 16), (16, 0), (24, 8)]
@@ -63,28 +63,28 @@ QUANTIZE_CASES = [(r, c, t, d, f, m, o) for (r, c) in [(256, 1024), (303, 300), 
 
 def quantize_plans():
     refs = fake_refs(QKEY)  # (a first step: the one-launch plan and the two-pass one beside it)
-    return ([(case, _cuda.build_quantize_plan(refs, SMS, *case)) for case in QUANTIZE_CASES]
-            + [((*case, "two-pass"), _cuda.build_quantize_plan(refs, SMS, *case, 1, False)) for case in QUANTIZE_CASES
+    return ([(case, PL.build_quantize_plan(refs, SMS, *case)) for case in QUANTIZE_CASES]
+            + [((*case, "two-pass"), PL.build_quantize_plan(refs, SMS, *case, 1, False)) for case in QUANTIZE_CASES
                if case[4]])
 
 
 def other_plans():
-    return ([(("dequantize", n), _cuda.build_dequantize_plan(fake_refs(DQKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
-            + [(("update", n, L), _cuda.build_update_plan(fake_refs(UKEY), n, L, 0.5, algo)) for n, L, algo in
+    return ([(("dequantize", n), PL.build_dequantize_plan(fake_refs(DQKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
+            + [(("update", n, L), PL.build_update_plan(fake_refs(UKEY), n, L, 0.5, algo)) for n, L, algo in
                [(1, 1, True), (3, 1024, False), (1024, 31, True)]]
             # the flax meta's update (JAX: decode, rule and counters in one launch, out of place)
-            + [(("update_meta", n, L), _cuda.build_update_plan(fake_refs(UKEY), n, L, 0.5, algo, meta=True))
+            + [(("update_meta", n, L), PL.build_update_plan(fake_refs(UKEY), n, L, 0.5, algo, meta=True))
                for n, L, algo in [(3, 1, True), (3, 1024, False)]]
-            + [(("layernorm", r, c, t, f, p), _cuda.build_layernorm_plan(
+            + [(("layernorm", r, c, t, f, p), PL.build_layernorm_plan(
                 fake_refs(LNKEY), SMS, r, c, t, f, 1e-5, 0.5, 4,
-                _cuda.layernorm_tile(_cuda.padded(r, c, p)[1], 227 << 10)
-                if t and not _cuda.split_transpose(_cuda.padded(r, c, p)[1]) else (0, 0), p))
+                PL.layernorm_tile(launch.padded(r, c, p)[1], 227 << 10)
+                if t and not PL.split_transpose(launch.padded(r, c, p)[1]) else (0, 0), p))
                for r, c, p in [(2048, 1024, 1), (303, 300, 1), (0, 8, 1), (5, 20000, 1),  # (pad_to: padded kernels)
                                (303, 300, 16), (1, 8, 16), (8190, 1024, 16), (17, 40, 3), (40, 4100, 1)]
                for t in (False, True) for f in (False, True)]  # (q_t by transpose_fp8 from 4096 columns on)
             # the amax-only plans (current scaling across ranks): a memset, then the pre-pass kernel
-            + [(("amax", n), _cuda.build_amax_plan(fake_refs(QKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
-            + [(("layernorm_amax", r, c), _cuda.build_layernorm_amax_plan(fake_refs(LNKEY), SMS, r, c, 1e-5))
+            + [(("amax", n), PL.build_amax_plan(fake_refs(QKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
+            + [(("layernorm_amax", r, c), PL.build_layernorm_amax_plan(fake_refs(LNKEY), SMS, r, c, 1e-5))
                for r, c in [(0, 8), (303, 300), (2048, 1024)]])
 
 
@@ -118,7 +118,7 @@ def records(dry: bytes) -> list:
 def legacy_quantize(refs, *, x, b, q, scale, amax, rows, cols, q_t=0, dbias=0, partial=0, counters=0,
                     scale_inv_used=0, first=False, updates=0, scale_out=0, scale_inv_out=0, margin_factor=1.0,
                     pad_to=1):
-    """The launches of fusedfp8._cuda.launch_quantize as it was before plans (2026-12-03), as
+    """The launches of the quantize launch interface as it was before plans (2026-12-03), as
     (func, grid, block, parameter bytes): the plans must launch exactly these. (Since: the tiled
     kernel takes the padded shape, and every padded call but one padded in rows only without q_t or
     dbias, which the flat kernel takes with the pad's zeros after x's bytes (npad, a parameter it
@@ -126,7 +126,7 @@ def legacy_quantize(refs, *, x, b, q, scale, amax, rows, cols, q_t=0, dbias=0, p
     out = []
 
     def launch(role, grid, block, *args):
-        fmt = _cuda.SIGNATURES[next(k for k in _cuda.SIGNATURES if role.startswith(k))]
+        fmt = PL.SIGNATURES[next(k for k in PL.SIGNATURES if role.startswith(k))]
         out.append((refs[role].func, grid, block, struct.pack(fmt, *args)))
 
     def flat_grid(role, n):
@@ -141,15 +141,15 @@ def legacy_quantize(refs, *, x, b, q, scale, amax, rows, cols, q_t=0, dbias=0, p
             launch("flat_vec0_store1", 1, THREADS, x, b, q, scale, amax, 0, 0, scale_inv_used, 0, 0, 0,
                    margin_factor)
         return out
-    vec = _cuda.aligned(x, b, q)
+    vec = PL.aligned(x, b, q)
     if first:
         launch(f"flat_vec{int(vec)}_store0", flat_grid(f"flat_vec{int(vec)}_store0", n), THREADS, x, b, q, scale,
                amax, 0, 0, 0, updates, n, 0, margin_factor)
     if q_t or dbias or pcols != cols:
-        tiles = -(-prows // _cuda.TILE_R) * -(-pcols // _cuda.TILE_C)
+        tiles = -(-prows // PL.TILE_R) * -(-pcols // PL.TILE_C)
         launch("tiled", max(1, min(tiles, refs["tiled"].per_sm * SMS)), 256, x, b, q, q_t, dbias, partial, counters,
                scale, amax, scale_out, scale_inv_out, scale_inv_used, updates, rows, cols, prows, pcols,
-               int(_cuda.aligned(x, b) and cols % 8 == 0), int(bool(q_t) and q_t % 8 == 0 and prows % 8 == 0),
+               int(PL.aligned(x, b) and cols % 8 == 0), int(bool(q_t) and q_t % 8 == 0 and prows % 8 == 0),
                margin_factor)
     else:
         role = f"flat_vec{int(vec)}_store1"
@@ -162,10 +162,10 @@ def legacy_quantize(refs, *, x, b, q, scale, amax, rows, cols, q_t=0, dbias=0, p
 def test_quantize_plans_launch_what_the_launch_interface_launched(case):
     rows, cols, transpose, dbias, first, margin_factor, offset = case
     refs = fake_refs(QKEY)
-    plan = _cuda.build_quantize_plan(refs, SMS, *case, 1, False)  # the two-pass path
-    coop = _cuda.build_quantize_plan(refs, SMS, *case)  # the default: a first step in one launch
-    for ptrs in pointer_sets(len(P.QUANTIZE_SLOTS)):
-        s = dict(zip(P.QUANTIZE_SLOTS, ptrs))
+    plan = PL.build_quantize_plan(refs, SMS, *case, 1, False)  # the two-pass path
+    coop = PL.build_quantize_plan(refs, SMS, *case)  # the default: a first step in one launch
+    for ptrs in pointer_sets(len(PL.QUANTIZE_SLOTS)):
+        s = dict(zip(PL.QUANTIZE_SLOTS, ptrs))
         if transpose and not s["q_t"] or dbias and not (s["dbias"] and s["partial"] and s["counters"]):
             continue  # a caller always passes the buffers its flags ask for
 
@@ -178,11 +178,11 @@ def test_quantize_plans_launch_what_the_launch_interface_launched(case):
             counters=s["counters"] if dbias else 0, scale_inv_used=s["scale_inv_used"], first=first,
             updates=st("updates"), scale_out=st("scale_out"), scale_inv_out=st("scale_inv_out"),
             margin_factor=margin_factor)
-        got = records(P.dry_run(plan, ptrs))
+        got = records(E.dry_run(plan, ptrs))
         assert [(r[1], r[2], r[3], r[5]) for r in got if r[0] == "launch"] == want
         memsets = [r[1:] for r in got if r[0] == "memset"]
         if dbias and rows * cols:  # the strip counters start at zero
-            assert memsets == [(s["counters"], 4 * _cuda.dbias_workspace(rows, cols)[1])]
+            assert memsets == [(s["counters"], 4 * launch.dbias_workspace(rows, cols)[1])]
         elif dbias and cols:  # nothing to sum: dbias is zeros
             assert memsets == [(s["dbias"], 4 * cols)]
         else:
@@ -190,7 +190,7 @@ def test_quantize_plans_launch_what_the_launch_interface_launched(case):
         # the one-launch first step: the same memsets; the pre-pass gone; the cast launch the same but for
         # its kernel (the current_quantize twin of the same role), the grid (the twin's occupancy) and
         # the cooperative launch
-        one = records(P.dry_run(coop, ptrs))
+        one = records(E.dry_run(coop, ptrs))
         assert [r for r in one if r[0] == "memset"] == [r for r in got if r[0] == "memset"]
         if not (first and rows * cols):
             assert one == got
@@ -198,7 +198,7 @@ def test_quantize_plans_launch_what_the_launch_interface_launched(case):
         main = want[-1]
         role = next(r for r, k in refs.items() if k.func == main[0])
         twin = refs["coop_tiled" if role == "tiled" else f"coop_{role[:9]}"]
-        grid = (max(1, min(-(-rows // _cuda.TILE_R) * -(-cols // _cuda.TILE_C), twin.per_sm * SMS)) if role == "tiled"
+        grid = (max(1, min(-(-rows // PL.TILE_R) * -(-cols // PL.TILE_C), twin.per_sm * SMS)) if role == "tiled"
                 else max(1, min(-(-rows * cols // (16 * THREADS)), twin.per_sm * SMS)))
         assert [(r[0], r[1], r[2], r[3], r[5]) for r in one if r[0] != "memset"] == [
             ("coop", twin.func, grid, main[2], main[3])]
@@ -206,23 +206,23 @@ def test_quantize_plans_launch_what_the_launch_interface_launched(case):
 
 def test_one_launch_plans_encode_the_cooperative_step():
     refs = fake_refs(QKEY)
-    plan = _cuda.build_quantize_plan(refs, SMS, 300, 64, True, False, True, 1.0, 4)
+    plan = PL.build_quantize_plan(refs, SMS, 300, 64, True, False, True, 1.0, 4)
     data, names = plan.encode()
-    assert list(data[:4]) == [P.PLAN_VERSION, len(P.QUANTIZE_SLOTS), 1, P.COOP_LAUNCH] and P.PLAN_VERSION == 3
+    assert list(data[:4]) == [P.PLAN_VERSION, len(PL.QUANTIZE_SLOTS), 1, P.COOP_LAUNCH] and P.PLAN_VERSION == 3
     assert names == refs["coop_tiled"].name and plan.steps[0].coop
-    assert [st.coop for st in _cuda.build_quantize_plan(refs, SMS, 300, 64, True, False, True, 1.0, 4, 1,
+    assert [st.coop for st in PL.build_quantize_plan(refs, SMS, 300, 64, True, False, True, 1.0, 4, 1,
                                                         False).steps] == [False, False]
-    assert not any(st.coop for st in _cuda.build_quantize_plan(refs, SMS, 300, 64, True, False, False).steps)
-    flat = _cuda.build_quantize_plan(refs, SMS, 256, 1024, False, False, True, 0.5, 0)
+    assert not any(st.coop for st in PL.build_quantize_plan(refs, SMS, 300, 64, True, False, False).steps)
+    flat = PL.build_quantize_plan(refs, SMS, 256, 1024, False, False, True, 0.5, 0)
     assert [v.name for v in flat.steps[0].variants] == [refs["coop_flat_vec1"].name, refs["coop_flat_vec0"].name]
-    assert flat.steps[0].layout == _cuda.signature("coop_flat") == _cuda.signature("flat")
+    assert flat.steps[0].layout == PL.signature("coop_flat") == PL.signature("flat")
 
 
 def test_cooperative_launch_passes_a_pointer_per_parameter():
     """cuLaunchCooperativeKernel takes no packed buffer: one pointer per parameter, at its packed offset."""
-    assert P._offsets("@QQQqIi") == (0, 8, 16, 24, 32, 36)
-    layout = _cuda.signature("coop_tiled")
-    offsets = P._offsets(layout)
+    assert P.param_offsets("@QQQqIi") == (0, 8, 16, 24, 32, 36)
+    layout = PL.signature("coop_tiled")
+    offsets = P.param_offsets(layout)
     assert len(offsets) == len(layout) - 1 and offsets[-1] + 4 == struct.calcsize(layout)
     params = layout[1:]
     for i in range(1, len(params)):  # natural alignment, no overlap
@@ -235,27 +235,27 @@ def test_dequantize_and_update_plans_launch_what_the_launch_interface_launched()
     r = refs["dequant"]
     for n in (1, 4096, 10 ** 7):
         for q, out in [(0x1000, 0x2000), (0x1001, 0x2000), (0x1000, 0x2008)]:
-            got = records(P.dry_run(_cuda.build_dequantize_plan(refs, SMS, n), (q, out, 0x3000)))
+            got = records(E.dry_run(PL.build_dequantize_plan(refs, SMS, n), (q, out, 0x3000)))
             grid = max(1, min(-(-n // (16 * THREADS)), r.per_sm * SMS))
-            vec = int(_cuda.aligned(q, out))
+            vec = int(PL.aligned(q, out))
             assert got == [("launch", r.func, grid, THREADS, 0, struct.pack("@3Pqi", q, out, 0x3000, n, vec))]
-    assert _cuda.build_dequantize_plan(refs, SMS, 0).steps == ()
+    assert PL.build_dequantize_plan(refs, SMS, 0).steps == ()
     u = fake_refs(UKEY)["update"]
     ptrs = tuple(range(0x100, 0x700, 0x100))
-    got = records(P.dry_run(_cuda.build_update_plan(fake_refs(UKEY), 7, 1024, 0.5, False), ptrs))
+    got = records(E.dry_run(PL.build_update_plan(fake_refs(UKEY), 7, 1024, 0.5, False), ptrs))
     assert got == [("launch", u.func, 7, THREADS, 0, struct.pack("@6Piifi", *ptrs, 7, 1024, 0.5, 0))]
 
 
 def test_a_plan_refuses_a_layout_that_is_not_the_kernels_signature():
     refs = fake_refs(DQKEY)
     with pytest.raises(RuntimeError, match=r"lays out dequantize_flat<__half, 1>'s parameters as @PPPq"):
-        _cuda._launch([(refs["dequant"], 1)], 0, THREADS, (P.ptr(0), P.ptr(1), P.ptr(2), P.imm64(5)))
+        PL._launch([(refs["dequant"], 1)], 0, THREADS, (P.ptr(0), P.ptr(1), P.ptr(2), P.imm64(5)))
 
 
 def test_python_executor_packs_into_the_driver_call(monkeypatch):
     """execute() (the wrappers' path) hands cuLaunchKernel (cuLaunchCooperativeKernel) the bytes dry_run() describes."""
     seen = []
-    coop_size = struct.calcsize(_cuda.signature("coop_tiled"))
+    coop_size = struct.calcsize(PL.signature("coop_tiled"))
 
     class FakeDriver(FakeContexts):
         def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
@@ -267,7 +267,7 @@ def test_python_executor_packs_into_the_driver_call(monkeypatch):
         def cuLaunchCooperativeKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, params):
             assert (gy, gz, by, bz) == (1, 1, 1, 1)
             args = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
-            offsets = P._offsets(_cuda.signature("coop_tiled"))
+            offsets = P.param_offsets(PL.signature("coop_tiled"))
             assert [args[i] - args[0] for i in range(len(offsets))] == list(offsets)
             seen.append(("coop", func, gx, bx, shared, ctypes.string_at(args[0], coop_size)))
             return 0
@@ -277,48 +277,49 @@ def test_python_executor_packs_into_the_driver_call(monkeypatch):
             return 0
 
     fake = FakeDriver(start=0)  # device 0's context is current, as the plans' device
-    monkeypatch.setattr(P, "driver", lambda: fake)
-    monkeypatch.setattr(P, "_primary", {})
-    monkeypatch.setattr(_cuda, "kernel_refs", lambda key, dev: fake_refs(key))
-    monkeypatch.setattr(_cuda, "sm_count", lambda dev: SMS)
-    for cached in (_cuda.quantize_plan, _cuda.dequantize_plan, _cuda.update_plan):
+    monkeypatch.setattr(E, "driver", lambda: fake)
+    monkeypatch.setattr(E, "_primary", {})
+    monkeypatch.setattr(launch, "kernel_refs", lambda key, dev: fake_refs(key))
+    monkeypatch.setattr(K, "sm_count", lambda dev: SMS)
+    for cached in (launch.quantize_plan, launch.dequantize_plan, launch.update_plan):
         cached.cache_clear()
     try:
         ptrs = dict(x=0x10000, b=0, q=0x20000, scale=0x30004, amax=0x40004, q_t=0x50000, dbias=0x60000,
                     partial=0x70000, counters=0x80000, scale_inv_used=0x90000, updates=0xA0004, scale_out=0x30004,
                     scale_inv_out=0xB0004)
-        _cuda.launch_quantize(0, 0x5, dtype="bfloat16", fmt="e4m3", op="dgelu_tanh", rows=300, cols=64, first=True,
-                              margin_factor=0.5, **ptrs)
-        plan = _cuda.quantize_plan(0, "bfloat16", "e4m3", "dgelu_tanh", 300, 64, True, True, True, 0.5, 0)
-        slots = tuple(ptrs.get(n, 0) for n in P.QUANTIZE_SLOTS)
-        assert seen == records(P.dry_run(plan, slots)) and [r[0] for r in seen] == ["memset", "coop"]
+        launch.quantize(0, 0x5, ptrs, dtype="bfloat16", fmt="e4m3", op="dgelu_tanh", rows=300, cols=64, first=True,
+                        margin_factor=0.5)
+        plan = launch.quantize_plan(0, "bfloat16", "e4m3", "dgelu_tanh", 300, 64, True, True, True, 0.5, 0)
+        slots = tuple(ptrs.get(n, 0) for n in PL.QUANTIZE_SLOTS)
+        assert slots == PL.QUANTIZE_SLOTS.arrange(ptrs) and slots[PL.QUANTIZE_SLOTS.amax] == 0x40004
+        assert seen == records(E.dry_run(plan, slots)) and [r[0] for r in seen] == ["memset", "coop"]
         assert plan.steps[-1].variants[0].name == fake_refs(QKEY)["coop_tiled"].name
         assert plan.steps[-1].shared == 0
         seen.clear()
-        _cuda.launch_quantize(0, 0x5, dtype="bfloat16", fmt="e4m3", op="dgelu_tanh", rows=300, cols=64, first=True,
-                              margin_factor=0.5, coop=False, **ptrs)
-        plan = _cuda.quantize_plan(0, "bfloat16", "e4m3", "dgelu_tanh", 300, 64, True, True, True, 0.5, 0, 1, False)
-        assert seen == records(P.dry_run(plan, slots)) and len(seen) == 3  # counters memset, pre-pass, tiled
+        launch.quantize(0, 0x5, ptrs, dtype="bfloat16", fmt="e4m3", op="dgelu_tanh", rows=300, cols=64, first=True,
+                        margin_factor=0.5, coop=False)
+        plan = launch.quantize_plan(0, "bfloat16", "e4m3", "dgelu_tanh", 300, 64, True, True, True, 0.5, 0, 1, False)
+        assert seen == records(E.dry_run(plan, slots)) and len(seen) == 3  # counters memset, pre-pass, tiled
         seen.clear()
-        _cuda.launch_dequantize(0, 0x5, dtype="float16", fmt="e5m2", q=0x1000, out=0x2000, scale_inv=0x3000, n=0)
+        launch.dequantize(0, 0x5, {"q": 0x1000, "out": 0x2000, "scale_inv": 0x3000}, dtype="float16", fmt="e5m2", n=0)
         assert seen == []  # nothing to do for 0 elements
-        _cuda.launch_update_scales(0, 0x5, amax_history=1, scale=2, scale_inv=3, overflows=4, updates=5, fmt_max=6,
-                                   n=3, L=8, margin_factor=1.0, algo_max=True)
+        launch.update_scales(0, 0x5, dict(amax_history=1, scale=2, scale_inv=3, overflows=4, updates=5, fmt_max=6),
+                             n=3, L=8, margin_factor=1.0, algo_max=True)
         assert len(seen) == 1 and seen[0][2] == 3
         assert fake.calls == []  # the plans' device's context was current: nothing pushed
     finally:
-        for cached in (_cuda.quantize_plan, _cuda.dequantize_plan, _cuda.update_plan):
+        for cached in (launch.quantize_plan, launch.dequantize_plan, launch.update_plan):
             cached.cache_clear()
 
 
 def test_encode_layout():
     refs = fake_refs(QKEY)
-    plan = _cuda.build_quantize_plan(refs, SMS, 64, 64, False, True, False, 1.0, 8)
+    plan = PL.build_quantize_plan(refs, SMS, 64, 64, False, True, False, 1.0, 8)
     data, names = plan.encode()
-    assert data.dtype == np.int64 and list(data[:3]) == [P.PLAN_VERSION, len(P.QUANTIZE_SLOTS), 2]
-    assert list(data[3:6]) == [P.MEMSET, P.QUANTIZE_SLOTS.index("counters"), 4]
+    assert data.dtype == np.int64 and list(data[:3]) == [P.PLAN_VERSION, len(PL.QUANTIZE_SLOTS), 2]
+    assert list(data[3:6]) == [P.MEMSET, PL.QUANTIZE_SLOTS.index("counters"), 4]
     assert names == refs["tiled"].name  # one launch of one variant
-    assert plan.steps[1].layout == _cuda.signature("tiled")
+    assert plan.steps[1].layout == PL.signature("tiled")
     # the launch step names its kernel by id, not by handle (a pointer of this process)
     assert list(data[6:12]) == [P.LAUNCH, 1, 0, 256, 0, len(plan.steps[1].params)]
     assert data[12] == refs["tiled"].kid and refs["tiled"].func not in data
@@ -382,7 +383,7 @@ def test_cxx_packer_matches_the_python_executor(xla_lib, torch_lib):
     for _, plan in quantize_plans() + other_plans():
         data, names = register(plan).encode()
         for ptrs in pointer_sets(len(plan.slots)):
-            want = P.dry_run(plan, ptrs)
+            want = E.dry_run(plan, ptrs)
             assert cxx_dry_run(xla_lib, data, ptrs, names) == want
             assert torch_lib.dry_run(data.tobytes(), ptrs, 0, names) == want
             checked += 1
@@ -393,15 +394,15 @@ def test_the_jax_plan_table_holds_each_devices_plan(xla_lib):
     """encode_plans: the attributes of the FFI call; the handler starts at offsets[device]."""
     from fusedfp8.jax import callbacks as C
 
-    plans = {0: _cuda.build_quantize_plan(fake_refs(QKEY, 0x1000_0000), SMS, 300, 64, True, False, True, 1.0, 4),
-             2: _cuda.build_quantize_plan(fake_refs(QKEY, 0x2000_0000), 78, 300, 64, True, False, True, 1.0, 4)}
+    plans = {0: PL.build_quantize_plan(fake_refs(QKEY, 0x1000_0000), SMS, 300, 64, True, False, True, 1.0, 4),
+             2: PL.build_quantize_plan(fake_refs(QKEY, 0x2000_0000), 78, 300, 64, True, False, True, 1.0, 4)}
     table, offsets, names = C.encode_plans(plans)
     assert list(offsets) == [0, -1, len(plans[0].encode()[0])] and names == plans[0].encode()[1]
-    ptrs = pointer_sets(len(P.QUANTIZE_SLOTS))[1]
+    ptrs = pointer_sets(len(PL.QUANTIZE_SLOTS))[1]
     for dev, plan in plans.items():  # the same kernel ids, each device's own handles
         register(plan, dev)
     for dev, plan in plans.items():
-        assert cxx_dry_run(xla_lib, table[offsets[dev]:], ptrs, names, dev) == P.dry_run(plan, ptrs)
+        assert cxx_dry_run(xla_lib, table[offsets[dev]:], ptrs, names, dev) == E.dry_run(plan, ptrs)
     table, offsets, names = C.encode_plans({})
     assert list(offsets) == [-1] and names == ""
 
@@ -411,25 +412,25 @@ ID_ARGS = ("quantize_tiled<__nv_bfloat16, 0, 0>", "sm_90 nvrtc 12.8")  # a kerne
 
 
 def test_kernel_ids_are_the_same_in_another_process_and_change_with_every_input():
-    """kernel_id of a real module's kernel (its source and NVRTC options as _cuda builds it): the same
+    """kernel_id of a real module's kernel (its source and NVRTC options as the kernels' build takes them): the same
     in a fresh process (another hash seed), 63 bits, not 0; another for any other name, source
     (one character), option set or target."""
     name, target = ID_ARGS
-    src, opts = _cuda.family_source("quantize"), _cuda.compile_options()
-    kid = P.kernel_id(name, src, opts, target)
-    code = ("from fusedfp8 import _cuda; from fusedfp8.csrc import plan as P; "
-            f"print(P.kernel_id({name!r}, _cuda.family_source('quantize'), _cuda.compile_options(), {target!r}))")
+    src, opts = K.family_source("quantize"), K.compile_options()
+    kid = K.kernel_id(name, src, opts, target)
+    code = ("from fusedfp8.launch import kernels as K; "
+            f"print(K.kernel_id({name!r}, K.family_source('quantize'), K.compile_options(), {target!r}))")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": root}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == kid and 0 < kid < 2 ** 63
     at = len(src) // 2
-    others = [P.kernel_id(name.replace("0, 0>", "0, 1>"), src, opts, target),
-              P.kernel_id(name, src[:at] + ("x" if src[at] != "x" else "y") + src[at + 1:], opts, target),
-              P.kernel_id(name, src, opts[:-1], target), P.kernel_id(name, src, (*opts, "-DFF8_X=1"), target),
-              P.kernel_id(name, src, opts, "sm_89 nvrtc 12.8"), P.kernel_id(name, src, opts, "sm_90 nvrtc 12.9"),
-              P.kernel_id(name + src[:8], src[8:], opts, target)]  # (the parts do not run into each other)
+    others = [K.kernel_id(name.replace("0, 0>", "0, 1>"), src, opts, target),
+              K.kernel_id(name, src[:at] + ("x" if src[at] != "x" else "y") + src[at + 1:], opts, target),
+              K.kernel_id(name, src, opts[:-1], target), K.kernel_id(name, src, (*opts, "-DFF8_X=1"), target),
+              K.kernel_id(name, src, opts, "sm_89 nvrtc 12.8"), K.kernel_id(name, src, opts, "sm_90 nvrtc 12.9"),
+              K.kernel_id(name + src[:8], src[8:], opts, target)]  # (the parts do not run into each other)
     assert len(set(others)) == len(others) and kid not in others
 
 
@@ -438,11 +439,11 @@ def test_the_shims_resolve_kernel_ids_per_device_and_refuse_an_unloaded_kernel_b
     executor's bytes); on device 6, or with an id no module had (an executable of another fusedfp8),
     they refuse the plan naming the kernel and what to do; a later registration of an id replaces
     its handle (a module loaded again)."""
-    plan = _cuda.build_dequantize_plan(fake_refs(DQKEY, 0x7F50_0000_1000), SMS, 4096)
+    plan = PL.build_dequantize_plan(fake_refs(DQKEY, 0x7F50_0000_1000), SMS, 4096)
     (step,) = plan.steps
     data, names = plan.encode()
     ptrs = (0x1000, 0x2000, 0x3000)
-    want = P.dry_run(plan, ptrs)
+    want = E.dry_run(plan, ptrs)
     register(plan, 5)
 
     def both(data, device):
@@ -451,7 +452,7 @@ def test_the_shims_resolve_kernel_ids_per_device_and_refuse_an_unloaded_kernel_b
         return got
 
     assert both(data, 5) == want
-    for data_, device in ((data, 6), (np.where(data == step.variants[0].kid, P.kernel_id("x", "", (), ""), data), 5)):
+    for data_, device in ((data, 6), (np.where(data == step.variants[0].kid, K.kernel_id("x", "", (), ""), data), 5)):
         for run in (lambda: cxx_dry_run(xla_lib, data_, ptrs, names, device),
                     lambda: torch_lib.dry_run(data_.tobytes(), ptrs, device, names)):
             with pytest.raises(ValueError) as e:
@@ -476,14 +477,14 @@ def test_the_registry_refuses_what_is_no_kernel(xla_lib, device, kid, func, mess
 def test_a_full_registry_still_resolves_and_refuses_more(xla_lib, torch_lib):
     """Device 63's table filled (4096 kernels): each id resolves, an unknown one is refused after a
     walk over every slot, and one more kernel is refused."""
-    plan = _cuda.build_dequantize_plan(fake_refs(DQKEY, 0x7F60_0000_1000), SMS, 4096)
+    plan = PL.build_dequantize_plan(fake_refs(DQKEY, 0x7F60_0000_1000), SMS, 4096)
     (v,) = plan.steps[0].variants
     others = [(k, 0x6000 + k) for k in range(1, 4096)]  # with v's: the 4096 slots of a device (plan.h)
     assert v.kid >= 4096
     shim.register_kernels(63, [(v.kid, v.func), *others])
     data, names = plan.encode()
     ptrs = (0x1000, 0x2000, 0x3000)
-    assert cxx_dry_run(xla_lib, data, ptrs, names, 63) == P.dry_run(plan, ptrs)
+    assert cxx_dry_run(xla_lib, data, ptrs, names, 63) == E.dry_run(plan, ptrs)
     assert all(records(cxx_dry_run(xla_lib, np.where(data == v.kid, k, data), ptrs, names, 63))[0][1] == f
                for k, f in others[::97])
     with pytest.raises(ValueError, match="is not loaded on CUDA device 63"):
@@ -514,20 +515,20 @@ def test_a_shim_learns_every_kernel_registered_before_it_loaded_and_after(monkey
 
 
 def test_loading_a_module_registers_its_kernels_in_the_loaded_shims(monkeypatch, xla_lib, torch_lib):
-    """The real _cuda._build over a made-up CuPy: each kernel's id is kernel_id of its name, its
+    """The real K._build over a made-up CuPy: each kernel's id is kernel_id of its name, its
     family's source, compile_options() and the target, and the shims resolve a plan of the module
     to the handles CuPy gave, on the module's device only."""
     handles: dict = {}
     F.pretend_gpu(monkeypatch.setattr, monkeypatch.setitem,
                   lambda expr: handles.setdefault(expr, 0x5000 + len(handles)))
-    kernels = _cuda.kernels(DQKEY, 0)
-    src = _cuda.family_source("dequantize")
+    kernels = K.load(DQKEY, 0)
+    src = K.family_source("dequantize")
     assert {k.name: (k.func, k.kid) for k in kernels.values()} == {
-        name: (h, P.kernel_id(name, src, _cuda.compile_options(), F.FAKE_TARGET)) for name, h in handles.items()}
-    plan = _cuda.build_dequantize_plan(_cuda.kernel_refs(DQKEY, 0), SMS, 4096)
+        name: (h, K.kernel_id(name, src, K.compile_options(), F.FAKE_TARGET)) for name, h in handles.items()}
+    plan = PL.build_dequantize_plan(launch.kernel_refs(DQKEY, 0), SMS, 4096)
     data, names = plan.encode()
     ptrs = (0x1000, 0x2000, 0x3000)
-    want = P.dry_run(plan, ptrs)
+    want = E.dry_run(plan, ptrs)
     assert records(want)[0][1] == handles[names]
     assert cxx_dry_run(xla_lib, data, ptrs, names, 0) == want
     assert torch_lib.dry_run(data.tobytes(), ptrs, 0, names) == want
@@ -547,9 +548,9 @@ def test_loading_a_module_registers_its_kernels_in_the_loaded_shims(monkeypatch,
      "malformed launch step"),
 ], ids=["truncated", "version", "short", "variants", "memset-slot", "memset-bytes", "kind", "coop-params"])
 def test_cxx_interpreter_refuses_a_malformed_plan(xla_lib, bad, message):
-    data, _ = register(_cuda.build_quantize_plan(fake_refs(QKEY), SMS, 64, 64, True, True, True, 1.0, 0)).encode()
+    data, _ = register(PL.build_quantize_plan(fake_refs(QKEY), SMS, 64, 64, True, True, True, 1.0, 0)).encode()
     with pytest.raises(ValueError, match=message):
-        cxx_dry_run(xla_lib, bad(data), pointer_sets(len(P.QUANTIZE_SLOTS))[0])
+        cxx_dry_run(xla_lib, bad(data), pointer_sets(len(PL.QUANTIZE_SLOTS))[0])
     with pytest.raises(ValueError, match="takes 13 buffers, 3 were given"):
         cxx_dry_run(xla_lib, data, (1, 2, 3))
 
@@ -615,7 +616,7 @@ def test_jax_impls():
 def test_jax_ffi_impl_needs_a_gpu_here():
     from fusedfp8.jax import primitives as JP
 
-    if _cuda.probe()[0]:
+    if launch.probe()[0]:
         pytest.skip("a GPU is here")
     with pytest.raises(ValueError, match=r"^impl='ffi' runs the CUDA kernels, which cannot run here: "):
         JP._check_impl("ffi")
@@ -751,30 +752,30 @@ def test_torch_cpu_ops_unchanged_with_the_cpp_kernels(cpp_ops):
     (32, 48, False, False), (8190, 64, False, False), (1, 4096, False, False), (16, 300, False, False)])
 def test_padded_plans_take_the_tiled_kernel_with_the_padded_shape(rows, cols, transpose, dbias):
     refs = fake_refs(QKEY)
-    plan = _cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True, 1.0, 0, 16, False)
-    ptrs = pointer_sets(len(P.QUANTIZE_SLOTS))[0]
-    s = dict(zip(P.QUANTIZE_SLOTS, ptrs))
+    plan = PL.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True, 1.0, 0, 16, False)
+    ptrs = pointer_sets(len(PL.QUANTIZE_SLOTS))[0]
+    s = dict(zip(PL.QUANTIZE_SLOTS, ptrs))
     want = legacy_quantize(refs, x=s["x"], b=s["b"], q=s["q"], scale=s["scale"], amax=s["amax"], rows=rows,
                            cols=cols, q_t=s["q_t"] if transpose else 0, dbias=s["dbias"] if dbias else 0,
                            partial=s["partial"] if dbias else 0, counters=s["counters"] if dbias else 0,
                            scale_inv_used=s["scale_inv_used"], first=True, updates=s["updates"],
                            scale_out=s["scale_out"], scale_inv_out=s["scale_inv_out"], pad_to=16)
-    got = [(r[1], r[2], r[3], r[5]) for r in records(P.dry_run(plan, ptrs)) if r[0] == "launch"]
+    got = [(r[1], r[2], r[3], r[5]) for r in records(E.dry_run(plan, ptrs)) if r[0] == "launch"]
     assert got == want
     padded = cols % 16  # then the tiled kernel, also without transpose / dbias
     assert (got[-1][0] == refs["tiled"].func) == bool(padded or transpose or dbias)
     if not (padded or transpose or dbias):  # rows padded only (or none): the flat kernel, the pad's zeros after x's
         assert got[-1][0] == refs["flat_vec1_store1"].func
         assert struct.unpack_from("<qqf", got[-1][3], 9 * 8) == (rows * cols, (-rows % 16) * cols, 1.0)
-    one = [r[:2] for r in records(P.dry_run(_cuda.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True,
+    one = [r[:2] for r in records(E.dry_run(PL.build_quantize_plan(refs, SMS, rows, cols, transpose, dbias, True,
                                                                        1.0, 0, 16), ptrs)) if r[0] != "memset"]
     assert one == [("coop", refs["coop_tiled" if padded or transpose or dbias else "coop_flat_vec1"].func)]
     if not (padded or transpose or dbias):
-        coop_step = [r for r in records(P.dry_run(_cuda.build_quantize_plan(
+        coop_step = [r for r in records(E.dry_run(PL.build_quantize_plan(
             refs, SMS, rows, cols, transpose, dbias, True, 1.0, 0, 16), ptrs)) if r[0] != "memset"][0]
         assert struct.unpack_from("<qq", coop_step[5], 9 * 8) == (rows * cols, (-rows % 16) * cols)
     if dbias:
-        assert _cuda.dbias_workspace(rows, cols, 16)[1] == -(-(-(-cols // 16) * 16) // _cuda.TILE_C)
+        assert launch.dbias_workspace(rows, cols, 16)[1] == -(-(-(-cols // 16) * 16) // PL.TILE_C)
 
 
 @pytest.mark.parametrize("op", ["gelu_tanh", "gelu_erf"])
@@ -783,7 +784,7 @@ def test_dbias_goes_with_a_gradients_ops_only(op):
     dbias is refused by name before anything compiles or launches."""
     with pytest.raises(ValueError, match=f"dbias: the column sums come with op 'identity', 'dgelu_tanh' or "
                                          f"'dgelu_erf'.*got op '{op}'"):
-        _cuda.quantize_plan(0, "bfloat16", "e4m3", op, 303, 300, True, True)
+        launch.quantize_plan(0, "bfloat16", "e4m3", op, 303, 300, True, True)
 
 
 @pytest.mark.parametrize("first", [False, True], ids=["delayed", "first-step"])
@@ -791,12 +792,12 @@ def test_a_gradients_dbias_takes_the_identitys_own_kernel(first):
     """quantize with dbias runs the identity's instantiation with the column sums compiled in
     (tiled_dbias / coop_tiled_dbias); without dbias the forward's kernel, whose registers the sums
     would double."""
-    key = _cuda.ModuleKey("quantize", "bfloat16", "e5m2", "identity")
+    key = K.ModuleKey("quantize", "bfloat16", "e5m2", "identity")
     refs = fake_refs(key)
     names = {"tiled_dbias", "coop_tiled_dbias"}
     for dbias in (False, True):
-        plan = _plans.build_quantize_plan(refs, 132, 303, 300, True, dbias, first)
-        (launch,) = [st for st in plan.steps if isinstance(st, _cuda.Launch)]
+        plan = PL.build_quantize_plan(refs, 132, 303, 300, True, dbias, first)
+        (launch,) = [st for st in plan.steps if isinstance(st, P.Launch)]
         role = next(r for r, k in refs.items() if k.name == launch.variants[0].name)
         assert (role in names) == dbias, (dbias, role)
         assert role.startswith("coop_") == first, role

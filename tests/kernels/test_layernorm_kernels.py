@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import fusedfp8
-from fusedfp8 import _cuda, _plans
-from fusedfp8.csrc import plan as P
+from fusedfp8 import launch
+from fusedfp8.launch import executor as E, kernels as K, plans as PL
 from fusedfp8.formats import get_format
 from fusedfp8.numerics import layernorm as ln
 from fusedfp8.numerics import reference as ref
@@ -286,7 +286,7 @@ def test_first_step_pre_pass_is_one_extra_launch():
             fusedfp8.layernorm_quantize(x, w, b, 1e-5, st.slot(0, r), transpose=True)
             torch.cuda.synchronize()
         kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        split = _plans.split_transpose(1024)  # (q_t then from a transpose_fp8 launch after the main kernel)
+        split = PL.split_transpose(1024)  # (q_t then from a transpose_fp8 launch after the main kernel)
         assert len(kernels) == per_call + split, (first, kernels)
         assert all("layernorm_quantize" in k for k in kernels[:per_call]), (first, kernels)
         assert not split or "transpose_fp8" in kernels[-1], kernels
@@ -414,11 +414,11 @@ def test_the_padded_kernel_writes_every_byte_of_the_pad(device, shape, pad_to, t
     q_t = torch.full((pcols, prows), 0xA5, dtype=torch.uint8, device="cuda") if transpose else None
     m, r = torch.empty(rows, device="cuda"), torch.empty(rows, device="cuda")
     scale, amax, siu = (torch.tensor([v], device="cuda") for v in (8.0, 0.0, 0.0))
-    _cuda.launch_layernorm_quantize(
-        0, torch.cuda.current_stream().cuda_stream, dtype="bfloat16", param="float32", fmt="e4m3", x=x.data_ptr(),
-        weight=w.data_ptr(), bias=b.data_ptr(), q=q.data_ptr(), mean=m.data_ptr(), rstd=r.data_ptr(),
-        scale=scale.data_ptr(), amax=amax.data_ptr(), rows=rows, cols=cols, eps=1e-5,
-        q_t=q_t.data_ptr() if transpose else 0, scale_inv_used=siu.data_ptr(), pad_to=pad_to)
+    buffers = dict(x=x.data_ptr(), weight=w.data_ptr(), bias=b.data_ptr(), q=q.data_ptr(), mean=m.data_ptr(),
+                   rstd=r.data_ptr(), scale=scale.data_ptr(), amax=amax.data_ptr(),
+                   q_t=q_t.data_ptr() if transpose else 0, scale_inv_used=siu.data_ptr())
+    launch.layernorm_quantize(0, torch.cuda.current_stream().cuda_stream, buffers, dtype="bfloat16", param="float32",
+                              fmt="e4m3", rows=rows, cols=cols, eps=1e-5, pad_to=pad_to)
     torch.cuda.synchronize()
     assert bytes_of(q) == want.data.tobytes()
     if transpose:
@@ -470,8 +470,8 @@ SMS = 132
 
 
 def fake_refs() -> dict:
-    names = _cuda.name_expressions(_cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"))
-    return {role: _cuda.KernelRef(0x7F40_0000_1000 + 0x100 * i, expr, role, 2, 1 + i) for i, (role, expr) in
+    names = K.name_expressions(K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"))
+    return {role: PL.KernelRef(0x7F40_0000_1000 + 0x100 * i, expr, role, 2, 1 + i) for i, (role, expr) in
             enumerate(names.items())}
 
 
@@ -483,7 +483,7 @@ def fake_refs() -> dict:
 def test_transposed_tile(cols, optin, want):
     """Rows of the shared tile: 16 while the tile stays within 64 KiB, 8 within 128 KiB, else 4, all
     within the device's opt-in shared memory (227 KiB on an H200, 99 KiB on sm_89) less the static."""
-    assert _cuda.layernorm_tile(cols, optin) == want
+    assert PL.layernorm_tile(cols, optin) == want
 
 
 @pytest.mark.parametrize("cols, tile_rows, want", [
@@ -494,7 +494,7 @@ def test_layernorm_block(cols, tile_rows, want):
     """Threads per block of the layernorm kernel: max(256, threads per row) without q_t; with q_t a
     tile's rows in one pass, at most 512 threads, so that the rows per tile stay a multiple of the
     rows per pass."""
-    got = _cuda.layernorm_block(ln.threads_per_row(cols), tile_rows)
+    got = PL.layernorm_block(ln.threads_per_row(cols), tile_rows)
     assert got == want and (not tile_rows or tile_rows % (got // ln.threads_per_row(cols)) == 0)
 
 
@@ -503,16 +503,16 @@ def test_layernorm_block(cols, tile_rows, want):
 def test_which_widths_take_q_t_from_a_second_launch(cols, split):
     """LayerNorm's q_t from transpose_fp8 after the main kernel from LN_SPLIT_COLS (4096) padded
     columns on, from the kernel's shared tile below."""
-    assert _plans.LN_SPLIT_COLS == 4096 and _plans.split_transpose(cols) == split
+    assert PL.LN_SPLIT_COLS == 4096 and PL.split_transpose(cols) == split
 
 
 def test_a_split_q_t_takes_any_width():
     """The split plan keeps no tile of whole rows in shared memory, so q_t of a width the fused
     kernel refuses (60000 columns) is planned: the kernel without q_t, then transpose_fp8 over q."""
     with pytest.raises(ValueError, match="at most"):
-        _cuda.layernorm_tile(60000, 227 << 10)
+        PL.layernorm_tile(60000, 227 << 10)
     refs = fake_refs()
-    plan = _cuda.build_layernorm_plan(refs, SMS, 3, 60000, True, False, 1e-5, 1.0, 0, (0, 0), 1)
+    plan = PL.build_layernorm_plan(refs, SMS, 3, 60000, True, False, 1e-5, 1.0, 0, (0, 0), 1)
     assert [v.func for step in plan.steps for v in step.variants] == [refs["layernorm_store1"].func,
                                                                      refs["transpose_tiled"].func]
     assert plan.steps[-1].variants[0].grid == min(1 * 938, 2 * SMS) and plan.steps[-1].block == 256
@@ -520,7 +520,7 @@ def test_a_split_q_t_takes_any_width():
 
 def test_transposed_tile_too_wide_is_refused():
     with pytest.raises(ValueError, match=r"transpose=True needs 4 rows .* at most 24832 columns; got 30000"):
-        _cuda.layernorm_tile(30000, 99 << 10)
+        PL.layernorm_tile(30000, 99 << 10)
 
 
 @pytest.mark.parametrize("rows, cols, transpose, first, pad_to", [
@@ -545,17 +545,17 @@ def test_plan_launches(rows, cols, transpose, first, pad_to):
     kernel without q_t (no tile), then transpose_fp8 over q (the padded q: prows x pcols), one block of
     256 per 128 x 64 tile, one resident wave at most."""
     refs = fake_refs()
-    prows, pcols = _cuda.padded(rows, cols, pad_to)
+    prows, pcols = launch.padded(rows, cols, pad_to)
     split = transpose and pcols >= 4096
     pad = rows > 0 and (prows, pcols) != (rows, cols)
     fused_t = transpose and not split
-    tile = _cuda.layernorm_tile(pcols, 227 << 10) if fused_t else (0, 0)
-    plan = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, pad_to)
-    ptrs = tuple(0x7000_0000_0000 + 0x10_0000 * (i + 1) for i in range(len(P.LAYERNORM_SLOTS)))
-    s = dict(zip(P.LAYERNORM_SLOTS, ptrs))
+    tile = PL.layernorm_tile(pcols, 227 << 10) if fused_t else (0, 0)
+    plan = PL.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, pad_to)
+    ptrs = tuple(0x7000_0000_0000 + 0x10_0000 * (i + 1) for i in range(len(PL.LAYERNORM_SLOTS)))
+    s = dict(zip(PL.LAYERNORM_SLOTS, ptrs))
     tpr = ln.threads_per_row(cols)
     block = max(256, tpr)
-    fmt = _cuda.SIGNATURES["layernorm"]
+    fmt = PL.SIGNATURES["layernorm"]
 
     def pack(*args):
         return struct.pack(fmt, *args)
@@ -563,7 +563,7 @@ def test_plan_launches(rows, cols, transpose, first, pad_to):
     def pack_main(*args):  # the logical shape at 13, 14; the padded one after it
         if not pad:
             return pack(*args)
-        return struct.pack(_cuda.SIGNATURES["padded_layernorm"], *args[:15], prows, pcols, *args[15:])
+        return struct.pack(PL.SIGNATURES["padded_layernorm"], *args[:15], prows, pcols, *args[15:])
 
     def st(name):
         return s[name] + 8
@@ -589,10 +589,10 @@ def test_plan_launches(rows, cols, transpose, first, pad_to):
         if split:
             tiles = -(-prows // 128) * -(-pcols // 64)
             want.append((refs["transpose_tiled"].func, min(tiles, 2 * SMS), 256, 0, struct.pack(
-                _cuda.SIGNATURES["transpose"], s["q"], s["q_t"], prows, pcols, int(pcols % 16 == 0),
+                PL.SIGNATURES["transpose"], s["q"], s["q_t"], prows, pcols, int(pcols % 16 == 0),
                 int(prows % 16 == 0))))
     got = []
-    dry = P.dry_run(plan, ptrs)
+    dry = E.dry_run(plan, ptrs)
     at = 0
     while at < len(dry):
         _, func, grid, blk, shared, size = struct.unpack_from("<qQqqqq", dry, at)
@@ -600,8 +600,8 @@ def test_plan_launches(rows, cols, transpose, first, pad_to):
         at += 48 + size + (-size % 8)
     assert got == want
     second = split and rows > 0
-    assert [step.layout for step in plan.steps] == [_cuda.signature("layernorm")] * (len(plan.steps) - 1 - second) + [
-        _cuda.signature("padded_layernorm" if pad else "layernorm")] + [_cuda.signature("transpose")] * second
+    assert [step.layout for step in plan.steps] == [PL.signature("layernorm")] * (len(plan.steps) - 1 - second) + [
+        PL.signature("padded_layernorm" if pad else "layernorm")] + [PL.signature("transpose")] * second
     if not pad:  # pad_to changes nothing where there is nothing to pad
-        same = _cuda.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, 1)
+        same = PL.build_layernorm_plan(refs, SMS, rows, cols, transpose, first, 1e-5, 0.5, 8, tile, 1)
         assert plan.steps == same.steps

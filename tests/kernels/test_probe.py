@@ -5,7 +5,8 @@ import ctypes
 
 import pytest
 
-from fusedfp8 import _cuda
+from fusedfp8 import launch
+from fusedfp8.launch import executor as E, kernels as K
 
 
 class _Driver:
@@ -22,11 +23,11 @@ class _Driver:
 
 @pytest.fixture
 def fresh_probe(monkeypatch):
-    _cuda.probe.cache_clear()
-    _cuda._gpu_count.cache_clear()
+    launch.probe.cache_clear()
+    K._gpu_count.cache_clear()
     yield monkeypatch
-    _cuda.probe.cache_clear()
-    _cuda._gpu_count.cache_clear()
+    launch.probe.cache_clear()
+    K._gpu_count.cache_clear()
 
 
 def _no_cupy(monkeypatch):
@@ -46,14 +47,14 @@ def _no_cupy(monkeypatch):
     (_Driver(count=0), r"^no CUDA GPU \(the driver sees no device\)"),
 ], ids=["no-driver", "driver-fails", "no-device"])
 def test_without_a_gpu_the_reason_is_the_missing_gpu_even_without_cupy(fresh_probe, driver, want):
-    fresh_probe.setattr(_cuda, "driver", lambda: driver)
+    fresh_probe.setattr(E, "driver", lambda: driver)
     _no_cupy(fresh_probe)
-    ok, reason = _cuda.probe()
+    ok, reason = launch.probe()
     assert not ok and __import__("re").match(want, reason), reason
 
 
 def test_with_a_gpu_but_no_cupy_the_reason_is_cupy(fresh_probe):
-    fresh_probe.setattr(_cuda, "driver", lambda: _Driver(count=2))
+    fresh_probe.setattr(E, "driver", lambda: _Driver(count=2))
     _no_cupy(fresh_probe)
-    assert _cuda.probe() == (False, "CuPy is not installed (pip install 'fusedfp8[cuda]')")
-    assert _cuda.probe(3) == (False, "no CUDA device 3 (found 2)")
+    assert launch.probe() == (False, "CuPy is not installed (pip install 'fusedfp8[cuda]')")
+    assert launch.probe(3) == (False, "no CUDA device 3 (found 2)")

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import fusedfp8.pytorch as fp8
-from fusedfp8 import _cuda
+from fusedfp8.launch import kernels as K
 from fusedfp8.pytorch import custom_ops as C
 from fusedfp8.recipe import DelayedScaling
 from support.torch_helpers import inputs, launch_path, train_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.fp8_gemm,
-              pytest.mark.skipif(_cuda._gpu_count()[0] < 2, reason="needs two CUDA GPUs")]
+              pytest.mark.skipif(K._gpu_count()[0] < 2, reason="needs two CUDA GPUs")]
 
 
 def _run(model, device: str, steps: int = 3) -> tuple:

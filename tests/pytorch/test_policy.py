@@ -21,14 +21,14 @@ from torch import nn
 
 import fusedfp8.pytorch as fp8
 from fusedfp8 import __main__ as cli
-from fusedfp8 import _cuda
+from fusedfp8 import launch
 from fusedfp8 import policy as P
 from fusedfp8.recipe import DelayedScaling
 from support.policy import fp8_wins, machine_paths, synthetic_table
 from support.torch_helpers import inputs, train_step
 
 REPO = Path(__file__).resolve().parents[2]
-FP8_GEMM_OK = _cuda.probe(need_fp8_gemm=True)[0]
+FP8_GEMM_OK = launch.probe(need_fp8_gemm=True)[0]
 R = DelayedScaling(amax_history_len=4)
 
 
@@ -517,7 +517,7 @@ def test_calibration_refuses_without_a_gpu(script, tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "the calibration times FP8 GEMMs on the GPU, and this machine has none usable: " in err
-    assert _cuda.probe(need_fp8_gemm=True)[1] in err and "--device cpu runs a smoke test" in err
+    assert launch.probe(need_fp8_gemm=True)[1] in err and "--device cpu runs a smoke test" in err
     assert cli.main(["bench", "--calibrate", "--out", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert out.startswith("calibrate_policy: cannot run here (") and "--tiny runs a CPU smoke test" in out

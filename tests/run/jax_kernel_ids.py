@@ -116,9 +116,9 @@ def lower(out_path: str) -> None:
     handles: dict = {}
     F.pretend_gpu(setattr, lambda d, k, v: d.__setitem__(k, v),
                   lambda expr: handles.setdefault(expr, 0x7F00_0000_0000 + secrets.randbits(32) * 0x100))
-    from fusedfp8 import _cuda
     from fusedfp8.jax import callbacks
     from fusedfp8.jax import gemm as G
+    from fusedfp8.launch import kernels as K
 
     callbacks.gpu_devices = lambda: [0]
     G.gemm_target = lambda: (False, "the FP8 GEMM is not part of this test")
@@ -126,7 +126,7 @@ def lower(out_path: str) -> None:
     x, y = batch(0)
     state = make_state(x)  # (the CPU backend: jax.numpy)
     text = train_step.trace(state, x, y).lower(lowering_platforms=("cuda",)).as_text()
-    kernels = [k for ks in _cuda._loaded.values() for k in ks.values()]
+    kernels = [k for ks in K._loaded.values() for k in ks.values()]
     with open(out_path, "w") as f:
         json.dump({"text": text, "handles": [k.func for k in kernels], "ids": [k.kid for k in kernels]}, f)
 
@@ -193,8 +193,8 @@ def run_serialized(folder: str) -> None:
     import numpy as np
     from jax.experimental import serialize_executable
 
-    from fusedfp8 import _cuda
     from fusedfp8.jax import callbacks
+    from fusedfp8.launch import kernels as K
 
     ok, why = callbacks.ffi_target()  # the handler registered with jax (a first trace would do it)
     assert ok, why
@@ -203,7 +203,7 @@ def run_serialized(folder: str) -> None:
     with open(os.path.join(folder, "executable.bin"), "rb") as f:
         loaded = serialize_executable.deserialize_and_load(f.read(), jax.tree.structure((tuple(args), {})),
                                                            jax.tree.structure((0,) * 7))
-    assert not _cuda._loaded, "a kernel module is loaded already"
+    assert not K._loaded, "a kernel module is loaded already"
     try:
         jax.block_until_ready(loaded(*args))
         refused = ""

@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fusedfp8 import _cuda  # noqa: E402
+from fusedfp8.launch import kernels as K  # noqa: E402
 from support import nvrtc  # noqa: E402
 
 
@@ -32,16 +32,16 @@ def main(out_path: str) -> None:
         opts = nvrtc.options()
         sizes_of = defaultdict(dict)  # group -> {signature family: its kernels' name expressions}
         for fam, key in nvrtc.SIGNATURE_KEYS.items():
-            sizes_of[nvrtc.group_of(key)][fam] = list(_cuda.name_expressions(key).values())
+            sizes_of[nvrtc.group_of(key)][fam] = list(K.name_expressions(key).values())
         jobs = {}
         with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # NVRTC holds the GIL
             for gid, names in nvrtc.groups().items():
                 family = gid.split("-")[0]
                 wanted = [e for exprs in sizes_of[gid].values() for e in exprs]
-                jobs[("group", gid)] = pool.submit(nvrtc.compile_for_sm90, _cuda.family_source(family), names, opts,
+                jobs[("group", gid)] = pool.submit(nvrtc.compile_for_sm90, K.family_source(family), names, opts,
                                                    f"{family}.cu", wanted, nvrtc.target_of(gid))
             for bid, text in nvrtc.BROKEN.items():
-                jobs[("broken", bid)] = pool.submit(nvrtc.compile_for_sm90, _cuda.family_source("dequantize") + text,
+                jobs[("broken", bid)] = pool.submit(nvrtc.compile_for_sm90, K.family_source("dequantize") + text,
                                                     ["broken_kernel"], opts, "broken.cu")
         result["sizes"] = {}
         for (kind, name), fut in jobs.items():

@@ -1,5 +1,5 @@
-"""A stand-in for the CUDA driver's context calls that :mod:`fusedfp8.csrc.plan` and
-:class:`fusedfp8._cuda.Kernel` make through ctypes, for testing on a machine without a GPU
+"""A stand-in for the CUDA driver's context calls that :mod:`fusedfp8.launch.executor` and
+:class:`fusedfp8.launch.kernels.Kernel` make through ctypes, for testing on a machine without a GPU
 (or with one GPU) which context a launch or an occupancy query runs in.
 
 Device ``d``'s primary context is the handle ``PRIMARY + d``; each thread has its own context
@@ -126,33 +126,31 @@ class FakeDriver(FakeContexts):
 def install(setattr_, start: int | None = 0) -> FakeDriver:
     """A FakeDriver (``start``'s context current) as the driver of the executor and the kernels,
     patched with ``setattr_(obj, name, value)`` (pytest's ``monkeypatch.setattr``)."""
-    from fusedfp8 import _cuda
-    from fusedfp8.csrc import plan as P
+    from fusedfp8.launch import executor
 
     drv = FakeDriver(start)
-    setattr_(P, "driver", lambda: drv)
-    setattr_(_cuda, "driver", lambda: drv)
-    setattr_(P, "_primary", {})
+    setattr_(executor, "driver", lambda: drv)  # (the kernels call it through the executor too)
+    setattr_(executor, "_primary", {})
     return drv
 
 
 def fake_id(name: str) -> int:
-    """The kernel id (fusedfp8.csrc.plan.kernel_id) of a made-up kernel named ``name``: made of no
+    """The kernel id (fusedfp8.launch.kernels.kernel_id) of a made-up kernel named ``name``: made of no
     real source, so it never names a compiled kernel's handle in the shims' registries."""
-    from fusedfp8.csrc import plan as P
+    from fusedfp8.launch import kernels as K
 
-    return P.kernel_id(name, "made up", (), "no target")
+    return K.kernel_id(name, "made up", (), "no target")
 
 
 def fake_kernels(key, device: int) -> dict:
-    """What fusedfp8._cuda.kernels (or its _build) returns, made up: real Kernel objects (the
+    """What fusedfp8.launch.kernels.load (or its _build) returns, made up: real Kernel objects (the
     occupancy and attribute calls go to the driver installed) whose handles belong to ``device``
     by :class:`FakeDriver`'s rule."""
-    from fusedfp8 import _cuda
+    from fusedfp8.launch import kernels as K
 
-    return {role: _cuda.Kernel(types.SimpleNamespace(kernel=types.SimpleNamespace(
+    return {role: K.Kernel(types.SimpleNamespace(kernel=types.SimpleNamespace(
         ptr=device * FakeDriver.DEVICE_STRIDE + 0x100 + i)), role, expr, device, fake_id(expr))
-        for i, (role, expr) in enumerate(_cuda.name_expressions(key).items())}
+        for i, (role, expr) in enumerate(K.name_expressions(key).items())}
 
 
 # No real architecture and compiler: the ids of kernels "compiled" by fake_cupy never name a real
@@ -161,7 +159,7 @@ FAKE_TARGET = "sm_00 nvrtc 0.0"
 
 
 def fake_cupy(handle_of) -> types.ModuleType:
-    """A stand-in for what fusedfp8._cuda._build uses of CuPy: RawModule (which "compiles" a module
+    """A stand-in for what fusedfp8.launch.kernels._build uses of CuPy: RawModule (which "compiles" a module
     into kernels whose handles are ``handle_of(name expression)``), Device (a context manager; its
     compute capability and NVRTC's version give :data:`FAKE_TARGET`) and CompileException."""
 
@@ -201,24 +199,25 @@ class AnyHandleDriver(FakeDriver):
 
 def pretend_gpu(setattr_, setitem_, handle_of) -> FakeDriver:
     """Make this process see one FP8 GPU (device 0; the H200's multiprocessors and shared memory)
-    where fusedfp8._cuda looks: the probe passes, CuPy is :func:`fake_cupy` (so the real
-    ``_cuda._build`` runs: kernel ids, registration in the shims) and the driver an
-    :class:`AnyHandleDriver`; no module loaded yet. Patched with ``setattr_`` / ``setitem_``
-    (pytest's monkeypatch.setattr / setitem, or plain ones in a process of its own). The cached
-    plans of _cuda (quantize_plan, ...) are not patched: in a process that goes on with real
-    kernels, build plans with the build_*_plan functions, or clear those caches after."""
+    where fusedfp8.launch looks: the probe passes (for the kernels' build and for the callers of
+    ``launch.probe``), CuPy is :func:`fake_cupy` (so the real ``kernels._build`` runs: kernel ids,
+    registration in the shims) and the driver an :class:`AnyHandleDriver`; no module loaded yet.
+    Patched with ``setattr_`` / ``setitem_`` (pytest's monkeypatch.setattr / setitem, or plain ones
+    in a process of its own). The cached plans of fusedfp8.launch (quantize_plan, ...) are not
+    patched: in a process that goes on with real kernels, build plans with the build_*_plan
+    functions, or clear those caches after."""
     import sys
 
-    from fusedfp8 import _cuda
-    from fusedfp8.csrc import plan as P
+    from fusedfp8 import launch
+    from fusedfp8.launch import executor, kernels
 
     drv = AnyHandleDriver(0)
     setitem_(sys.modules, "cupy", fake_cupy(handle_of))
-    setattr_(_cuda, "probe", lambda device_id=0, need_fp8_gemm=False: (True, "a pretended GPU"))
-    setattr_(_cuda, "driver", lambda: drv)
-    setattr_(P, "driver", lambda: drv)
-    setattr_(P, "_primary", {})
-    setattr_(_cuda, "_loaded", {})
-    setattr_(_cuda, "sm_count", lambda device_id: 132)
-    setattr_(_cuda, "shared_optin", lambda device_id: 227 << 10)
+    for module in (kernels, launch):
+        setattr_(module, "probe", lambda device_id=0, need_fp8_gemm=False: (True, "a pretended GPU"))
+    setattr_(executor, "driver", lambda: drv)
+    setattr_(executor, "_primary", {})
+    setattr_(kernels, "_loaded", {})
+    setattr_(kernels, "sm_count", lambda device_id: 132)
+    setattr_(kernels, "shared_optin", lambda device_id: 227 << 10)
     return drv

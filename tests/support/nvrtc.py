@@ -23,18 +23,18 @@ from __future__ import annotations
 import struct
 from collections import defaultdict
 
-from fusedfp8 import _cuda
+from fusedfp8.launch import kernels as K
 
 BROKEN = {  # sources that must fail, with a log
     "undefined-symbol": "\n__global__ void broken_kernel(float* p) { p[0] = undefined_symbol_xyz; }\n",
     "syntax": "\n__global__ void broken_kernel(float* p) { p[0] = 1.0f }\n",
 }
 # one module per family whose kernels' parameter sizes the launch signatures are checked against
-SIGNATURE_KEYS = {"quantize": _cuda.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh"),
-                  "current_quantize": _cuda.ModuleKey("current_quantize", "bfloat16", "e4m3", "dgelu_tanh"),
-                  "layernorm_quantize": _cuda.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"),
-                  "dequantize": _cuda.ModuleKey("dequantize", "float16", "e5m2"),
-                  "update_scales": _cuda.ModuleKey("update_scales")}
+SIGNATURE_KEYS = {"quantize": K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh"),
+                  "current_quantize": K.ModuleKey("current_quantize", "bfloat16", "e4m3", "dgelu_tanh"),
+                  "layernorm_quantize": K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"),
+                  "dequantize": K.ModuleKey("dequantize", "float16", "e5m2"),
+                  "update_scales": K.ModuleKey("update_scales")}
 
 
 CUBIN, PTX = "sm_90", "compute_90"
@@ -49,7 +49,7 @@ def target_of(group: str) -> str:
     return PTX if family in PTX_ONLY_FAMILIES and dtype in PTX_ONLY_DTYPES else CUBIN
 
 
-def group_of(key: _cuda.ModuleKey) -> str:
+def group_of(key: K.ModuleKey) -> str:
     """The compile group ('family-dtype', or the family) that instantiates ``key``'s kernels."""
     return f"{key.family}-{key.dtype}" if key.dtype else key.family
 
@@ -60,15 +60,15 @@ def groups() -> dict:
     that every module of a family holds alike (layernorm_quantize's transpose_fp8, no template
     parameter) is listed once."""
     out = defaultdict(list)
-    for key in _cuda.all_module_keys():
+    for key in K.all_module_keys():
         group = out[group_of(key)]
-        group.extend(e for e in _cuda.name_expressions(key).values() if "<" in e or e not in group)
+        group.extend(e for e in K.name_expressions(key).values() if "<" in e or e not in group)
     return dict(out)
 
 
 def options() -> tuple:
     """The library's compile options, minus CuPy's additions."""
-    return tuple(_cuda.COMPILE_OPTIONS) + tuple(f"-I{d}" for d in _cuda.cuda_include_dirs())
+    return tuple(K.COMPILE_OPTIONS) + tuple(f"-I{d}" for d in K.cuda_include_dirs())
 
 
 def ready() -> tuple[bool, str]:
@@ -77,7 +77,7 @@ def ready() -> tuple[bool, str]:
         from cuda.bindings import nvrtc  # noqa: F401
     except ImportError as e:
         return False, f"cuda-bindings (NVRTC) is not installed: {e} (pip install 'fusedfp8[test]')"
-    if not _cuda.cuda_include_dirs():
+    if not K.cuda_include_dirs():
         return False, "no CUDA headers (cuda_fp8.h) found: install nvidia-cuda-runtime or set CUDA_PATH"
     return True, ""
 

@@ -45,9 +45,9 @@ def skip_reason(code: str):
     """Why the block does not run here (None: it runs)."""
     m = marker(code)
     if m == "gpu-only":
-        from fusedfp8 import _cuda
+        from fusedfp8 import launch
 
-        ok, reason = _cuda.probe()
+        ok, reason = launch.probe()
         return None if ok else f"GPU-only README block: {reason}"
     if m and m.startswith("requires "):
         missing = requirement_missing(m.split(None, 1)[1])
