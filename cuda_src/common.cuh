@@ -315,7 +315,7 @@ __device__ __forceinline__ uint4 ldg_nc16(const void* p) {
 }
 
 // ---- the 128 x 64-byte shared tile of the tiled kernels (quantize_tiled, transpose_fp8) ---------
-#define TILE_R 128  // the tile (_cuda.TILE_R, TILE_C)
+#define TILE_R 128  // the tile (fusedfp8/launch/plans.py TILE_R, TILE_C)
 #define TILE_C 64
 
 // Byte offset of tile element (r, c) in the swizzled 128 x 64 shared tile (quantize_tiled's header):

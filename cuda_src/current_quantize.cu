@@ -12,7 +12,7 @@
 // Grid / block: those of quantize_flat / quantize_tiled (FF8_THREADS / 256 threads; grid at most the
 // resident blocks, which a cooperative launch requires: the driver refuses a larger grid rather than
 // letting the barrier wait for a block that never runs). Launched with cuLaunchCooperativeKernel
-// (fusedfp8.csrc.plan: the launch step's `coop`).
+// (fusedfp8.launch.format: the launch step's `coop`).
 // On chip: each thread's first 16-element vector (flat) or each block's first tile (tiled, 2 rows x 16
 // columns a thread) is loaded once, into registers, before the barrier and cast from there after it.
 // The rest of a block's share is read twice, the second time mostly from L2 (50 MB on an H200). (Keeping

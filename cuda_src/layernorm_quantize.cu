@@ -33,7 +33,7 @@
 //
 // (From LN_SPLIT_COLS columns on the plan writes q_t without the tile: this kernel without q_t, then
 // transpose_fp8 below.)
-// Grid and block: blockDim = max(256, tpr) threads (the host's choice, fusedfp8/_plans.py layernorm_block;
+// Grid and block: blockDim = max(256, tpr) threads (the host's choice, fusedfp8/launch/plans.py layernorm_block;
 // the kernel reads blockDim; with q_t: min(512, tile_rows * tpr), a tile in one pass),
 // blockDim / tpr rows per pass; grid = min(row groups, resident blocks) from the occupancy, grid-
 // stride over the groups; one atomicMax per block. Without q_t (TRANSPOSE = false) a group is one
@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize_padded(
 // ---------------------------------------------------------------------------------------------
 // transpose_fp8: the FP8 bytes q (prows x pcols, row-major: the padded q of layernorm_quantize, zeros in
 // its pad) written transposed into q_t (pcols x prows). It is the second launch of layernorm_quantize with
-// q_t from LN_SPLIT_COLS columns on (fusedfp8/_plans.py build_layernorm_plan): the LayerNorm kernel
+// q_t from LN_SPLIT_COLS columns on (fusedfp8/launch/plans.py build_layernorm_plan): the LayerNorm kernel
 // without its shared tile, then this one. Why: the fused kernel's tile holds tile_rows whole rows of q (16 at 4096 columns,
 // 8 at 16384: 128 KiB of the block's shared memory), so each column of q_t gets tile_rows contiguous
 // bytes a store, and a wide row leaves one block of 16 warps per multiprocessor working on one row at a

@@ -49,6 +49,9 @@ TARGETS = ("xla", "torch")
 _SOURCES = {"xla": ("plan.h", "gemm.h", "xla_ffi.cc"), "torch": ("plan.h", "gemm.h", "torch_gemm.h", "torch_ops.cc")}
 _WHAT = {"xla": "JAX (XLA FFI)", "torch": "torch"}
 TIMEOUT = 900  # seconds a compile may take
+# The launch-plan format the libraries read (plan.h's kPlanVersion) and fusedfp8.launch.format writes;
+# 2: the cooperative launch step; 3: kernels named by id
+PLAN_VERSION = 3
 
 
 def filename(target: str) -> str:
@@ -153,8 +156,6 @@ def _stamped(path: Path, key: str) -> bool:
 
 def _open(target: str, path: Path):
     """Load a built library: the ctypes library (xla) or the extension module (torch)."""
-    from ..launch.format import PLAN_VERSION  # (here: setup.py loads this module by path, without the package)
-
     if target == "xla":
         import ctypes
 

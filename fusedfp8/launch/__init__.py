@@ -25,10 +25,10 @@ from . import kernels
 from .executor import current_device, execute, plan_on, run
 from .format import Plan
 from .kernels import probe
-from .plans import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, QUANTIZE_SLOTS, THREADS, TILED_BLOCK,
-                    UPDATE_SLOTS, KernelRef, build_amax_plan, build_dequantize_plan, build_layernorm_amax_plan,
-                    build_layernorm_plan, build_quantize_plan, build_update_plan, dbias_workspace, layernorm_block,
-                    layernorm_tile, padded, split_transpose)
+from .plans import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, QUANTIZE_SLOTS, UPDATE_SLOTS, KernelRef,
+                    block_of, build_amax_plan, build_dequantize_plan, build_layernorm_amax_plan, build_layernorm_plan,
+                    build_quantize_plan, build_update_plan, dbias_workspace, layernorm_block, layernorm_tile, padded,
+                    split_transpose)
 
 __all__ = ["probe", "padded", "dbias_workspace", "Plan", "plan_on", "execute", "run", "current_device",
            "QUANTIZE_SLOTS", "LAYERNORM_SLOTS", "DEQUANTIZE_SLOTS", "UPDATE_SLOTS", "META_UPDATE_SLOTS",
@@ -39,8 +39,8 @@ __all__ = ["probe", "padded", "dbias_workspace", "Plan", "plan_on", "execute", "
 def kernel_refs(key: kernels.ModuleKey, device_id: int) -> dict:
     """Role -> :class:`~fusedfp8.launch.plans.KernelRef` of module ``key`` on ``device_id`` (compiles
     it on first use), each with its occupancy at the block it is launched with."""
-    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(TILED_BLOCK if "tiled" in role else THREADS),
-                            k.kid) for role, k in kernels.load(key, device_id).items()}
+    return {role: KernelRef(k.func, k.name, role, k.blocks_per_sm(block_of(role)), k.kid)
+            for role, k in kernels.load(key, device_id).items()}
 
 
 # ---- the plans of a signature on a device, cached. Pass the arguments positionally: the cache keys on
@@ -80,7 +80,7 @@ def layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, col
 
     def per_sm(role, k):
         if role == "transpose_tiled":
-            return k.blocks_per_sm(TILED_BLOCK)
+            return k.blocks_per_sm(block_of(role))
         return k.blocks_per_sm(layernorm_block(tpr, tile[0]), tile[1]) if role.endswith("_t") else \
             k.blocks_per_sm(layernorm_block(tpr))
 

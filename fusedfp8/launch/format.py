@@ -7,8 +7,9 @@ compiled shim's (``fusedfp8/csrc/plan.h``: the XLA FFI handler and the torch C++
 it as int64s (:meth:`Plan.encode`) naming each kernel by its stable id
 (:func:`fusedfp8.launch.kernels.kernel_id`): a handle is a pointer that means nothing in another
 process, and an XLA program holds its encoded plans as attributes. The constants below are
-plan.h's (``kPlanVersion``, the step and parameter kinds); tests/kernels/test_launch_layout.py
-holds the two against each other.
+plan.h's (``kPlanVersion``, whose mirror :data:`fusedfp8.csrc.PLAN_VERSION` a library is checked
+against when it loads; the step and parameter kinds); tests/kernels/test_launch_layout.py holds
+the two sides against each other.
 
 A plan names buffers by slot (:class:`Slots`: the names of a plan family's buffers, in the one
 order their pointers come in): a parameter is "the pointer of slot i plus a byte offset", and the
@@ -24,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-PLAN_VERSION = 3  # 2: the cooperative launch step (COOP_LAUNCH); 3: kernels named by id (kernel_id)
+from ..csrc import PLAN_VERSION  # the version of this format: the one the shim's libraries read
 MEMSET, LAUNCH, COOP_LAUNCH = 0, 1, 2  # step kinds (COOP_LAUNCH: a LAUNCH through cuLaunchCooperativeKernel)
 I64, I32, F32, PTR, NULL, FLAG = 1, 2, 3, 4, 5, 6  # parameter (token) kinds
 _LAYOUT_CHAR = {I64: "q", I32: "i", F32: "f", PTR: "P", NULL: "P", FLAG: "i"}

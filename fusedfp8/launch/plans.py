@@ -46,6 +46,12 @@ LN_STATIC_SHARED = 2048  # room left for the kernel's static shared memory (1216
 LN_SPLIT_COLS = 4096
 
 
+def block_of(role: str) -> int:
+    """The block a kernel of ``role`` launches with, outside the layernorm family (whose block
+    follows the row: :func:`layernorm_block`): the tiled kernels' or the element-wise kernels'."""
+    return TILED_BLOCK if "tiled" in role else THREADS
+
+
 def split_transpose(cols: int) -> bool:
     """Whether layernorm_quantize with q_t over ``cols`` (padded) columns writes q_t with a second
     launch (transpose_fp8) instead of from the kernel's shared tile. Any width takes q_t then."""
