@@ -94,6 +94,19 @@ def test_torch_ops_fill_the_slots_by_name_in_the_python_order():
     assert "kQuantizeSlots" not in code and not re.search(r"bufs\[\d", code)  # no count or index by hand
 
 
+def test_buffers_by_name_take_the_slot_order():
+    s = PL.QUANTIZE_SLOTS
+    assert s.arrange({"amax": 8, "x": 1, "updates": 13}) == (1,) + (0,) * 7 + (8,) + (0,) * 3 + (13,)
+    assert s.arrange({"q": ("out", 0)}, None)[s.q] == ("out", 0) and s.q == 2 and s.scale_inv_used == 11
+    with pytest.raises(ValueError, match=r"\['amx'\] are no buffer slots of this plan"):
+        s.arrange({"amx": 8})
+    with pytest.raises(AttributeError, match="no buffer slot 'amx'"):
+        s.amx
+    with pytest.raises(ValueError, match="distinct names"):
+        P.Slots("x", "count")  # a tuple's own attribute
+    assert P.make_plan(("q", "out"), ()).slots.out == 1  # a plan's slots answer by name
+
+
 def test_cpp_names_of_the_slots_are_distinct():
     for slots in (PL.QUANTIZE_SLOTS, PL.LAYERNORM_SLOTS, PL.DEQUANTIZE_SLOTS, PL.UPDATE_SLOTS, PL.META_UPDATE_SLOTS):
         assert len({cpp_name(s) for s in slots}) == len(slots)
