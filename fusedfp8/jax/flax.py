@@ -18,7 +18,7 @@ gradient) in flax's ``'_overwrite_with_gradient'`` collection, as float32 variab
 ``amax_history`` (L, 3), ``scale`` (3,) (multiplies before the cast), ``scale_inv`` (3,)
 (``1 / scale``, what flax's own FP8 ops call "scale"), ``overflows`` and ``updates`` (3,)
 (counters, stored as float32 so that ``jax.grad`` over the variables works; exact to 2**24).
-The "gradient" of that collection is the new state (see :mod:`fusedfp8.jax.functional`), which
+The "gradient" of that collection is the new state (see :mod:`fusedfp8.jax.dot`), which
 ``TrainState.apply_gradients`` stores as it does for flax's ``Fp8DotGeneralOp``. It is not a
 parameter: ``tx.update`` / ``optax.apply_updates`` over the whole variables makes values no step
 writes, which the next forward refuses (ValueError where the values are concrete, NaN output

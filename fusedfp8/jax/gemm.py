@@ -2,7 +2,7 @@
 
 :func:`fp8_gemm` computes ``out_dtype((a[:m] @ b[:n].T) * scale_inv_a * scale_inv_b)`` for FP8
 ``a`` (>= m, K) and ``b`` (>= n, K), both "K-contiguous" (the forms the quantize kernels write: q
-and its transpose q_t; see :mod:`fusedfp8.jax.functional` for which operand is which in each
+and its transpose q_t; see :mod:`fusedfp8.jax.dot` for which operand is which in each
 GEMM of a linear layer). Two backends:
 
 - ``'ffi'``: a custom call to ``fusedfp8_fp8_gemm``, the XLA FFI handler of the compiled shim
@@ -227,7 +227,7 @@ def _check(a, b, scale_inv_a, scale_inv_b, out_dtype, shape, bias):
 def fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype=jnp.bfloat16, *, shape=None, fast_accum: bool = False,
              bias=None, impl: str = "auto"):
     """``out_dtype((a[:m] @ b[:n].T) * scale_inv_a * scale_inv_b (+ bias))``: the FP8 GEMM of every
-    linear layer in :mod:`fusedfp8.jax.functional`.
+    linear layer in :mod:`fusedfp8.jax.dot`.
 
     Parameters
     ----------

@@ -308,7 +308,7 @@ def _dispatch(impl: str, jnp_fn, kernel_fn, *args):
 
 @compiled_when_eager(0, 4)
 def _run(cfg: _QCfg, x, b, state: ScalingState, impl: str) -> tuple[Quantized, ScalingState]:
-    # the primitives carry no derivative (the custom_vjp wrappers of functional.py define it)
+    # the primitives carry no derivative (the custom_vjp wrappers of dot.py and mlp.py define it)
     x, b, state = lax.stop_gradient((x, b, state))
     args = (x, b, state.amax_history, state.scale, state.scale_inv, state.updates)
     if b is None:  # platform_dependent passes arrays only
