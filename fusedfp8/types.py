@@ -52,6 +52,26 @@ class Quantized(NamedTuple):
     scale_inv: Any = None
 
 
+class BlockQuantized(NamedTuple):
+    """Result of a block-scaled quantization (:func:`fusedfp8.numerics.block.block_quantize`).
+
+    data : the FP8 array (the input's shape; (prows, pcols) when padded).
+    scale_inv : float32 ``1 / scale`` of every block, in the layout cuBLASLt's block-scaled GEMM
+        reads (:func:`fusedfp8.numerics.block.scale_shape`).
+    data_t : the FP8 transpose (pcols, prows) of the 2-D view, or None.
+    scale_inv_t : its scales, in the same layout for the transposed shape (its own 1x128 blocks,
+        along the other axis; for 128x128 blocks the same values transposed), or None.
+    amax : float32 max |input| of the whole tensor, NaN-propagating (what reaches the caller of a
+        block that held a NaN or an inf, whose scale is 1).
+    """
+
+    data: Any
+    scale_inv: Any
+    data_t: Any = None
+    scale_inv_t: Any = None
+    amax: Any = None
+
+
 class LayerNormQuantized(NamedTuple):
     """Result of :func:`fusedfp8.layernorm_quantize`.
 
