@@ -77,9 +77,10 @@ def test_the_face_exports_formats_recipe_state_and_the_six_functions():
     import fusedfp8.state
     import fusedfp8.types
 
-    assert sorted(fusedfp8.__all__) == sorted(["E4M3", "E5M2", "Format", "DelayedScaling", "CurrentScaling",
-                                               "BlockScaling", "ScalingState", "Slot", "Quantized", "LayerNormQuantized", "quantize", "gelu_quantize",
-                                               "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"])
+    assert sorted(fusedfp8.__all__) == sorted([
+        "E4M3", "E5M2", "Format", "DelayedScaling", "CurrentScaling", "BlockScaling", "ScalingState", "Slot", "Quantized",
+        "LayerNormQuantized", "quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize",
+        "update_scales"])
     for name in ("quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"):
         assert getattr(fusedfp8, name) is getattr(fusedfp8.ops, name)
     assert fusedfp8.ScalingState is fusedfp8.state.ScalingState and fusedfp8.Slot is fusedfp8.state.Slot

@@ -188,7 +188,8 @@ def test_zero_nan_and_inf_blocks_take_scale_one_and_leave_the_others_alone(fmt, 
 # ---- the transposed copy ------------------------------------------------------------------------
 @FMTS
 @POW2
-@pytest.mark.parametrize("shape", [(256, 384), (300, 260), (3, 40, 130), (1, 1)], ids=["aligned", "ragged", "3d", "1x1"])
+@pytest.mark.parametrize("shape", [(256, 384), (300, 260), (3, 40, 130), (1, 1)],
+                         ids=["aligned", "ragged", "3d", "1x1"])
 def test_the_1x128_transpose_is_the_block_quantization_of_x_t(fmt, pow2, shape):
     """With 1x128 blocks the transposed copy has its own scales, one per 128 consecutive elements
     of a column of x: it is exactly block_quantize of x.T (2-D view), not q.T."""
