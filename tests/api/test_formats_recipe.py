@@ -344,6 +344,8 @@ def test_every_per_tensor_entry_point_refuses_a_block_recipe_by_name():
         "convert_to_fp8": lambda: convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe=r),
         "fp8_dot": lambda: jf.fp8_dot(x, w, meta, r),
         "quantize_weight": lambda: jf.quantize_weight(w, meta, r),
+        "fp8_mlp": lambda: jf.fp8_mlp(x, w, jnp.zeros(32), w, jnp.zeros(32), meta, meta, r),
+        "fresh_meta": lambda: jmeta.fresh_meta(r),
         "flax.Fp8DotGeneral": lambda: fx.Fp8DotGeneral(recipe=r).init(jax.random.PRNGKey(0), x, w,
                                                                         (((1,), (0,)), ((), ()))),
         "flax.Fp8MLP": lambda: fx.Fp8MLP(ffn=64, recipe=r).init(jax.random.PRNGKey(0), x),
