@@ -2,11 +2,17 @@
 
 :class:`DelayedScaling` derives each scale from past amaxes; :class:`CurrentScaling` from the
 tensor's own amax, on the same kernels (the first-step path of delayed scaling, on every step).
+Both keep one scale per tensor in a :class:`~fusedfp8.state.ScalingState`. :class:`BlockScaling`
+keeps no state: every block of 1x128 (activations, gradients) or 128x128 elements (weights) takes
+its scale from its own max, in the pass that casts it (:mod:`fusedfp8.numerics.block`).
 """
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+
+import numpy as np
 
 from .formats import E4M3, E5M2, RECIPE_FORMATS, Format, find_format
 
@@ -51,11 +57,15 @@ def _check_margin(margin, owner: str) -> None:
 
 
 class _Recipe:
-    """What both recipes derive from their ``fp8_format`` and ``margin`` fields."""
+    """What every recipe derives from its ``fp8_format`` field."""
 
     def format_for(self, grad: bool) -> Format:
         """The FP8 format of a forward tensor (``grad=False``) or of a gradient."""
         return RECIPE_FORMATS[self.fp8_format][1 if grad else 0]
+
+
+class _TensorRecipe(_Recipe):
+    """What the per-tensor recipes derive from their ``margin`` field."""
 
     @property
     def margin_factor(self) -> float:
@@ -64,7 +74,7 @@ class _Recipe:
 
 
 @dataclass(frozen=True)
-class DelayedScaling(_Recipe):
+class DelayedScaling(_TensorRecipe):
     """How scales are derived from past amaxes.
 
     Parameters
@@ -111,7 +121,7 @@ class DelayedScaling(_Recipe):
 
 
 @dataclass(frozen=True)
-class CurrentScaling(_Recipe):
+class CurrentScaling(_TensorRecipe):
     """Current scaling: every quantization takes its scale from the amax of the tensor's own values.
 
     ``scale = (fmt_max / amax) / 2**margin`` (FLT_MAX where that is inf, i.e. a tiny amax); an amax
@@ -153,4 +163,81 @@ class CurrentScaling(_Recipe):
         _check_margin(self.margin, "CurrentScaling")
 
 
-RECIPES = (DelayedScaling, CurrentScaling)
+BLOCK = (1, 128)  # the block of activations and gradients: 128 consecutive elements of a row
+WEIGHT_BLOCKS = ((128, 128), (1, 128))  # a weight's: a 128x128 tile, or rows of 128 as the others
+
+
+def _block(name: str, value, allowed) -> tuple:
+    """``value`` as a tuple of two ints if it is one of ``allowed``; TypeError / ValueError naming
+    BlockScaling.``name``, the allowed blocks and the value otherwise."""
+    shown = " or ".join(str(b) for b in allowed)
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2 or any(
+            isinstance(d, bool) or not isinstance(d, numbers.Integral) for d in value):
+        raise TypeError(f"BlockScaling.{name} must be a pair of ints, {shown}; got {value!r}")
+    block = (int(value[0]), int(value[1]))
+    if block not in allowed:
+        why = ("; cuBLASLt's block-scaled FP8 GEMM takes 1x128 and 128x128 blocks, and at most one operand "
+               "of 128x128 (the weight)") if name == "block" else "; cuBLASLt's block-scaled FP8 GEMM takes no other"
+        raise ValueError(f"BlockScaling.{name} must be {shown}; got {value!r}{why}")
+    return block
+
+
+@dataclass(frozen=True)
+class BlockScaling(_Recipe):
+    """Block scaling (DeepSeek-V3's recipe; Transformer Engine's ``Float8BlockScaling``): a scale per
+    block of elements, from the block's own max, computed in the pass that casts it. No amax
+    history, no :class:`~fusedfp8.state.ScalingState`, nothing to synchronise across devices.
+
+    Activations and gradients (viewed as 2-D, rows x cols) take one scale per ``block`` of 1x128:
+    128 consecutive elements of a row (the GEMM's K axis); their transposed copies (the operands of
+    the weight-gradient GEMM, whose K is the rows) take their own 1x128 scales along the other axis.
+    Weights take one per ``weight_block``: a 128x128 tile, the same for the weight and its transpose.
+    Per block, with ``amax`` the max |x| over the block (float32, exact): ``scale = fmt_max / amax``,
+    rounded down to a power of two when ``power_of_two_scales``; a block whose amax is 0 or not
+    finite takes scale 1 (its NaN stays NaN, its inf saturates). The exact rule and the layout of
+    the scales (the one cuBLASLt's VEC128_32F / BLK128x128_32F scale modes read) are in
+    :mod:`fusedfp8.numerics.block` and docs/design.md.
+
+    Parameters
+    ----------
+    block : (1, 128)
+        The block of activations and gradients; cuBLASLt offers no other (a 128x128 activation
+        would make the weight-gradient GEMM 128x128 by 128x128, which it does not run).
+    weight_block : (128, 128) or (1, 128)
+        The block of weights.
+    fp8_format : {'e4m3', 'hybrid'}
+        'e4m3' (the default, as Transformer Engine's block recipe and DeepSeek-V3: with a scale per
+        block, gradients need no E5M2 range): E4M3 for every tensor; 'hybrid': E5M2 for gradients.
+        The spellings :class:`DelayedScaling` takes.
+    power_of_two_scales : bool
+        Round every scale down to a power of two (the default, as Transformer Engine's block recipe:
+        ``x * scale`` and ``q * scale_inv`` are then exact, and the rounded-down scale cannot
+        overflow the block's max); False keeps ``fmt_max / amax`` as it rounds.
+
+    Raises
+    ------
+    TypeError, ValueError
+        On a field of the wrong type or value; the message names the field.
+    """
+
+    block: tuple = BLOCK
+    weight_block: tuple = (128, 128)
+    fp8_format: str = "e4m3"
+    power_of_two_scales: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "block", _block("block", self.block, (BLOCK,)))
+        object.__setattr__(self, "weight_block", _block("weight_block", self.weight_block, WEIGHT_BLOCKS))
+        object.__setattr__(self, "fp8_format", _fp8_format(self.fp8_format, "BlockScaling"))
+        if not isinstance(self.power_of_two_scales, (bool, np.bool_)):
+            raise TypeError(f"BlockScaling.power_of_two_scales must be a bool; got "
+                            f"{type(self.power_of_two_scales).__name__} {self.power_of_two_scales!r}")
+        object.__setattr__(self, "power_of_two_scales", bool(self.power_of_two_scales))
+
+    def block_for(self, weight: bool) -> tuple:
+        """The block of a weight (``weight=True``) or of an activation or gradient."""
+        return self.weight_block if weight else self.block
+
+
+TENSOR_RECIPES = (DelayedScaling, CurrentScaling)  # the recipes of a ScalingState: one scale per tensor
+RECIPES = (DelayedScaling, CurrentScaling, BlockScaling)

@@ -52,6 +52,26 @@ class Quantized(NamedTuple):
     scale_inv: Any = None
 
 
+class BlockQuantized(NamedTuple):
+    """Result of a block-scaled quantization (:func:`fusedfp8.numerics.block.block_quantize`).
+
+    data : the FP8 array (the input's shape; (prows, pcols) when padded).
+    scale_inv : float32 ``1 / scale`` of every block, in the layout cuBLASLt's block-scaled GEMM
+        reads (:func:`fusedfp8.numerics.block.scale_shape`).
+    data_t : the FP8 transpose (pcols, prows) of the 2-D view, or None.
+    scale_inv_t : its scales, in the same layout for the transposed shape (its own 1x128 blocks,
+        along the other axis; for 128x128 blocks the same values transposed), or None.
+    amax : float32 max |input| of the whole tensor, NaN-propagating (what reaches the caller of a
+        block that held a NaN or an inf, whose scale is 1).
+    """
+
+    data: Any
+    scale_inv: Any
+    data_t: Any = None
+    scale_inv_t: Any = None
+    amax: Any = None
+
+
 class LayerNormQuantized(NamedTuple):
     """Result of :func:`fusedfp8.layernorm_quantize`.
 
@@ -77,12 +97,22 @@ def kernel_op(op: str, approximate: str = "tanh") -> str:
     return op if op == "identity" else f"{op}_{GELU_APPROXIMATIONS[check_approximate(approximate)]}"
 
 
-def check_recipe(recipe, argname: str = "recipe"):
-    """``recipe`` if it is a :class:`fusedfp8.DelayedScaling` or a :class:`fusedfp8.CurrentScaling`;
-    TypeError naming ``argname`` otherwise."""
-    from .recipe import RECIPES
+def check_recipe(recipe, argname: str = "recipe", block: bool = False):
+    """``recipe`` if it is a :class:`fusedfp8.DelayedScaling` or a :class:`fusedfp8.CurrentScaling`
+    (or, with ``block=True``, a :class:`fusedfp8.BlockScaling`); TypeError naming ``argname``
+    otherwise. Every caller that keeps per-tensor scales (a ScalingState, the modules and functions
+    built on one) takes the default: a BlockScaling there is refused by name rather than read as a
+    per-tensor recipe it is not."""
+    from .recipe import BlockScaling, TENSOR_RECIPES
 
-    if not isinstance(recipe, RECIPES):
-        raise TypeError(f"{argname} must be a fusedfp8.DelayedScaling or a fusedfp8.CurrentScaling; got "
-                        f"{type(recipe).__name__}")
+    if isinstance(recipe, BlockScaling):
+        if block:
+            return recipe
+        raise TypeError(f"{argname}: a fusedfp8.BlockScaling is not accepted here, which takes a per-tensor recipe "
+                        f"(fusedfp8.DelayedScaling or fusedfp8.CurrentScaling, one scale per tensor in a "
+                        f"ScalingState); block scaling keeps no state (its scales come from each block's max)")
+    if not isinstance(recipe, TENSOR_RECIPES):
+        allowed = "a fusedfp8.DelayedScaling, a fusedfp8.CurrentScaling or a fusedfp8.BlockScaling" if block else \
+            "a fusedfp8.DelayedScaling or a fusedfp8.CurrentScaling"
+        raise TypeError(f"{argname} must be {allowed}; got {type(recipe).__name__}")
     return recipe

@@ -42,6 +42,7 @@ from jax import lax
 
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
+from ..types import check_recipe
 
 __all__ = ["META_FIELDS", "LINEAR_GRAD", "fresh_meta", "meta_to_state", "state_to_meta", "float_counters", "check_meta",
            "per_column", "decode", "combine", "corrupted", "refuse_corrupted", "refusing",
@@ -65,6 +66,7 @@ def _fresh(name: str, L: int, n: int) -> jax.Array:
 def fresh_meta(recipe: DelayedScaling, n: int = 3) -> tuple:
     """A fresh float32 meta of ``n`` tensors; every field is a buffer of its own (a meta can be
     donated to a jitted step)."""
+    check_recipe(recipe)
     return tuple(_fresh(name, recipe.amax_history_len, n) for name in META_FIELDS)
 
 

@@ -85,16 +85,18 @@ def _scale_value(scale) -> np.float32:
     return f32(s.reshape(()))
 
 
-def _as_2d(v: np.ndarray, argname: str = "x") -> np.ndarray:
+def as_2d(v: np.ndarray, argname: str = "x", need: str = "transpose") -> np.ndarray:
+    """``v`` viewed as (prod(shape[:-1]), shape[-1]); ValueError naming ``argname`` and what ``need``s
+    the 2-D view for a scalar."""
     if v.ndim == 0:
-        raise ValueError(f"{argname}: transpose needs an input of at least 1 dimension; got a scalar")
+        raise ValueError(f"{argname}: {need} needs an input of at least 1 dimension; got a scalar")
     return v.reshape(math.prod(v.shape[:-1]), v.shape[-1])  # (-1 is ambiguous when the size is 0)
 
 
 def finish(v: np.ndarray, amax_v, scale, fmt, transpose: bool, dbias=None) -> Quantized:
     with np.errstate(over="ignore", invalid="ignore"):
         q = cast_to_fp8(v * _scale_value(scale), fmt)
-    q_t = np.ascontiguousarray(_as_2d(q).T) if transpose else None
+    q_t = np.ascontiguousarray(as_2d(q).T) if transpose else None
     return Quantized(q, amax_v, q_t, dbias)
 
 
@@ -117,6 +119,12 @@ def dequantize(q, scale_inv, dtype=np.float32) -> np.ndarray:
     """``dtype(float32(q) * scale_inv)``; NaN as the dtype's canonical NaN (as the kernel)."""
     with np.errstate(all="ignore"):
         v = np.asarray(q).astype(np.float32) * _scale_value(scale_inv)
+    return float32_to(v, dtype)
+
+
+def float32_to(v: np.ndarray, dtype) -> np.ndarray:
+    """The float32 ``v`` in ``dtype`` (round to nearest even); a NaN as the dtype's canonical NaN
+    (what the dequantize kernels write)."""
     out = np.asarray(v).astype(dtype).reshape(np.shape(v))
     out.reshape(-1)[np.isnan(v).reshape(-1)] = np.array(np.nan, np.float32).astype(dtype)
     return out
@@ -239,7 +247,7 @@ def dgelu_f32(x: np.ndarray, approximate: str) -> np.ndarray:
 
 def column_sums(v: np.ndarray, argname: str = "dy") -> np.ndarray:
     """(N,) float32 column sums of v viewed as (M, N), accumulated in float64 (the dbias oracle)."""
-    return _as_2d(v, argname).astype(np.float64).sum(axis=0).astype(np.float32)
+    return as_2d(v, argname).astype(np.float64).sum(axis=0).astype(np.float32)
 
 
 def activation(op: str, x, b=None, approximate: str = "tanh") -> np.ndarray:

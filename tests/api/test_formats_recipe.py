@@ -1,5 +1,5 @@
-"""The format table (formats.py), the DelayedScaling recipe (recipe.py) and the package's face
-(fusedfp8/__init__.py)."""
+"""The format table (formats.py), the recipes (recipe.py: DelayedScaling, BlockScaling) and the
+package's face (fusedfp8/__init__.py)."""
 import dataclasses
 import math
 
@@ -11,7 +11,8 @@ import torch
 
 import fusedfp8
 from fusedfp8.formats import E4M3, E5M2, FORMATS, HYBRID, RECIPE_FORMATS, Format, get_format
-from fusedfp8.recipe import CurrentScaling, DelayedScaling
+from fusedfp8.recipe import BlockScaling, CurrentScaling, DelayedScaling
+from fusedfp8.types import check_recipe
 from support.frameworks import bytes_of, to_fw
 
 ALLOWED_NAMES = ("'e4m3'", "'e5m2'", "'e4m3fn'", "'float8_e4m3fn'", "'float8_e5m2'")
@@ -76,15 +77,17 @@ def test_the_face_exports_formats_recipe_state_and_the_six_functions():
     import fusedfp8.state
     import fusedfp8.types
 
-    assert sorted(fusedfp8.__all__) == sorted(["E4M3", "E5M2", "Format", "DelayedScaling", "CurrentScaling",
-                                               "ScalingState", "Slot", "Quantized", "LayerNormQuantized", "quantize", "gelu_quantize",
-                                               "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"])
+    assert sorted(fusedfp8.__all__) == sorted([
+        "E4M3", "E5M2", "Format", "DelayedScaling", "CurrentScaling", "BlockScaling", "ScalingState", "Slot", "Quantized",
+        "LayerNormQuantized", "quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize",
+        "update_scales"])
     for name in ("quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"):
         assert getattr(fusedfp8, name) is getattr(fusedfp8.ops, name)
     assert fusedfp8.ScalingState is fusedfp8.state.ScalingState and fusedfp8.Slot is fusedfp8.state.Slot
     assert fusedfp8.Quantized is fusedfp8.types.Quantized and fusedfp8.DelayedScaling is DelayedScaling
     assert fusedfp8.LayerNormQuantized is fusedfp8.types.LayerNormQuantized
     assert fusedfp8.CurrentScaling is fusedfp8.recipe.CurrentScaling
+    assert fusedfp8.BlockScaling is fusedfp8.recipe.BlockScaling
     for gone in ("HYBRID", "FORMATS", "get_format", "slot"):
         assert not hasattr(fusedfp8, gone), gone
 
@@ -243,6 +246,115 @@ def test_recipe_format_refuses_e5m2_in_every_spelling_and_says_why(Recipe, spell
     with pytest.raises(ValueError, match=rf"^{Recipe.__name__}\.fp8_format must be one of \('hybrid', 'e4m3'\); got "
                                          r".*; E5M2 for every tensor is no recipe \('hybrid' takes it for the gradients\)$"):
         Recipe(fp8_format=spelling)
+
+
+# ---- BlockScaling ----------------------------------------------------------------------------
+def test_block_recipe_defaults_and_fields():
+    r = BlockScaling()
+    assert [f.name for f in dataclasses.fields(r)] == ["block", "weight_block", "fp8_format", "power_of_two_scales"]
+    assert (r.block, r.weight_block, r.fp8_format, r.power_of_two_scales) == ((1, 128), (128, 128), "e4m3", True)
+    assert r.format_for(False) is E4M3 and r.format_for(grad=True) is E4M3
+    assert BlockScaling(fp8_format="hybrid").format_for(grad=True) is E5M2
+    assert r.block_for(weight=True) == (128, 128) and r.block_for(weight=False) == (1, 128)
+    assert r == BlockScaling() and hash(r) == hash(BlockScaling())
+    assert not hasattr(r, "margin") and not hasattr(r, "amax_history_len")  # no state to derive
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.power_of_two_scales = False
+
+
+@pytest.mark.parametrize("kwargs, canonical", [
+    (dict(block=[1, 128]), dict(block=(1, 128))),
+    (dict(block=(np.int64(1), np.int32(128))), dict()),
+    (dict(weight_block=[1, 128]), dict(weight_block=(1, 128))),
+    (dict(fp8_format="HYBRID"), dict(fp8_format="hybrid")),
+    (dict(fp8_format=torch.float8_e4m3fn), dict(fp8_format="e4m3")),
+    (dict(power_of_two_scales=np.bool_(False)), dict(power_of_two_scales=False)),
+], ids=["block-list", "block-numpy-ints", "weight-rows", "format-upper", "format-dtype", "pow2-numpy-bool"])
+def test_block_recipe_keeps_canonical_fields(kwargs, canonical):
+    """Every accepted spelling is stored canonically (tuples of ints, the format's name, a bool), so
+    the recipe equals and hashes as the canonical one (jit's static arguments)."""
+    r = BlockScaling(**kwargs)
+    want = BlockScaling(**canonical)
+    assert r == want and hash(r) == hash(want)
+    assert type(r.block[0]) is int and type(r.power_of_two_scales) is bool
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(block=(128, 128)), ValueError,
+     r"^BlockScaling\.block must be \(1, 128\); got \(128, 128\); cuBLASLt's block-scaled FP8 GEMM takes 1x128"),
+    (dict(block=(1, 64)), ValueError, r"^BlockScaling\.block must be \(1, 128\); got \(1, 64\)"),
+    (dict(block=128), TypeError, r"^BlockScaling\.block must be a pair of ints, \(1, 128\); got 128$"),
+    (dict(block="1x128"), TypeError, r"^BlockScaling\.block must be a pair of ints, \(1, 128\); got '1x128'$"),
+    (dict(block=(1, 128.0)), TypeError, r"^BlockScaling\.block must be a pair of ints"),
+    (dict(block=(True, 128)), TypeError, r"^BlockScaling\.block must be a pair of ints"),
+    (dict(block=(1, 128, 1)), TypeError, r"^BlockScaling\.block must be a pair of ints"),
+    (dict(weight_block=(64, 64)), ValueError,
+     r"^BlockScaling\.weight_block must be \(128, 128\) or \(1, 128\); got \(64, 64\)"),
+    (dict(weight_block=(128, 1)), ValueError, r"^BlockScaling\.weight_block must be \(128, 128\) or \(1, 128\)"),
+    (dict(weight_block=None), TypeError, r"^BlockScaling\.weight_block must be a pair of ints, \(128, 128\) or "
+                                         r"\(1, 128\); got None$"),
+    (dict(fp8_format="e5m2"), ValueError, r"^BlockScaling\.fp8_format must be one of \('hybrid', 'e4m3'\); got "
+                                          r"'e5m2'; E5M2 for every tensor is no recipe"),
+    (dict(fp8_format=3), TypeError, r"^BlockScaling\.fp8_format must be a str, one of \('hybrid', 'e4m3'\); got int"),
+    (dict(power_of_two_scales=1), TypeError, r"^BlockScaling\.power_of_two_scales must be a bool; got int 1$"),
+    (dict(power_of_two_scales="yes"), TypeError, r"^BlockScaling\.power_of_two_scales must be a bool; got str"),
+    (dict(margin=1), TypeError, r"margin"),
+], ids=["block-2d", "block-64", "block-int", "block-str", "block-float", "block-bool", "block-three",
+        "weight-64", "weight-column", "weight-None", "format-e5m2", "format-int", "pow2-int", "pow2-str",
+        "no-margin-field"])
+def test_block_recipe_refuses_bad_fields_by_name(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        BlockScaling(**kwargs)
+
+
+def test_check_recipe_takes_a_block_recipe_only_where_asked():
+    """The core accepts a BlockScaling where the caller says it can take one (block=True); every
+    per-tensor path (the default) refuses it by name, and a non-recipe is refused either way."""
+    r = BlockScaling()
+    assert check_recipe(r, block=True) is r
+    assert check_recipe(DelayedScaling(), block=True) == DelayedScaling()
+    with pytest.raises(TypeError, match=r"^layer\.recipe: a fusedfp8\.BlockScaling is not accepted here, which takes "
+                                        r"a per-tensor recipe \(fusedfp8\.DelayedScaling or fusedfp8\.CurrentScaling"):
+        check_recipe(r, "layer.recipe")
+    with pytest.raises(TypeError, match=r"^recipe must be a fusedfp8\.DelayedScaling, a fusedfp8\.CurrentScaling or a "
+                                        r"fusedfp8\.BlockScaling; got type$"):
+        check_recipe(BlockScaling, block=True)
+    with pytest.raises(TypeError, match=r"^recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; "
+                                        r"got str$"):
+        check_recipe("block")
+
+
+def test_every_per_tensor_entry_point_refuses_a_block_recipe_by_name():
+    """Until they take block scaling, the state, the update and the torch and flax layers refuse a
+    BlockScaling with the message that names it, before they read a field it does not have."""
+    import jax
+    from fusedfp8.jax import flax as fx, functional as jf, meta as jmeta
+    from fusedfp8.pytorch import Fp8Linear, Fp8MLP, convert_to_fp8
+
+    r = BlockScaling()
+    state = fusedfp8.ScalingState.create(3, DelayedScaling(amax_history_len=4))
+    meta = jmeta.fresh_meta(DelayedScaling(amax_history_len=4))
+    x, w = jnp.ones((16, 32), jnp.float32), jnp.ones((32, 32), jnp.float32)
+    calls = {
+        "ScalingState.create": lambda: fusedfp8.ScalingState.create(2, r),
+        "update_scales": lambda: fusedfp8.update_scales(state, r),
+        "slot": lambda: state.slot(0, r),
+        "Fp8Linear": lambda: Fp8Linear(32, 32, recipe=r),
+        "Fp8MLP": lambda: Fp8MLP(32, 64, recipe=r),
+        "convert_to_fp8": lambda: convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe=r),
+        "fp8_dot": lambda: jf.fp8_dot(x, w, meta, r),
+        "quantize_weight": lambda: jf.quantize_weight(w, meta, r),
+        "fp8_mlp": lambda: jf.fp8_mlp(x, w, jnp.zeros(32), w, jnp.zeros(32), meta, meta, r),
+        "fresh_meta": lambda: jmeta.fresh_meta(r),
+        "flax.Fp8DotGeneral": lambda: fx.Fp8DotGeneral(recipe=r).init(jax.random.PRNGKey(0), x, w,
+                                                                        (((1,), (0,)), ((), ()))),
+        "flax.Fp8MLP": lambda: fx.Fp8MLP(ffn=64, recipe=r).init(jax.random.PRNGKey(0), x),
+    }
+    before = {f: a.copy() for f, a in state.arrays().items()}
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=r"recipe: a fusedfp8\.BlockScaling is not accepted here"):
+            call()
+    assert all(np.array_equal(a, before[f]) for f, a in state.arrays().items())
 
 
 # ---- every spelling through the entry points ---------------------------------------------------

@@ -43,6 +43,7 @@ def test_family_compiles_for_sm90(nvrtc, group):
     v = nvrtc["group"][group]
     assert v["target"] == N.target_of(group), (group, v["target"])
     assert v["ok"], f"{group} failed to compile for {v['target']}:\n{v['log']}"
+    assert "warning" not in v["log"].lower(), f"{group} compiles with warnings:\n{v['log']}"
 
 
 def test_the_cubin_groups_put_every_template_and_argument_through_ptxas():
@@ -50,8 +51,12 @@ def test_the_cubin_groups_put_every_template_and_argument_through_ptxas():
     families; the cubin groups still hold every template, every FMT, OP and weight dtype, and the
     kernels whose parameter sizes are read from a cubin."""
     ptx_only = {g for g in GROUPS if N.target_of(g) == N.PTX}
-    assert ptx_only == {f"{f}-{d}" for f in ("quantize", "current_quantize", "layernorm_quantize")
+    assert ptx_only == {f"{f}-{d}" for f in ("quantize", "current_quantize", "layernorm_quantize", "block_quantize")
                         for d in ("float32", "float16")}
+    # block_quantize's cubin group holds every FMT and block shape
+    assert N.target_of("block_quantize-bfloat16") == N.CUBIN
+    assert {e.split(",", 1)[1] for e in GROUPS["block_quantize-bfloat16"]} == {
+        e.split(",", 1)[1] for d in K.CPP_TYPES for e in N.unlaunched_names("block_quantize", d)}
     assert {N.target_of(N.group_of(k)) for k in N.SIGNATURE_KEYS.values()} == {N.CUBIN}
     keys = K.all_module_keys()
     in_cubin = [k for k in keys if N.target_of(N.group_of(k)) == N.CUBIN]
@@ -67,17 +72,22 @@ def test_the_cubin_groups_put_every_template_and_argument_through_ptxas():
 
 @uses_the_compiles
 def test_the_check_compiled_every_group(nvrtc):
-    assert set(nvrtc["group"]) == set(GROUPS) and len(GROUPS) == 13
+    assert set(nvrtc["group"]) == set(GROUPS) and len(GROUPS) == 16
     # every instantiation of every module; a kernel without template parameters (transpose_fp8, held by
-    # every layernorm_quantize module) once per group
-    assert sum(len(names) for names in GROUPS.values()) == len({(N.group_of(k), e) for k in K.all_module_keys()
-                                                                for e in K.name_expressions(k).values()})
+    # every layernorm_quantize module) once per group; and every one of the families not launched yet
+    unlaunched = sum(len(N.unlaunched_names(f, d)) for f in N.UNLAUNCHED for d in K.CPP_TYPES)
+    assert sum(len(names) for names in GROUPS.values()) == unlaunched + len(
+        {(N.group_of(k), e) for k in K.all_module_keys() for e in K.name_expressions(k).values()})
 
 
 def test_every_family_and_instantiation_is_listed():
     keys = K.all_module_keys()
-    assert {k.family for k in keys} == set(K.families()) == {"quantize", "current_quantize", "layernorm_quantize",
-                                                                  "dequantize", "update_scales"}
+    assert {k.family for k in keys} == set(K.families()) - set(N.UNLAUNCHED) == {
+        "quantize", "current_quantize", "layernorm_quantize", "dequantize", "update_scales"}
+    assert set(N.UNLAUNCHED) == {"block_quantize"} <= set(K.families())
+    assert {tuple(e[len("block_quantize<"):-1].split(", ")) for d in K.CPP_TYPES
+            for e in N.unlaunched_names("block_quantize", d)} == {
+        (t, str(f), sq) for t in K.CPP_TYPES.values() for f in K.FMT_IDS.values() for sq in ("false", "true")}
     for family in ("quantize", "current_quantize"):
         q = {(k.dtype, k.fmt, k.op) for k in keys if k.family == family}
         assert q == {(d, f, o) for d in K.CPP_TYPES for f in K.FMT_IDS for o in K.OPS}

@@ -8,11 +8,15 @@ Each compile group (:func:`groups`) is compiled to one of two targets (:func:`ta
   update_scales, and every group whose cubin the launch signatures' parameter sizes are read
   from (:data:`SIGNATURE_KEYS`);
 - ``compute_90``, PTX only (NVVM; ptxas does not run): the float32 and float16 groups of those
-  three families. Their front end and NVVM still run for every instantiation, so a C++ error,
+  three families and of block_quantize. Their front end and NVVM still run for every instantiation, so a C++ error,
   a bad template argument or a missing name expression still fails; ptxas's own checks of
   them (register and shared-memory allocation, PTX that NVVM emits but ptxas refuses) do not.
   Measured on a 2-core CPU machine, the whole job: 215 CPU-s with every group to a cubin, 156 with
   these six to PTX only.
+
+A family whose launch is not written yet (:data:`UNLAUNCHED`: block_quantize) has no module keys
+in ``fusedfp8.launch.kernels``; its instantiations are listed here (:func:`unlaunched_names`) and compiled
+as one group per dtype like the others.
 
 The compiles run only in tests/run/nvrtc_compile.py, a process of its own: torch 2.13 (CPU)
 fails to torch.load some tensors in a process that has compiled an NVRTC program through
@@ -39,7 +43,17 @@ SIGNATURE_KEYS = {"quantize": K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu
 
 CUBIN, PTX = "sm_90", "compute_90"
 PTX_ONLY_DTYPES = ("float32", "float16")  # of the families below
-PTX_ONLY_FAMILIES = ("quantize", "current_quantize", "layernorm_quantize")
+PTX_ONLY_FAMILIES = ("quantize", "current_quantize", "layernorm_quantize", "block_quantize")
+UNLAUNCHED = ("block_quantize",)  # families in cuda_src/ that fusedfp8.launch does not launch yet
+
+
+def unlaunched_names(family: str, dtype: str) -> list[str]:
+    """Every instantiation of ``family`` (one of :data:`UNLAUNCHED`) for the input dtype ``dtype``:
+    block_quantize<T, FMT, SQUARE> for both formats, 1x128 and 128x128 blocks."""
+    if family != "block_quantize":
+        raise ValueError(f"unknown unlaunched family {family!r}; expected one of {UNLAUNCHED}")
+    return [f"block_quantize<{K.CPP_TYPES[dtype]}, {f}, {sq}>" for f in K.FMT_IDS.values()
+            for sq in ("false", "true")]
 
 
 def target_of(group: str) -> str:
@@ -63,6 +77,9 @@ def groups() -> dict:
     for key in K.all_module_keys():
         group = out[group_of(key)]
         group.extend(e for e in K.name_expressions(key).values() if "<" in e or e not in group)
+    for family in UNLAUNCHED:
+        for dtype in K.CPP_TYPES:
+            out[f"{family}-{dtype}"] = unlaunched_names(family, dtype)
     return dict(out)
 
 
