@@ -2,10 +2,11 @@
 library can ask for; no GPU needed (cuda-bindings' NVRTC and the CUDA headers only). The bfloat16
 groups of quantize, current_quantize and layernorm_quantize, dequantize and update_scales are
 compiled to sm_90 cubins (NVVM and ptxas); the float32 and float16 groups of those three families
-to compute_90 PTX only (support.nvrtc.target_of): for them the C++ front end and NVVM run for every
-instantiation and every kernel must be an entry of the PTX, but ptxas does not run (its register
-and shared-memory allocation of those instantiations is not checked here; the cubin groups put
-every template and every FMT, OP and weight dtype through ptxas). The
+to compute_90 PTX only (support.nvrtc.target_of), with NVVM's optimizations reduced to the least
+(support.nvrtc.PTX_OPTIONS): for them the C++ front end and NVVM's code generation run for every
+instantiation and every kernel must be an entry of the PTX, but ptxas and NVVM's optimizing passes
+do not run (ptxas's register and shared-memory allocation of those instantiations is not checked
+here; the cubin groups put every template and every FMT, OP and weight dtype through both). The
 compiles run in one process of their own (tests/run/nvrtc_compile.py): after an NVRTC compile
 through cuda-bindings, torch 2.13 (CPU) cannot torch.load some tensors in the same process, and
 the pytest process runs torch.save / torch.load round trips (tests/pytorch/). That process runs

@@ -7,12 +7,16 @@ Each compile group (:func:`groups`) is compiled to one of two targets (:func:`ta
   OP and layernorm weight dtype, so every inline-asm string goes through ptxas), dequantize and
   update_scales, and every group whose cubin the launch signatures' parameter sizes are read
   from (:data:`SIGNATURE_KEYS`);
-- ``compute_90``, PTX only (NVVM; ptxas does not run): the float32 and float16 groups of those
-  three families and of block_quantize. Their front end and NVVM still run for every instantiation, so a C++ error,
-  a bad template argument or a missing name expression still fails; ptxas's own checks of
-  them (register and shared-memory allocation, PTX that NVVM emits but ptxas refuses) do not.
-  Measured on a 2-core CPU machine, the whole job: 215 CPU-s with every group to a cubin, 156 with
-  these six to PTX only.
+- ``compute_90``, PTX only (NVVM; ptxas does not run), with NVVM's optimizations reduced to the
+  least (``--Ofast-compile=max``, :data:`PTX_OPTIONS`): the float32 and float16 groups of those
+  three families and of block_quantize. Their front end and NVVM's code generation still run for every instantiation,
+  so a C++ error, a bad template argument or a missing name expression still fails, and every
+  kernel must be an entry of the PTX; ptxas's own checks of them (register and shared-memory
+  allocation, PTX that NVVM emits but ptxas refuses) and NVVM's optimizing passes do not run
+  on them (the bfloat16 groups, with every template and argument but the input dtype, go
+  through both). Measured on a 2-core CPU machine, the whole job: 215 CPU-s with every group to
+  a cubin, 156 with these six to PTX only; the six PTX groups alone 136 CPU-s with NVVM's full
+  optimization (layernorm_quantize's two: 95), 6 with ``--Ofast-compile=max``.
 
 A family whose launch is not written yet (:data:`UNLAUNCHED`: block_quantize) has no module keys
 in ``fusedfp8.launch.kernels``; its instantiations are listed here (:func:`unlaunched_names`) and compiled
@@ -44,6 +48,7 @@ SIGNATURE_KEYS = {"quantize": K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu
 CUBIN, PTX = "sm_90", "compute_90"
 PTX_ONLY_DTYPES = ("float32", "float16")  # of the families below
 PTX_ONLY_FAMILIES = ("quantize", "current_quantize", "layernorm_quantize", "block_quantize")
+PTX_OPTIONS = ("--Ofast-compile=max",)  # added to a PTX-only compile (see the module's docstring)
 UNLAUNCHED = ("block_quantize",)  # families in cuda_src/ that fusedfp8.launch does not launch yet
 
 
@@ -103,7 +108,7 @@ def compile_for_sm90(source: str, name_expressions=(), options=(), name: str = "
                      sizes_of=(), arch: str = CUBIN) -> tuple[bool, str, dict]:
     """(ok, log, sizes). Uses the same options as the library, minus CuPy's additions. ``arch``:
     :data:`CUBIN` compiles to an sm_90 cubin (ok: a non-empty cubin), :data:`PTX` to compute_90
-    PTX only (ok: a non-empty PTX; ptxas does not run). ``sizes`` maps each name expression of
+    PTX only, with :data:`PTX_OPTIONS` (ok: a non-empty PTX; ptxas does not run). ``sizes`` maps each name expression of
     ``sizes_of`` (some of ``name_expressions``; a cubin compile only) to its kernel's parameter
     bytes, read from the cubin (see :func:`_param_sizes`); empty when the compile failed."""
     from cuda.bindings import nvrtc
@@ -119,7 +124,7 @@ def compile_for_sm90(source: str, name_expressions=(), options=(), name: str = "
         for expr in name_expressions:
             (err,) = nvrtc.nvrtcAddNameExpression(prog, expr.encode())
             assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, (expr, err)
-        opts = [f"-arch={arch}".encode(), *(o.encode() for o in options)]
+        opts = [f"-arch={arch}".encode(), *(o.encode() for o in (*options, *(PTX_OPTIONS if arch == PTX else ())))]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
