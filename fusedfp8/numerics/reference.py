@@ -25,26 +25,39 @@ _NP = NumpyNamespace()
 def fma_f32(a, b, c) -> np.ndarray:
     """Correctly rounded float32 a*b + c (the kernels' fma.rn.f32), emulated exactly.
 
-    a*b is exact in float64; the float64 sum s and its exact error e (TwoSum) give the exact
-    result s + e. Rounding s to float32 is right unless s sits exactly halfway between two
-    float32 neighbours while e != 0 (the double-rounding case): then e decides the side.
+    a*b is exact in float64; rounding the float64 sum s to float32 is right unless s sits exactly
+    halfway between two float32 neighbours while the float64 sum was inexact (the double-rounding
+    case): then the sum's exact error e (TwoSum) decides the side. A float32 midpoint has at most
+    25 significant bits, so only the elements of s whose 28 low significand bits are zero can be
+    such a case: those few go through :func:`_double_rounding_fix`, the rest is ``float32(s)``.
     """
     a64 = np.asarray(a, np.float32).astype(np.float64)
     b64 = np.asarray(b, np.float32).astype(np.float64)
     c64 = np.asarray(c, np.float32).astype(np.float64)
     with np.errstate(all="ignore"):
         p = a64 * b64
-        s = p + c64
-        bb = s - p
-        e = (p - (s - bb)) + (c64 - bb)
+        s = np.asarray(p + c64)
         r = s.astype(np.float32)
-        r64 = r.astype(np.float64)
-        toward = np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32)
-        other = np.nextafter(r, toward)
-        mid = (r64 + other.astype(np.float64)) * 0.5
-        tie = np.isfinite(s) & np.isfinite(e) & (r64 != s) & (s == mid) & (e != 0)
-        # at a tie RNE chose r; the exact value lies on e's side of the midpoint
-        go_other = tie & ((e > 0) == (other.astype(np.float64) > r64))
+        maybe = np.flatnonzero((s.view(np.uint64) & np.uint64(0x0FFFFFFF)) == 0)
+        if maybe.size:
+            flat = r.reshape(-1)  # (a view: writes reach r)
+            flat[maybe] = _double_rounding_fix(np.broadcast_to(p, s.shape).flat[maybe],
+                                               np.broadcast_to(c64, s.shape).flat[maybe], s.flat[maybe], flat[maybe])
+    return r
+
+
+def _double_rounding_fix(p, c, s, r) -> np.ndarray:
+    """float32 p + c correctly rounded, from the float64 sum ``s = p + c`` and ``r = float32(s)``
+    (p, c float64 with p + c exact in ~106 bits): the TwoSum error e of s; where s is a float32
+    midpoint and e != 0, round-to-nearest-even chose r, and the exact value lies on e's side."""
+    bb = s - p
+    e = (p - (s - bb)) + (c - bb)
+    r64 = r.astype(np.float64)
+    toward = np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32)
+    other = np.nextafter(r, toward)
+    mid = (r64 + other.astype(np.float64)) * 0.5
+    tie = np.isfinite(s) & np.isfinite(e) & (r64 != s) & (s == mid) & (e != 0)
+    go_other = tie & ((e > 0) == (other.astype(np.float64) > r64))
     return np.where(go_other, other, r).astype(np.float32)
 
 
@@ -132,7 +145,7 @@ def float32_to(v: np.ndarray, dtype) -> np.ndarray:
 
 # ---- the library's own float32 exp / sigmoid / erfc (same op sequence as cuda_src) -----------
 def _where(c, a, b):
-    return np.where(c, a, b).astype(np.float32)
+    return np.where(c, a, b).astype(np.float32, copy=False)
 
 
 def _pow2_poly(f, t) -> np.ndarray:

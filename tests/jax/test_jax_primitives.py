@@ -180,7 +180,9 @@ def test_layernorm_quantize_matches_reference(case, rng):
     # delayed scaling: the state's scale, the amax max-accumulated into the staged slot
     st = fresh().replace(scale=jnp.asarray([0.75, 1, 1], jnp.float32), updates=jnp.ones(3, jnp.int32),
                          amax_history=jnp.zeros((5, 3), jnp.float32).at[0, 0].set(2.5))
-    r, new = fn(x, w, b, st)
+    # placed on the device as fresh() places its arrays: an argument committed in one call and not
+    # in the other makes jit compile the function again
+    r, new = fn(x, w, b, jax.device_put(st, jax.devices("cpu")[0]))
     assert_ln_matches_reference(r, new, x, w, b, eps, pad_to, f32(0.75), E4M3, 0)
     staged = np.asarray(new.amax_history)[0, 0]
     assert (np.isnan(staged) and np.isnan(a)) or staged == max(f32(2.5), a)
@@ -514,15 +516,20 @@ def test_fp8_dot_pads_ragged_operands_and_slices_its_results(mkn):
     w = jnp.asarray(rng.standard_normal((K, N)) * 0.05, jnp.bfloat16)
     meta = JM.fresh_meta(fusedfp8.DelayedScaling(amax_history_len=8))
     recipe = fusedfp8.DelayedScaling(amax_history_len=8)
-    y = jax.jit(lambda x, w, m: F.fp8_dot(x, w, m, recipe))(x, w, meta)
+    @jax.jit  # the product, its reference and the gradients in one program: one compile
+    def run(x, w, meta):
+        y = F.fp8_dot(x, w, meta, recipe)
+        st = JM.meta_to_state(meta, JM.LINEAR_GRAD)
+        rx, st = P.quantize(x, st, 0, recipe)
+        rw, st = P.quantize(w, st, 1, recipe, transpose=True)
+        want = F.gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, jnp.bfloat16, fast_accum=True)
+        grads = jax.grad(lambda x, w: jnp.sum(F.fp8_dot(x, w, meta, recipe).astype(jnp.float32) ** 2),
+                         argnums=(0, 1))(x, w)
+        return y, want, grads
+
+    y, want, (dx, dw) = run(x, w, meta)
     assert y.shape == (M, N)
-    st = JM.meta_to_state(meta, JM.LINEAR_GRAD)
-    rx, st = P.quantize(x, st, 0, recipe)
-    rw, st = P.quantize(w, st, 1, recipe, transpose=True)
-    want = F.gemm(rx.data, rw.data_t, rx.scale_inv, rw.scale_inv, jnp.bfloat16, fast_accum=True)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
-    dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(F.fp8_dot(x, w, meta, recipe).astype(jnp.float32) ** 2),
-                              argnums=(0, 1)))(x, w)
     assert dx.shape == (M, K) and dw.shape == (K, N)
     assert bool(jnp.all(jnp.isfinite(dx.astype(jnp.float32)))) and float(jnp.abs(dw.astype(jnp.float32)).max()) > 0
 
@@ -545,15 +552,16 @@ def test_fp8_mlp_pads_ragged_operands_and_slices_its_results(dims):
     metas = (JM.fresh_meta(recipe), JM.fresh_meta(recipe))
 
     def loss(h, w1, w2, m1, m2):
-        return jnp.sum(F.fp8_mlp(h, w1, b1, w2, b2, m1, m2, recipe).astype(jnp.float32) ** 2)
+        y = F.fp8_mlp(h, w1, b1, w2, b2, m1, m2, recipe)
+        return jnp.sum(y.astype(jnp.float32) ** 2), y
 
-    y = jax.jit(lambda *a: F.fp8_mlp(*a, recipe))(h, w1, b1, w2, b2, *metas)
+    # the output as the loss's aux: one program for the forward and the gradients
+    grads, y = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(h, w1, w2, *metas)
     f32 = [a.astype(jnp.float32) for a in (h, w1, b1, w2, b2)]
     want = jax.nn.gelu(f32[0] @ f32[1] + f32[2], approximate=True) @ f32[3] + f32[4]
     assert y.shape == (m, hid)
     err = float(jnp.linalg.norm(y.astype(jnp.float32) - want) / jnp.linalg.norm(want))
     assert err < 0.1, err
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(h, w1, w2, *metas)
     assert [g.shape for g in grads[:3]] == [(m, hid), (hid, ffn), (ffn, hid)]
     assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads[:3])
 

@@ -347,6 +347,46 @@ def test_fma_f32_is_correctly_rounded(rng):
     assert list(want[traps]) == [1 + 2.0 ** -23, -(1 + 2.0 ** -23), 1 + 2.0 ** -23]
 
 
+def fma_f32_every_element(a, b, c) -> np.ndarray:
+    """The reference's fma_f32 before it sent only the possible midpoints through the TwoSum check:
+    the double-rounding fix applied to every element (the oracle that the faster one must equal
+    bit for bit)."""
+    a64, b64, c64 = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+    with np.errstate(all="ignore"):
+        p = a64 * b64
+        s = np.asarray(p + c64)
+        return ref._double_rounding_fix(np.broadcast_to(p, s.shape), np.broadcast_to(c64, s.shape), s,
+                                        s.astype(np.float32))
+
+
+def test_fma_f32_equals_the_every_element_version(rng):
+    """fma_f32 checks only the elements whose float64 sum has 25 significant bits or fewer for
+    double rounding; it equals the version that checked every element, bit for bit and in shape:
+    the exactness cases, small integers and halves (sums that land on float32 midpoints, exact or
+    not, many of them), non-finite and signed-zero operands, and broadcasting (scalars, 0-d)."""
+    a, b, c = fma_cases(rng)
+    n = 20000
+    ia = rng.integers(-2 ** 12, 2 ** 12, n) * np.exp2(rng.integers(-14, 14, n))
+    ib = rng.integers(-2 ** 12, 2 ** 12, n) * np.exp2(rng.integers(-14, 14, n))
+    ic = (1 + rng.integers(0, 2 ** 23, n) * 2.0 ** -23) * np.exp2(rng.integers(-20, 20, n)) * rng.choice([-1, 1], n)
+    odd = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 2.0 ** -149, -(2.0 ** -149), 3.4e38, 2.0 ** -126])
+    oa, ob, oc = (x.reshape(-1) for x in np.meshgrid(odd, odd, odd, indexing="ij"))
+    cases = [(a, b, c), (ia, ib, ic), (ia, ib, -ia * ib), (oa, ob, oc),
+             (a, np.float32(0.5), np.float32(1.0)), (np.float32(3.0), b, c), (np.float32(3.0), np.float32(5.0), c),
+             (np.float32(2.0 ** -24 + 2.0 ** -47), np.float32(1 - 2.0 ** -23), np.float32(1 + 2.0 ** -23)),
+             (a.reshape(-1, 1)[:50], b[:40], c[:40]), (np.float32(2.0), np.float32(3.0), np.float32(1.0))]
+    hits = 0
+    for x, y, z in cases:
+        x, y, z = (np.asarray(v, np.float32) for v in (x, y, z))
+        got, want = ref.fma_f32(x, y, z), fma_f32_every_element(x, y, z)
+        assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+        with np.errstate(all="ignore"):
+            naive = (x.astype(np.float64) * y + z).astype(np.float32)
+        hits += np.count_nonzero((got != naive) & ~np.isnan(got))
+    assert hits >= 3  # the double-rounding fix did change results (the traps and the integer sums)
+
+
 # ---- activations -----------------------------------------------------------------------------
 SQRT_2_PI = math.sqrt(2 / math.pi)
 

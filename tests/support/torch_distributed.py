@@ -279,14 +279,16 @@ def worker(rank, world, tmp, port):
         np.savez(os.path.join(tmp, f"script{rank}.npz"), script_rc=np.array(rc))
 
 
-def spawn_ranks(fn, args: tuple, nprocs: int, timeout: float, what: str) -> None:
-    """Run ``fn(rank, *args, port)`` in ``nprocs`` spawned processes to the end (``port``: a
-    free TCP port on 127.0.0.1, for a MASTER_PORT); past ``timeout`` s they are killed and a
-    TimeoutError names ``what``. A rank that raises raises here (torch.multiprocessing)."""
+def spawn_ranks(fn, args: tuple, nprocs: int, timeout: float, what: str, start_method: str = "spawn") -> None:
+    """Run ``fn(rank, *args, port)`` in ``nprocs`` new processes to the end (``port``: a free TCP
+    port on 127.0.0.1, for a MASTER_PORT); past ``timeout`` s they are killed and a TimeoutError
+    names ``what``. A rank that raises raises here (torch.multiprocessing). ``start_method``
+    'spawn' (fresh interpreters: safe from any parent) or 'fork' (the ranks inherit the parent's
+    imports: only from a process that started no threads, such as a tests/run/ entry point)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.start_processes(fn, args=(*args, port), nprocs=nprocs, join=False, start_method="spawn")
+    ctx = mp.start_processes(fn, args=(*args, port), nprocs=nprocs, join=False, start_method=start_method)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:
@@ -296,8 +298,10 @@ def spawn_ranks(fn, args: tuple, nprocs: int, timeout: float, what: str) -> None
 
 
 def spawn_world(world: int, out: Path, timeout: float = 180) -> None:
-    """Run ``world`` ranks (spawned processes) to the end; their .npz files land in ``out``."""
-    spawn_ranks(worker, (world, str(out)), world, timeout, f"the {world} spawned ranks")
+    """Run ``world`` ranks to the end; their .npz files land in ``out``. The ranks are forked
+    (tests/run/torch_distributed.py calls this from a fresh process that only imported torch and
+    fusedfp8): importing them again in each of the six ranks was most of the job's CPU time."""
+    spawn_ranks(worker, (world, str(out)), world, timeout, f"the {world} forked ranks", start_method="fork")
 
 
 def results(world: int, out: Path) -> list[dict]:
