@@ -14,6 +14,7 @@ arguments.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from .numerics import block as _block
 from .recipe import BlockScaling
 from .types import FLOAT_INPUTS, BlockQuantized, check_pad_to, check_recipe
 
-__all__ = ["block_quantize"]
+__all__ = ["block_quantize", "check_block_args", "BlockArgs"]
 
 
 def _check_flag(value, argname: str) -> bool:
@@ -33,22 +34,41 @@ def _check_flag(value, argname: str) -> bool:
     return bool(value)
 
 
+class BlockArgs(NamedTuple):
+    """What a block quantization of one tensor is, read from the recipe and the flags."""
+
+    fmt: Format
+    block: tuple  # (1, 128) or (128, 128)
+    pow2: bool  # the scales rounded down to powers of two
+    transpose: bool
+    pad_to: int
+
+
+def check_block_args(recipe, weight, grad, transpose, pad_to) -> BlockArgs:
+    """The arguments of a block quantization but the input (shared by :func:`block_quantize` and
+    :func:`fusedfp8.jax.block.block_quantize`), checked by name: a :class:`~fusedfp8.BlockScaling`,
+    bool flags (at most one of ``weight`` and ``grad``), a positive ``pad_to``."""
+    check_recipe(recipe, block=True)
+    if not isinstance(recipe, BlockScaling):
+        raise TypeError(f"recipe must be a fusedfp8.BlockScaling (a scale per block of each tensor); got "
+                        f"{type(recipe).__name__}, a per-tensor recipe: fusedfp8.quantize takes those, with a "
+                        f"ScalingState slot")
+    weight, grad = _check_flag(weight, "weight"), _check_flag(grad, "grad")
+    transpose = _check_flag(transpose, "transpose")
+    if weight and grad:
+        raise ValueError("weight and grad: a weight is a forward tensor (its format is the recipe's forward one); "
+                         "pass at most one of them as True")
+    return BlockArgs(recipe.format_for(grad), recipe.block_for(weight), recipe.power_of_two_scales, transpose,
+                     check_pad_to(pad_to))
+
+
 class _BlockCall:
     """A checked block_quantize call: the input, the format and block the recipe gives the tensor,
     the shapes of every output."""
 
     def __init__(self, x, recipe, weight, grad, transpose, pad_to):
-        check_recipe(recipe, block=True)
-        if not isinstance(recipe, BlockScaling):
-            raise TypeError(f"recipe must be a fusedfp8.BlockScaling (a scale per block of each tensor); got "
-                            f"{type(recipe).__name__}, a per-tensor recipe: fusedfp8.quantize takes those, with a "
-                            f"ScalingState slot")
-        weight, grad = _check_flag(weight, "weight"), _check_flag(grad, "grad")
-        self.transpose = _check_flag(transpose, "transpose")
-        if weight and grad:
-            raise ValueError("weight and grad: a weight is a forward tensor (its format is the recipe's forward one); "
-                             "pass at most one of them as True")
-        self.pad_to = check_pad_to(pad_to)
+        self.fmt, self.block, self.pow2, self.transpose, self.pad_to = check_block_args(recipe, weight, grad,
+                                                                                        transpose, pad_to)
         self.xi = xi = io.describe(x, "x")
         if xi.dtype not in FLOAT_INPUTS:
             raise TypeError(f"x must be float32, float16 or bfloat16; got {xi.dtype}")
@@ -58,9 +78,6 @@ class _BlockCall:
         if not xi.shape:
             raise ValueError("x: block scaling needs an input of at least 1 dimension (viewed as rows x cols); "
                              "got a scalar")
-        self.fmt: Format = recipe.format_for(grad)
-        self.block = recipe.block_for(weight)
-        self.pow2 = recipe.power_of_two_scales
         self.rows, self.cols = math.prod(xi.shape[:-1]), int(xi.shape[-1])
         self.prows, self.pcols = launch.padded(self.rows, self.cols, self.pad_to)
         self.q_shape = xi.shape if self.pad_to == 1 else (self.prows, self.pcols)
