@@ -11,30 +11,9 @@ import pytest
 
 import fusedfp8
 from fusedfp8 import block as api
-from fusedfp8.numerics import block as B
-from support.block import assert_same, inputs, specials
+from support.block import CALLS as CASES
+from support.block import RECIPE, assert_same, expected, inputs, specials
 from support.frameworks import HOST_FRAMEWORKS, assert_type, to_fw, to_np
-
-RECIPE = fusedfp8.BlockScaling()  # 1x128 activations, 128x128 weights, E4M3, power-of-two scales
-HYBRID_EXACT = fusedfp8.BlockScaling(weight_block=(1, 128), fp8_format="hybrid", power_of_two_scales=False)
-# (shape, dtype, recipe, weight, grad, transpose, pad_to): ragged shapes (a last block shorter than 128
-# along either axis), a 3-D input, one element, an empty one; every recipe field and role
-CASES = {
-    "300x260-bf16-act-t": ((300, 260), "bfloat16", RECIPE, False, False, True, 1),
-    "300x260-f32-weight-t": ((300, 260), "float32", RECIPE, True, False, True, 1),
-    "129x127-f16-weight-pad16": ((129, 127), "float16", RECIPE, True, False, False, 16),
-    "3x5x130-bf16-grad-hybrid-t-pad16": ((3, 5, 130), "bfloat16", HYBRID_EXACT, False, True, True, 16),
-    "1x1-f32-weight-1x128-hybrid": ((1, 1), "float32", HYBRID_EXACT, True, False, True, 1),
-    "7x1000-f32-grad-e4m3": ((7, 1000), "float32", RECIPE, False, True, False, 1),
-    "0x130-bf16-t-pad16": ((0, 130), "bfloat16", RECIPE, False, False, True, 16),
-}
-
-
-def expected(x: np.ndarray, recipe, weight: bool, grad: bool, transpose: bool, pad_to: int):
-    """The NumPy definition with the block and format the recipe gives the tensor."""
-    return B.block_quantize(x, recipe.format_for(grad), recipe.block_for(weight), recipe.power_of_two_scales,
-                            transpose, pad_to)
-
 
 def test_the_face_exports_it():
     assert fusedfp8.block_quantize is api.block_quantize

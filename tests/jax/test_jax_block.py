@@ -13,26 +13,9 @@ import pytest
 
 import fusedfp8
 from fusedfp8.jax import block as JB
-from fusedfp8.numerics import block as B
-from support.block import assert_same, inputs, specials
+from support.block import CALLS as CASES
+from support.block import RECIPE, assert_same, expected, inputs, specials
 from support.shim import built as built_shim
-
-RECIPE = fusedfp8.BlockScaling()
-HYBRID = fusedfp8.BlockScaling(fp8_format="hybrid", power_of_two_scales=False)
-# (shape, dtype, recipe, weight, grad, transpose, pad_to)
-CASES = {
-    "300x260-bf16-act-t": ((300, 260), "bfloat16", RECIPE, False, False, True, 1),
-    "129x127-f32-weight-t-pad16": ((129, 127), "float32", RECIPE, True, False, True, 16),
-    "3x5x130-f16-grad-hybrid": ((3, 5, 130), "float16", HYBRID, False, True, False, 1),
-    "1000x7-bf16-weight-hybrid-t": ((1000, 7), "bfloat16", HYBRID, True, False, True, 1),
-    "0x130-f32-t-pad16": ((0, 130), "float32", RECIPE, False, False, True, 16),
-}
-
-
-def expected(x, recipe, weight, grad, transpose, pad_to):
-    return B.block_quantize(x, recipe.format_for(grad), recipe.block_for(weight), recipe.power_of_two_scales,
-                            transpose, pad_to)
-
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_the_cpu_path_is_the_numpy_definition(case):

@@ -4,11 +4,35 @@ from __future__ import annotations
 
 import numpy as np
 
+import fusedfp8
+from fusedfp8.numerics import block as B
 from support.frameworks import np_dtype, to_np
 
 SHAPES = {"aligned-256x384": (256, 384), "ragged-300x260": (300, 260), "ragged-1x1": (1, 1),
           "ragged-129x127": (129, 127), "ragged-7x1000": (7, 1000), "ragged-1000x7": (1000, 7),
           "ragged-3x5x130": (3, 5, 130)}
+
+
+RECIPE = fusedfp8.BlockScaling()  # 1x128 activations, 128x128 weights, E4M3, power-of-two scales
+HYBRID_EXACT = fusedfp8.BlockScaling(weight_block=(1, 128), fp8_format="hybrid", power_of_two_scales=False)
+# the calls of the entry points (fusedfp8.block_quantize, its jax and torch faces), by id:
+# (shape, dtype, recipe, weight, grad, transpose, pad_to); ragged shapes (a last block shorter than 128
+# along either axis), a 3-D input, one element, an empty one; every recipe field and tensor role
+CALLS = {
+    "300x260-bf16-act-t": ((300, 260), "bfloat16", RECIPE, False, False, True, 1),
+    "300x260-f32-weight-t": ((300, 260), "float32", RECIPE, True, False, True, 1),
+    "129x127-f16-weight-t-pad16": ((129, 127), "float16", RECIPE, True, False, True, 16),
+    "3x5x130-bf16-grad-hybrid-t-pad16": ((3, 5, 130), "bfloat16", HYBRID_EXACT, False, True, True, 16),
+    "1x1-f32-weight-1x128-hybrid": ((1, 1), "float32", HYBRID_EXACT, True, False, True, 1),
+    "1000x7-f32-grad-e4m3": ((1000, 7), "float32", RECIPE, False, True, False, 1),
+    "0x130-bf16-t-pad16": ((0, 130), "bfloat16", RECIPE, False, False, True, 16),
+}
+
+
+def expected(x: np.ndarray, recipe, weight: bool, grad: bool, transpose: bool, pad_to: int):
+    """The NumPy definition with the block and format the recipe gives the tensor."""
+    return B.block_quantize(x, recipe.format_for(grad), recipe.block_for(weight), recipe.power_of_two_scales,
+                            transpose, pad_to)
 
 
 def inputs(shape, dtype: str, seed: int, special=None) -> np.ndarray:
