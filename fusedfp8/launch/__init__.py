@@ -12,9 +12,9 @@ Here: the plans of a signature on a device (``*_plan``: the kernels compiled on 
 device's occupancy read, the plan built once and cached, tagged with the device whose context
 holds its kernels), which the compiled shim runs as well (the torch C++ ops, the XLA FFI
 handler), and the launches on raw device pointers (:func:`quantize`, :func:`layernorm_quantize`,
-:func:`block_quantize`, :func:`dequantize`, :func:`update_scales`), which take their buffers by name: ``{slot name: device
-pointer}`` of the family's slots (:data:`QUANTIZE_SLOTS`, ...), a slot not named being null. They
-check nothing: their callers own shapes, dtypes and lifetimes.
+:func:`block_quantize`, :func:`dequantize`, :func:`update_scales`), which take their buffers by
+name: ``{slot name: device pointer}`` of the family's slots (:data:`QUANTIZE_SLOTS`, ...), a slot
+not named being null. They check nothing: their callers own shapes, dtypes and lifetimes.
 """
 from __future__ import annotations
 

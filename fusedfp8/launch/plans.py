@@ -37,7 +37,7 @@ FLAT_ELEMS = 16  # elements a thread of the flat kernels takes a step (one 16-by
 TILE_R, TILE_C = 128, 64  # the tiled kernels' tile (rows, columns): TILE_R, TILE_C in common.cuh
 TILED_BLOCK = 256  # the tiled kernels' block: the __launch_bounds__ of quantize_tiled and transpose_fp8
 LN_THREADS = _ln.MAX_THREADS_PER_ROW  # the layernorm kernel's largest block (LN_THREADS in layernorm_quantize.cu)
-BLOCK_SIDE = _bk.BLOCK  # the side of a scaling block (128) and block_quantize.cu's tile: one 128 x 128 tile of x per block and step
+BLOCK_SIDE = _bk.BLOCK  # a scaling block's side (128); block_quantize.cu takes one 128 x 128 tile a block and step
 BLOCK_THREADS = 256  # its block: the __launch_bounds__ of block_quantize
 LN_BLOCK = 256  # its block when a row takes fewer threads (blockDim / threads-per-row rows per pass)
 # the layernorm kernel's transposed tile: (rows per tile, most shared bytes), first that fits wins
@@ -53,7 +53,8 @@ LN_SPLIT_COLS = 4096
 
 def block_of(role: str) -> int:
     """The block a kernel of ``role`` launches with, outside the layernorm family (whose block
-    follows the row: :func:`layernorm_block`): the tiled kernels', block_quantize's or the element-wise kernels'."""
+    follows the row: :func:`layernorm_block`): the tiled kernels', block_quantize's or the
+    element-wise kernels'."""
     if role.startswith("block"):
         return BLOCK_THREADS
     return TILED_BLOCK if "tiled" in role else THREADS

@@ -63,8 +63,10 @@ def test_a_nan_and_an_inf_reach_the_amax_and_their_blocks_take_scale_one():
 BAD = [
     (dict(recipe=fusedfp8.DelayedScaling()), TypeError,
      r"^recipe must be a fusedfp8\.BlockScaling \(a scale per block of each tensor\); got DelayedScaling"),
-    (dict(recipe=fusedfp8.CurrentScaling()), TypeError, r"^recipe must be a fusedfp8\.BlockScaling .* got CurrentScaling"),
-    (dict(recipe="e4m3"), TypeError, r"^recipe must be a fusedfp8\.DelayedScaling, .* or a fusedfp8\.BlockScaling; got str"),
+    (dict(recipe=fusedfp8.CurrentScaling()), TypeError,
+     r"^recipe must be a fusedfp8\.BlockScaling .* got CurrentScaling"),
+    (dict(recipe="e4m3"), TypeError,
+     r"^recipe must be a fusedfp8\.DelayedScaling, .* or a fusedfp8\.BlockScaling; got str"),
     (dict(weight=1), TypeError, r"^weight must be a bool; got int 1$"),
     (dict(grad="yes"), TypeError, r"^grad must be a bool; got str 'yes'$"),
     (dict(transpose=None), TypeError, r"^transpose must be a bool; got NoneType None$"),
