@@ -15,8 +15,8 @@ optional mesh ``axis_name``), ``sync_staged``, ``fp8_dot`` and ``fp8_mlp`` (FP8 
 delayed scaling, ``custom_vjp``), ``quantize_weight`` (their weight cache for gradient
 accumulation), ``quantize_ste`` and ``IMPLS``. Submodules: ``primitives``
 (the traceable quantize / gelu_quantize / dgelu_quantize / dequantize, state in, state out),
-``meta`` (the float32 form of a state that the flax modules carry), ``flax`` (imported on
-demand: it needs flax).
+``meta`` (the float32 form of a state that the flax modules carry), ``block`` (block scaling:
+``block_quantize``, traceable, no state), ``flax`` (imported on demand: it needs flax).
 
 Importing this package registers :class:`fusedfp8.ScalingState` as a pytree (its ``grad``
 flags are static metadata), so states pass through ``jax.jit`` and friends.

@@ -12,9 +12,9 @@ Here: the plans of a signature on a device (``*_plan``: the kernels compiled on 
 device's occupancy read, the plan built once and cached, tagged with the device whose context
 holds its kernels), which the compiled shim runs as well (the torch C++ ops, the XLA FFI
 handler), and the launches on raw device pointers (:func:`quantize`, :func:`layernorm_quantize`,
-:func:`dequantize`, :func:`update_scales`), which take their buffers by name: ``{slot name: device
-pointer}`` of the family's slots (:data:`QUANTIZE_SLOTS`, ...), a slot not named being null. They
-check nothing: their callers own shapes, dtypes and lifetimes.
+:func:`block_quantize`, :func:`dequantize`, :func:`update_scales`), which take their buffers by
+name: ``{slot name: device pointer}`` of the family's slots (:data:`QUANTIZE_SLOTS`, ...), a slot
+not named being null. They check nothing: their callers own shapes, dtypes and lifetimes.
 """
 from __future__ import annotations
 
@@ -25,15 +25,16 @@ from . import kernels
 from .executor import current_device, execute, plan_on, run
 from .format import Plan
 from .kernels import probe
-from .plans import (DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, QUANTIZE_SLOTS, UPDATE_SLOTS, KernelRef,
-                    block_of, build_amax_plan, build_dequantize_plan, build_layernorm_amax_plan, build_layernorm_plan,
-                    build_quantize_plan, build_update_plan, dbias_workspace, layernorm_block, layernorm_tile, padded,
-                    split_transpose)
+from .plans import (BLOCK_SLOTS, DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, QUANTIZE_SLOTS, UPDATE_SLOTS,
+                    KernelRef, block_of, build_amax_plan, build_block_quantize_plan, build_dequantize_plan,
+                    build_layernorm_amax_plan, build_layernorm_plan, build_quantize_plan, build_update_plan,
+                    dbias_workspace, layernorm_block, layernorm_tile, padded, split_transpose)
 
 __all__ = ["probe", "padded", "dbias_workspace", "Plan", "plan_on", "execute", "run", "current_device",
-           "QUANTIZE_SLOTS", "LAYERNORM_SLOTS", "DEQUANTIZE_SLOTS", "UPDATE_SLOTS", "META_UPDATE_SLOTS",
-           "quantize_plan", "layernorm_plan", "amax_plan", "layernorm_amax_plan", "dequantize_plan", "update_plan",
-           "quantize", "layernorm_quantize", "dequantize", "update_scales"]
+           "QUANTIZE_SLOTS", "LAYERNORM_SLOTS", "BLOCK_SLOTS", "DEQUANTIZE_SLOTS", "UPDATE_SLOTS", "META_UPDATE_SLOTS",
+           "quantize_plan", "layernorm_plan", "amax_plan", "layernorm_amax_plan", "block_quantize_plan",
+           "dequantize_plan", "update_plan", "quantize", "layernorm_quantize", "block_quantize", "dequantize",
+           "update_scales"]
 
 
 def kernel_refs(key: kernels.ModuleKey, device_id: int) -> dict:
@@ -101,6 +102,16 @@ def layernorm_amax_plan(device: int, dtype: str, param: str, rows: int, cols: in
     """:func:`~fusedfp8.launch.plans.build_layernorm_amax_plan` for (dtype, param) on ``device``."""
     refs = kernel_refs(kernels.ModuleKey("layernorm_quantize", dtype, "e4m3", param=param), device)
     return build_layernorm_amax_plan(refs, kernels.sm_count(device), rows, cols, eps)._replace(device=device)
+
+
+@functools.lru_cache(maxsize=1024)
+def block_quantize_plan(device: int, dtype: str, fmt: str, block: tuple, rows: int, cols: int, transpose: bool = False,
+                        pow2: bool = False, pad_to: int = 1) -> Plan:
+    """:func:`~fusedfp8.launch.plans.build_block_quantize_plan` for module (dtype, fmt) on ``device``
+    (both block shapes' kernels compiled on first use); ``block``: (1, 128) or (128, 128)."""
+    return build_block_quantize_plan(kernel_refs(kernels.ModuleKey("block_quantize", dtype, fmt), device),
+                                     kernels.sm_count(device), rows, cols, tuple(block), transpose, pow2,
+                                     pad_to)._replace(device=device)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -175,6 +186,30 @@ def layernorm_quantize(device: int, stream: int, buffers: dict, *, dtype: str, p
         return
     plan = plan_on(stream, layernorm_plan, device, dtype, param, fmt, rows, cols, bool(buffers.get("q_t")),
                    bool(first), float(eps), float(margin_factor), 0, int(pad_to))
+    run(plan, buffers, stream)
+
+
+def block_quantize(device: int, stream: int, buffers: dict, *, dtype: str, fmt: str, block: tuple, rows: int,
+                   cols: int, pow2: bool = False, pad_to: int = 1) -> None:
+    """Launch the block quantization (:func:`block_quantize_plan`, then :func:`run`) on raw device
+    pointers; the bytes and scales of :func:`fusedfp8.numerics.block.block_quantize`.
+
+    Parameters
+    ----------
+    device, stream : CUDA device ordinal and stream handle.
+    buffers : {name: device pointer} of :data:`BLOCK_SLOTS`: ``x`` (rows, cols) row-major input;
+        ``q``: the (prows, pcols) FP8 output (bytes), ``scale_inv``: its float32 scales in
+        cuBLASLt's layout (:func:`fusedfp8.numerics.block.scale_shape` of (prows, pcols));
+        ``q_t`` and ``scale_inv_t``: the (pcols, prows) transpose and its scales (given: the plan
+        writes them; both or neither); ``amax``: (1,) float32, set to max |x| (the plan zeroes it first).
+    dtype : 'float32' | 'float16' | 'bfloat16', the input's dtype.
+    fmt : 'e4m3' | 'e5m2'.
+    block : (1, 128) or (128, 128).
+    pow2 : the scales rounded down to powers of two.
+    pad_to : (prows, pcols) = (rows, cols) rounded up to multiples of it (:func:`padded`), zeros in the pad.
+    """
+    plan = plan_on(stream, block_quantize_plan, device, dtype, fmt, tuple(block), rows, cols,
+                   bool(buffers.get("q_t")), bool(pow2), int(pad_to))
     run(plan, buffers, stream)
 
 

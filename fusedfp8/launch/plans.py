@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from ..numerics import block as _bk
 from ..numerics import layernorm as _ln
 from .format import NULLPTR, Launch, Memset, Plan, Slots, Variant, flag, imm32, imm64, immf32, make_plan, mask, ptr
 
@@ -27,6 +28,8 @@ UPDATE_SLOTS = Slots("amax_history", "scale", "scale_inv", "overflows", "updates
 # update_meta (JAX, out of place): the meta's arrays in, the state's (int32 counters) and the output meta's counters out
 META_UPDATE_SLOTS = Slots("amax_history", "scale", "overflows_f", "updates_f", "writes", "fmt_max", "amax_history_out",
                           "scale_out", "scale_inv_out", "overflows", "updates", "overflows_f_out", "updates_f_out")
+# block scaling: the input, q and q_t with their per-block scales, the tensor's amax (no state)
+BLOCK_SLOTS = Slots("x", "q", "scale_inv", "q_t", "scale_inv_t", "amax")
 
 # ---- the tile geometry: the one source of the grids, the padding rules and the workspaces --------
 THREADS = 256  # the element-wise kernels' block: -DFF8_THREADS (kernels.COMPILE_OPTIONS)
@@ -34,6 +37,8 @@ FLAT_ELEMS = 16  # elements a thread of the flat kernels takes a step (one 16-by
 TILE_R, TILE_C = 128, 64  # the tiled kernels' tile (rows, columns): TILE_R, TILE_C in common.cuh
 TILED_BLOCK = 256  # the tiled kernels' block: the __launch_bounds__ of quantize_tiled and transpose_fp8
 LN_THREADS = _ln.MAX_THREADS_PER_ROW  # the layernorm kernel's largest block (LN_THREADS in layernorm_quantize.cu)
+BLOCK_SIDE = _bk.BLOCK  # a scaling block's side (128); block_quantize.cu takes one 128 x 128 tile a block and step
+BLOCK_THREADS = 256  # its block: the __launch_bounds__ of block_quantize
 LN_BLOCK = 256  # its block when a row takes fewer threads (blockDim / threads-per-row rows per pass)
 # the layernorm kernel's transposed tile: (rows per tile, most shared bytes), first that fits wins
 LN_TILES = ((16, 64 << 10), (8, 128 << 10), (4, 1 << 30))
@@ -48,7 +53,10 @@ LN_SPLIT_COLS = 4096
 
 def block_of(role: str) -> int:
     """The block a kernel of ``role`` launches with, outside the layernorm family (whose block
-    follows the row: :func:`layernorm_block`): the tiled kernels' or the element-wise kernels'."""
+    follows the row: :func:`layernorm_block`): the tiled kernels', block_quantize's or the
+    element-wise kernels'."""
+    if role.startswith("block"):
+        return BLOCK_THREADS
     return TILED_BLOCK if "tiled" in role else THREADS
 
 
@@ -76,6 +84,8 @@ SIGNATURES = {
                                          #                            tile_rows, vec, vec_t, eps, margin
     "transpose": "@2Pqqii",  # transpose_fp8: q, q_t, prows, pcols, vec, vec_t
     "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
+    "block": "@6Pqqqqi",     # block_quantize: x, q, scale_inv, q_t, scale_inv_t, amax, rows, cols, prows, pcols,
+                             #                pow2
     "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
     "meta_update": "@13Piifi",  # update_meta: 13 pointers (the meta in, the state and counters out), n, L, margin,
                                 #              algo_max
@@ -358,3 +368,29 @@ def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max
     # the kernels take every buffer, in slot order
     return make_plan(slots, [_launch([(refs[role], max(n, 1))], 0, THREADS, (
         *map(ptr, range(len(slots))), imm32(n), imm32(L), immf32(margin_factor), imm32(int(algo_max))))])
+
+
+def block_role(block) -> str:
+    """The role of block_quantize's instantiation for ``block``: (1, 128) or (128, 128)."""
+    return {(1, BLOCK_SIDE): "block_1x128", (BLOCK_SIDE, BLOCK_SIDE): "block_128x128"}[tuple(block)]
+
+
+def build_block_quantize_plan(refs: dict, sms: int, rows: int, cols: int, block=(1, BLOCK_SIDE),
+                              transpose: bool = False, pow2: bool = False, pad_to: int = 1) -> Plan:
+    """The plan of one block quantization over :data:`BLOCK_SLOTS` (``refs``: role -> KernelRef of
+    the block_quantize module): ``amax`` zeroed (a memset: the kernel max-accumulates into it, and
+    block scaling keeps no state to accumulate into), then, unless the input is empty, one launch of
+    the kernel for ``block`` over the 128 x 128 tiles of the padded shape, grid-stride beyond one
+    resident wave. With ``transpose`` it writes ``q_t`` and ``scale_inv_t`` as well; ``pow2``: the
+    scales rounded down to powers of two. The kernel checks its own pointers' alignment (no flag)."""
+    k = BLOCK_SLOTS
+    steps = [Memset(k.amax, 4)]
+    prows, pcols = padded(rows, cols, pad_to)
+    if rows * cols:
+        r = refs[block_role(block)]
+        tiles = -(-prows // BLOCK_SIDE) * -(-pcols // BLOCK_SIDE)
+        q_t, s_t = (ptr(k.q_t), ptr(k.scale_inv_t)) if transpose else (NULLPTR, NULLPTR)
+        steps.append(_launch([(r, max(1, min(tiles, r.per_sm * sms)))], 0, BLOCK_THREADS, (
+            ptr(k.x), ptr(k.q), ptr(k.scale_inv), q_t, s_t, ptr(k.amax), imm64(rows), imm64(cols), imm64(prows),
+            imm64(pcols), imm32(int(bool(pow2))))))
+    return make_plan(k, steps)

@@ -8,7 +8,8 @@
 - :mod:`.scaling`: the delayed-scaling rule and the scale formula, written once over an array
   namespace.
 - :mod:`.block`: block scaling (1x128 and 128x128 blocks, each with the scale of its own max): the
-  bytes, the scales in the layout cuBLASLt's block-scaled GEMM reads, the transposed copies.
+  bytes, the scales in the layout cuBLASLt's block-scaled GEMM reads, the transposed copies;
+  :mod:`.block_jnp`: the same in ``jax.numpy``, byte for byte (imports jax).
 - :mod:`.xp`: the array namespaces (numpy, cupy, torch, jax.numpy) that :mod:`.scaling` runs on.
 
 Nothing here imports the rest of the package but :mod:`fusedfp8.formats` and :mod:`fusedfp8.types`.

@@ -71,7 +71,7 @@ def test_format_registry_and_hybrid_pairing():
     assert fusedfp8.E4M3 is E4M3 and fusedfp8.E5M2 is E5M2 and fusedfp8.Format is Format
 
 
-def test_the_face_exports_formats_recipe_state_and_the_six_functions():
+def test_the_face_exports_formats_recipe_state_and_the_seven_functions():
     """The top level is the face (LAYOUT.md): the pairings and the lookup live in fusedfp8.formats."""
     import fusedfp8.ops
     import fusedfp8.state
@@ -80,7 +80,7 @@ def test_the_face_exports_formats_recipe_state_and_the_six_functions():
     assert sorted(fusedfp8.__all__) == sorted([
         "E4M3", "E5M2", "Format", "DelayedScaling", "CurrentScaling", "BlockScaling", "ScalingState", "Slot", "Quantized",
         "LayerNormQuantized", "quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize",
-        "update_scales"])
+        "update_scales", "block_quantize"])
     for name in ("quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"):
         assert getattr(fusedfp8, name) is getattr(fusedfp8.ops, name)
     assert fusedfp8.ScalingState is fusedfp8.state.ScalingState and fusedfp8.Slot is fusedfp8.state.Slot
@@ -88,6 +88,7 @@ def test_the_face_exports_formats_recipe_state_and_the_six_functions():
     assert fusedfp8.LayerNormQuantized is fusedfp8.types.LayerNormQuantized
     assert fusedfp8.CurrentScaling is fusedfp8.recipe.CurrentScaling
     assert fusedfp8.BlockScaling is fusedfp8.recipe.BlockScaling
+    assert fusedfp8.block_quantize is fusedfp8.block.block_quantize
     for gone in ("HYBRID", "FORMATS", "get_format", "slot"):
         assert not hasattr(fusedfp8, gone), gone
 

@@ -3,8 +3,9 @@ q, q_t and both scale arrays in cuBLASLt's layout (pad entries included), and th
 every input dtype x format x block shape x power-of-two flag, aligned, ragged and padded shapes,
 misaligned pointers (the element-load and byte-store paths), grids from one block to one per tile,
 and blocks of zeros, NaN, inf, denormals and tiny maxima. GPU only: the kernels are launched here
-directly (one RawModule of the family's source, the library's compile options); their launch plan
-is not written yet."""
+directly (one RawModule of the family's source, the library's compile options), as the grids and
+slots that the launch plan does not vary; tests/api/test_block_quantize.py and
+tests/jax/test_jax_block.py run them through the plan (fusedfp8.block_quantize, the JAX kernel paths)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from fusedfp8.launch import kernels as K
 from fusedfp8.numerics import block as B
 from fusedfp8.numerics.reference import as_2d
-from support.frameworks import np_dtype
+from support.block import SHAPES, inputs, specials
 
 pytestmark = pytest.mark.gpu
 
@@ -21,9 +22,6 @@ CPP = K.CPP_TYPES
 FMT = K.FMT_IDS
 SENTINEL = 0xA5  # every output byte starts as this (every scale as NaN): what the kernel skips shows
 NULL = np.uint64(0)
-SHAPES = {"aligned-256x384": (256, 384), "ragged-300x260": (300, 260), "ragged-1x1": (1, 1),
-          "ragged-129x127": (129, 127), "ragged-7x1000": (7, 1000), "ragged-1000x7": (1000, 7),
-          "ragged-3x5x130": (3, 5, 130)}
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +36,6 @@ def kernels():
     mod = cupy.RawModule(code=K.family_source("block_quantize"), options=K.compile_options(),
                          name_expressions=list(names.values()))
     return {k: mod.get_function(n) for k, n in names.items()}
-
-
-def inputs(shape, dtype: str, seed: int, special=None) -> np.ndarray:
-    """Rows (and blocks of rows) at their own magnitudes, so that a scale from the wrong block shows."""
-    g = np.random.default_rng(seed)
-    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    x = g.standard_normal((rows, shape[-1])) * np.exp2(g.integers(-12, 12, (rows, 1))) * np.exp2(
-        g.integers(-3, 3, (rows, shape[-1])))
-    if dtype == "float16":
-        x = np.clip(x * 2.0 ** -4, -6e4, 6e4)
-    x = x.astype(np.float32)
-    if special is not None:
-        special(x)
-    return x.reshape(shape).astype(np_dtype(dtype))
 
 
 def launch(kernels, x: np.ndarray, fmt: str, block, pow2: bool, transpose: bool, pad_to: int = 1, grid=None,
@@ -137,21 +121,12 @@ def test_padding_and_misaligned_pointers(kernels, dtype, block, shape):
                 check(got, x, "e4m3", block, False, transpose, pad_to)
 
 
-def _specials(x: np.ndarray) -> None:
-    x[0:128, 0:128] = -0.0  # a block of zeros of either shape
-    x[130, 5] = np.nan  # a NaN and an inf in other blocks
-    x[260, 140] = -np.inf
-    x[131:141, 256:384] = 1e-40  # rows of 128 float32 denormals (bf16 keeps them, float16 flushes them to 0)
-    x[256:384, 384:512] = 1e-40  # ... and a whole tile, with a tiny max: fmt_max / 3e-38 is inf in float32
-    x[140, 300] = x[300, 450] = 3e-38
-
-
 @pytest.mark.parametrize("dtype", list(CPP))
 @pytest.mark.parametrize("fmt", list(FMT))
 @pytest.mark.parametrize("block", [(1, 128), (128, 128)], ids=["1x128", "128x128"])
 @pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
 def test_zero_nan_inf_and_tiny_blocks(kernels, dtype, fmt, block, pow2):
-    x = inputs((384, 512), dtype, 7, _specials)
+    x = inputs((384, 512), dtype, 7, specials)
     for transpose in (False, True):
         check(launch(kernels, x, fmt, block, pow2, transpose), x, fmt, block, pow2, transpose)
     y = inputs((384, 512), dtype, 7)

@@ -1,9 +1,9 @@
 """Every kernel family compiles with NVRTC for sm_90, for every template instantiation the
 library can ask for; no GPU needed (cuda-bindings' NVRTC and the CUDA headers only). The bfloat16
-groups of quantize, current_quantize and layernorm_quantize, dequantize and update_scales are
-compiled to sm_90 cubins (NVVM and ptxas); the float32 and float16 groups of those three families
-to compute_90 PTX only (support.nvrtc.target_of), with NVVM's optimizations reduced to the least
-(support.nvrtc.PTX_OPTIONS): for them the C++ front end and NVVM's code generation run for every
+groups of quantize, current_quantize, layernorm_quantize and block_quantize, dequantize and
+update_scales are compiled to sm_90 cubins (NVVM and ptxas); the float32 and float16 groups of those
+four families to compute_90 PTX only (support.nvrtc.target_of), with NVVM's optimizations reduced
+to the least (support.nvrtc.PTX_OPTIONS): for them the C++ front end and NVVM's code generation run for every
 instantiation and every kernel must be an entry of the PTX, but ptxas and NVVM's optimizing passes
 do not run (ptxas's register and shared-memory allocation of those instantiations is not checked
 here; the cubin groups put every template and every FMT, OP and weight dtype through both). The
@@ -57,7 +57,7 @@ def test_the_cubin_groups_put_every_template_and_argument_through_ptxas():
     # block_quantize's cubin group holds every FMT and block shape
     assert N.target_of("block_quantize-bfloat16") == N.CUBIN
     assert {e.split(",", 1)[1] for e in GROUPS["block_quantize-bfloat16"]} == {
-        e.split(",", 1)[1] for d in K.CPP_TYPES for e in N.unlaunched_names("block_quantize", d)}
+        f" {f}, {sq}>" for f in K.FMT_IDS.values() for sq in ("false", "true")}
     assert {N.target_of(N.group_of(k)) for k in N.SIGNATURE_KEYS.values()} == {N.CUBIN}
     keys = K.all_module_keys()
     in_cubin = [k for k in keys if N.target_of(N.group_of(k)) == N.CUBIN]
@@ -75,20 +75,22 @@ def test_the_cubin_groups_put_every_template_and_argument_through_ptxas():
 def test_the_check_compiled_every_group(nvrtc):
     assert set(nvrtc["group"]) == set(GROUPS) and len(GROUPS) == 16
     # every instantiation of every module; a kernel without template parameters (transpose_fp8, held by
-    # every layernorm_quantize module) once per group; and every one of the families not launched yet
-    unlaunched = sum(len(N.unlaunched_names(f, d)) for f in N.UNLAUNCHED for d in K.CPP_TYPES)
-    assert sum(len(names) for names in GROUPS.values()) == unlaunched + len(
+    # every layernorm_quantize module) once per group
+    assert sum(len(names) for names in GROUPS.values()) == len(
         {(N.group_of(k), e) for k in K.all_module_keys() for e in K.name_expressions(k).values()})
 
 
 def test_every_family_and_instantiation_is_listed():
     keys = K.all_module_keys()
-    assert {k.family for k in keys} == set(K.families()) - set(N.UNLAUNCHED) == {
-        "quantize", "current_quantize", "layernorm_quantize", "dequantize", "update_scales"}
-    assert set(N.UNLAUNCHED) == {"block_quantize"} <= set(K.families())
-    assert {tuple(e[len("block_quantize<"):-1].split(", ")) for d in K.CPP_TYPES
-            for e in N.unlaunched_names("block_quantize", d)} == {
+    assert {k.family for k in keys} == set(K.families()) == {
+        "quantize", "current_quantize", "layernorm_quantize", "block_quantize", "dequantize", "update_scales"}
+    bq = [k for k in keys if k.family == "block_quantize"]
+    assert {tuple(e[len("block_quantize<"):-1].split(", ")) for k in bq for e in K.name_expressions(k).values()} == {
         (t, str(f), sq) for t in K.CPP_TYPES.values() for f in K.FMT_IDS.values() for sq in ("false", "true")}
+    assert K.name_expressions(K.ModuleKey("block_quantize", "bfloat16", "e5m2")) == {
+        "block_1x128": "block_quantize<__nv_bfloat16, 1, false>",
+        "block_128x128": "block_quantize<__nv_bfloat16, 1, true>"}
+    assert {PL.block_role(b) for b in ((1, 128), (128, 128))} == set(K.name_expressions(bq[0]))
     for family in ("quantize", "current_quantize"):
         q = {(k.dtype, k.fmt, k.op) for k in keys if k.family == family}
         assert q == {(d, f, o) for d in K.CPP_TYPES for f in K.FMT_IDS for o in K.OPS}

@@ -26,6 +26,7 @@ CSRC = Path(PL.__file__).resolve().parent.parent / "csrc"
 MODULES = {"quantize": K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh"),
            "current_quantize": K.ModuleKey("current_quantize", "bfloat16", "e4m3", "identity"),
            "layernorm_quantize": K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"),
+           "block_quantize": K.ModuleKey("block_quantize", "bfloat16", "e5m2"),
            "dequantize": K.ModuleKey("dequantize", "float16", "e5m2"),
            "update_scales": K.ModuleKey("update_scales")}
 # a parameter's struct character by its C++ type (pointers: 'P'); the aliases are common.cuh's typedefs
@@ -108,7 +109,8 @@ def test_buffers_by_name_take_the_slot_order():
 
 
 def test_cpp_names_of_the_slots_are_distinct():
-    for slots in (PL.QUANTIZE_SLOTS, PL.LAYERNORM_SLOTS, PL.DEQUANTIZE_SLOTS, PL.UPDATE_SLOTS, PL.META_UPDATE_SLOTS):
+    for slots in (PL.QUANTIZE_SLOTS, PL.LAYERNORM_SLOTS, PL.BLOCK_SLOTS, PL.DEQUANTIZE_SLOTS, PL.UPDATE_SLOTS,
+                  PL.META_UPDATE_SLOTS):
         assert len({cpp_name(s) for s in slots}) == len(slots)
     assert cpp_name("q_t") == "kQT" and cpp_name("scale_inv_used") == "kScaleInvUsed"
 

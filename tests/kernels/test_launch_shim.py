@@ -41,7 +41,8 @@ def fake_refs(key: K.ModuleKey, base: int | None = None) -> dict:
     launch.quantize_plan merges them."""
     if base is None:
         base = {"quantize": 0x7F00_0000_1000, "dequantize": 0x7F10_0000_1000,
-                "layernorm_quantize": 0x7F30_0000_1000}.get(key.family, 0x7F20_0000_1000)
+                "layernorm_quantize": 0x7F30_0000_1000, "block_quantize": 0x7F40_0000_1000}.get(key.family,
+                                                                                                0x7F20_0000_1000)
     names = K.name_expressions(key)
     refs = {role: PL.KernelRef(base + 0x100 * i, expr, role, 2 + i % 3, F.fake_id(expr))
             for i, (role, expr) in enumerate(names.items())}
@@ -54,6 +55,7 @@ QKEY = K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh")
 DQKEY = K.ModuleKey("dequantize", "float16", "e5m2")
 UKEY = K.ModuleKey("update_scales")
 LNKEY = K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32")
+BQKEY = K.ModuleKey("block_quantize", "bfloat16", "e4m3")
 
 # (rows, cols, transpose, dbias, first, margin_factor, offset): every launch configuration
 QUANTIZE_CASES = [(r, c, t, d, f, m, o) for (r, c) in [(256, 1024), (303, 300), (1, 1), (0, 16), (16, 0), (24, 8)]
@@ -85,7 +87,11 @@ def other_plans():
             # the amax-only plans (current scaling across ranks): a memset, then the pre-pass kernel
             + [(("amax", n), PL.build_amax_plan(fake_refs(QKEY), SMS, n)) for n in (0, 1, 4096, 10 ** 7)]
             + [(("layernorm_amax", r, c), PL.build_layernorm_amax_plan(fake_refs(LNKEY), SMS, r, c, 1e-5))
-               for r, c in [(0, 8), (303, 300), (2048, 1024)]])
+               for r, c in [(0, 8), (303, 300), (2048, 1024)]]
+            # block scaling: the amax zeroed, then the kernel of the block shape (none for an empty input)
+            + [(("block", r, c, b, t, p), PL.build_block_quantize_plan(fake_refs(BQKEY), SMS, r, c, b, t, True, p))
+               for r, c, p in [(0, 8, 1), (303, 300, 1), (303, 300, 16), (8192, 4096, 1)]
+               for b in ((1, 128), (128, 128)) for t in (False, True)])
 
 
 def pointer_sets(n_slots: int):
@@ -570,9 +576,10 @@ def test_every_plan_packs_exactly_the_parameter_size_the_cubin_declares(cubin_si
     the kernel's parameter bank in the sm_90 cubin (the driver refuses any other size)."""
     keys = {"quantize": N.SIGNATURE_KEYS["quantize"], "dequantize": N.SIGNATURE_KEYS["dequantize"],
             "update_scales": N.SIGNATURE_KEYS["update_scales"],
-            "layernorm_quantize": N.SIGNATURE_KEYS["layernorm_quantize"]}
+            "layernorm_quantize": N.SIGNATURE_KEYS["layernorm_quantize"],
+            "block_quantize": N.SIGNATURE_KEYS["block_quantize"]}
     assert keys == {"quantize": QKEY, "dequantize": DQKEY, "update_scales": UKEY,
-                    "layernorm_quantize": LNKEY}  # the modules built above
+                    "layernorm_quantize": LNKEY, "block_quantize": BQKEY}  # the modules built above
     by_func = {}
     for family, key in keys.items():
         for ref in fake_refs(key).values():  # (quantize's come with their current_quantize twins)
@@ -589,7 +596,7 @@ def test_every_plan_packs_exactly_the_parameter_size_the_cubin_declares(cubin_si
             for step in plan.steps:
                 if isinstance(step, P.Launch):
                     assert all(struct.calcsize(step.layout) == by_func[v.func] for v in step.variants)
-    assert seen == set(by_func)  # every kernel of the five modules was launched by some plan
+    assert seen == set(by_func)  # every kernel of the six modules was launched by some plan
 
 
 # ---- JAX: the FFI target ---------------------------------------------------------------------------

@@ -2,14 +2,14 @@
 
 Each compile group (:func:`groups`) is compiled to one of two targets (:func:`target_of`):
 
-- ``sm_90``, a cubin (NVVM, then ptxas): the bfloat16 groups of quantize, current_quantize and
-  layernorm_quantize (the production input dtype; between them every template, and every FMT,
-  OP and layernorm weight dtype, so every inline-asm string goes through ptxas), dequantize and
+- ``sm_90``, a cubin (NVVM, then ptxas): the bfloat16 groups of quantize, current_quantize,
+  layernorm_quantize and block_quantize (the production input dtype; between them every template, and every FMT,
+  OP, block shape and layernorm weight dtype, so every inline-asm string goes through ptxas), dequantize and
   update_scales, and every group whose cubin the launch signatures' parameter sizes are read
   from (:data:`SIGNATURE_KEYS`);
 - ``compute_90``, PTX only (NVVM; ptxas does not run), with NVVM's optimizations reduced to the
   least (``--Ofast-compile=max``, :data:`PTX_OPTIONS`): the float32 and float16 groups of those
-  three families and of block_quantize. Their front end and NVVM's code generation still run for every instantiation,
+  four families. Their front end and NVVM's code generation still run for every instantiation,
   so a C++ error, a bad template argument or a missing name expression still fails, and every
   kernel must be an entry of the PTX; ptxas's own checks of them (register and shared-memory
   allocation, PTX that NVVM emits but ptxas refuses) and NVVM's optimizing passes do not run
@@ -17,10 +17,6 @@ Each compile group (:func:`groups`) is compiled to one of two targets (:func:`ta
   through both). Measured on a 2-core CPU machine, the whole job: 215 CPU-s with every group to
   a cubin, 156 with these six to PTX only; the six PTX groups alone 136 CPU-s with NVVM's full
   optimization (layernorm_quantize's two: 95), 6 with ``--Ofast-compile=max``.
-
-A family whose launch is not written yet (:data:`UNLAUNCHED`: block_quantize) has no module keys
-in ``fusedfp8.launch.kernels``; its instantiations are listed here (:func:`unlaunched_names`) and compiled
-as one group per dtype like the others.
 
 The compiles run only in tests/run/nvrtc_compile.py, a process of its own: torch 2.13 (CPU)
 fails to torch.load some tensors in a process that has compiled an NVRTC program through
@@ -41,6 +37,7 @@ BROKEN = {  # sources that must fail, with a log
 SIGNATURE_KEYS = {"quantize": K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh"),
                   "current_quantize": K.ModuleKey("current_quantize", "bfloat16", "e4m3", "dgelu_tanh"),
                   "layernorm_quantize": K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"),
+                  "block_quantize": K.ModuleKey("block_quantize", "bfloat16", "e4m3"),
                   "dequantize": K.ModuleKey("dequantize", "float16", "e5m2"),
                   "update_scales": K.ModuleKey("update_scales")}
 
@@ -49,18 +46,6 @@ CUBIN, PTX = "sm_90", "compute_90"
 PTX_ONLY_DTYPES = ("float32", "float16")  # of the families below
 PTX_ONLY_FAMILIES = ("quantize", "current_quantize", "layernorm_quantize", "block_quantize")
 PTX_OPTIONS = ("--Ofast-compile=max",)  # added to a PTX-only compile (see the module's docstring)
-UNLAUNCHED = ("block_quantize",)  # families in cuda_src/ that fusedfp8.launch does not launch yet
-
-
-def unlaunched_names(family: str, dtype: str) -> list[str]:
-    """Every instantiation of ``family`` (one of :data:`UNLAUNCHED`) for the input dtype ``dtype``:
-    block_quantize<T, FMT, SQUARE> for both formats, 1x128 and 128x128 blocks."""
-    if family != "block_quantize":
-        raise ValueError(f"unknown unlaunched family {family!r}; expected one of {UNLAUNCHED}")
-    return [f"block_quantize<{K.CPP_TYPES[dtype]}, {f}, {sq}>" for f in K.FMT_IDS.values()
-            for sq in ("false", "true")]
-
-
 def target_of(group: str) -> str:
     """What ``group`` is compiled to: :data:`CUBIN` (``-arch=sm_90``) or :data:`PTX`
     (``-arch=compute_90``, PTX only); see the module's docstring."""
@@ -82,9 +67,6 @@ def groups() -> dict:
     for key in K.all_module_keys():
         group = out[group_of(key)]
         group.extend(e for e in K.name_expressions(key).values() if "<" in e or e not in group)
-    for family in UNLAUNCHED:
-        for dtype in K.CPP_TYPES:
-            out[f"{family}-{dtype}"] = unlaunched_names(family, dtype)
     return dict(out)
 
 

@@ -1,0 +1,160 @@
+"""Block scaling, framework-agnostic: :func:`block_quantize`.
+
+As :mod:`fusedfp8.ops`: the argument contract first (everything checked before anything is
+allocated or launched), then the host run (the NumPy definition,
+:func:`fusedfp8.numerics.block.block_quantize`, on numpy arrays and CPU tensors) or the device
+run (the block_quantize kernel through the launch interface, :func:`fusedfp8.launch.block_quantize`,
+on the caller's current stream; jax GPU arrays through DLPack), with the same bytes. Results come
+back in the caller's framework: FP8 data as ``torch.float8_*`` tensors, ``jnp.float8_*`` arrays,
+ml_dtypes arrays (numpy) or uint8 arrays (cupy).
+
+Block scaling keeps no state: nothing is written in place, and a call is a pure function of its
+arguments.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _interop as io
+from . import launch
+from .formats import Format
+from .numerics import block as _block
+from .recipe import BlockScaling
+from .types import FLOAT_INPUTS, BlockQuantized, check_pad_to, check_recipe
+
+__all__ = ["block_quantize", "check_block_args", "BlockArgs"]
+
+
+def _check_flag(value, argname: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{argname} must be a bool; got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+class BlockArgs(NamedTuple):
+    """What a block quantization of one tensor is, read from the recipe and the flags."""
+
+    fmt: Format
+    block: tuple  # (1, 128) or (128, 128)
+    pow2: bool  # the scales rounded down to powers of two
+    transpose: bool
+    pad_to: int
+
+
+def check_block_args(recipe, weight, grad, transpose, pad_to) -> BlockArgs:
+    """The arguments of a block quantization but the input (shared by :func:`block_quantize` and
+    :func:`fusedfp8.jax.block.block_quantize`), checked by name: a :class:`~fusedfp8.BlockScaling`,
+    bool flags (at most one of ``weight`` and ``grad``), a positive ``pad_to``."""
+    check_recipe(recipe, block=True)
+    if not isinstance(recipe, BlockScaling):
+        raise TypeError(f"recipe must be a fusedfp8.BlockScaling (a scale per block of each tensor); got "
+                        f"{type(recipe).__name__}, a per-tensor recipe: fusedfp8.quantize takes those, with a "
+                        f"ScalingState slot")
+    weight, grad = _check_flag(weight, "weight"), _check_flag(grad, "grad")
+    transpose = _check_flag(transpose, "transpose")
+    if weight and grad:
+        raise ValueError("weight and grad: a weight is a forward tensor (its format is the recipe's forward one); "
+                         "pass at most one of them as True")
+    return BlockArgs(recipe.format_for(grad), recipe.block_for(weight), recipe.power_of_two_scales, transpose,
+                     check_pad_to(pad_to))
+
+
+class _BlockCall:
+    """A checked block_quantize call: the input, the format and block the recipe gives the tensor,
+    the shapes of every output."""
+
+    def __init__(self, x, recipe, weight, grad, transpose, pad_to):
+        self.fmt, self.block, self.pow2, self.transpose, self.pad_to = check_block_args(recipe, weight, grad,
+                                                                                        transpose, pad_to)
+        self.xi = xi = io.describe(x, "x")
+        if xi.dtype not in FLOAT_INPUTS:
+            raise TypeError(f"x must be float32, float16 or bfloat16; got {xi.dtype}")
+        if not xi.contiguous:
+            raise ValueError(f"x must be contiguous (row-major); got a non-contiguous view of shape {xi.shape}: "
+                             "call .contiguous() / np.ascontiguousarray first")
+        if not xi.shape:
+            raise ValueError("x: block scaling needs an input of at least 1 dimension (viewed as rows x cols); "
+                             "got a scalar")
+        self.rows, self.cols = math.prod(xi.shape[:-1]), int(xi.shape[-1])
+        self.prows, self.pcols = launch.padded(self.rows, self.cols, self.pad_to)
+        self.q_shape = xi.shape if self.pad_to == 1 else (self.prows, self.pcols)
+
+
+def _host_run(c: _BlockCall) -> BlockQuantized:
+    r = _block.block_quantize(io.to_numpy(c.xi), c.fmt, c.block, c.pow2, c.transpose, c.pad_to)
+
+    def out(a):
+        return None if a is None else io.from_numpy(a, c.xi)
+
+    return BlockQuantized(out(r.data), out(r.scale_inv), out(r.data_t), out(r.scale_inv_t),
+                          out(np.array([r.amax], np.float32)))
+
+
+def _device_run(c: _BlockCall) -> BlockQuantized:
+    xv = io.device_view(c.xi)
+    q = io.empty(c.xi, c.q_shape, c.fmt.dtype_name)
+    s = io.empty(c.xi, _block.scale_shape(c.prows, c.pcols, c.block), "float32")
+    amax = io.empty(c.xi, (1,), "float32")  # (the plan zeroes it before the kernel max-accumulates)
+    ptr = io.data_ptr
+    buffers = {"x": xv.ptr, "q": ptr(q), "scale_inv": ptr(s), "amax": ptr(amax)}
+    q_t = s_t = None
+    if c.transpose:
+        q_t = io.empty(c.xi, (c.pcols, c.prows), c.fmt.dtype_name)
+        s_t = io.empty(c.xi, _block.scale_shape(c.pcols, c.prows, c.block), "float32")
+        buffers.update(q_t=ptr(q_t), scale_inv_t=ptr(s_t))
+    launch.block_quantize(xv.device, io.stream_ptr(c.xi), buffers, dtype=xv.dtype, fmt=c.fmt.name, block=c.block,
+                          rows=c.rows, cols=c.cols, pow2=c.pow2, pad_to=c.pad_to)
+    x = c.xi
+    return BlockQuantized(io.fp8_out(q, c.fmt, x), io.out_for_caller(s, x),
+                          io.fp8_out(q_t, c.fmt, x) if q_t is not None else None,
+                          io.out_for_caller(s_t, x) if s_t is not None else None, io.out_for_caller(amax, x))
+
+
+def block_quantize(x, recipe: BlockScaling, *, weight: bool = False, grad: bool = False, transpose: bool = False,
+                   pad_to: int = 1) -> BlockQuantized:
+    """Quantize ``x`` to FP8 with a scale per block, in one pass (:class:`~fusedfp8.BlockScaling`).
+
+    ``x`` is viewed as 2-D, (rows, cols) = (prod(shape[:-1]), shape[-1]), and cut into the
+    recipe's blocks: 1x128 (128 consecutive elements of a row) for activations and gradients,
+    ``recipe.weight_block`` for a weight. Each block takes the scale of its own max (the rule and
+    the scale layout: :mod:`fusedfp8.numerics.block`, docs/design.md "Block scaling"); on a GPU
+    the block_quantize kernel writes the bytes and the scales, on the CPU the NumPy definition
+    does, byte for byte the same.
+
+    Parameters
+    ----------
+    x : array, float32 / float16 / bfloat16, at least 1-D, contiguous (numpy, torch, jax, cupy)
+    recipe : fusedfp8.BlockScaling
+        The blocks, the formats (``fp8_format``) and ``power_of_two_scales``.
+    weight : bool
+        ``x`` is a weight: ``recipe.weight_block`` blocks, the forward format.
+    grad : bool
+        ``x`` is a gradient: the recipe's gradient format (E5M2 under 'hybrid', else E4M3).
+    transpose : bool
+        Also quantize the transpose of the 2-D view (the weight-gradient GEMM's operand): for 1x128
+        blocks with its own scales (along the other axis), for 128x128 the same bytes and scales
+        transposed.
+    pad_to : int
+        1 (default): ``data`` has x's shape. Else ``data`` is the (rows, cols) view rounded up to
+        multiples of ``pad_to`` (zeros in the pad, and the scales of the zero-padded input), as
+        FP8 GEMMs need (16).
+
+    Returns
+    -------
+    BlockQuantized
+        ``data`` (FP8), ``scale_inv`` (float32, :func:`fusedfp8.numerics.block.scale_shape` of the
+        (padded) 2-D view: the layout cuBLASLt's block-scaled GEMM reads), ``data_t`` /
+        ``scale_inv_t`` (the transpose and its scales, or None), ``amax`` ((1,) float32: max |x|
+        of the whole tensor, NaN-propagating).
+
+    Raises
+    ------
+    TypeError, ValueError
+        On a recipe that is not a BlockScaling, a bad dtype, shape, flag or pad_to, or a
+        non-contiguous input, naming the argument; nothing is allocated or launched.
+    """
+    c = _BlockCall(x, recipe, weight, grad, transpose, pad_to)
+    return _device_run(c) if c.xi.is_gpu else _host_run(c)

@@ -1,0 +1,103 @@
+"""Block scaling (:mod:`fusedfp8.numerics.block`) in ``jax.numpy``: the CPU backend of
+:func:`fusedfp8.jax.block.block_quantize` and the twin of ``cuda_src/block_quantize.cu`` on any
+backend, byte for byte.
+
+The rule and the layout are :mod:`.block`'s; the arithmetic is :mod:`.jnp`'s, written against
+XLA's habits: each block's amax is taken on the bits (exact with denormals, which XLA:CPU reads
+as zero; a NaN's bits sort above inf's, so a non-finite block is seen as such), the scale is the
+update rule's formula with the exact long division (:func:`.jnp.div_rn`; XLA's own ``/`` is not
+IEEE on either backend), and ``x * scale`` is :func:`.jnp.mul` (rounded once, denormal operands
+included).
+
+Imports jax; load it only when needed.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..formats import Format, get_format
+from ..types import BlockQuantized, check_pad_to
+from . import jnp as jn
+from .block import BLOCK, check_block, scale_shape
+
+f32 = jnp.float32
+_MAG = np.int32(0x7FFFFFFF)
+_INF_BITS = np.int32(0x7F800000)
+_POW2_MASK = np.int32(np.uint32(0xFF800000).view(np.int32))  # sign and exponent: clearing the rest rounds down
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad2(a, shape, value):
+    """``a`` (2-D) padded at the end of each axis to ``shape`` with ``value``."""
+    return jnp.pad(a, ((0, shape[0] - a.shape[0]), (0, shape[1] - a.shape[1])), constant_values=value)
+
+
+def block_scale(amax_bits, fmt: Format, power_of_two: bool):
+    """(scale, scale_inv) float32 of blocks whose max |x| has the bits ``amax_bits`` (int32, any
+    shape; NaN above inf): the update rule's formula with margin 0 where the amax is finite and
+    not 0, else 1; with ``power_of_two`` rounded down to a power of two; ``scale_inv = 1 / scale``
+    (:func:`fusedfp8.numerics.block.block_scale`)."""
+    a = jn.from_bits(jnp.minimum(amax_bits, _INF_BITS))  # a NaN block as an inf one: both take scale 1
+    s = jn.current_scale(a, fmt, 1.0, jnp.ones((), f32))
+    if power_of_two:
+        s = jn.from_bits(jn.bits(s) & _POW2_MASK)
+    return s, jn.div_rn(1.0, s)
+
+
+def _layout(grid, block: tuple, shape: tuple):
+    """The (nr, nc) scale_inv grid of a (rows, cols) operand in cuBLASLt's layout: 1x128 transposed,
+    128x128 as it is; the pad entries 1.0 (:func:`fusedfp8.numerics.block._layout`)."""
+    return _pad2(grid.T if block[0] == 1 else grid, shape, 1.0)
+
+
+def _quantize_2d(z, fmt: Format, block: tuple, power_of_two: bool):
+    """(q codes, scale_inv in the layout, the scale_inv grid) of the float32 2-D ``z`` (already
+    padded with zeros to its quantized shape)."""
+    rows, cols = z.shape
+    br, bc = block
+    zz = _pad2(z, (_ceil_to(rows, br), _ceil_to(cols, bc)), 0.0)
+    nr, nc = zz.shape[0] // br, zz.shape[1] // bc
+    blocks = zz.reshape(nr, br, nc, bc)
+    grid_bits = jnp.max(jn.bits(blocks) & _MAG, axis=(1, 3), initial=np.int32(0))
+    s, s_inv = block_scale(grid_bits, fmt, power_of_two)
+    q = jn.cast_to_fp8(jn.mul(blocks, s[:, None, :, None]), fmt).reshape(zz.shape)[:rows, :cols]
+    return q, _layout(s_inv, block, scale_shape(rows, cols, block)), s_inv
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block", "power_of_two", "transpose", "pad_to"))
+def _block_quantize(x, fmt: str, block: tuple, power_of_two: bool, transpose: bool, pad_to: int):
+    f = get_format(fmt)
+    v = jnp.asarray(x).astype(f32)
+    rows, cols = (int(np.prod(v.shape[:-1])), int(v.shape[-1]))
+    z = _pad2(v.reshape(rows, cols), (_ceil_to(rows, pad_to), _ceil_to(cols, pad_to)), 0.0)
+    q, s_inv, grid = _quantize_2d(z, f, block, power_of_two)
+    q_t = s_inv_t = None
+    if transpose and block[0] == 1:
+        q_t, s_inv_t, _ = _quantize_2d(z.T, f, block, power_of_two)
+    elif transpose:
+        q_t = q.T
+        s_inv_t = _layout(grid.T, block, scale_shape(z.shape[1], z.shape[0], block))
+    return BlockQuantized(q.reshape(v.shape) if pad_to == 1 else q, s_inv, q_t, s_inv_t, jn.amax(v))
+
+
+def block_quantize(x, fmt: str | Format = "e4m3", block=(1, BLOCK), power_of_two: bool = False,
+                   transpose: bool = False, pad_to: int = 1) -> BlockQuantized:
+    """:func:`fusedfp8.numerics.block.block_quantize` in jax.numpy, traced or eager: the same
+    arguments, the same bytes and scales. ``x``: a float32, float16 or bfloat16 array (widened
+    exactly; under ``jax.jit`` the caller keeps a narrow input rounded, see
+    :func:`fusedfp8.jax.primitives._as_f32`), at least 1-D. ``data`` and ``data_t`` come back as
+    uint8 codes (bitcast them to the format's float8 dtype), ``amax`` as a float32 scalar."""
+    fmt, block, pad = get_format(fmt), check_block(block), check_pad_to(pad_to)
+    if jnp.ndim(x) == 0:
+        raise ValueError("x: block scaling needs an input of at least 1 dimension; got a scalar")
+    return _block_quantize(x, fmt.name, block, bool(power_of_two), bool(transpose), pad)
+
+
+__all__ = ["block_quantize", "block_scale"]

@@ -1,0 +1,67 @@
+"""The launch plan of block_quantize (fusedfp8.launch.plans.build_block_quantize_plan), built from
+made-up kernel references (no GPU): the amax zeroed first, one launch of the block shape's kernel
+with the parameters the kernel declares (checked against SIGNATURES when built), the grid of one
+resident wave over the padded shape's 128 x 128 tiles, null q_t / scale_inv_t without the
+transpose, nothing launched for an empty input. tests/kernels/test_launch_shim.py runs the same
+plans through the C++ packer and against the cubin's parameter sizes; tests/kernels/
+test_block_kernels.py runs them on the GPU."""
+from __future__ import annotations
+
+import pytest
+
+from fusedfp8.launch import format as P
+from fusedfp8.launch import kernels as K
+from fusedfp8.launch import plans as PL
+
+KEY = K.ModuleKey("block_quantize", "float16", "e5m2")
+SMS = 132
+
+
+def refs(per_sm: int = 3) -> dict:
+    return {role: PL.KernelRef(0x7F00 + i, expr, role, per_sm, 100 + i)
+            for i, (role, expr) in enumerate(K.name_expressions(KEY).items())}
+
+
+def params(step: P.Launch) -> list:
+    """The launch's parameters as (kind, value): slot names for pointers, numbers for immediates."""
+    s = PL.BLOCK_SLOTS
+    return [("ptr", s[t.a]) if t.kind == P.PTR else ("null",) if t.kind == P.NULL else ("imm", t.a)
+            for t in step.params]
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)], ids=["1x128", "128x128"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["q", "q+q_t"])
+def test_the_plan_zeroes_the_amax_then_launches_the_blocks_kernel(block, transpose):
+    r = refs()
+    plan = PL.build_block_quantize_plan(r, SMS, 300, 260, block, transpose, True, 16)
+    memset, launch = plan.steps
+    assert memset == P.Memset(PL.BLOCK_SLOTS.amax, 4)
+    (variant,) = launch.variants
+    assert variant.func == r[PL.block_role(block)].func and launch.block == 256 and not launch.coop
+    assert variant.grid == 3 * 3  # (304 x 272 padded: 3 x 3 tiles of 128)
+    t = [("ptr", "q_t"), ("ptr", "scale_inv_t")] if transpose else [("null",), ("null",)]
+    assert params(launch) == [("ptr", "x"), ("ptr", "q"), ("ptr", "scale_inv"), *t, ("ptr", "amax"),
+                              ("imm", 300), ("imm", 260), ("imm", 304), ("imm", 272), ("imm", 1)]
+    assert launch.layout == PL.signature(PL.block_role(block)) == "@PPPPPPqqqqi"
+
+
+def test_the_grid_is_one_resident_wave_and_pow2_is_a_flag():
+    plan = PL.build_block_quantize_plan(refs(per_sm=2), SMS, 8192, 8192, (1, 128), False, False, 1)
+    launch = plan.steps[1]
+    assert launch.variants[0].grid == 2 * SMS < 64 * 64  # grid-stride over the rest
+    assert params(launch)[-1] == ("imm", 0)
+    assert PL.build_block_quantize_plan(refs(), SMS, 1, 1).steps[1].variants[0].grid == 1
+
+
+@pytest.mark.parametrize("rows, cols", [(0, 130), (5, 0), (0, 0)])
+def test_an_empty_input_only_zeroes_the_amax(rows, cols):
+    plan = PL.build_block_quantize_plan(refs(), SMS, rows, cols, (128, 128), True, True, 16)
+    assert plan.steps == (P.Memset(PL.BLOCK_SLOTS.amax, 4),)
+
+
+def test_the_roles_are_the_block_shapes():
+    assert PL.block_role((1, 128)) == "block_1x128" and PL.block_role((128, 128)) == "block_128x128"
+    assert set(K.name_expressions(KEY)) == {"block_1x128", "block_128x128"}
+    assert PL.block_of("block_1x128") == PL.BLOCK_THREADS == 256
+    with pytest.raises(KeyError):
+        PL.block_role((128, 1))
