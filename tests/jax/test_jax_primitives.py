@@ -378,13 +378,31 @@ def layernorm_f32(x, w, b, eps):
     return y + b.astype(jnp.float32) if b is not None else y
 
 
+def test_layernorm_backward_column_sums_in_two_stages_equal_the_sums(rng):
+    """fp8_mlp's LayerNorm backward sums columns in two stages (partials over 128 rows): the sums of
+    float64 within float32 rounding for one row, exactly 128, one more (a padded last block) and a
+    ragged count; no array, no sum."""
+    from fusedfp8.jax.mlp import _column_sums
+    for m in (1, 128, 129, 2044):
+        a = rng.standard_normal((m, 24)).astype(f32)
+        b = (rng.standard_normal((m, 24)) * 100 + 3).astype(f32)
+        sa, sb = jax.jit(_column_sums)(jnp.asarray(a), jnp.asarray(b))
+        for got, x in ((sa, a), (sb, b)):
+            want = x.astype(np.float64).sum(0)
+            bound = 4 * m * np.finfo(f32).eps * np.abs(x.astype(np.float64)).sum(0)
+            assert got.shape == (24,) and got.dtype == jnp.float32
+            assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound), m
+    assert _column_sums() == ()
+
+
 @pytest.mark.slow
-def test_fp8_mlp_fused_layernorm_matches_layernorm_then_fp8_mlp(rng):
+@pytest.mark.parametrize("M", [30, 300])  # 300: the weight's gradient summed in partials of 128 rows
+def test_fp8_mlp_fused_layernorm_matches_layernorm_then_fp8_mlp(rng, M):
     """fp8_mlp(x, ..., ln_weight=, ln_eps=) against fp8_mlp(LayerNorm(x), ...): bf16 x, bf16
     LayerNorm weight and no bias, ragged tokens (the kernel pads h), the LayerNorm's float32 output
     handed on unrounded (out_dtype bf16): y, the gradients of x, the weights and the LayerNorm
     weight (in their own dtypes) and the new metas agree."""
-    M, H, Fw, eps = 30, 32, 48, 1e-5
+    H, Fw, eps = 32, 48, 1e-5
     bf = jnp.bfloat16
     x = jnp.asarray((rng.standard_normal((M, H)) * 2 + 0.5).astype(f32)).astype(bf)
     lw = jnp.asarray((rng.standard_normal(H) * 0.3 + 1).astype(f32)).astype(bf)
