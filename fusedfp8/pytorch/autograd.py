@@ -43,6 +43,7 @@ from ..formats import get_format
 from ..recipe import DelayedScaling
 from ..state import ScalingState
 from ..types import gemm_pad_to
+from . import amax_ops
 from . import custom_ops as fops
 from .weights import WeightCache
 
@@ -240,8 +241,8 @@ def _quantize(x: Tensor, state: tuple, index: int, fmt: str, margin_factor: floa
 
 
 def _amax(x: Tensor, b: Tensor | None = None, op: str = "identity", approximate: str = "tanh") -> Tensor:
-    """(2,) float32, the amax of ``op(x, b)`` in element 0 (:func:`fusedfp8.pytorch.custom_ops.amax`)."""
-    return fops.call(fops.amax, x.detach().contiguous(), None if b is None else b.detach().contiguous(), op,
+    """(2,) float32, the amax of ``op(x, b)`` in element 0 (:func:`fusedfp8.pytorch.amax_ops.amax`)."""
+    return fops.call(amax_ops.amax, x.detach().contiguous(), None if b is None else b.detach().contiguous(), op,
                      approximate)
 
 
@@ -249,9 +250,9 @@ def reduce_current(amaxes: list, state: tuple, col: int, fmt: str, margin_factor
     """CurrentScaling across the ranks of process group ``group`` (its name) for the tensors of
     columns ``col .. col + len(amaxes) - 1`` of ``state`` (amax_history, scale, scale_inv, ...):
     their local amaxes (:func:`_amax`) MAX-reduced in ONE all_reduce, then staged with their
-    current scales (:func:`fusedfp8.pytorch.custom_ops.reduce_current_scales`); the tensors are
+    current scales (:func:`fusedfp8.pytorch.amax_ops.reduce_current_scales`); the tensors are
     then quantized with ``current_first=False`` (the scale given)."""
-    fops.call(fops.reduce_current_scales, torch.stack(amaxes), state[0], state[1], state[2], col,
+    fops.call(amax_ops.reduce_current_scales, torch.stack(amaxes), state[0], state[1], state[2], col,
               get_format(fmt).max, margin_factor, group)
 
 
@@ -477,7 +478,7 @@ def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
     if amax_group is not None:
         h2 = _as_2d(h)
         ah = _amax(h2) if norm is None else fops.call(
-            fops.layernorm_amax, h2.detach().contiguous(), *(None if p is None else p.detach() for p in (
+            amax_ops.layernorm_amax, h2.detach().contiguous(), *(None if p is None else p.detach() for p in (
                 norm.weight, norm.bias)), float(norm.eps))
         reduce_current([ah, _amax(w1)], state1[:4], state1[4], fwd_fmt, mf, amax_group)
         cf1 = cf2 = False

@@ -71,7 +71,7 @@ from ..types import check_approximate, check_recipe
 from ..state import STATE_FIELDS, ScalingState
 from . import autograd as F8
 from . import gemm as G
-from . import custom_ops as fops
+from .amax_ops import check_group
 from . import weights as W
 
 __all__ = ["Fp8Linear", "Fp8MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
@@ -127,7 +127,7 @@ def check_amax_group(amax_group, recipe) -> str | None:
     carry current scaling across ranks (raises before anything is built or written)."""
     if amax_group is None:
         return None
-    fops.check_group(amax_group, "amax_group")
+    check_group(amax_group, "amax_group")
     if not recipe.current:
         raise ValueError(f"amax_group is for CurrentScaling (the amax reduced across ranks before every cast); got "
                          f"{recipe!r}, whose staged amaxes are reduced once per step instead: pass the group to "
