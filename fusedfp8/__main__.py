@@ -93,7 +93,7 @@ def info(compile_all: bool, progress: bool = True) -> int:
     includes = kernels.cuda_include_dirs()
     print(f"{'cuda_fp8.h':<18}{', '.join(includes) if includes else 'not found (pip install nvidia-cuda-runtime)'}")
     # which code launches the kernels on CUDA (fusedfp8/csrc: the compiled shim, or Python), and why
-    for label, module in (("JAX launch", "fusedfp8.jax.primitives"), ("torch launch", "fusedfp8.pytorch.cpp_path")):
+    for label, module in (("JAX launch", "fusedfp8.jax.cuda_backend"), ("torch launch", "fusedfp8.pytorch.cpp_path")):
         try:
             path, why = importlib.import_module(module).launch_path()
         except ImportError as e:

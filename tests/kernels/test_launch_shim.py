@@ -606,10 +606,11 @@ def ffi_on_cuda(monkeypatch, xla_lib):
 
 
 def test_jax_impls():
+    from fusedfp8.jax import cuda_backend
     from fusedfp8.jax import primitives as JP
 
     assert JP.IMPLS == ("auto", "jnp", "ffi", "callback")
-    backend, why = JP.launch_path()
+    backend, why = cuda_backend.launch_path()
     assert backend in ("ffi", "callback") and why
 
 
@@ -1130,14 +1131,14 @@ def test_the_shim_is_on_by_default_and_no_shim_refuses_it(monkeypatch):
     """The frameworks take the shim by default; FUSEDFP8_NO_SHIM refuses it (and the frameworks
     then say so)."""
     from fusedfp8 import csrc
-    from fusedfp8.jax import primitives as JP
+    from fusedfp8.jax import cuda_backend
 
     monkeypatch.delenv("FUSEDFP8_NO_SHIM", raising=False)
     assert csrc.default_on() == (True, "")
     monkeypatch.setenv("FUSEDFP8_NO_SHIM", "1")
     on, why = csrc.default_on()
     assert (on, why) == (False, "FUSEDFP8_NO_SHIM is set")
-    assert JP.launch_path() == ("callback", why)
+    assert cuda_backend.launch_path() == ("callback", why)
     assert cpp_launch_path_without_loading() == ("Python", why)
 
 
@@ -1157,10 +1158,11 @@ def test_jax_auto_lowers_to_the_ffi_handler_on_the_gpu(monkeypatch):
     import jax
     import jax.numpy as jnp
 
+    from fusedfp8.jax import cuda_backend
     from fusedfp8.jax import primitives as JP
 
     monkeypatch.setenv("FUSEDFP8_SHIM", "1")
-    assert JP.launch_path()[0] == "ffi", JP.launch_path()
+    assert cuda_backend.launch_path()[0] == "ffi", cuda_backend.launch_path()
     recipe, x, dy, state = _jax_case((64, 128), jnp.bfloat16, True)
     text = jax.jit(lambda x, s: JP.quantize(x, s, 0, recipe, transpose=True)).lower(x, state()).as_text()
     assert "fusedfp8_launch" in text
