@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import launch
 from .. import ops as _ops
+from ..checks import _Plan, check_dequantize
 from ..formats import get_format
 from ..state import Slot
 from ..types import kernel_op
@@ -72,7 +73,7 @@ def _checked_plan(op: str, x: Tensor, b: Tensor | None, state: tuple, index: int
     plan = _checked.get(key)
     if plan is None:
         slot = _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first)
-        _ops._Plan(x, b, slot, None, None, op, transpose, dbias, argname="x" if b is None else "dy", pad_to=pad_to)
+        _Plan(x, b, slot, None, None, op, transpose, dbias, argname="x" if b is None else "dy", pad_to=pad_to)
         if not (x.is_contiguous() and (b is None or b.is_contiguous())
                 and all(t.is_contiguous() and t.device == x.device for t in state)):
             raise ValueError("fusedfp8 custom ops need contiguous inputs and state tensors on the input's device")
@@ -138,7 +139,7 @@ def _cpp_plan(name: str, args: tuple):
     if name == "dequantize":
         q, scale_inv, dtype = args
         dtype = str(dtype).replace("torch.", "")
-        qi, _, f = _ops.check_dequantize(q, scale_inv, dtype, None)
+        qi, _, f = check_dequantize(q, scale_inv, dtype, None)
         data, names = launch.plan_on(_stream(q), launch.dequantize_plan, qi.device, dtype, f.name, qi.size).encode()
         return data.tobytes(), names, 0, 0, False
     op, transpose = _OP_OF[name]
