@@ -13,9 +13,9 @@ written on the same checks, dispatch and staging (it imports this module, not th
 
 ``impl`` picks the backend explicitly: ``'auto'`` (the default, as above; on CUDA the ``'ffi'``
 path where the compiled shim is available, else ``'callback'``:
-:func:`fusedfp8.jax.cuda_backend.launch_path` says which and why), ``'jnp'`` (jax.numpy on every backend), ``'ffi'`` (the kernels through the XLA FFI
-handler of the compiled launch shim: no Python when the program runs, recorded into XLA's
-command buffers) or ``'callback'`` (the kernels launched by a Python ``buffer_callback``, recorded
+:func:`fusedfp8.jax.cuda_backend.launch_path` says which and why), ``'jnp'`` (jax.numpy on
+every backend), ``'ffi'`` (the kernels through the XLA FFI handler of the compiled launch shim:
+no Python when the program runs, recorded into XLA's command buffers) or ``'callback'`` (the kernels launched by a Python ``buffer_callback``, recorded
 into XLA's command buffers, which re-run the callback when XLA's buffers move). All CUDA backends
 run the same launch plans and give the same bytes.
 
