@@ -214,7 +214,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         self._gemm = G.check_gemm(gemm)
 
     def _gemm_backend(self, x: torch.Tensor) -> str:
-        """:func:`fusedfp8.pytorch.autograd.scaled_mm`'s backend for ``x`` (the CPU emulates either)."""
+        """:func:`fusedfp8.pytorch.gemm.scaled_mm`'s backend for ``x`` (the CPU emulates either)."""
         return G.backend(self._gemm) if x.is_cuda else "scaled_mm"
 
     @property
