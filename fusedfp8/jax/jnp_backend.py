@@ -14,6 +14,7 @@ from jax import lax
 from .. import launch
 from ..formats import Format
 from ..numerics import jnp as jn
+from ..numerics.jnp_gelu import dgelu_f32, gelu_f32
 from ..numerics.scaling import update_rule
 from ..recipe import DelayedScaling
 
@@ -60,8 +61,8 @@ def _activation(cfg: _QCfg, x, b):
     if cfg.op == "identity":
         return xf
     if cfg.op == "gelu":
-        return jn.gelu_f32(xf, cfg.approximate)
-    return jn._mul(xf, jn.dgelu_f32(_as_f32(b), cfg.approximate))
+        return gelu_f32(xf, cfg.approximate)
+    return jn._mul(xf, dgelu_f32(_as_f32(b), cfg.approximate))
 
 
 def _stage_jnp(cfg: _QCfg, amax, hist, scale, scale_inv, updates):

@@ -15,6 +15,7 @@ from jax import lax
 from .. import launch
 from ..formats import Format
 from ..numerics import jnp as jn
+from ..numerics.jnp_layernorm import layernorm_f32
 from ..ops import _check_eps
 from ..recipe import DelayedScaling
 from ..state import ScalingState
@@ -42,7 +43,7 @@ class _LnCfg(NamedTuple):
 
 def _layernorm_jnp(cfg: _LnCfg, x, w, b, hist, scale, scale_inv, updates):
     w, b = (None if p is None else _as_f32(p) for p in (w, b))
-    y, mean, rstd = jn.layernorm_f32(_as_f32(x), w, b, cfg.eps)
+    y, mean, rstd = layernorm_f32(_as_f32(x), w, b, cfg.eps)
     y = jn.computed_once(y)  # read by the amax, the cast and the transpose
     q, si_used, hist, scale, scale_inv = _stage_and_cast(cfg, y, hist, scale, scale_inv, updates)
     outs = pad_fp8(q, *_rows_cols(x.shape), cfg.pad_to, cfg.transpose)  # FP8 zeros in the pad
@@ -129,7 +130,7 @@ def _run_layernorm_amax(x, w, b, eps: float, impl: str):
     def jnp_fn(x, *rest):
         w_ = _as_f32(rest[0]) if has_w else None
         b_ = _as_f32(rest[int(has_w)]) if has_b else None
-        return (jn.amax(jn.layernorm_f32(_as_f32(x), w_, b_, eps)[0]),)
+        return (jn.amax(layernorm_f32(_as_f32(x), w_, b_, eps)[0]),)
 
     return P._dispatch(impl, jnp_fn, lambda be, *a: _layernorm_amax_kernel(eps, has_w, has_b, be, *a),
                        *lax.stop_gradient((x, *params)))[0]
