@@ -70,8 +70,7 @@ def _gpu_lines() -> list[str]:
 
 
 def info(compile_all: bool, progress: bool = True) -> int:
-    from . import __version__
-    from .launch import kernels
+    from . import __version__, launch
 
     print(f"{'fusedfp8':<18}{__version__} ({Path(__file__).resolve().parent})")
     print(f"{'python':<18}{platform.python_version()} ({sys.executable})")
@@ -79,21 +78,21 @@ def info(compile_all: bool, progress: bool = True) -> int:
         print(f"{name:<18}{_version(name)}")
     for line in _gpu_lines():
         print(f"{'GPU':<18}{line}")
-    ok, reason = kernels.probe()
-    gemm_ok, gemm_reason = kernels.probe(need_fp8_gemm=True)
+    ok, reason = launch.probe()
+    gemm_ok, gemm_reason = launch.probe(need_fp8_gemm=True)
     print(f"{'fused kernels':<18}{'usable' if ok else 'not usable'}: {reason}")
     print(f"{'FP8 GEMMs':<18}{'usable' if gemm_ok else 'not usable'}: {gemm_reason}")
     if not ok:
         print(f"{'':<18}CPU arrays run the bit-exact NumPy reference instead")
     try:
-        print(f"{'kernel sources':<18}{kernels.source_dir()}")
+        print(f"{'kernel sources':<18}{launch.source_dir()}")
     except FileNotFoundError as e:
         print(f"{'kernel sources':<18}MISSING: {e}")
     print(f"{'kernel cache':<18}{kernel_cache_dir()} (CuPy's disk cache; CUPY_CACHE_DIR moves it)")
-    includes = kernels.cuda_include_dirs()
+    includes = launch.cuda_include_dirs()
     print(f"{'cuda_fp8.h':<18}{', '.join(includes) if includes else 'not found (pip install nvidia-cuda-runtime)'}")
     # which code launches the kernels on CUDA (fusedfp8/csrc: the compiled shim, or Python), and why
-    for label, module in (("JAX launch", "fusedfp8.jax.primitives"), ("torch launch", "fusedfp8.pytorch.custom_ops")):
+    for label, module in (("JAX launch", "fusedfp8.jax.cuda_backend"), ("torch launch", "fusedfp8.pytorch.cpp_path")):
         try:
             path, why = importlib.import_module(module).launch_path()
         except ImportError as e:
@@ -121,12 +120,12 @@ def info(compile_all: bool, progress: bool = True) -> int:
 
 def compile_kernels(ok: bool, reason: str, progress: bool) -> int:
     """Build every kernel module on GPU 0 now (loads from CuPy's disk cache when warm)."""
-    from .launch import kernels
+    from . import launch
 
     if not ok:
         print(f"--compile needs a usable GPU (the kernels are compiled for and loaded on it): {reason}")
         return 1
-    keys = kernels.all_module_keys()
+    keys = launch.all_module_keys()
     t0 = time.perf_counter()
     bar = None
     if progress:
@@ -137,7 +136,7 @@ def compile_kernels(ok: bool, reason: str, progress: bool) -> int:
         except ImportError:
             pass
     for i, key in enumerate(bar if bar is not None else keys, 1):
-        kernels.load(key, 0)
+        launch.compile_module(key, 0)
         if bar is None:
             print(f"\rcompiled {i}/{len(keys)} modules", end="", flush=True)
     if bar is None:

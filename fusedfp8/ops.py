@@ -9,7 +9,8 @@ tensors, ``jnp.float8_*`` arrays, ml_dtypes arrays (numpy), or uint8 arrays (cup
 float8 dtype).
 
 All arguments are checked before anything is launched or written: a rejected call changes no
-state.
+state (the checks: :mod:`fusedfp8.checks`; the host and device runs of a checked call:
+:mod:`fusedfp8.runs`).
 
 Scales. ``scale`` is a Python float, a 1-element float32 array on the input's device (stateless
 use), or a :class:`fusedfp8.state.Slot` from ``ScalingState.slot(i, recipe)`` (delayed or current
@@ -24,144 +25,23 @@ copied (call ``.contiguous()`` / ``np.ascontiguousarray`` first).
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 
 from . import _interop as io
 from . import launch
-from .formats import Format, get_format
-from .numerics import layernorm as ln
+from .checks import _check_beside, _check_state_arrays, _Plan, _refuse_overlaps, check_dequantize
+from .formats import Format
 from .numerics import reference as ref
 from .recipe import CurrentScaling, DelayedScaling
-from .state import STATE_FIELDS, ScalingState, Slot, apply_update
-from .types import (FLOAT_INPUTS, FP8_DTYPES, LayerNormQuantized, Quantized, check_approximate, check_pad_to,
-                    check_recipe, kernel_op)
+from .runs import _device_layernorm, _host_layernorm, _run
+from .state import STATE_FIELDS, ScalingState, apply_update
+from .types import FLOAT_INPUTS, LayerNormQuantized, Quantized, check_approximate, check_recipe
 
 __all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"]
 
-_host_lock = threading.Lock()  # host-path read-modify-writes of amax / scale slots are atomic
 
-
-# ---- argument checks -------------------------------------------------------------------------
-def _check_input(x, argname: str, need_dims: bool, what: str = "transpose=True") -> io.ArrayInfo:
-    info = io.describe(x, argname)
-    if info.dtype not in FLOAT_INPUTS:
-        raise TypeError(f"{argname} must be float32, float16 or bfloat16; got {info.dtype}")
-    if not info.contiguous:
-        raise ValueError(f"{argname} must be contiguous (row-major); got a non-contiguous view of shape "
-                         f"{info.shape}: call .contiguous() / np.ascontiguousarray first")
-    if need_dims and len(info.shape) < 1:
-        verb = "needs" if what == "transpose=True" else "need"
-        raise ValueError(f"{argname}: {what} {verb} an input of at least 1 dimension; got a scalar")
-    return info
-
-
-def _check_beside(info: io.ArrayInfo, argname: str, x: io.ArrayInfo) -> None:
-    """``argname`` is an array of x's framework on x's device."""
-    if info.framework != x.framework:
-        raise TypeError(f"{argname} is a {info.framework} array but the input is a {x.framework} array")
-    if info.device != x.device:
-        raise ValueError(f"{argname} is on {info.where()} but the input is on {x.where()}; "
-                         "they must be on the same device")
-
-
-def _check_scalar(a, argname: str, dtype: str, x: io.ArrayInfo, writable: bool) -> io.ArrayInfo:
-    info = io.describe(a, argname)
-    if info.dtype != dtype:
-        raise TypeError(f"{argname} must be a {dtype} array; got {info.dtype}")
-    if info.size != 1:
-        raise ValueError(f"{argname} must hold exactly one element; got shape {info.shape}")
-    _check_beside(info, argname, x)
-    if writable and not info.writable:
-        if not info.mutable:
-            raise TypeError(f"{argname}: jax arrays are immutable and cannot be accumulated into; leave "
-                            f"{argname}=None and take the returned amax, or use fusedfp8.jax")
-        raise ValueError(f"{argname} is {info.why_not_writable}; it is written in place")
-    return info
-
-
-def _scale_arg(scale, x: io.ArrayInfo) -> io.ArrayInfo:
-    """A Python number becomes a 1-element float32 array on x's device (a stateless convenience:
-    in a CUDA graph or a hot loop pass an array)."""
-    if isinstance(scale, (int, float, np.floating, np.integer)) and not isinstance(scale, (bool, np.bool_)):
-        scale = io.from_numpy(np.array([scale], np.float32), x) if not x.is_gpu else io.upload(
-            np.array([scale], np.float32), x)
-    elif not hasattr(scale, "shape"):
-        raise TypeError(f"scale: expected a Python float, a 1-element float32 array on the input's device, or a "
-                        f"Slot (ScalingState.slot(i, recipe)); got {type(scale).__module__}.{type(scale).__name__}")
-    return _check_scalar(scale, "scale", "float32", x, writable=False)
-
-
-def _refuse_overlaps(written: dict, read: dict) -> None:
-    """Every written array must share no byte with any input or with another written array."""
-    names = list(written)
-    for i, w in enumerate(names):
-        for r, ri in read.items():
-            if io.overlaps(written[w], ri):
-                what = "the input" if r == "x" else r
-                raise ValueError(f"{w} overlaps {what}'s memory; it is written in place, so it must not alias {what}")
-        for other in names[i + 1:]:
-            if io.overlaps(written[w], written[other]):
-                raise ValueError(f"{w} and {other} share memory; both are written, so they must be separate arrays")
-
-
-class _Plan:
-    """Everything a launch needs, all checked."""
-
-    def __init__(self, x, b, scale, fmt, amax, op, transpose, dbias, argname="x", pad_to=1):
-        check_pad_to(pad_to)
-        need = transpose or dbias
-        what = "transpose=True" if transpose and not dbias else "transpose / dbias"
-        self.xi = _check_input(x, argname, need, what)
-        self.bi = None
-        if b is not None:
-            self.bi = _check_input(b, "x", need, what)
-            if self.bi.shape != self.xi.shape:
-                raise ValueError(f"dy and x must have the same shape; got {self.xi.shape} and {self.bi.shape}")
-            if self.bi.dtype != self.xi.dtype:
-                raise TypeError(f"dy and x must have the same dtype; got {self.xi.dtype} and {self.bi.dtype}")
-            if (self.bi.framework, self.bi.device) != (self.xi.framework, self.xi.device):
-                raise ValueError(f"dy is on {self.xi.where()} ({self.xi.framework}) but x is on {self.bi.where()} "
-                                 f"({self.bi.framework}); they must be on the same device")
-        inputs = {"x": self.xi} if b is None else {"dy": self.xi, "x": self.bi}
-        self.slot = scale if isinstance(scale, Slot) else None
-        if self.slot is not None:
-            if fmt is not None and get_format(fmt) != self.slot.fmt:
-                raise ValueError(f"fmt: {get_format(fmt).name!r} disagrees with the slot's recipe format "
-                                 f"{self.slot.fmt.name!r}; leave fmt=None with a slot")
-            if amax is not None:
-                raise ValueError("amax: a slot accumulates into its state; pass amax=None with a slot")
-            self.fmt = self.slot.fmt
-            self.scale = _check_scalar(self.slot.scale, "state.scale", "float32", self.xi, writable=True)
-            self.amax = _check_scalar(self.slot.amax, "state.amax_history", "float32", self.xi, writable=True)
-            self.scale_inv = _check_scalar(self.slot.scale_inv, "state.scale_inv", "float32", self.xi, writable=True)
-            self.updates = _check_scalar(self.slot.updates, "state.updates", "int32", self.xi, writable=False)
-            _refuse_overlaps({"state.amax_history": self.amax, "state.scale": self.scale,
-                              "state.scale_inv": self.scale_inv}, {**inputs, "state.updates": self.updates})
-        else:
-            self.fmt = get_format("e4m3" if fmt is None else fmt)
-            self.scale = _scale_arg(scale, self.xi)
-            self.amax = None if amax is None else _check_scalar(amax, "amax", "float32", self.xi, writable=True)
-            self.scale_inv = self.updates = None
-            if self.amax is not None:
-                _refuse_overlaps({"amax": self.amax}, {**inputs, "scale": self.scale})
-        self.op, self.transpose, self.dbias = op, transpose, dbias
-        shape = self.xi.shape
-        self.rows = math.prod(shape[:-1])
-        self.cols = int(shape[-1]) if shape else 1
-        self.pad_to = int(pad_to)
-        self.prows, self.pcols = launch.padded(self.rows, self.cols, self.pad_to)
-        # the shape of q: x's own, or its (rows, cols) view rounded up to multiples of pad_to
-        self.q_shape = shape if pad_to == 1 else (self.prows, self.pcols)
-
-    def written(self) -> dict:
-        """The arrays this call writes in place, by argument name."""
-        if self.slot is not None:
-            return {"state.amax_history": self.amax, "state.scale": self.scale, "state.scale_inv": self.scale_inv}
-        return {"amax": self.amax} if self.amax is not None else {}
-
-
+# ---- layernorm_quantize's checks: weight, bias and eps over those of a quantization -------------
 def _check_eps(eps) -> float:
     """``eps`` as the float32 the kernels add (returned as a Python float)."""
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.floating, np.integer)):
@@ -208,136 +88,6 @@ class _LayerNormPlan(_Plan):
         self.param_dtype = next((i.dtype for i in (self.wi, self.biasi) if i is not None), "float32")
         params = {name: i for name, i in (("weight", self.wi), ("bias", self.biasi)) if i is not None}
         _refuse_overlaps(self.written(), params)
-
-
-# ---- host path (reference) -------------------------------------------------------------------
-def _nan_max(a: np.float32, b: np.float32) -> np.float32:
-    """max of two amaxes, NaN-propagating; -0 counts as 0 (a slot holding -0 takes b)."""
-    if np.isnan(a) or np.isnan(b):
-        return np.float32(np.nan)
-    return max(np.float32(abs(a)), np.float32(b))
-
-
-def _host_run(p: _Plan, approximate: str) -> Quantized:
-    y = ref.activation(p.op, io.to_numpy(p.xi), io.to_numpy(p.bi) if p.bi is not None else None, approximate)
-    return _host_quantize(p, y)
-
-
-def _host_quantize(p: _Plan, y: np.ndarray) -> Quantized:
-    """Quantize the float32 values ``y`` (of x's shape) as the call ``p`` asks: scale or slot,
-    amax accumulation, first step, transpose, dbias."""
-    amax_y = ref.amax(y)
-    with _host_lock:
-        if p.slot is not None:
-            sv, av = io.to_numpy(p.scale), io.to_numpy(p.amax)
-            fresh = p.slot.current_first and int(io.to_numpy(p.updates)[0]) == 0
-            acc = _nan_max(av[0], amax_y)
-            s = ref.current_scale(acc, p.fmt, p.slot.margin_factor, sv[0]) if fresh else sv[0]
-            if fresh:
-                sv[0] = s
-                with np.errstate(all="ignore"):
-                    io.to_numpy(p.scale_inv)[0] = np.float32(1.0) / s
-            av[0] = acc
-            amax_out = p.amax.array
-        else:
-            s = io.to_numpy(p.scale).reshape(())
-            if p.amax is not None:
-                av = io.to_numpy(p.amax).reshape(-1)
-                av[0] = _nan_max(av[0], amax_y)
-                amax_out = p.amax.array
-            else:
-                amax_out = io.from_numpy(np.array([amax_y], np.float32), p.xi)
-    with np.errstate(all="ignore"):
-        res = ref.finish(y, amax_y, np.float32(s), p.fmt, p.transpose)
-        scale_inv = np.array([np.float32(1.0) / np.float32(s)], np.float32)
-    data, data_t = res.data, res.data_t
-    if p.pad_to > 1:
-        data = ref.pad2d(data.reshape(p.rows, p.cols), p.prows, p.pcols)
-        data_t = ref.pad2d(data_t, p.pcols, p.prows) if data_t is not None else None
-    dbias = io.from_numpy(ref.column_sums(y), p.xi) if p.dbias else None
-    data_t = io.from_numpy(data_t, p.xi) if data_t is not None else None
-    return Quantized(io.from_numpy(data, p.xi), amax_out, data_t, dbias, io.from_numpy(scale_inv, p.xi))
-
-
-# ---- device path -----------------------------------------------------------------------------
-def _device_run(p: _Plan, approximate: str) -> Quantized:
-    xi = io.device_view(p.xi)
-    bi = io.device_view(p.bi) if p.bi is not None else None
-    q = io.empty(p.xi, p.q_shape, p.fmt.dtype_name)
-    q_t = io.empty(p.xi, (p.pcols, p.prows), p.fmt.dtype_name) if p.transpose else None
-    amax = io.device_view(p.amax) if p.amax is not None else None
-    amax_arr = amax.array if amax is not None else io.zeros(p.xi, (1,), "float32")
-    scale_inv = io.empty(p.xi, (1,), "float32")
-    dbias = partial = counters = None
-    if p.dbias:
-        part_shape, n_counters = launch.dbias_workspace(p.rows, p.cols, p.pad_to)
-        dbias = io.empty(p.xi, (p.cols,), "float32")  # the plan zeroes it when there is nothing to sum
-        partial = io.empty(p.xi, part_shape, "float32")
-        counters = io.empty(p.xi, (n_counters,), "int32")  # and zeroes the counters before the kernel
-    first = p.slot is not None and p.slot.current_first
-    ptr = io.data_ptr
-    buffers = {"x": xi.ptr, "q": ptr(q), "scale": io.device_view(p.scale).ptr, "amax": ptr(amax_arr),
-               "scale_inv_used": ptr(scale_inv), **_first_step_buffers(p, first)}
-    if bi is not None:
-        buffers["b"] = bi.ptr
-    if q_t is not None:
-        buffers["q_t"] = ptr(q_t)
-    if p.dbias:
-        buffers.update(dbias=ptr(dbias), partial=ptr(partial), counters=ptr(counters))
-    launch.quantize(xi.device, io.stream_ptr(p.xi), buffers, dtype=xi.dtype, fmt=p.fmt.name,
-                    op=kernel_op(p.op, approximate), rows=p.rows, cols=p.cols, first=first,
-                    margin_factor=p.slot.margin_factor if p.slot is not None else 1.0, pad_to=p.pad_to)
-    c = p.xi
-    return Quantized(io.fp8_out(q, p.fmt, c), io.out_for_caller(amax_arr, c) if amax is None else p.amax.array,
-                     io.fp8_out(q_t, p.fmt, c) if q_t is not None else None,
-                     io.out_for_caller(dbias, c) if dbias is not None else None, io.out_for_caller(scale_inv, c))
-
-
-def _first_step_buffers(p: _Plan, first: bool) -> dict:
-    """The state's entries a first step writes (scale_out, scale_inv_out) and its flag (updates)."""
-    return {"updates": p.updates.ptr, "scale_out": p.scale.ptr, "scale_inv_out": p.scale_inv.ptr} if first else {}
-
-
-def _run(p: _Plan, approximate: str = "tanh") -> Quantized:
-    out = _device_run(p, approximate) if p.xi.is_gpu else _host_run(p, approximate)
-    io.mark_written(p.written().values())
-    return out
-
-
-def _host_layernorm(p: _LayerNormPlan) -> LayerNormQuantized:
-    y, mean, rstd = ln.layernorm_f32(io.to_numpy(p.xi), io.to_numpy(p.wi) if p.wi is not None else None,
-                                     io.to_numpy(p.biasi) if p.biasi is not None else None, np.float32(p.eps))
-    return LayerNormQuantized(_host_quantize(p, y), io.from_numpy(mean, p.xi), io.from_numpy(rstd, p.xi))
-
-
-def _device_layernorm(p: _LayerNormPlan) -> LayerNormQuantized:
-    xi = io.device_view(p.xi)
-    wi = io.device_view(p.wi) if p.wi is not None else None
-    bi = io.device_view(p.biasi) if p.biasi is not None else None
-    q = io.empty(p.xi, p.q_shape, p.fmt.dtype_name)
-    q_t = io.empty(p.xi, (p.pcols, p.prows), p.fmt.dtype_name) if p.transpose else None
-    mean = io.empty(p.xi, (p.rows,), "float32")
-    rstd = io.empty(p.xi, (p.rows,), "float32")
-    amax = io.device_view(p.amax) if p.amax is not None else None
-    amax_arr = amax.array if amax is not None else io.zeros(p.xi, (1,), "float32")
-    scale_inv = io.empty(p.xi, (1,), "float32")
-    first = p.slot is not None and p.slot.current_first
-    ptr = io.data_ptr
-    buffers = {"x": xi.ptr, "q": ptr(q), "mean": ptr(mean), "rstd": ptr(rstd), "scale": io.device_view(p.scale).ptr,
-               "amax": ptr(amax_arr), "scale_inv_used": ptr(scale_inv), **_first_step_buffers(p, first)}
-    for name, view in (("weight", wi), ("bias", bi)):
-        if view is not None:
-            buffers[name] = view.ptr
-    if q_t is not None:
-        buffers["q_t"] = ptr(q_t)
-    launch.layernorm_quantize(xi.device, io.stream_ptr(p.xi), buffers, dtype=xi.dtype, param=p.param_dtype,
-                              fmt=p.fmt.name, rows=p.rows, cols=p.cols, eps=p.eps, first=first,
-                              margin_factor=p.slot.margin_factor if p.slot is not None else 1.0, pad_to=p.pad_to)
-    c = p.xi
-    quantized = Quantized(io.fp8_out(q, p.fmt, c), io.out_for_caller(amax_arr, c) if amax is None else p.amax.array,
-                          io.fp8_out(q_t, p.fmt, c) if q_t is not None else None, None,
-                          io.out_for_caller(scale_inv, c))
-    return LayerNormQuantized(quantized, io.out_for_caller(mean, c), io.out_for_caller(rstd, c))
 
 
 # ---- public API ------------------------------------------------------------------------------
@@ -468,42 +218,6 @@ def dequantize(q, scale_inv, dtype: str = "float32", fmt: str | Format | None = 
     launch.dequantize(qi.device, io.stream_ptr(qi), {"q": qd.ptr, "out": io.data_ptr(out), "scale_inv": sd.ptr},
                       dtype=dtype, fmt=f.name, n=qi.size)
     return io.out_for_caller(out, qi)
-
-
-def check_dequantize(q, scale_inv, dtype: str, fmt) -> tuple[io.ArrayInfo, io.ArrayInfo, Format]:
-    """The argument check of :func:`dequantize`: (q, scale_inv, q's format)."""
-    qi = io.describe(q, "q")
-    if qi.dtype in FP8_DTYPES:
-        f = get_format(qi.dtype)
-        if fmt is not None and get_format(fmt) != f:
-            raise ValueError(f"fmt: {get_format(fmt).name!r} disagrees with q's dtype {qi.dtype}")
-    elif qi.dtype == "uint8":
-        if fmt is None:
-            raise ValueError("q is uint8: pass fmt='e4m3' or 'e5m2'")
-        f = get_format(fmt)
-    else:
-        raise TypeError(f"q must be a float8_e4m3fn / float8_e5m2 array (or uint8 with a format); got {qi.dtype}")
-    if dtype not in FLOAT_INPUTS:
-        raise ValueError(f"dtype must be one of {FLOAT_INPUTS}; got {dtype!r}")
-    if not qi.contiguous:
-        raise ValueError(f"q must be contiguous; got a non-contiguous view of shape {qi.shape}")
-    return qi, _check_scalar(scale_inv, "scale_inv", "float32", qi, writable=False), f
-
-
-def _check_state_arrays(state: ScalingState) -> list[io.ArrayInfo]:
-    """Every check of an update before its first write: contiguity, one device, writability,
-    no two state arrays sharing memory."""
-    infos = [io.describe(getattr(state, f), f"state.{f}") for f in STATE_FIELDS]
-    devices = {i.device for i in infos}
-    if len(devices) != 1:
-        raise ValueError(f"state arrays are on several devices ({sorted(devices)}); they must share one")
-    for f, i in zip(STATE_FIELDS, infos):
-        if not i.contiguous:
-            raise ValueError(f"state.{f} must be contiguous; got a non-contiguous view of shape {i.shape}")
-        if i.mutable and not i.writable:
-            raise ValueError(f"ScalingState.{f} is {i.why_not_writable}; the update writes the state in place")
-    _refuse_overlaps({f"state.{f}": i for f, i in zip(STATE_FIELDS, infos)}, {})
-    return infos
 
 
 _fmt_max_cache: dict = {}

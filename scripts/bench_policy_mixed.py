@@ -65,6 +65,7 @@ from torch import nn
 import _bench
 import fusedfp8
 import fusedfp8.pytorch as fp8
+from fusedfp8.pytorch import cpp_path
 from fusedfp8 import launch
 from fusedfp8.policy import MissingTableError
 
@@ -294,7 +295,7 @@ def main(argv=None) -> int:
         model={"small": args.small, "large": args.large, "ffn_mult": args.ffn_mult, "blocks": args.blocks},
         tokens=args.tokens, clock="CUDA events" if device.type == "cuda" else "time.perf_counter (CPU smoke test)",
         wall_clock="time.perf_counter around blocks of steps, each block ended by a synchronize",
-        smoke_test=device.type != "cuda", launch_path=" / ".join(fp8.custom_ops.launch_path()))
+        smoke_test=device.type != "cuda", launch_path=" / ".join(cpp_path.launch_path()))
     result = {"conversion": {how: conversion(r) for how, r in reports.items()}, "correctness": correctness,
               "modes": {}}
     if not correctness["ok"]:

@@ -65,6 +65,7 @@ from torch import nn
 import _bench
 import fusedfp8
 import fusedfp8.pytorch as fp8
+from fusedfp8.pytorch import cpp_path
 from fusedfp8 import launch
 from fusedfp8.policy import MEASURED_AS, MODES, TABLE_ENV, TABLE_MODES, PolicyTable, table_file_name
 
@@ -304,7 +305,7 @@ def make_table(name: str, grids: dict, points: dict, args, wall: float, device) 
     meta = _bench.run_meta(
         clock="CUDA events" if device.type == "cuda" else "time.perf_counter (CPU smoke test: not a measurement)",
         smoke_test=device.type != "cuda", recipe=str(RECIPE), warmup=args.warmup, calls=args.calls, reps=args.reps,
-        sqnr_min_db=_bench.SQNR_MIN_DB, launch_path=" / ".join(fp8.custom_ops.launch_path()), wall_s=wall)
+        sqnr_min_db=_bench.SQNR_MIN_DB, launch_path=" / ".join(cpp_path.launch_path()), wall_s=wall)
     meta = {k: portable(v) if isinstance(v, str) else v for k, v in meta.items()}  # the command, the shim's path
     date = meta.pop("date")
     versions = {"fusedfp8": fusedfp8.__version__, "torch": torch.__version__, "cuda": torch.version.cuda}

@@ -8,7 +8,7 @@ alone, describing the array, the stream lookup, the output allocation), and a cP
 
 gemm: for each backend of fusedfp8.pytorch.gemm ('scaled_mm': torch._scaled_mm, 'cublaslt': the
 shim's fusedfp8::fp8_gemm_lt), the host microseconds per GEMM call as the layers make it
-(autograd.scaled_mm: the forward with fast accumulation and a bias, the dgrad and the wgrad
+(gemm.scaled_mm: the forward with fast accumulation and a bias, the dgrad and the wgrad
 without) and of the bare op; ends with one JSON line of these figures.
 Usage: python scripts/profile_host.py [--part quantize|gemm|all]
 """
@@ -61,8 +61,8 @@ def quantize_part() -> None:
 
 
 def _gemm_calls(hidden: int, ffn: int, tokens: int, backend: str) -> dict:
-    """The fc1 GEMMs of the MLP as autograd.scaled_mm makes them with ``backend``: name -> call."""
-    from fusedfp8.pytorch import autograd as A8
+    """The fc1 GEMMs of the MLP as gemm.scaled_mm makes them with ``backend``: name -> call."""
+    from fusedfp8.pytorch import gemm as G
 
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     q = lambda *s, t=e4: torch.randn(*s, device="cuda").to(t)  # noqa: E731
@@ -72,10 +72,10 @@ def _gemm_calls(hidden: int, ffn: int, tokens: int, backend: str) -> dict:
     bias = torch.zeros(ffn, device="cuda", dtype=torch.bfloat16)
     bf = torch.bfloat16
     return {
-        "forward (fast accum, bias)": lambda: A8.scaled_mm(x, w.t(), s, s, bias, bf, True, backend),
-        "forward (fast accum)": lambda: A8.scaled_mm(x, w.t(), s, s, None, bf, True, backend),
-        "dgrad": lambda: A8.scaled_mm(g, w_t.t(), s, s, None, bf, False, backend),
-        "wgrad": lambda: A8.scaled_mm(g_t, x_t.t(), s, s, None, bf, False, backend),
+        "forward (fast accum, bias)": lambda: G.scaled_mm(x, w.t(), s, s, bias, bf, True, backend),
+        "forward (fast accum)": lambda: G.scaled_mm(x, w.t(), s, s, None, bf, True, backend),
+        "dgrad": lambda: G.scaled_mm(g, w_t.t(), s, s, None, bf, False, backend),
+        "wgrad": lambda: G.scaled_mm(g_t, x_t.t(), s, s, None, bf, False, backend),
         "bare op": (lambda: torch._scaled_mm(x, w.t(), scale_a=s, scale_b=s, out_dtype=bf, use_fast_accum=True))
         if backend == "scaled_mm" else (lambda: torch.ops.fusedfp8.fp8_gemm_lt.default(x, w, s, s, bf, True)),
     }

@@ -25,7 +25,7 @@ handles of every module loaded in the process, before or after the library loads
 
 The frameworks use the shim by default (:func:`default_on`; its GPU tests compare it with the
 Python launch path byte for byte); ``impl='ffi'`` in JAX and
-``fusedfp8.pytorch.custom_ops.use_cpp(True)`` ask for it explicitly. Without a C++ compiler,
+``fusedfp8.pytorch.cpp_path.use_cpp(True)`` ask for it explicitly. Without a C++ compiler,
 without the headers, or with ``FUSEDFP8_NO_SHIM=1`` (which also refuses the explicit requests) the
 frameworks keep the Python launch path (:mod:`fusedfp8.launch.executor`), and :func:`library` /
 :func:`status` say why. This module imports only the standard library at import time (setup.py

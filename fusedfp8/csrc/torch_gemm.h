@@ -1,6 +1,6 @@
 // fusedfp8 host shim for torch: the cuBLASLt FP8 GEMM of gemm.h as the torch op
 // fusedfp8::fp8_gemm_lt (CUDA and Meta kernels; included by torch_ops.cc). The torch layers run it
-// with gemm='cublaslt' (fusedfp8/pytorch/gemm.py; autograd.scaled_mm -> _cublaslt_mm), for their
+// with gemm='cublaslt' (fusedfp8/pytorch/gemm.py: scaled_mm -> _cublaslt_mm), for their
 // forward (with its bias) and both gradients.
 //
 //   fp8_gemm_lt(Tensor a, Tensor b, Tensor scale_inv_a, Tensor scale_inv_b, ScalarType out_dtype,

@@ -6,14 +6,14 @@
 //   dgelu_quantize_t and dequantize: a call is looked up in a cache keyed by its signature
 //   (op, dtypes, rows/cols, device, 16-byte alignment of the inputs, state shapes and dtypes,
 //   index, format, flags); a new signature calls back into Python once, under the GIL
-//   (custom_ops._cpp_plan: the full argument check of fusedfp8.ops, then the launch plan of
+//   (op_plans._cpp_plan: the full argument check of fusedfp8.ops, then the launch plan of
 //   fusedfp8.launch), and the plan is kept. A hot call checks devices and contiguity, allocates
 //   its outputs with at::empty on the caller's device, and runs the plan (plan.h) on torch's
 //   current stream.
 // - AutogradCUDA kernels that stand in for the Python Autograd and ADInplaceOrView kernels that
 //   torch.library.custom_op registers: with no gradient needed they bump the version of the
 //   mutated state arguments and redispatch below ADInplaceOrView; when grad mode is on and an
-//   argument requires grad they call back into Python (custom_ops._cpp_grad_path), which keeps
+//   argument requires grad they call back into Python (cpp_path._cpp_grad_path), which keeps
 //   the custom op's behaviour (outputs whose backward raises).
 // - `call(op_index, *args)`: the same implementation for the eager fast path (custom_ops.call),
 //   without a dispatcher round trip; it bumps the versions of the state it writes, as the
@@ -71,8 +71,8 @@ bool has_transpose(Op op) { return op == kQuantizeT || op == kGeluT || op == kDg
 bool has_approximate(Op op) { return op == kGelu || op == kGeluT || op == kDgeluT; }
 
 // ---- Python callbacks ------------------------------------------------------------------------
-PyObject* g_plan_fn = nullptr;  // custom_ops._cpp_plan(op_name, args) -> (plan, names, part_rows, n_counters, e5m2)
-PyObject* g_grad_fn = nullptr;  // custom_ops._cpp_grad_path(op_name, args) -> outputs
+PyObject* g_plan_fn = nullptr;  // op_plans._cpp_plan(op_name, args) -> (plan, names, part_rows, n_counters, e5m2)
+PyObject* g_grad_fn = nullptr;  // cpp_path._cpp_grad_path(op_name, args) -> outputs
 
 struct Gil {
   PyGILState_STATE s = PyGILState_Ensure();

@@ -1,5 +1,5 @@
 // fusedfp8 host shim for JAX: the XLA FFI handler `ff8_xla_launch` (registered by
-// fusedfp8/jax/primitives.py as the CUDA custom call target "fusedfp8_launch") and the C entry
+// fusedfp8/jax/callbacks.py as the CUDA custom call target "fusedfp8_launch") and the C entry
 // points that Python reaches through ctypes. Header-only XLA FFI (jax.ffi.include_dir()); no
 // jaxlib or CUDA library is linked: the driver is found at first use (plan.h).
 //
@@ -7,7 +7,7 @@
 // copies on XLA's stream, on XLA's buffers, so XLA records it into a CUDA graph and replays it
 // without calling back into the host.
 //
-// Attributes (written by fusedfp8/jax/primitives.py):
+// Attributes (written by fusedfp8/jax/callbacks.py for the primitives' launches, cuda_backend.py):
 //   plans    int64[]  the encoded plans of every local GPU, one after the other (kernels named by
 //                     id, resolved in the kernel registry of plan.h: nothing in the attributes
 //                     differs between processes, so XLA's persistent compilation cache finds the

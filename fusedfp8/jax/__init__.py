@@ -14,7 +14,8 @@ The face: ``update_scales`` (the contract of :func:`fusedfp8.update_scales`, tra
 optional mesh ``axis_name``), ``sync_staged``, ``fp8_dot`` and ``fp8_mlp`` (FP8 GEMMs with
 delayed scaling, ``custom_vjp``), ``quantize_weight`` (their weight cache for gradient
 accumulation), ``quantize_ste`` and ``IMPLS``. Submodules: ``primitives``
-(the traceable quantize / gelu_quantize / dgelu_quantize / dequantize, state in, state out),
+(the traceable quantize / gelu_quantize / dgelu_quantize / dequantize, state in, state out, on
+the backends of ``jnp_backend`` and ``cuda_backend``),
 ``meta`` (the float32 form of a state that the flax modules carry), ``block`` (block scaling:
 ``block_quantize``, traceable, no state), ``flax`` (imported on demand: it needs flax).
 

@@ -27,7 +27,8 @@ from ..numerics import block as _block
 from ..numerics import block_jnp as _block_jnp
 from ..types import FLOAT_INPUTS, BlockQuantized
 from . import callbacks
-from .primitives import _as_f32, _check_impl, _dispatch, compiled_when_eager
+from .jnp_backend import _as_f32
+from .primitives import _check_impl, _dispatch, compiled_when_eager
 
 __all__ = ["block_quantize"]
 

@@ -37,7 +37,7 @@ from jax import lax
 
 from .. import csrc as _shim
 from ..types import FP8_DTYPES, GEMM_MULTIPLE
-from . import callbacks
+from . import callbacks, cuda_backend
 from . import primitives as P
 
 __all__ = ["fp8_gemm", "gemm_target", "gemm_path", "output_cols", "TARGET", "TARGET_BIAS", "WORKSPACE_BYTES"]
@@ -102,7 +102,7 @@ def gemm_path() -> tuple[str, str]:
     if gemm_target.cache_info().currsize:  # decided in this process already
         ok, why = gemm_target()
         return (TARGET, why) if ok else ("XLA's dot", why)
-    path, why = P.launch_path()
+    path, why = cuda_backend.launch_path()
     if path != "ffi":
         return "XLA's dot", f"the shim is not in use: {why}"
     where = _shim.cublaslt_path() or "libcublasLt.so.13 / .so.12 on the loader's path"

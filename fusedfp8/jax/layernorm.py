@@ -15,12 +15,14 @@ from jax import lax
 from .. import launch
 from ..formats import Format
 from ..numerics import jnp as jn
+from ..numerics.jnp_layernorm import layernorm_f32
 from ..ops import _check_eps
 from ..recipe import DelayedScaling
 from ..state import ScalingState
 from ..types import FLOAT_INPUTS, LayerNormQuantized, Quantized, check_pad_to
 from . import callbacks
 from . import primitives as P
+from .jnp_backend import _as_f32, _rows_cols, _stage_and_cast, pad_fp8
 
 __all__ = ["layernorm_quantize", "layernorm_amax", "check_layernorm_params"]
 
@@ -40,18 +42,18 @@ class _LnCfg(NamedTuple):
 
 
 def _layernorm_jnp(cfg: _LnCfg, x, w, b, hist, scale, scale_inv, updates):
-    w, b = (None if p is None else P._as_f32(p) for p in (w, b))
-    y, mean, rstd = jn.layernorm_f32(P._as_f32(x), w, b, cfg.eps)
+    w, b = (None if p is None else _as_f32(p) for p in (w, b))
+    y, mean, rstd = layernorm_f32(_as_f32(x), w, b, cfg.eps)
     y = jn.computed_once(y)  # read by the amax, the cast and the transpose
-    q, si_used, hist, scale, scale_inv = P._stage_and_cast(cfg, y, hist, scale, scale_inv, updates)
-    outs = P.pad_fp8(q, *P._rows_cols(x.shape), cfg.pad_to, cfg.transpose)  # FP8 zeros in the pad
+    q, si_used, hist, scale, scale_inv = _stage_and_cast(cfg, y, hist, scale, scale_inv, updates)
+    outs = pad_fp8(q, *_rows_cols(x.shape), cfg.pad_to, cfg.transpose)  # FP8 zeros in the pad
     return (*outs, mean, rstd, si_used, hist, scale, scale_inv)
 
 
 def _layernorm_kernel(cfg: _LnCfg, backend: str, x, *rest):
     """``rest``: weight and bias (those present), then hist, scale, scale_inv, updates."""
     params, (hist, scale, scale_inv, updates) = rest[:-4], rest[-4:]
-    rows, cols = P._rows_cols(x.shape)
+    rows, cols = _rows_cols(x.shape)
     prows, pcols = launch.padded(rows, cols, cfg.pad_to)
     param = params[0].dtype.name if params else "float32"
     plans = callbacks.layernorm_plans(x.dtype.name, param, cfg.fmt.name, rows, cols, cfg.transpose, cfg.current_first,
@@ -108,7 +110,7 @@ def _run_layernorm(cfg: _LnCfg, x, w, b, state: ScalingState, impl: str) -> tupl
 
 
 def _layernorm_amax_kernel(eps: float, has_weight: bool, has_bias: bool, backend: str, x, *params):
-    rows, cols = P._rows_cols(x.shape)
+    rows, cols = _rows_cols(x.shape)
     param = params[0].dtype.name if params else "float32"
     plans = {dev: launch.layernorm_amax_plan(dev, x.dtype.name, param, rows, cols, eps)
              for dev in callbacks.gpu_devices()}
@@ -126,9 +128,9 @@ def _run_layernorm_amax(x, w, b, eps: float, impl: str):
     has_w, has_b = w is not None, b is not None
 
     def jnp_fn(x, *rest):
-        w_ = P._as_f32(rest[0]) if has_w else None
-        b_ = P._as_f32(rest[int(has_w)]) if has_b else None
-        return (jn.amax(jn.layernorm_f32(P._as_f32(x), w_, b_, eps)[0]),)
+        w_ = _as_f32(rest[0]) if has_w else None
+        b_ = _as_f32(rest[int(has_w)]) if has_b else None
+        return (jn.amax(layernorm_f32(_as_f32(x), w_, b_, eps)[0]),)
 
     return P._dispatch(impl, jnp_fn, lambda be, *a: _layernorm_amax_kernel(eps, has_w, has_b, be, *a),
                        *lax.stop_gradient((x, *params)))[0]

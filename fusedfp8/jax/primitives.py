@@ -3,17 +3,19 @@
 Every function here works inside ``jax.jit``, ``jax.grad`` (through the ``custom_vjp`` wrappers
 of :mod:`fusedfp8.jax.functional`) and ``jax.vmap``, on any backend. The backend is chosen when
 XLA lowers the computation (``lax.platform_dependent``): on CUDA the fused kernels run on XLA's
-own buffers and stream (:mod:`fusedfp8.jax.callbacks`); everywhere else the same numerics run
-as ``jax.numpy`` (:mod:`fusedfp8.numerics.jnp`), byte for byte the reference's.
+own buffers and stream (:mod:`fusedfp8.jax.cuda_backend` over :mod:`fusedfp8.jax.callbacks`);
+everywhere else the same numerics run as ``jax.numpy`` (:mod:`fusedfp8.jax.jnp_backend` over
+:mod:`fusedfp8.numerics.jnp`), byte for byte the reference's. This module holds the checks, the
+choice of backend per call and the public functions.
 
 ``layernorm_quantize`` (LayerNorm fused with the quantization) is :mod:`fusedfp8.jax.layernorm`,
 written on the same checks, dispatch and staging (it imports this module, not the reverse).
 
 ``impl`` picks the backend explicitly: ``'auto'`` (the default, as above; on CUDA the ``'ffi'``
-path where the compiled shim is available, else ``'callback'``: :func:`launch_path` says which
-and why), ``'jnp'`` (jax.numpy on every backend), ``'ffi'`` (the kernels through the XLA FFI
-handler of the compiled launch shim: no Python when the program runs, recorded into XLA's
-command buffers) or ``'callback'`` (the kernels launched by a Python ``buffer_callback``, recorded
+path where the compiled shim is available, else ``'callback'``:
+:func:`fusedfp8.jax.cuda_backend.launch_path` says which and why), ``'jnp'`` (jax.numpy on
+every backend), ``'ffi'`` (the kernels through the XLA FFI handler of the compiled launch shim:
+no Python when the program runs, recorded into XLA's command buffers) or ``'callback'`` (the kernels launched by a Python ``buffer_callback``, recorded
 into XLA's command buffers, which re-run the callback when XLA's buffers move). All CUDA backends
 run the same launch plans and give the same bytes.
 
@@ -46,8 +48,6 @@ reduction itself.
 from __future__ import annotations
 
 import functools
-import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,34 +56,20 @@ from jax import lax
 
 from .. import _interop as io
 from .. import launch
-from .. import csrc as _shim
-from ..formats import Format
 from ..numerics import jnp as jn
-from ..numerics.scaling import close_step, update_rule
+from ..numerics.scaling import close_step
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
-from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_pad_to, check_recipe, kernel_op
+from ..types import FLOAT_INPUTS, Quantized, check_approximate, check_pad_to, check_recipe
 from . import callbacks
+from .cuda_backend import _amax_kernel, _auto_backend, _meta_update_kernel, _quantize_kernel, _update_kernel
+from .jnp_backend import _activation, _meta_update_jnp, _QCfg, _quantize_jnp, _stage_jnp, _update_jnp
 
 __all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "stage_amax", "update_scales", "sync_staged", "dequantize",
-           "amax", "sync_current", "given_scale", "IMPLS", "launch_path"]
+           "amax", "sync_current", "given_scale", "IMPLS"]
 
 IMPLS = ("auto", "jnp", "ffi", "callback")
 _CUDA_IMPLS = ("ffi", "callback")
-
-
-class _QCfg(NamedTuple):
-    """Static configuration of one quantize primitive."""
-
-    op: str  # 'identity' | 'gelu' | 'dgelu'
-    approximate: str
-    index: int
-    fmt: Format
-    transpose: bool
-    dbias: bool
-    margin_factor: float
-    current_first: bool
-    pad_to: int = 1  # > 1: q is the (rows, cols) view rounded up to multiples of it, q_t its transpose
 
 
 def compiled_when_eager(*static_argnums: int):
@@ -124,27 +110,6 @@ def _check_impl(impl: str) -> str:
     return impl
 
 
-def _auto_backend() -> str:
-    """The CUDA backend of impl='auto': 'ffi' where the shim is available (compiled on first use),
-    else 'callback'. Without a GPU the CUDA branch never runs, and nothing is built for it."""
-    return "ffi" if _shim.default_on()[0] and callbacks.gpu_devices() and callbacks.ffi_target()[0] else "callback"
-
-
-def launch_path() -> tuple[str, str]:
-    """(backend, why) of impl='auto' on CUDA, without building anything: 'ffi' (the XLA FFI
-    handler of the compiled shim) or 'callback' (Python buffer_callbacks)."""
-    on, why = _shim.default_on()
-    if not on:
-        return "callback", why
-    if callbacks.ffi_target.cache_info().currsize:  # decided in this process already
-        ok, why = callbacks.ffi_target()
-        return ("ffi", why) if ok else ("callback", why)
-    ready, why = _shim.status("xla")
-    if ready is None:
-        return "ffi", f"from the first CUDA trace on ({why})"
-    return ("ffi", why) if ready else ("callback", why)
-
-
 def _check_state(state, recipe) -> ScalingState:
     """``state`` with jax arrays (a numpy state, what ScalingState.create makes without ``like=``,
     is converted); TypeError for anything else."""
@@ -163,121 +128,6 @@ def _check_x(x, argname: str, need_2d: bool):
     if need_2d and x.ndim < 1:
         raise ValueError(f"{argname}: transpose / dbias need an input of at least 1 dimension; got a scalar")
     return x
-
-
-def _rows_cols(shape) -> tuple[int, int]:
-    return (math.prod(shape[:-1]), int(shape[-1])) if shape else (1, 1)
-
-
-def pad_fp8(q, rows: int, cols: int, pad_to: int, transpose: bool) -> list:
-    """The jax.numpy twin of the kernels' padded outputs: ``q`` (the codes, x's shape) as it
-    is (``pad_to`` 1) or its (rows, cols) view with FP8 zeros appended to multiples of
-    ``pad_to``, then (with ``transpose``) the transpose likewise: [q, q_t]."""
-    q2 = q.reshape(rows, cols)
-    prows, pcols = launch.padded(rows, cols, pad_to)
-    out = [q if pad_to == 1 else jnp.pad(q2, ((0, prows - rows), (0, pcols - cols)))]
-    if transpose:
-        out.append(q2.T if pad_to == 1 else jnp.pad(q2.T, ((0, pcols - cols), (0, prows - rows))))
-    return out
-
-
-# ---- the jax.numpy backend -------------------------------------------------------------------
-def _as_f32(x):
-    """x widened to float32 exactly as the kernels read it. The barrier keeps a bf16/f16 input
-    rounded: XLA (xla_allow_excess_precision) otherwise folds convert(convert(h, bf16), f32) of
-    the producer into h and quantizes the unrounded float32 value, which the kernels never see."""
-    return x if x.dtype == jnp.float32 else lax.optimization_barrier(x).astype(jnp.float32)
-
-
-def _activation(cfg: _QCfg, x, b):
-    xf = _as_f32(x)
-    if cfg.op == "identity":
-        return xf
-    if cfg.op == "gelu":
-        return jn.gelu_f32(xf, cfg.approximate)
-    return jn._mul(xf, jn.dgelu_f32(_as_f32(b), cfg.approximate))
-
-
-def _stage_jnp(cfg: _QCfg, amax, hist, scale, scale_inv, updates):
-    """What quantizing a tensor of amax ``amax`` does to the state (the scale it quantizes with,
-    and the new history, scale, scale_inv): the amax max-accumulated into its staging slot and,
-    on the tensor's first step under first_step='current', the current scale from that slot."""
-    i = cfg.index
-    acc = jn.nan_max(hist[0, i], amax)
-    s_old = scale[i]
-    if cfg.current_first:
-        fresh = updates[i] == 0
-        s = jnp.where(fresh, jn.current_scale(acc, cfg.fmt, cfg.margin_factor, s_old), s_old)
-        scale = scale.at[i].set(s)
-        scale_inv = scale_inv.at[i].set(jnp.where(fresh, jn.div_rn(1.0, s), scale_inv[i]))
-    else:
-        s = s_old
-    return s, hist.at[0, i].set(acc), scale, scale_inv
-
-
-def _stage_and_cast(cfg, y, hist, scale, scale_inv, updates):
-    """The float32 ``y`` quantized with tensor ``cfg.index`` of the state: (q codes, (1,) 1 / the
-    scale used, hist, scale, scale_inv), its amax staged as :func:`_stage_jnp` does."""
-    s, hist, scale, scale_inv = _stage_jnp(cfg, jn.amax(y), hist, scale, scale_inv, updates)
-    s = jn.computed_once(s)  # a scalar read by every element: not recomputed in each reader
-    q = jn.cast_to_fp8(jn.mul(y, s), cfg.fmt)
-    return q, jn.div_rn(1.0, s).reshape(1), hist, scale, scale_inv
-
-
-def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
-    y = _activation(cfg, x, b)
-    if cfg.op != "identity":  # computed once, not in each of the amax, cast, transpose, dbias
-        y = jn.computed_once(y)
-    q, si_used, hist, scale, scale_inv = _stage_and_cast(cfg, y, hist, scale, scale_inv, updates)
-    rows, cols = _rows_cols(x.shape)
-    outs = pad_fp8(q, rows, cols, cfg.pad_to, cfg.transpose)  # the pad: zeros after the amax, as the kernels
-    if cfg.dbias:
-        outs.append(jnp.sum(y.reshape(rows, cols), axis=0, dtype=jnp.float32))
-    return (*outs, si_used, hist, scale, scale_inv)
-
-
-# ---- the CUDA backends ------------------------------------------------------------------------
-def _quantize_kernel(cfg: _QCfg, backend: str, x, b, hist, scale, scale_inv, updates):
-    rows, cols = _rows_cols(x.shape)
-    prows, pcols = launch.padded(rows, cols, cfg.pad_to)
-    plans = callbacks.quantize_plans(x.dtype.name, cfg.fmt.name, kernel_op(cfg.op, cfg.approximate), rows, cols,
-                                     cfg.transpose, cfg.dbias, cfg.current_first, cfg.margin_factor, 4 * cfg.index,
-                                     cfg.pad_to)
-    u8 = jnp.uint8
-    shapes = [jax.ShapeDtypeStruct(x.shape if cfg.pad_to == 1 else (prows, pcols), u8)]
-    if cfg.transpose:
-        shapes.append(jax.ShapeDtypeStruct((pcols, prows), u8))
-    if cfg.dbias:
-        part_shape, n_counters = launch.dbias_workspace(rows, cols, cfg.pad_to)
-        shapes += [jax.ShapeDtypeStruct((cols,), jnp.float32),
-                   jax.ShapeDtypeStruct((part_shape[0] * part_shape[1],), jnp.float32),
-                   jax.ShapeDtypeStruct((n_counters,), jnp.int32)]
-    shapes.append(jax.ShapeDtypeStruct((1,), jnp.float32))
-    shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (hist, scale, scale_inv)]
-    has_b = b is not None
-    ins = (x, b, hist, scale, scale_inv, updates) if has_b else (x, hist, scale, scale_inv, updates)
-    first_state = 2 if has_b else 1
-    n_out = len(shapes)
-    aliases = {first_state + k: n_out - 3 + k for k in range(3)}  # hist, scale, scale_inv: updated in place
-    at_t, at_db = 1, 1 + cfg.transpose
-
-    def out(k):
-        return ("out", k)
-
-    si_used, hist_o, scale_o, scale_inv_o = (out(k) for k in range(n_out - 4, n_out))
-    # the amax is staged in row 0 of the history; the state's scale is read, and written on a first step
-    sources = {"x": ("in", 0), "q": out(0), "scale": scale_o, "amax": hist_o, "scale_out": scale_o,
-               "scale_inv_out": scale_inv_o, "scale_inv_used": si_used, "updates": ("in", first_state + 3)}
-    if has_b:
-        sources["b"] = ("in", 1)
-    if cfg.transpose:
-        sources["q_t"] = out(at_t)
-    if cfg.dbias:
-        sources.update(dbias=out(at_db), partial=out(at_db + 1), counters=out(at_db + 2))
-    outs = callbacks.run(backend, plans, shapes, ins, launch.QUANTIZE_SLOTS.arrange(sources, None), aliases)
-    if cfg.dbias:
-        del outs[at_db + 1:at_db + 3]  # the workspaces (partial, counters) follow dbias
-    return tuple(outs)
 
 
 def _vma(a) -> frozenset:
@@ -417,52 +267,7 @@ def stage_amax(state: ScalingState, index: int, amax, recipe: DelayedScaling) ->
     return state.replace(amax_history=hist, scale=scale, scale_inv=scale_inv)
 
 
-# ---- update_scales ---------------------------------------------------------------------------
-def _update_jnp(recipe: DelayedScaling, hist, scale, scale_inv, overflows, updates, fmt_max):
-    return update_rule(jn.JnpNamespace(), hist, scale, overflows, updates, fmt_max, jnp.float32(recipe.margin_factor),
-                       recipe.amax_compute_algo)
-
-
-def _update_kernel(recipe: DelayedScaling, backend: str, hist, scale, scale_inv, overflows, updates, fmt_max):
-    L, n = hist.shape
-    plans = callbacks.update_plans(n, L, float(recipe.margin_factor), recipe.amax_compute_algo == "max")
-    arrays = (hist, scale, scale_inv, overflows, updates)
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
-    sources = {**{f: ("out", k) for k, f in enumerate(STATE_FIELDS)}, "fmt_max": ("in", len(arrays))}
-    return tuple(callbacks.run(backend, plans, shapes, (*arrays, fmt_max), launch.UPDATE_SLOTS.arrange(sources, None),
-                               {k: k for k in range(len(arrays))}))
-
-
 # ---- the first use of a flax meta in a step: decoded, updated, counters converted, one launch ----
-def _meta_update_jnp(recipe: DelayedScaling, grad: tuple, hist, scale, scale_inv, ovf_f, upd_f, writes, fmt_max):
-    from .meta import corrupted, decode, meta_to_state
-
-    meta = (hist, scale, scale_inv, ovf_f, upd_f, writes)
-    st = meta_to_state(decode(meta), grad)
-    h, s, si, o, u = _update_jnp(recipe, st.amax_history, st.scale, st.scale_inv, st.overflows, st.updates, fmt_max)
-    counters = (o.astype(jnp.float32), u.astype(jnp.float32))
-    bad = corrupted(meta)  # refused: NaN scales, and no first-step scale from the tensors' own amaxes
-    nan = jnp.float32(jnp.nan)
-    return (h, jnp.where(bad, nan, s), jnp.where(bad, nan, si), o, jnp.where(bad, jnp.maximum(u, 1), u), *counters)
-
-
-def _meta_update_kernel(recipe: DelayedScaling, backend: str, hist, scale, scale_inv, ovf_f, upd_f, writes, fmt_max):
-    L, n = hist.shape
-    plans = callbacks.update_plans(n, L, float(recipe.margin_factor), recipe.amax_compute_algo == "max", True)
-    f32, i32 = (jax.ShapeDtypeStruct((n,), t) for t in (jnp.float32, jnp.int32))
-    shapes = [jax.ShapeDtypeStruct(hist.shape, jnp.float32), f32, f32, i32, i32, f32, f32]
-    # the meta in (its scale_inv is not read), every result written whole: out of place, so XLA copies no
-    # parameter for the kernel to update
-    ins = {"amax_history": hist, "scale": scale, "overflows_f": ovf_f, "updates_f": upd_f, "writes": writes,
-           "fmt_max": fmt_max}
-    results = ("amax_history_out", "scale_out", "scale_inv_out", "overflows", "updates", "overflows_f_out",
-               "updates_f_out")
-    sources = {**{name: ("in", k) for k, name in enumerate(ins)},
-               **{name: ("out", k) for k, name in enumerate(results)}}
-    return tuple(callbacks.run(backend, plans, shapes, tuple(ins.values()),
-                               launch.META_UPDATE_SLOTS.arrange(sources, None), {}))
-
-
 def update_meta(meta, recipe: DelayedScaling, grad: tuple, *, impl: str = "auto"):
     """The first use of a flax meta (:mod:`fusedfp8.jax.meta`) in a step: ``meta`` decoded
     (:func:`~fusedfp8.jax.meta.decode`), turned into a state (int32 counters) and updated
@@ -487,17 +292,6 @@ def update_meta(meta, recipe: DelayedScaling, grad: tuple, *, impl: str = "auto"
 
 
 # ---- amax only, and current scaling across devices --------------------------------------------
-def _amax_kernel(op: str, approximate: str, backend: str, x, b):
-    plans = {dev: launch.amax_plan(dev, x.dtype.name, kernel_op(op, approximate), math.prod(x.shape))
-             for dev in callbacks.gpu_devices()}
-    shapes = [jax.ShapeDtypeStruct((2,), jnp.float32)]
-    # the amax buffer comes in (aliased to the result, as the state buffers of the other kernels:
-    # the backends' common form) and the plan zeroes it first
-    ins = ((x,) if b is None else (x, b)) + (jnp.zeros((2,), jnp.float32),)
-    # nothing but x, b and the amax (a (2,) buffer: the amax, the zeroed flag)
-    sources = {"x": ("in", 0), "amax": ("out", 0)} | ({} if b is None else {"b": ("in", 1)})
-    return (callbacks.run(backend, plans, shapes, ins, launch.QUANTIZE_SLOTS.arrange(sources, None),
-                          {len(ins) - 1: 0})[0][0],)
 
 
 @compiled_when_eager(0, 1, 4)

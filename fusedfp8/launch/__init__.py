@@ -12,9 +12,11 @@ Here: the plans of a signature on a device (``*_plan``: the kernels compiled on 
 device's occupancy read, the plan built once and cached, tagged with the device whose context
 holds its kernels), which the compiled shim runs as well (the torch C++ ops, the XLA FFI
 handler), and the launches on raw device pointers (:func:`quantize`, :func:`layernorm_quantize`,
-:func:`block_quantize`, :func:`dequantize`, :func:`update_scales`), which take their buffers by
-name: ``{slot name: device pointer}`` of the family's slots (:data:`QUANTIZE_SLOTS`, ...), a slot
-not named being null. They check nothing: their callers own shapes, dtypes and lifetimes.
+:func:`block_quantize`, :func:`dequantize`, :func:`update_scales`), which take their buffers by name: ``{slot name: device
+pointer}`` of the family's slots (:data:`QUANTIZE_SLOTS`, ...), a slot not named being null. They
+check nothing: their callers own shapes, dtypes and lifetimes. And what ``python -m fusedfp8 info``
+reports and builds: :func:`probe`, :func:`source_dir`, :func:`cuda_include_dirs`, every module
+(:func:`all_module_keys`) and :func:`compile_module`.
 """
 from __future__ import annotations
 
@@ -24,17 +26,24 @@ from ..numerics import layernorm as _ln
 from . import kernels
 from .executor import current_device, execute, plan_on, run
 from .format import Plan
-from .kernels import probe
+from .kernels import all_module_keys, cuda_include_dirs, probe, source_dir
 from .plans import (BLOCK_SLOTS, DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, QUANTIZE_SLOTS, UPDATE_SLOTS,
                     KernelRef, block_of, build_amax_plan, build_block_quantize_plan, build_dequantize_plan,
                     build_layernorm_amax_plan, build_layernorm_plan, build_quantize_plan, build_update_plan,
                     dbias_workspace, layernorm_block, layernorm_tile, padded, split_transpose)
 
-__all__ = ["probe", "padded", "dbias_workspace", "Plan", "plan_on", "execute", "run", "current_device",
+__all__ = ["probe", "source_dir", "cuda_include_dirs", "all_module_keys", "compile_module", "padded",
+           "dbias_workspace", "Plan", "plan_on", "execute", "run", "current_device",
            "QUANTIZE_SLOTS", "LAYERNORM_SLOTS", "BLOCK_SLOTS", "DEQUANTIZE_SLOTS", "UPDATE_SLOTS", "META_UPDATE_SLOTS",
            "quantize_plan", "layernorm_plan", "amax_plan", "layernorm_amax_plan", "block_quantize_plan",
            "dequantize_plan", "update_plan", "quantize", "layernorm_quantize", "block_quantize", "dequantize",
            "update_scales"]
+
+
+def compile_module(key: kernels.ModuleKey, device_id: int) -> None:
+    """Build module ``key`` (one of :func:`all_module_keys`) on ``device_id`` now, or load it from
+    the disk cache, as its first launch would."""
+    kernels.load(key, device_id)
 
 
 def kernel_refs(key: kernels.ModuleKey, device_id: int) -> dict:

@@ -4,7 +4,9 @@
   ``cuda_src/common.cuh``).
 - :mod:`.reference`: the NumPy / ml_dtypes twin of every kernel (cast, amax, exp, erfc, gelu,
   dgelu, fma, column sums): the oracle of the CUDA kernels and the CPU backend.
-- :mod:`.jnp`: the same op sequences in ``jax.numpy`` (imports jax; load it only when needed).
+- :mod:`.jnp`: the same op sequences in ``jax.numpy`` (imports jax; load it only when needed):
+  the guarded arithmetic, amax, scale and cast; :mod:`.jnp_gelu` the activations,
+  :mod:`.jnp_layernorm` LayerNorm.
 - :mod:`.scaling`: the delayed-scaling rule and the scale formula, written once over an array
   namespace.
 - :mod:`.block`: block scaling (1x128 and 128x128 blocks, each with the scale of its own max): the

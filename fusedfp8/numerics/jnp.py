@@ -1,5 +1,8 @@
 """The reference numerics (:mod:`fusedfp8.numerics.reference`) in ``jax.numpy``: the CPU backend
-of the JAX primitives, and their twin on any backend.
+of the JAX primitives, and their twin on any backend. Here the guarded arithmetic (bits, hidden
+products, exact fused multiply-adds and divisions), the scaling rule's namespace, the amax, the
+scale and the FP8 cast; the activations are :mod:`fusedfp8.numerics.jnp_gelu`, LayerNorm
+:mod:`fusedfp8.numerics.jnp_layernorm`, both written on these.
 
 XLA does not keep NumPy's operation order by itself, so everything here is written against two
 of its habits, and tested byte for byte against the reference:
@@ -33,8 +36,6 @@ import numpy as np
 from jax import lax
 
 from ..formats import Format, get_format
-from . import constants as C
-from . import layernorm as _ln
 from . import scaling
 from .xp import NumpyNamespace
 
@@ -264,96 +265,6 @@ class JnpNamespace(NumpyNamespace):
         return computed_once(div_rn(a, b))  # ~130 integer ops: not copied into every reader
 
 
-
-# ---- exp / erfc / gelu / dgelu, the reference's op sequence ------------------------------------
-def _pow2_poly(f, t) -> jax.Array:
-    """As :func:`fusedfp8.numerics.reference._pow2_poly`: the polynomial of 2**f, times 2**k from the bits."""
-    p = _c(C.EXP2_POLY[0])
-    for coef in C.EXP2_POLY[1:]:
-        p = fma_f32(p, f, _c(coef), tiny_products=False)
-    return from_bits(bits(p) + lax.shift_left(bits(t), jnp.int32(23)))
-
-
-def exp2_product(q, x) -> jax.Array:
-    """2**(q x), as :func:`fusedfp8.numerics.reference.exp2_product`."""
-    t = fma_f32(q, x, _c(C.EXP_SHIFTER), tiny_products=False)
-    return _pow2_poly(fma_f32(q, x, -_hide(t - _c(C.EXP_SHIFTER))), t)
-
-
-@_traced_once("half")
-def exp_f32(a, half: bool = False) -> jax.Array:
-    """e**(s a), s = 1 or -1/2, as :func:`fusedfp8.numerics.reference.exp_f32` (branch-free, shifter
-    rounding, log2 e in two parts, the scaling by 2**k from the bits)."""
-    a = jnp.asarray(a, f32)
-    s = np.float32(-0.5 if half else 1.0)
-    t = fma_f32(a, _c(s * C.LOG2E), _c(C.EXP_SHIFTER), tiny_products=False)
-    k = _hide(t - _c(C.EXP_SHIFTER))
-    y = _pow2_poly(fma_f32(a, _c(s * C.LOG2E_LO), fma_f32(a, _c(s * C.LOG2E), -k)), t)
-    return jnp.where(a > _c(C.EXP_HALF_MAX_ARG) if half else a < _c(C.EXP_MIN_ARG), _c(0.0), y)
-
-
-def rcp_f32(d) -> jax.Array:
-    """1 / d correctly rounded, as :func:`fusedfp8.numerics.reference.rcp_f32`."""
-    d = jnp.asarray(d, f32)
-    return div_rn(_c(1.0), d)
-
-
-def erfc_of_abs(ax, e) -> jax.Array:
-    """erfc(ax / sqrt 2), as :func:`fusedfp8.numerics.reference.erfc_of_abs`."""
-    t = rcp_f32(fma_f32(ax, _c(C.ERFC_T_SCALE), _c(1.0), tiny_products=False))
-    p = _c(C.ERFC_POLY[0])
-    for coef in C.ERFC_POLY[1:]:
-        p = fma_f32(p, t, _c(coef), tiny_products=False)
-    return _mul(_mul(t, p), e)
-
-
-def erfc_neg(x, e) -> jax.Array:
-    return jnp.where(jnp.signbit(x), e, _c(2.0) - e)
-
-
-def _clamp(x, lim):
-    lim = _c(lim)
-    return jnp.where(x > lim, lim, jnp.where(x < -lim, -lim, x))
-
-
-def _sigmoid_parts(xc, x):
-    x2 = _mul(xc, xc)
-    e = exp2_product(fma_f32(x2, _c(C.GELU_KC1), _c(C.GELU_K2), tiny_products=False), xc)
-    r = jnp.where(x < -_c(C.GELU_X_MAX), _c(0.0), rcp_f32(_c(1.0) + e))
-    return x2, e, r
-
-
-def _nan_where_nan(x, y):
-    return jnp.where(jnp.isnan(x), _c(np.nan), y)  # (see reference._nan_where_nan)
-
-
-@_traced_once("approximate")
-def gelu_f32(x, approximate: str) -> jax.Array:
-    """gelu in float32 ('tanh' or 'none'), as :func:`fusedfp8.numerics.reference.gelu_f32`."""
-    x = jnp.asarray(x, f32)
-    if approximate == "tanh":
-        _, _, r = _sigmoid_parts(jnp.fmin(x, _c(C.GELU_X_MAX)), x)
-        return _nan_where_nan(x, _mul(x, r))
-    ax = jnp.where(jnp.abs(x) > _c(C.ERFC_MAX_ARG), _c(C.ERFC_MAX_ARG), jnp.abs(x))
-    e = erfc_of_abs(ax, exp_f32(_mul(x, x), half=True))
-    return _nan_where_nan(x, _mul(_mul(_c(0.5), x), erfc_neg(x, e)))
-
-
-@_traced_once("approximate")
-def dgelu_f32(x, approximate: str) -> jax.Array:
-    """d gelu / dx in float32, as :func:`fusedfp8.numerics.reference.dgelu_f32`."""
-    x = jnp.asarray(x, f32)
-    if approximate == "tanh":
-        xc = _clamp(x, C.GELU_X_MAX)
-        x2, e, r = _sigmoid_parts(xc, x)
-        m = fma_f32(x2, _c(C.GELU_M3), _c(C.GELU_M0), tiny_products=False)
-        return _nan_where_nan(x, _mul(fma_f32(_mul(xc, m), _mul(e, r), _c(1.0), tiny_products=False), r))
-    xc = _clamp(x, 40.0)
-    e = exp_f32(_mul(xc, xc), half=True)
-    half_cdf = _mul(_c(0.5), erfc_neg(xc, erfc_of_abs(jnp.abs(xc), e)))
-    return _nan_where_nan(x, fma_f32(xc, _mul(e, _c(C.INV_SQRT_2PI)), half_cdf))
-
-
 # ---- amax, scaling, the FP8 cast ------------------------------------------------------------------
 def amax(y) -> jax.Array:
     """max |y| as a float32 scalar from the bits: exact with denormals, NaN-propagating
@@ -408,104 +319,3 @@ def current_scale(a, fmt: Format, margin_factor: float, fallback) -> jax.Array:
     """First-step scale from the amax ``a`` (scalar), or ``fallback`` where a is 0 or non-finite
     (:func:`fusedfp8.numerics.scaling.current_scale`)."""
     return scaling.current_scale(JnpNamespace(), a, _c(fmt.max), _c(margin_factor), fallback)
-
-
-# ---- LayerNorm (fusedfp8.numerics.layernorm's op order and summation tree) -----------------------
-_SQRT_STEPS = 26  # result bits of the integer square root: 24 significant, a guard bit, one for odd exponents
-
-
-def _sqrt_step(i, rqm):
-    """One bit of the digit-by-digit square root of ``m * 2**26`` (two radicand bits a step, the top
-    ones from m, zeros below); remainder < 2**27, so int32 is enough. Module level: jax caches the
-    loop by the function's identity."""
-    r, q, m = rqm
-    pair = jnp.where(i <= 12, lax.shift_right_logical(m, jnp.maximum(24 - 2 * i, 0)) & 3, 0)
-    r = (r << 2) | pair
-    t = (q << 2) | 1
-    take = r >= t
-    return jnp.where(take, r - t, r), (q << 1) | take.astype(jnp.int32), m
-
-
-@_traced_once()
-def sqrt_rn(v) -> jax.Array:
-    """IEEE float32 square root, round to nearest even: the kernels' ``sqrt.rn.f32`` bit for bit,
-    denormal arguments included (XLA:CPU reads them as 0, and XLA:GPU may lower ``sqrt``
-    approximately), by an integer digit-by-digit root of the significand. sqrt(+-0) = +-0,
-    sqrt(+inf) = +inf, a negative argument or NaN gives NaN."""
-    v = jnp.asarray(v, f32)
-    ib = bits(v)
-    mag = ib & _MAG
-    m, e = _unpack(mag)  # |v| = m * 2**(e - 150), m in [2**23, 2**24)
-    ex = e - 150
-    odd = ex & 1
-    m = m << odd  # an even exponent: m in [2**23, 2**25)
-    ex = ex - odd
-    r = jnp.zeros_like(m)
-    q = jnp.zeros_like(m)
-    r, q, _ = lax.fori_loop(0, _SQRT_STEPS, _sqrt_step, (r, q, m))
-    # sqrt(|v|) = sqrt(m * 2**26) * 2**((ex - 26) / 2), q = floor(sqrt(m * 2**26)) in [2**24.5, 2**25.5)
-    drop = 1 + (q >= (1 << 25)).astype(jnp.int32)  # bits below the 24 kept
-    kept = lax.shift_right_logical(q, drop)
-    rest = q & ((1 << drop) - 1)
-    half = 1 << (drop - 1)
-    up = (rest > half) | ((rest == half) & ((r != 0) | ((kept & 1) == 1)))
-    biased = (ex - 26) // 2 + drop + 150
-    out = lax.shift_left(biased - 1, jnp.int32(23)) + kept + up.astype(jnp.int32)
-    out = jnp.where(mag == 0, ib, jnp.where(mag == _INF_BITS, _INF_BITS, out))
-    nan = (mag > _INF_BITS) | ((ib < 0) & (mag != 0))
-    return from_bits(jnp.where(nan, np.int32(0x7FC00000), out))
-
-
-def _halve(v, n: int):
-    h = n // 2
-    while h >= 1:
-        v = _hide(v[..., :h] + v[..., h:2 * h])
-        h //= 2
-    return v[..., 0]
-
-
-def row_sum(v) -> jax.Array:
-    """(rows,) sums of the (rows, cols) float32 array ``v`` in the kernel's order
-    (:func:`fusedfp8.numerics.layernorm.row_sum`)."""
-    rows, cols = v.shape
-    t, k = _ln.layout(cols)
-    pad = jnp.pad(v, ((0, 0), (0, k * t * _ln.CHUNK - cols))).reshape(rows, k, t, _ln.CHUNK)
-    acc = _hide(jnp.zeros((rows, t, _ln.CHUNK), f32))  # +0, never folded away (0 + -0 is +0)
-    for step in range(k):
-        acc = _hide(acc + pad[:, step])
-    lanes = _halve(acc, _ln.CHUNK).reshape(rows, t // 32, 32)
-    return _halve(_halve(lanes, 32), t // 32)
-
-
-def _canonical_nan(v):
-    return jnp.where(jnp.isnan(v), from_bits(np.int32(0x7FC00000)), v)
-
-
-def layernorm_f32(x, weight, bias, eps):
-    """(y, mean, rstd) as :func:`fusedfp8.numerics.layernorm.layernorm_f32`: y float32 of x's shape,
-    mean and rstd (rows,) float32 with the canonical NaN. Known gap on XLA:CPU: denormal
-    intermediates (differences below 2**-126, squares of differences below 2**-63) are flushed."""
-    x = jnp.asarray(x).astype(f32)
-    cols = x.shape[-1]
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    v = x.reshape(rows, cols)
-    n = _c(cols)
-    mean = div_rn(row_sum(v), n)
-    d = v - mean[:, None]
-    var = div_rn(row_sum(_mul(d, d)), n)
-    rstd = div_rn(_c(1.0), sqrt_rn(var + _c(np.float32(eps))))
-    y = _mul(d, rstd[:, None])
-    if weight is not None:
-        y = _mul(y, jnp.asarray(weight).astype(f32))
-    if bias is not None:
-        y = y + jnp.asarray(bias).astype(f32)
-    return y.reshape(x.shape), _canonical_nan(mean), _canonical_nan(rstd)
-
-
-def layernorm_quantize(x, weight, bias, eps, scale, fmt: str | Format, transpose: bool = False):
-    """(q, q_t, amax, mean, rstd): LayerNorm of x quantized with ``scale`` (uint8 codes of x's
-    shape; the (cols, rows) transpose or None), ``amax = max |y|``, the per-row statistics."""
-    y, mean, rstd = layernorm_f32(x, weight, bias, eps)
-    q = cast_to_fp8(mul(y, jnp.reshape(jnp.asarray(scale, f32), ())), fmt)
-    q_t = q.reshape(mean.shape[0], q.shape[-1]).T if transpose else None
-    return q, q_t, amax(y), mean, rstd

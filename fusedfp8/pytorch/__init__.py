@@ -13,21 +13,24 @@ once-per-step ``update_model_scales``.
         opt.step(); opt.zero_grad()
         fp8.update_model_scales(model)    # once per optimizer step; forgetting it raises
 
-Modules: ``custom_ops`` (the ``torch.ops.fusedfp8.*`` custom ops), ``block`` (block scaling:
-``block_quantize`` and its custom op), ``autograd`` (the autograd
-functions, ``quantize_ste`` and ``scaled_mm``), ``modules`` (``Fp8Linear``, ``Fp8MLP``),
-``scaling`` (model-level state linking, ``update_model_scales``, the amax all-reduce),
+Modules: ``custom_ops`` and ``amax_ops`` (the ``torch.ops.fusedfp8.*`` custom ops), ``op_plans`` (a
+call's checked launch plan), ``cpp_path`` (the ops' C++ implementation: ``use_cpp``,
+``launch_path``), ``autograd`` (the FP8 linear's and MLP's autograd functions), ``ste``
+(``quantize_ste``), ``block`` (block scaling: ``block_quantize`` and its custom op), ``modules``
+(``Fp8Linear``), ``mlp`` (``Fp8MLP``), ``module_checks`` (the modules' input, state and load
+checks), ``scaling`` (model-level state linking, ``update_model_scales``, the amax all-reduce),
 ``convert`` (``convert_to_fp8`` and ``plan_fp8_conversion``: every ``nn.Linear``, or with
-``policy='auto'`` those predicted faster in FP8, see :mod:`fusedfp8.policy`), ``gemm`` (the
-layers' ``gemm=`` choice of FP8 GEMM on CUDA: the shim's cuBLASLt GEMM or ``torch._scaled_mm``).
+``policy='auto'`` those predicted faster in FP8, see :mod:`fusedfp8.policy`), ``gemm`` (the layers'
+FP8 GEMM ``scaled_mm`` and its ``gemm=`` choice on CUDA: the shim's cuBLASLt GEMM or
+``torch._scaled_mm``).
 """
-from . import block  # noqa: F401  (registers torch.ops.fusedfp8.block_quantize)
-from . import custom_ops  # noqa: F401  (registers torch.ops.fusedfp8.*)
-from .autograd import quantize_ste
+from . import amax_ops, block, custom_ops  # noqa: F401  (register torch.ops.fusedfp8.*)
 from .convert import convert_to_fp8, plan_fp8_conversion
 from .gemm import gemm_path
-from .modules import Fp8Linear, Fp8MLP, MissedScaleUpdateError, MissedScaleUpdateWarning
+from .mlp import Fp8MLP
+from .modules import Fp8Linear, MissedScaleUpdateError, MissedScaleUpdateWarning
 from .scaling import PendingScaleUpdate, fp8_modules, update_model_scales
+from .ste import quantize_ste
 
 __all__ = ["Fp8Linear", "Fp8MLP", "convert_to_fp8", "plan_fp8_conversion", "update_model_scales", "PendingScaleUpdate",
            "fp8_modules", "MissedScaleUpdateError", "MissedScaleUpdateWarning", "quantize_ste", "gemm_path"]

@@ -1,5 +1,6 @@
-"""Autograd functions over the custom ops: a straight-through quantizer, the FP8 linear and the
-fused LayerNorm-free MLP core (Linear -> gelu -> Linear).
+"""Autograd functions over the custom ops: the FP8 linear and the fused LayerNorm-free MLP core
+(Linear -> gelu -> Linear). The straight-through quantizer is :mod:`fusedfp8.pytorch.ste`; the
+GEMM they call, :func:`fusedfp8.pytorch.gemm.scaled_mm`.
 
 GEMM layouts. ``torch._scaled_mm(a, b)`` wants ``a`` (M, K) row-major and ``b`` (K, N)
 column-major; the ``.t()`` of a row-major (N, K) tensor is a column-major (K, N) one. With the
@@ -28,7 +29,7 @@ fast accumulation, the backward GEMMs (long reductions over tokens) the precise 
 Transformer Engine and torchao do. On CUDA the GEMMs run ``torch._scaled_mm`` or the shim's
 ``fusedfp8::fp8_gemm_lt`` (the layer's ``gemm``, :mod:`fusedfp8.pytorch.gemm`; the same operands
 either way: the op takes (M, K) and (N, K), i.e. ``a`` and ``b.t()`` of the calls above). On the CPU the same calls run through
-:func:`scaled_mm`'s float32 emulation of ``_scaled_mm`` on the exact FP8 values.
+:func:`~fusedfp8.pytorch.gemm.scaled_mm`'s float32 emulation of ``_scaled_mm`` on the exact FP8 values.
 """
 from __future__ import annotations
 
@@ -40,27 +41,16 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..formats import get_format
-from ..recipe import DelayedScaling
-from ..state import ScalingState
 from ..types import gemm_pad_to
+from . import amax_ops
 from . import custom_ops as fops
+from .gemm import scaled_mm
 from .weights import WeightCache
 
-__all__ = ["scaled_mm", "QuantizeSTE", "QuantizeConfig", "quantize_ste"]
-
-_BIAS_FUSABLE = (torch.bfloat16, torch.float16)
+__all__ = ["linear", "mlp", "quantized_weight", "reduce_current", "LinearConfig", "MLPConfig"]
 
 
 # ---- the configurations of the autograd functions (frozen: hashable, constants under torch.compile) --
-@dataclass(frozen=True)
-class QuantizeConfig:
-    """How :class:`QuantizeSTE` quantizes: tensor ``index`` of the state, in ``fmt`` ('e4m3' or
-    'e5m2'), ``margin_factor`` = 2**margin, a first step with current scaling when ``current_first``."""
-
-    index: int
-    fmt: str
-    margin_factor: float
-    current_first: bool
 
 
 @dataclass(frozen=True)
@@ -98,69 +88,6 @@ class MLPConfig:
     amax_group: str | None = None  # the process group (its name) of CurrentScaling across ranks
 
 
-def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None,
-              out_dtype: torch.dtype, fast_accum: bool = False, gemm: str = "scaled_mm") -> Tensor:
-    """``out_dtype((a @ b) * scale_a * scale_b + bias)`` for FP8 operands.
-
-    Parameters
-    ----------
-    a : (M, K) float8, row-major
-    b : (K, N) float8, column-major (the ``.t()`` of a contiguous (N, K) tensor)
-    scale_a, scale_b : (1,) float32 on the operands' device; the operands' ``scale_inv``. On CUDA
-        each must start 16-byte aligned (cuBLASLt refuses others with CUBLAS_STATUS_NOT_SUPPORTED):
-        pass the ``scale_inv`` the quantize ops return, not a view into a state.
-    bias : (N,) tensor or None
-        Fused into ``_scaled_mm`` where it allows (bf16/fp16 output and a bias of that dtype);
-        added in float32 otherwise.
-    out_dtype : torch.dtype
-    fast_accum : bool
-        ``use_fast_accum`` of ``_scaled_mm`` / ``fast_accum`` of ``fp8_gemm_lt`` (CUDA only; the CPU
-        emulation accumulates in float32).
-    gemm : {'scaled_mm', 'cublaslt'}
-        The CUDA backend (:func:`fusedfp8.pytorch.gemm.backend` of the layer's ``gemm``):
-        ``torch._scaled_mm``, or the shim's ``torch.ops.fusedfp8.fp8_gemm_lt`` (then ``b`` must be
-        the ``.t()`` of a contiguous (N, K) tensor; a bias fused into its epilogue as into
-        ``_scaled_mm``'s, see :mod:`fusedfp8.pytorch.gemm`). Ignored on the CPU.
-
-    Returns
-    -------
-    (M, N) tensor of ``out_dtype``. CUDA runs the ``gemm`` backend (K and N multiples of 16: the
-    callers pad the operands); the CPU computes the float32 product of the exact FP8 values,
-    scales it by ``scale_a * scale_b`` and adds the bias in float32.
-    """
-    if a.shape[0] == 0 or a.shape[1] == 0 or b.shape[1] == 0:  # nothing to multiply: as torch's matmul
-        y = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
-        return (y if bias is None else y + bias.float()).to(out_dtype)
-    if a.is_cuda:
-        if gemm == "cublaslt":
-            return _cublaslt_mm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
-        fused = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
-        if bias is None or fused:
-            return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
-                                    use_fast_accum=fast_accum)
-        y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32,
-                             use_fast_accum=fast_accum)
-        return (y + bias.float()).to(out_dtype)
-    with torch.autocast("cpu", enabled=False):  # the emulation is float32, whatever autocast says
-        y = torch.mm(a.float(), b.float()) * (scale_a * scale_b)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(out_dtype)
-
-
-def _cublaslt_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None,
-                 out_dtype: torch.dtype, fast_accum: bool) -> Tensor:
-    """:func:`scaled_mm` through ``fusedfp8::fp8_gemm_lt`` (a (M, K), b.t() (N, K), both contiguous).
-    A bias of the output's dtype (bf16 / fp16) goes into the op's epilogue, as into ``_scaled_mm``'s;
-    any other pairing (a float32 output, a bias of another dtype) is added to the float32 product
-    and rounded once, as :func:`scaled_mm` does for ``_scaled_mm``."""
-    op = torch.ops.fusedfp8.fp8_gemm_lt.default
-    if bias is None or (out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype):
-        return op(a, b.t(), scale_a, scale_b, out_dtype, fast_accum, bias)
-    y = op(a, b.t(), scale_a, scale_b, torch.float32, fast_accum).add_(bias)  # one rounding, as an epilogue
-    return y if out_dtype == torch.float32 else y.to(out_dtype)
-
-
 def _unpad(t: Tensor, rows: int, cols: int) -> Tensor:
     """The (rows, cols) corner of a padded GEMM result (a view; contiguous when only rows were padded)."""
     return t if tuple(t.shape) == (rows, cols) else t[:rows, :cols]
@@ -179,56 +106,6 @@ def _bias_grad(g2: Tensor, bias_dtype: torch.dtype) -> Tensor:
     return g2.sum(0, dtype=torch.float32).to(bias_dtype)
 
 
-# ---- straight-through quantizer --------------------------------------------------------------
-class QuantizeSTE(torch.autograd.Function):
-    """Fake quantization with a straight-through gradient.
-
-    Forward: ``dequantize(quantize(x))`` in x's dtype, through a state slot (the amax of x goes
-    into the state, the scale comes from it). Backward: the incoming gradient, unchanged.
-    ``apply(x, amax_history, scale, scale_inv, updates, cfg)``: the state's tensors (as
-    :func:`fusedfp8.pytorch.custom_ops.quantize` takes them) and a :class:`QuantizeConfig`; most
-    callers use :func:`quantize_ste`.
-    """
-
-    @staticmethod
-    def forward(ctx, x, amax_history, scale, scale_inv, updates, cfg: QuantizeConfig):
-        q, q_si = fops.call(fops.quantize, x.contiguous(), amax_history, scale, scale_inv, updates, cfg.index, cfg.fmt,
-                            cfg.margin_factor, cfg.current_first)
-        return fops.call(fops.dequantize, q, q_si, x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None, None, None, None
-
-
-def quantize_ste(x: Tensor, state: ScalingState, index: int, recipe: DelayedScaling) -> Tensor:
-    """Fake-quantize ``x`` through tensor ``index`` of ``state``, straight-through gradient.
-
-    Parameters
-    ----------
-    x : tensor, float32 / float16 / bfloat16, any shape
-    state : ScalingState of torch tensors on x's device
-    index : int, the tensor's column in the state
-    recipe : DelayedScaling or CurrentScaling; gives the format (``state.grad[index]`` picks E4M3 or
-        E5M2) and margin.
-
-    Returns
-    -------
-    Tensor of x's shape and dtype: ``dequantize(fp8(x * scale))``; its gradient w.r.t. x is the
-    identity. The amax of x is max-accumulated into ``state.amax_history[0, index]``.
-
-    Raises
-    ------
-    TypeError, IndexError, ValueError
-        On a bad index, dtype or device (nothing is written).
-    """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x: expected a torch.Tensor; got {type(x).__name__} (fusedfp8.ops.quantize takes any array)")
-    cfg = QuantizeConfig(index, state.format_of(index, recipe).name, recipe.margin_factor,
-                         recipe.first_step == "current")
-    return QuantizeSTE.apply(x, state.amax_history, state.scale, state.scale_inv, state.updates, cfg)
-
-
 # ---- FP8 linear ------------------------------------------------------------------------------
 def _quantize(x: Tensor, state: tuple, index: int, fmt: str, margin_factor: float, current_first: bool,
               transpose: bool, pad_to: int = 1) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -240,8 +117,8 @@ def _quantize(x: Tensor, state: tuple, index: int, fmt: str, margin_factor: floa
 
 
 def _amax(x: Tensor, b: Tensor | None = None, op: str = "identity", approximate: str = "tanh") -> Tensor:
-    """(2,) float32, the amax of ``op(x, b)`` in element 0 (:func:`fusedfp8.pytorch.custom_ops.amax`)."""
-    return fops.call(fops.amax, x.detach().contiguous(), None if b is None else b.detach().contiguous(), op,
+    """(2,) float32, the amax of ``op(x, b)`` in element 0 (:func:`fusedfp8.pytorch.amax_ops.amax`)."""
+    return fops.call(amax_ops.amax, x.detach().contiguous(), None if b is None else b.detach().contiguous(), op,
                      approximate)
 
 
@@ -249,9 +126,9 @@ def reduce_current(amaxes: list, state: tuple, col: int, fmt: str, margin_factor
     """CurrentScaling across the ranks of process group ``group`` (its name) for the tensors of
     columns ``col .. col + len(amaxes) - 1`` of ``state`` (amax_history, scale, scale_inv, ...):
     their local amaxes (:func:`_amax`) MAX-reduced in ONE all_reduce, then staged with their
-    current scales (:func:`fusedfp8.pytorch.custom_ops.reduce_current_scales`); the tensors are
+    current scales (:func:`fusedfp8.pytorch.amax_ops.reduce_current_scales`); the tensors are
     then quantized with ``current_first=False`` (the scale given)."""
-    fops.call(fops.reduce_current_scales, torch.stack(amaxes), state[0], state[1], state[2], col,
+    fops.call(amax_ops.reduce_current_scales, torch.stack(amaxes), state[0], state[1], state[2], col,
               get_format(fmt).max, margin_factor, group)
 
 
@@ -477,7 +354,7 @@ def mlp(h: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
     if amax_group is not None:
         h2 = _as_2d(h)
         ah = _amax(h2) if norm is None else fops.call(
-            fops.layernorm_amax, h2.detach().contiguous(), *(None if p is None else p.detach() for p in (
+            amax_ops.layernorm_amax, h2.detach().contiguous(), *(None if p is None else p.detach() for p in (
                 norm.weight, norm.bias)), float(norm.eps))
         reduce_current([ah, _amax(w1)], state1[:4], state1[4], fwd_fmt, mf, amax_group)
         cf1 = cf2 = False

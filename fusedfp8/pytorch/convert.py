@@ -11,7 +11,8 @@ from ..policy import ConversionReport, Decision, check_dims, check_mode, check_p
 from ..recipe import DelayedScaling
 from ..types import check_recipe
 from .gemm import check_gemm
-from .modules import MISSED_UPDATE_MODES, Fp8Linear, check_amax_group
+from .module_checks import check_amax_group
+from .modules import MISSED_UPDATE_MODES, Fp8Linear
 
 __all__ = ["convert_to_fp8", "plan_fp8_conversion"]
 

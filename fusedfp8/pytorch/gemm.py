@@ -1,4 +1,5 @@
-"""Which FP8 GEMM the torch layers run on CUDA: the shim's cuBLASLt GEMM or ``torch._scaled_mm``.
+"""The torch layers' FP8 GEMM: which one runs on CUDA (the shim's cuBLASLt GEMM or
+``torch._scaled_mm``) and the call itself (:func:`scaled_mm`, with its CPU emulation).
 
 Every FP8 layer (:class:`~fusedfp8.pytorch.Fp8Linear`, :class:`~fusedfp8.pytorch.Fp8MLP`,
 :func:`~fusedfp8.pytorch.convert_to_fp8`) takes ``gemm``, one of :data:`GEMMS`:
@@ -17,7 +18,7 @@ Every FP8 layer (:class:`~fusedfp8.pytorch.Fp8Linear`, :class:`~fusedfp8.pytorch
 
 The choice is made once per process and value (the first CUDA forward loads, and if needed
 compiles, the shim), never per call; :func:`gemm_path` says what it is. On the CPU every value
-runs the same float32 emulation (:func:`fusedfp8.pytorch.autograd.scaled_mm`).
+runs the same float32 emulation (:func:`scaled_mm`).
 
 Numerics. Both backends are one cuBLASLt FP8 matmul of the same operands with the same scales
 and the same accumulation mode (``fast_accum``: the forward GEMM's fast accumulation, the
@@ -37,10 +38,11 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch import Tensor
 
 from .. import csrc as _shim
 
-__all__ = ["GEMMS", "check_gemm", "backend", "gemm_path"]
+__all__ = ["GEMMS", "check_gemm", "backend", "gemm_path", "scaled_mm"]
 
 GEMMS = ("auto", "cublaslt", "scaled_mm")
 _resolved: dict = {}  # gemm -> (backend, why), decided once per process
@@ -131,3 +133,70 @@ def gemm_path(gemm: str = "auto") -> tuple[str, str]:
             return "scaled_mm", f"torch._scaled_mm (gemm='auto'): the torch launch shim is not available: {why}"
         return "error", f"the torch launch shim is not available: {why}"
     return "cublaslt", f"from the first CUDA forward on ({why})"
+
+
+# ---- the call --------------------------------------------------------------------------------
+_BIAS_FUSABLE = (torch.bfloat16, torch.float16)
+
+
+def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None,
+              out_dtype: torch.dtype, fast_accum: bool = False, gemm: str = "scaled_mm") -> Tensor:
+    """``out_dtype((a @ b) * scale_a * scale_b + bias)`` for FP8 operands.
+
+    Parameters
+    ----------
+    a : (M, K) float8, row-major
+    b : (K, N) float8, column-major (the ``.t()`` of a contiguous (N, K) tensor)
+    scale_a, scale_b : (1,) float32 on the operands' device; the operands' ``scale_inv``. On CUDA
+        each must start 16-byte aligned (cuBLASLt refuses others with CUBLAS_STATUS_NOT_SUPPORTED):
+        pass the ``scale_inv`` the quantize ops return, not a view into a state.
+    bias : (N,) tensor or None
+        Fused into ``_scaled_mm`` where it allows (bf16/fp16 output and a bias of that dtype);
+        added in float32 otherwise.
+    out_dtype : torch.dtype
+    fast_accum : bool
+        ``use_fast_accum`` of ``_scaled_mm`` / ``fast_accum`` of ``fp8_gemm_lt`` (CUDA only; the CPU
+        emulation accumulates in float32).
+    gemm : {'scaled_mm', 'cublaslt'}
+        The CUDA backend (:func:`fusedfp8.pytorch.gemm.backend` of the layer's ``gemm``):
+        ``torch._scaled_mm``, or the shim's ``torch.ops.fusedfp8.fp8_gemm_lt`` (then ``b`` must be
+        the ``.t()`` of a contiguous (N, K) tensor; a bias fused into its epilogue as into
+        ``_scaled_mm``'s, see :mod:`fusedfp8.pytorch.gemm`). Ignored on the CPU.
+
+    Returns
+    -------
+    (M, N) tensor of ``out_dtype``. CUDA runs the ``gemm`` backend (K and N multiples of 16: the
+    callers pad the operands); the CPU computes the float32 product of the exact FP8 values,
+    scales it by ``scale_a * scale_b`` and adds the bias in float32.
+    """
+    if a.shape[0] == 0 or a.shape[1] == 0 or b.shape[1] == 0:  # nothing to multiply: as torch's matmul
+        y = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+    if a.is_cuda:
+        if gemm == "cublaslt":
+            return _cublaslt_mm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
+        fused = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
+        if bias is None or fused:
+            return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                                    use_fast_accum=fast_accum)
+        y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32,
+                             use_fast_accum=fast_accum)
+        return (y + bias.float()).to(out_dtype)
+    with torch.autocast("cpu", enabled=False):  # the emulation is float32, whatever autocast says
+        y = torch.mm(a.float(), b.float()) * (scale_a * scale_b)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype)
+
+
+def _cublaslt_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None,
+                 out_dtype: torch.dtype, fast_accum: bool) -> Tensor:
+    """:func:`scaled_mm` through ``fusedfp8::fp8_gemm_lt`` (a (M, K), b.t() (N, K), both contiguous).
+    A bias of the output's dtype (bf16 / fp16) goes into the op's epilogue, as into ``_scaled_mm``'s;
+    any other pairing (a float32 output, a bias of another dtype) is added to the float32 product
+    and rounded once, as :func:`scaled_mm` does for ``_scaled_mm``."""
+    op = torch.ops.fusedfp8.fp8_gemm_lt.default
+    if bias is None or (out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype):
+        return op(a, b.t(), scale_a, scale_b, out_dtype, fast_accum, bias)
+    y = op(a, b.t(), scale_a, scale_b, torch.float32, fast_accum).add_(bias)  # one rounding, as an epilogue
+    return y if out_dtype == torch.float32 else y.to(out_dtype)

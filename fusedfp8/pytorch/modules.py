@@ -1,5 +1,6 @@
-"""``Fp8Linear`` (a drop-in for ``nn.Linear``) and ``Fp8MLP`` (LayerNorm -> Linear -> gelu ->
-Linear with the fused activation kernels).
+"""``Fp8Linear`` (a drop-in for ``nn.Linear``): its state, the missed-update check and the
+forward. ``Fp8MLP`` (LayerNorm -> Linear -> gelu -> Linear with the fused activation kernels,
+:mod:`fusedfp8.pytorch.mlp`) holds two of them, so what follows holds for it as well.
 
 State. Each :class:`Fp8Linear` owns the delayed-scaling state of its three tensors
 ``[input, weight, output gradient]`` (``grad = (False, False, True)``) as registered buffers
@@ -59,7 +60,6 @@ the amax): 2 per Fp8Linear and 4 per Fp8MLP training step (see docs/distributed.
 """
 from __future__ import annotations
 
-import threading
 import warnings
 import weakref
 
@@ -67,36 +67,16 @@ import torch
 from torch import nn
 
 from ..recipe import CurrentScaling, DelayedScaling
-from ..types import check_approximate, check_recipe
 from ..state import STATE_FIELDS, ScalingState
+from ..types import check_recipe
 from . import autograd as F8
 from . import gemm as G
-from . import custom_ops as fops
 from . import weights as W
+from .module_checks import _check_input, _check_state_writable, _load_strict, _StrictLoad, check_amax_group
 
-__all__ = ["Fp8Linear", "Fp8MLP", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
+__all__ = ["Fp8Linear", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
 
 GRAD = (False, False, True)  # tensors of an Fp8Linear's state: input, weight, output gradient
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-# torch passes strict=True to every _load_from_state_dict whatever the caller asked; the strict
-# of a load_state_dict called on an FP8 module itself is kept here (None: called on a parent,
-# where torch's own missing-keys report applies)
-_LOAD = threading.local()
-
-
-def _load_strict() -> bool | None:
-    return getattr(_LOAD, "strict", None)
-
-
-class _StrictLoad:
-    """``load_state_dict`` of an FP8 module: remember the caller's ``strict`` for the checks."""
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        outer, _LOAD.strict = _load_strict(), bool(strict)
-        try:
-            return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
-        finally:
-            _LOAD.strict = outer
 
 
 MISSED_UPDATE_MODES = ("raise", "warn", "ignore")
@@ -120,49 +100,6 @@ class _UpdateHook:
         module = self.module()
         if module is not None:
             module._after_update()
-
-
-def check_amax_group(amax_group, recipe) -> str | None:
-    """The name of the process group ``amax_group`` (None for None), after checking that it can
-    carry current scaling across ranks (raises before anything is built or written)."""
-    if amax_group is None:
-        return None
-    fops.check_group(amax_group, "amax_group")
-    if not recipe.current:
-        raise ValueError(f"amax_group is for CurrentScaling (the amax reduced across ranks before every cast); got "
-                         f"{recipe!r}, whose staged amaxes are reduced once per step instead: pass the group to "
-                         f"fusedfp8.pytorch.update_model_scales(model, group=...) and leave amax_group=None")
-    return amax_group.group_name
-
-
-def _check_input(layer: str, x: torch.Tensor, features: int, weight: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{layer}: input must be a torch.Tensor; got {type(x).__name__}")
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"{layer}: input must be float32, float16 or bfloat16; got {x.dtype}")
-    if weight.dtype not in _FLOATS:
-        raise TypeError(f"{layer}: weight must be float32, float16 or bfloat16; got {weight.dtype}")
-    if x.dim() < 1 or x.shape[-1] != features:
-        raise ValueError(f"{layer}: input must have {features} features in its last dimension; got shape "
-                         f"{tuple(x.shape)}")
-    if x.device != weight.device:
-        raise ValueError(f"{layer}: input is on {x.device} but the weight is on {weight.device}")
-
-
-def _check_state_writable(layer: str, *modules: "Fp8Linear") -> None:
-    """Refuse, before the first kernel of a forward, state buffers that the forward could not
-    write (so that no state is left half written): ValueError naming the buffer."""
-    if torch.compiler.is_compiling():  # (dynamo cannot trace the inference-mode query; a compiled graph
-        return                         # checked its buffers when it was traced eagerly or fails in the op)
-    inference = torch.is_inference_mode_enabled()
-    for m in modules:
-        for name in ("amax_history", "scale", "scale_inv"):
-            t = m._buffers[name]
-            why = ("requires grad (autograd forbids writing it in place)" if t.requires_grad else
-                   "is an inference tensor (made under torch.inference_mode), written outside inference mode"
-                   if t.is_inference() and not inference else "")
-            if why:
-                raise ValueError(f"{layer}: the FP8 state buffer '{name}' {why}; nothing was written")
 
 
 class Fp8Linear(_StrictLoad, nn.Linear):
@@ -277,7 +214,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         self._gemm = G.check_gemm(gemm)
 
     def _gemm_backend(self, x: torch.Tensor) -> str:
-        """:func:`fusedfp8.pytorch.autograd.scaled_mm`'s backend for ``x`` (the CPU emulates either)."""
+        """:func:`fusedfp8.pytorch.gemm.scaled_mm`'s backend for ``x`` (the CPU emulates either)."""
         return G.backend(self._gemm) if x.is_cuda else "scaled_mm"
 
     @property
@@ -442,91 +379,3 @@ class Fp8Linear(_StrictLoad, nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self._recipe}, gemm={self.gemm!r}"
-
-
-_FUSED_LN_MAX = 16384  # widest row the MLP's fused LayerNorm takes (the kernel's transposed tile fits)
-
-
-class Fp8MLP(_StrictLoad, nn.Module):
-    """LayerNorm -> Fp8Linear -> gelu -> Fp8Linear, with the LayerNorm and the activation fused into FP8.
-
-    The LayerNorm runs inside the quantization of the first GEMM's input (the layernorm_quantize
-    kernel: its output is never written in bf16; its backward runs in torch from the saved input,
-    mean and rstd). The first GEMM's output z (the pre-activation) goes straight through the gelu + quantize
-    (+ transpose) kernel into the second GEMM's input slot: gelu(z) is never written in bf16.
-    The backward quantizes the gelu gradient with its transpose and the first bias gradient in
-    one dgelu kernel. z is saved for the backward (in the input's dtype); everything else saved
-    is FP8.
-
-    Parameters
-    ----------
-    hidden, ffn : int
-        Input/output width and the inner width (fc1: hidden -> ffn, fc2: ffn -> hidden).
-    recipe : DelayedScaling or CurrentScaling
-    approximate : {'tanh', 'none'}
-        The gelu (as ``torch.nn.functional.gelu``).
-    bias : bool
-    device, dtype, missed_update, gemm : as :class:`Fp8Linear` (``gemm`` is given to fc1 and fc2;
-        each runs its own three GEMMs with its own ``gemm`` attribute).
-    amax_group : torch.distributed ProcessGroup or None
-        CurrentScaling across ranks, as :class:`Fp8Linear`'s (given to fc1 and fc2, which must
-        agree): one all_reduce for (LayerNorm(x), w1), one for (gelu(z), w2), one for each of the
-        two quantized gradients; 4 per training step.
-
-    Attributes: ``norm`` (nn.LayerNorm), ``fc1``, ``fc2`` (Fp8Linear, owning the states),
-    ``fuse_layernorm`` (default True; False runs ``norm`` in torch and quantizes its bf16 output,
-    as do a ``norm`` replaced by another module and hidden > 16384).
-    Input (..., hidden); output (..., hidden) in the input's dtype. Errors as Fp8Linear.
-    """
-
-    def __init__(self, hidden: int, ffn: int, recipe: DelayedScaling = DelayedScaling(), *,
-                 approximate: str = "tanh", bias: bool = True, device=None, dtype=None,
-                 missed_update: str = "raise", gemm: str = "auto", amax_group=None):
-        check_approximate(approximate)
-        G.check_gemm(gemm)
-        check_recipe(recipe)
-        check_amax_group(amax_group, recipe)
-        super().__init__()
-        self.approximate = approximate
-        self.fuse_layernorm = True
-        self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
-        self.fc1 = Fp8Linear(hidden, ffn, bias, recipe, device, dtype, missed_update=missed_update, gemm=gemm,
-                             amax_group=amax_group)
-        self.fc2 = Fp8Linear(ffn, hidden, bias, recipe, device, dtype, missed_update=missed_update, gemm=gemm,
-                             amax_group=amax_group)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        # checked here, before the LayerNorm's parameters are copied: a refused load changes nothing
-        self.fc1._check_loaded_state(state_dict, prefix + "fc1.")
-        self.fc2._check_loaded_state(state_dict, prefix + "fc2.")
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fc1, fc2 = self.fc1, self.fc2
-        if fc1.recipe != fc2.recipe:
-            raise ValueError(f"Fp8MLP: fc1 and fc2 must share one recipe; got {fc1.recipe} and {fc2.recipe}")
-        if fc1._amax_group != fc2._amax_group:
-            raise ValueError(f"Fp8MLP: fc1 and fc2 must share one amax_group; got the groups named "
-                             f"{fc1._amax_group!r} and {fc2._amax_group!r}")
-        layer = type(self).__name__
-        w1, w2 = fc1.weight, fc2.weight  # (once: a parametrized weight is computed at every access)
-        _check_input(layer, x, fc1.in_features, w1)
-        _check_state_writable(layer, fc1, fc2)
-        if w2.dtype not in _FLOATS:
-            raise TypeError(f"{layer}: fc2.weight must be float32, float16 or bfloat16; got {w2.dtype}")
-        norm = self.norm
-        fused = (self.fuse_layernorm and type(norm) is nn.LayerNorm and norm.normalized_shape == (fc1.in_features,)
-                 and fc1.in_features <= _FUSED_LN_MAX)
-        h = x if fused else norm(x)
-        training = torch.is_grad_enabled() and (h.requires_grad or any(
-            p.requires_grad for p in (w1, fc1.bias, w2, fc2.bias, *norm.parameters()) if p is not None))
-        if not torch.compiler.is_compiling():
-            fc1._watch.see(fc1, w1)
-            fc2._watch.see(fc2, w2)
-        cfg = fc1._kernel_cfg() + fc2._kernel_cfg()[-1:]
-        gemms = (fc1._gemm_backend(h), fc2._gemm_backend(h))
-        return F8.mlp(h, w1, fc1.bias, w2, fc2.bias, fc1._state(), fc2._state(), cfg,
-                      self.approximate, training, (fc1._wcache, fc2._wcache), norm if fused else None, gemms,
-                      fc1._amax_group)

@@ -46,7 +46,7 @@ from torch import nn
 from .. import ops
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
-from .custom_ops import check_group
+from .amax_ops import check_group
 from .modules import GRAD, Fp8Linear
 
 __all__ = ["update_model_scales", "fp8_modules", "PendingScaleUpdate"]

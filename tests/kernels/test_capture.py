@@ -117,12 +117,12 @@ def unloaded(monkeypatch):
     anywhere (the launch caches, the custom ops' checked signatures, the C++ ops' cache), before and
     after the test."""
     from fusedfp8 import csrc
-    from fusedfp8.pytorch import custom_ops as C
+    from fusedfp8.pytorch import op_plans
 
     def forget():
         for fn in PLAN_FNS:
             fn.cache_clear()
-        C._checked.clear()
+        op_plans._checked.clear()
         lib, _ = csrc.library("torch")
         if lib is not None:
             lib.clear_cache()

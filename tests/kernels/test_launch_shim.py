@@ -613,10 +613,11 @@ def ffi_on_cuda(monkeypatch, xla_lib):
 
 
 def test_jax_impls():
+    from fusedfp8.jax import cuda_backend
     from fusedfp8.jax import primitives as JP
 
     assert JP.IMPLS == ("auto", "jnp", "ffi", "callback")
-    backend, why = JP.launch_path()
+    backend, why = cuda_backend.launch_path()
     assert backend in ("ffi", "callback") and why
 
 
@@ -710,28 +711,30 @@ TORCH_OPS = ("quantize", "quantize_t", "gelu_quantize", "gelu_quantize_t", "dgel
 @pytest.fixture
 def cpp_ops(torch_lib):
     """The C++ kernels registered for the ops (and, afterwards, the registration as it was)."""
-    from fusedfp8.pytorch import custom_ops as fops
+    from fusedfp8.pytorch import cpp_path, custom_ops
 
-    was = fops._cpp
-    fops.use_cpp(True)
-    yield fops
+    was = cpp_path._cpp
+    cpp_path.use_cpp(True)
+    yield custom_ops
     if was is None:
-        fops.use_cpp(False)
-        fops._cpp_state.clear()  # undecided again: a CUDA call would load it
+        cpp_path.use_cpp(False)
+        cpp_path._cpp_state.clear()  # undecided again: a CUDA call would load it
 
 
 def test_torch_cpp_kernels_are_registered_for_the_cuda_keys(cpp_ops):
     import torch
 
+    from fusedfp8.pytorch import cpp_path
+
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     for name in TORCH_OPS:
         assert has(f"fusedfp8::{name}", "CUDA") and has(f"fusedfp8::{name}", "AutogradCUDA"), name
         assert not has(f"fusedfp8::{name}", "CPU")  # CPU tensors keep the Python implementation
-    assert cpp_ops.launch_path()[0] == "C++"
-    cpp_ops.use_cpp(False)
+    assert cpp_path.launch_path()[0] == "C++"
+    cpp_path.use_cpp(False)
     assert not any(has(f"fusedfp8::{n}", "CUDA") or has(f"fusedfp8::{n}", "AutogradCUDA") for n in TORCH_OPS)
-    assert cpp_ops.launch_path() == ("Python", "switched off with use_cpp(False)")
-    cpp_ops.use_cpp(True)
+    assert cpp_path.launch_path() == ("Python", "switched off with use_cpp(False)")
+    cpp_path.use_cpp(True)
     assert all(has(f"fusedfp8::{n}", "CUDA") for n in TORCH_OPS)
 
 
@@ -813,14 +816,16 @@ def test_a_gradients_dbias_takes_the_identitys_own_kernel(first):
 def test_torch_direct_call_refuses_cpu_tensors(cpp_ops):
     import torch
 
+    from fusedfp8.pytorch import cpp_path
+
     x = torch.ones(4, 4)
     st = [torch.zeros(2, 1), torch.ones(1), torch.ones(1), torch.zeros(1, dtype=torch.int32)]
     with pytest.raises(RuntimeError, match="the C\\+\\+ ops run CUDA tensors"):
-        cpp_ops._cpp.call(0, x, *st, 0, "e4m3", 1.0, True)
+        cpp_path._cpp.call(0, x, *st, 0, "e4m3", 1.0, True)
     with pytest.raises(TypeError, match="quantize takes 9 or 10 arguments; got 2"):
-        cpp_ops._cpp.call(0, x, x)
+        cpp_path._cpp.call(0, x, x)
     with pytest.raises(TypeError, match="amax_history must be a tensor; got int"):
-        cpp_ops._cpp.call(0, x, 1, *st[1:], 0, "e4m3", 1.0, True)
+        cpp_path._cpp.call(0, x, 1, *st[1:], 0, "e4m3", 1.0, True)
 
 
 def test_info_reports_the_launch_paths(capsys):
@@ -881,15 +886,17 @@ def test_torch_cpp_ops_match_the_python_path(cpp_ops, name, dtype, shape, first,
     the same outputs and the same state, byte for byte."""
     import torch
 
+    from fusedfp8.pytorch import cpp_path
+
     x = _torch_x(shape, dtype, 1, unaligned)
     b = _torch_x(shape, dtype, 2, unaligned)
     op = getattr(torch.ops.fusedfp8, name)
     for approximate, dbias in ([("tanh", True), ("none", False)] if name.startswith("dgelu") else
                                [("none", True)] if name.startswith("gelu") else [("tanh", True)]):
         states = [_torch_state(first) for _ in range(3)]
-        cpp_ops.use_cpp(False)
+        cpp_path.use_cpp(False)
         want = op(*_torch_args(name, x, b, states[0], approximate, dbias))
-        cpp_ops.use_cpp(True)
+        cpp_path.use_cpp(True)
         got = op.default(*_torch_args(name, x, b, states[1], approximate, dbias))
         direct = cpp_ops.call(getattr(cpp_ops, name), *_torch_args(name, x, b, states[2], approximate, dbias))
         torch.cuda.synchronize()
@@ -973,12 +980,14 @@ def test_fp8_linear_backward_runs_on_the_autograd_threads(cpp_ops):
 def test_torch_cpp_dequantize_matches_the_python_path(cpp_ops, dtype, fmt):
     import torch
 
+    from fusedfp8.pytorch import cpp_path
+
     dt = getattr(torch, dtype)
     q = (torch.randn(303, 300) * 8).to(getattr(torch, "float8_e4m3fn" if fmt == "e4m3" else "float8_e5m2")).cuda()
     si = torch.tensor([0.37], device="cuda")
-    cpp_ops.use_cpp(False)
+    cpp_path.use_cpp(False)
     want = torch.ops.fusedfp8.dequantize(q, si, dt)
-    cpp_ops.use_cpp(True)
+    cpp_path.use_cpp(True)
     _same_all([torch.ops.fusedfp8.dequantize(q, si, dt)], [want])
     _same_all([cpp_ops.call(cpp_ops.dequantize, q, si, dt)], [want])
     _same_all([cpp_ops.call(cpp_ops.dequantize, q[1:].reshape(-1)[:1000], si, dt)],
@@ -989,6 +998,8 @@ def test_torch_cpp_dequantize_matches_the_python_path(cpp_ops, dtype, fmt):
 def test_torch_cpp_ops_raise_the_checks_errors(cpp_ops):
     import torch
 
+    from fusedfp8.pytorch import cpp_path
+
     x = torch.ones(8, 16, device="cuda", dtype=torch.bfloat16)
     st = _torch_state(True)
     with pytest.raises(ValueError, match="must hold exactly one element"):
@@ -997,16 +1008,18 @@ def test_torch_cpp_ops_raise_the_checks_errors(cpp_ops):
         torch.ops.fusedfp8.quantize(x, *st, 0, "e3m4", 1.0, True)
     with pytest.raises(ValueError, match="contiguous"):
         cpp_ops.call(cpp_ops.quantize, x.t(), *st, 0, "e4m3", 1.0, True)
-    cache = cpp_ops._cpp.cache_size()
+    cache = cpp_path._cpp.cache_size()
     cpp_ops.call(cpp_ops.quantize, x, *st, 0, "e4m3", 1.0, True)
     cpp_ops.call(cpp_ops.quantize, x, *st, 0, "e4m3", 1.0, True)
-    assert cpp_ops._cpp.cache_size() <= cache + 1  # one new signature, checked once
+    assert cpp_path._cpp.cache_size() <= cache + 1  # one new signature, checked once
 
 
 @pytest.mark.gpu
 def test_torch_cpp_ops_compiled_and_cuda_graphed(cpp_ops):
     """torch.compile(fullgraph) and a CUDA graph of the ops give the eager Python path's bytes."""
     import torch
+
+    from fusedfp8.pytorch import cpp_path
 
     def step(x, dy, h, s, si, u):
         q, q_t, si1 = torch.ops.fusedfp8.gelu_quantize_t(x, h, s, si, u, 0, "e4m3", 1.0, True, "tanh")
@@ -1016,9 +1029,9 @@ def test_torch_cpp_ops_compiled_and_cuda_graphed(cpp_ops):
     x = _torch_x((256, 192), "bfloat16", 3, False)
     dy = _torch_x((256, 192), "bfloat16", 4, False)
     states = [_torch_state(True) for _ in range(3)]
-    cpp_ops.use_cpp(False)
+    cpp_path.use_cpp(False)
     want = step(x, dy, *states[0])
-    cpp_ops.use_cpp(True)
+    cpp_path.use_cpp(True)
     compiled = torch.compile(step, fullgraph=True)
     _same_all(compiled(x, dy, *states[1]), want)
     _same_all(states[1], states[0])
@@ -1125,25 +1138,25 @@ def test_the_shim_is_on_by_default_and_no_shim_refuses_it(monkeypatch):
     """The frameworks take the shim by default; FUSEDFP8_NO_SHIM refuses it (and the frameworks
     then say so)."""
     from fusedfp8 import csrc
-    from fusedfp8.jax import primitives as JP
+    from fusedfp8.jax import cuda_backend
 
     monkeypatch.delenv("FUSEDFP8_NO_SHIM", raising=False)
     assert csrc.default_on() == (True, "")
     monkeypatch.setenv("FUSEDFP8_NO_SHIM", "1")
     on, why = csrc.default_on()
     assert (on, why) == (False, "FUSEDFP8_NO_SHIM is set")
-    assert JP.launch_path() == ("callback", why)
+    assert cuda_backend.launch_path() == ("callback", why)
     assert cpp_launch_path_without_loading() == ("Python", why)
 
 
 def cpp_launch_path_without_loading():
-    import fusedfp8.pytorch.custom_ops as fops
+    import fusedfp8.pytorch.cpp_path as cpp_path
 
-    saved, fops._cpp_state[:] = list(fops._cpp_state), []
+    saved, cpp_path._cpp_state[:] = list(cpp_path._cpp_state), []
     try:
-        return fops.launch_path() if fops._cpp is None else ("Python", fops._shim.default_on()[1])
+        return cpp_path.launch_path() if cpp_path._cpp is None else ("Python", cpp_path._shim.default_on()[1])
     finally:
-        fops._cpp_state[:] = saved
+        cpp_path._cpp_state[:] = saved
 
 
 @pytest.mark.gpu
@@ -1152,10 +1165,11 @@ def test_jax_auto_lowers_to_the_ffi_handler_on_the_gpu(monkeypatch):
     import jax
     import jax.numpy as jnp
 
+    from fusedfp8.jax import cuda_backend
     from fusedfp8.jax import primitives as JP
 
     monkeypatch.setenv("FUSEDFP8_SHIM", "1")
-    assert JP.launch_path()[0] == "ffi", JP.launch_path()
+    assert cuda_backend.launch_path()[0] == "ffi", cuda_backend.launch_path()
     recipe, x, dy, state = _jax_case((64, 128), jnp.bfloat16, True)
     text = jax.jit(lambda x, s: JP.quantize(x, s, 0, recipe, transpose=True)).lower(x, state()).as_text()
     assert "fusedfp8_launch" in text

@@ -1,5 +1,5 @@
 """The LayerNorm + FP8 twins (fusedfp8/numerics/layernorm.py, the NumPy reference of
-cuda_src/layernorm_quantize.cu, and its jax.numpy twin in fusedfp8/numerics/jnp.py).
+cuda_src/layernorm_quantize.cu, and its jax.numpy twin in fusedfp8/numerics/jnp_layernorm.py).
 
 The reference gets its own oracles: float64 LayerNorm (and torch's) within float32 accuracy, and
 a lane-by-lane emulation of the kernel's reduction (the xor-butterflies it runs, not the halving
@@ -14,6 +14,7 @@ import torch
 
 from fusedfp8.formats import get_format
 from fusedfp8.numerics import jnp as jn
+from fusedfp8.numerics import jnp_layernorm as jln
 from fusedfp8.numerics import layernorm as ln
 from fusedfp8.numerics import reference as ref
 
@@ -225,7 +226,7 @@ def test_sqrt_rn_is_ieee(rng):
     edge = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, 2e-45, 1.1754942e-38, 1.1754944e-38, 3.4028235e38, 1,
                      2, 4, 0.25, -1, 1e-5, 1e-5 + 1e-12], f32)
     v = np.concatenate([v, sq, np.nextafter(sq, f32(np.inf)), np.nextafter(sq, f32(0)), edge])
-    got = np.asarray(jax.jit(jn.sqrt_rn)(v))
+    got = np.asarray(jax.jit(jln.sqrt_rn)(v))
     with np.errstate(invalid="ignore"):
         want = np.sqrt(v)
     nan = np.isnan(want)
@@ -259,14 +260,14 @@ def test_jnp_layernorm_matches_reference(case, rng):
         x[4, 0] = 0.0
     x = x.reshape(shape)
     w, b = params(rng, shape[-1], DTYPES[pdtype]) if pdtype else (None, None)
-    fn = jax.jit(lambda x, w, b: jn.layernorm_quantize(x, w, b, eps, f32(8.0), "e4m3", transpose=True))
+    fn = jax.jit(lambda x, w, b: jln.layernorm_quantize(x, w, b, eps, f32(8.0), "e4m3", transpose=True))
     q, q_t, amax, mean, rstd = (np.asarray(a) for a in fn(x, w, b))
     want, wmean, wrstd = ln.layernorm_quantize(x, w, b, eps, f32(8.0), "e4m3", transpose=True)
     assert q.tobytes() == want.data.view(np.uint8).tobytes()
     assert q_t.tobytes() == want.data_t.view(np.uint8).tobytes()
     assert u32(amax).tobytes() == u32(want.amax).tobytes()
     assert u32(mean).tobytes() == u32(wmean).tobytes() and u32(rstd).tobytes() == u32(wrstd).tobytes()
-    y, _, _ = jax.jit(lambda x, w, b: jn.layernorm_f32(x, w, b, eps))(x, w, b)
+    y, _, _ = jax.jit(lambda x, w, b: jln.layernorm_f32(x, w, b, eps))(x, w, b)
     wy, _, _ = ln.layernorm_f32(x, w, b, eps)
     y, wy = np.asarray(y), np.asarray(wy)
     same = (u32(y) == u32(wy)) | (np.isnan(y) & np.isnan(wy))
@@ -284,9 +285,9 @@ def test_jnp_first_step_scale_matches_reference(fmt, rng):
     s_ref = ref.current_scale(ref.amax(y), fmt, 1.0, f32(1.0))
 
     def step(x):
-        y, _, _ = jn.layernorm_f32(x, w, b, 1e-5)
+        y, _, _ = jln.layernorm_f32(x, w, b, 1e-5)
         s = jn.current_scale(jn.amax(y), f, 1.0, jax.numpy.float32(1.0))
-        q, _, a, _, _ = jn.layernorm_quantize(x, w, b, 1e-5, s, fmt)
+        q, _, a, _, _ = jln.layernorm_quantize(x, w, b, 1e-5, s, fmt)
         return q, a, s
 
     q, a, s = (np.asarray(v) for v in jax.jit(step)(x))

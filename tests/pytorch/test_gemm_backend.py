@@ -182,7 +182,7 @@ def test_cublaslt_call_layouts_on_meta(bias, out):
     s = torch.empty(1, device="meta")
     b = None if bias is None else torch.empty(48, dtype=bias, device="meta")
     with Ops() as ops:
-        y = A8._cublaslt_mm(a, w.t(), s, s, b, out, True)
+        y = G._cublaslt_mm(a, w.t(), s, s, b, out, True)
     assert y.shape == (17, 48) and y.dtype == out and y.device.type == "meta"
     fused = bias == out == torch.bfloat16
     assert [n for n, count in ops.seen if n == "fp8_gemm_lt"] == ["fp8_gemm_lt"]
@@ -191,7 +191,7 @@ def test_cublaslt_call_layouts_on_meta(bias, out):
     else:
         assert "add_" in [n for n, _ in ops.seen], ops.seen  # the float32 route
     with pytest.raises(RuntimeError, match="must be contiguous"):
-        A8._cublaslt_mm(a, torch.empty(64, 48, dtype=torch.float8_e4m3fn, device="meta"), s, s, b, out, True)
+        G._cublaslt_mm(a, torch.empty(64, 48, dtype=torch.float8_e4m3fn, device="meta"), s, s, b, out, True)
 
 
 class _ByHand:

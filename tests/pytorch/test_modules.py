@@ -449,6 +449,7 @@ def test_the_layers_hand_their_autograd_functions_tensors_and_one_frozen_config(
     import dataclasses
 
     from fusedfp8.pytorch import autograd as A8
+    from fusedfp8.pytorch.ste import QuantizeConfig
 
     seen = {}
     for fn in (A8._LinearFn, A8._MLPFn):
@@ -467,7 +468,7 @@ def test_the_layers_hand_their_autograd_functions_tensors_and_one_frozen_config(
     assert all(t is None or isinstance(t, torch.Tensor) for t in tensors) and cache is None
     assert cfg == A8.MLPConfig(0, 0, "e4m3", "e5m2", mf, True, True, "tanh", True, 1, 1e-5,
                                ("scaled_mm", "scaled_mm"), None)
-    for c in (cfg, A8.QuantizeConfig(1, "e5m2", 1.0, False)):
+    for c in (cfg, QuantizeConfig(1, "e5m2", 1.0, False)):
         assert hash(c) == hash(dataclasses.replace(c)) and c == dataclasses.replace(c)
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(c, dataclasses.fields(c)[0].name, 7)

@@ -374,7 +374,7 @@ def test_the_calibration_table_names_no_machine_path(script, tmp_path, monkeypat
 
     argv = [*SMOKE, "--out", str(tmp_path / "out" / "table.json")]
     monkeypatch.setattr(sys, "argv", [str(REPO / "scripts" / "calibrate_policy.py"), *argv])
-    monkeypatch.setattr(fp8.custom_ops, "launch_path",
+    monkeypatch.setattr(fp8.cpp_path, "launch_path",
                         lambda: ("C++", f"built at install time: {tmp_path}/build/_ff8_torch.so"))
     assert script.main(argv) == 0
     path = tmp_path / "out" / "table.json"

@@ -122,7 +122,7 @@ def test_amax_group_of_the_wrong_type_or_uninitialized_is_refused(bad):
 
 
 def test_amax_op_is_the_amax_the_quantization_stages():
-    from fusedfp8.pytorch import custom_ops as fops
+    from fusedfp8.pytorch import amax_ops
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 24, generator=g, dtype=torch.bfloat16) * 3
@@ -131,14 +131,14 @@ def test_amax_op_is_the_amax_the_quantization_stages():
     from fusedfp8 import ops
     want = [ops.quantize(x, 1.0).amax, ops.gelu_quantize(z, 1.0, approximate="none").amax,
             ops.dgelu_quantize(x, z, 1.0).amax, ops.layernorm_quantize(x, w, b, 1e-5, 1.0).quantized.amax]
-    got = [fops.amax(x, None, "identity", "tanh"), fops.amax(z, None, "gelu", "none"), fops.amax(x, z, "dgelu", "tanh"),
-           fops.layernorm_amax(x, w, b, 1e-5)]
+    got = [amax_ops.amax(x, None, "identity", "tanh"), amax_ops.amax(z, None, "gelu", "none"),
+           amax_ops.amax(x, z, "dgelu", "tanh"), amax_ops.layernorm_amax(x, w, b, 1e-5)]
     for a, e in zip(got, want):
         assert a.shape == (2,) and a[1] == 0 and a[0] == e[0] and a[0] > 0
     with pytest.raises(ValueError, match="b is the dgelu's second input"):
-        fops.amax(x, None, "dgelu", "tanh")
+        amax_ops.amax(x, None, "dgelu", "tanh")
     with pytest.raises(TypeError, match="x must be float32"):
-        fops.amax(x.int(), None, "identity", "tanh")
+        amax_ops.amax(x.int(), None, "identity", "tanh")
 
 
 def test_ranks_took_little_time(res):
@@ -159,14 +159,14 @@ AMAX_CASES = [(shape, dtype, op) for shape in [(0, 32), (1, 1), (7, 33), (256, 1
 @pytest.mark.parametrize("shape,dtype,op", AMAX_CASES)
 def test_amax_kernel_equals_the_reference_and_the_quantize_kernel(shape, dtype, op):
     from fusedfp8 import ops
-    from fusedfp8.pytorch import custom_ops as fops
+    from fusedfp8.pytorch import amax_ops
 
     g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
     x = torch.randn(shape, generator=g).to(dtype) * 5
     z = torch.randn(shape, generator=g).to(dtype)
     b = z if op == "dgelu" else None
-    got = fops.amax(x.cuda(), None if b is None else b.cuda(), op, "tanh").cpu()
-    cpu = fops.amax(x, b, op, "tanh")  # the reference
+    got = amax_ops.amax(x.cuda(), None if b is None else b.cuda(), op, "tanh").cpu()
+    cpu = amax_ops.amax(x, b, op, "tanh")  # the reference
     fn = {"identity": lambda t: ops.quantize(t, 1.0), "gelu": lambda t: ops.gelu_quantize(t, 1.0),
           "dgelu": lambda t: ops.dgelu_quantize(t, z.cuda(), 1.0)}[op]
     staged = fn(x.cuda()).amax.cpu()  # what the quantize kernel stages
@@ -175,19 +175,19 @@ def test_amax_kernel_equals_the_reference_and_the_quantize_kernel(shape, dtype, 
     off = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:].view(shape)  # not 16-byte aligned
     off.copy_(x.cuda())
     if op != "dgelu":
-        assert fops.amax(off, None, op, "tanh").cpu().view(torch.int32).tolist() == cpu.view(torch.int32).tolist()
+        assert amax_ops.amax(off, None, op, "tanh").cpu().view(torch.int32).tolist() == cpu.view(torch.int32).tolist()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(0, 64), (3, 40), (300, 1024)])
 def test_layernorm_amax_kernel_equals_the_reference(shape):
-    from fusedfp8.pytorch import custom_ops as fops
+    from fusedfp8.pytorch import amax_ops
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(shape, generator=g).to(torch.bfloat16) * 3 + 1
     w, b = torch.randn(shape[1], generator=g), torch.randn(shape[1], generator=g)
-    got = fops.layernorm_amax(x.cuda(), w.cuda(), b.cuda(), 1e-5).cpu()
-    want = fops.layernorm_amax(x, w, b, 1e-5)
+    got = amax_ops.layernorm_amax(x.cuda(), w.cuda(), b.cuda(), 1e-5).cpu()
+    want = amax_ops.layernorm_amax(x, w, b, 1e-5)
     assert got.view(torch.int32).tolist() == want.view(torch.int32).tolist(), (got, want)
 
 

@@ -152,9 +152,9 @@ def train(out_path: str) -> None:
     log.setLevel(logging.DEBUG)
     log.addHandler(Written(logging.DEBUG))
 
-    from fusedfp8.jax import primitives as JP
+    from fusedfp8.jax import cuda_backend
 
-    assert JP.launch_path()[0] == "ffi", JP.launch_path()
+    assert cuda_backend.launch_path()[0] == "ffi", cuda_backend.launch_path()
     make_state, train_step = model_and_step()
     gpu = jax.devices("gpu")[0]
     x, y = (jax.device_put(a, gpu) for a in batch(0))

@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 import fusedfp8  # noqa: E402
 import fusedfp8.pytorch as fp8  # noqa: E402
+from fusedfp8.pytorch import cpp_path  # noqa: E402
 from fusedfp8.demo.task import Task  # noqa: E402
 
 VARIANTS = ("current_group", "current_self", "current_local", "delayed")
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
               "backend": dist.get_backend(group), "torch": torch.__version__,
               "hidden": args.hidden, "ffn": args.ffn, "tokens_per_rank": args.tokens, "steps": args.steps,
               "warmup": args.warmup, "collectives_per_step": COLLECTIVES_PER_STEP,
-              "launch_path": fp8.custom_ops.launch_path()[0]}
+              "launch_path": cpp_path.launch_path()[0]}
     for v in VARIANTS:
         report[v] = run_variant(v, args, device, group, own, batches, td)
         if rank == 0:

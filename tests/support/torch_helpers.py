@@ -78,16 +78,16 @@ def one_torch_thread():
 def launch_path(cpp: bool):
     """The custom ops' CUDA launch path for the block: the compiled shim's C++ kernels (``cpp``; a
     skip without a C++ compiler) or the Python executor; as it was after."""
-    from fusedfp8.pytorch import custom_ops as C
+    from fusedfp8.pytorch import cpp_path
 
     from .shim import built
 
-    was, decided = C._cpp, list(C._cpp_state)
+    was, decided = cpp_path._cpp, list(cpp_path._cpp_state)
     if cpp:
         built("torch")
-    C.use_cpp(cpp)
+    cpp_path.use_cpp(cpp)
     try:
         yield
     finally:
-        C.use_cpp(was is not None)
-        C._cpp_state[:] = decided
+        cpp_path.use_cpp(was is not None)
+        cpp_path._cpp_state[:] = decided
