@@ -122,13 +122,13 @@ def test_a_shared_module_advances_once_per_step_and_max_accumulates(state_cls, u
     assert s["updates"].tolist() == [steps - 1] * 3  # once per step, not uses times
     assert s["writes"].tolist() == [1, 1, 1]
     np.testing.assert_allclose(s["scale"] * s["scale_inv"], 1.0, rtol=2e-7)  # never doubled
-    # the staged input amax of the first step: the max over every use's input, exactly
 
     @jax.jit  # one program (eagerly each op of the emulated numerics was a compile of its own)
     def sown_and_grad(p):
         sown = model.apply(p, X, mutable=["intermediates"])[1]["intermediates"]["inputs"]
         return sown, jax.grad(lambda q: jnp.mean((model.apply(q, X) - Y) ** 2))(p)
 
+    # the staged input amax of the first step: the max over every use's input, exactly
     inputs, g = sown_and_grad(v)
     assert len(inputs) == uses
     staged = np.asarray(g[FP8]["Dense_0"]["Fp8DotGeneral_0"]["amax_history"])[0]
