@@ -1,7 +1,8 @@
-"""CurrentScaling across ranks in torch (``amax_group``), gloo on the CPU, 2 processes spawned once
-for the module (tests/support/torch_current_distributed.py): every amax MAX-reduced before its
-cast, one all_reduce per tensor group, every rank bitwise the same scales and the FP8 bytes of a
-single process quantizing the concatenated batch; NaN on one rank is an overflow on both.
+"""CurrentScaling across ranks in torch (``amax_group``), gloo on the CPU, 2 processes forked once
+by the 'torch_distributed' background job (tests/run/torch_distributed.py, the ranks'
+code in tests/support/torch_current_distributed.py): every amax MAX-reduced before its cast, one
+all_reduce per tensor group, every rank bitwise the same scales and the FP8 bytes of a single
+process quantizing the concatenated batch; NaN on one rank is an overflow on both.
 """
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ from support import torch_current_distributed as D
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
+ON_JOB = pytest.mark.background("torch_distributed")  # the tests that read the ranks' records
+
+
 @pytest.fixture(scope="module")
-def res(tmp_path_factory):
-    return D.spawn(tmp_path_factory.mktemp("current_dist"))
+def res(background):
+    return D.results(background.result("torch_distributed").check().out / "current")
 
 
 def _equal(a, b) -> bool:
@@ -32,6 +36,7 @@ def _group(r: dict, prefix: str) -> dict:
     return {k[len(prefix):]: v for k, v in r.items() if k.startswith(prefix)}
 
 
+@ON_JOB
 def test_quantized_bytes_and_scales_equal_the_single_process_cast_of_the_concatenated_tensor(res):
     for name in ("x", "gelu", "dgelu"):
         rows = [res[r][f"q/{name}"] for r in range(D.WORLD)]
@@ -44,6 +49,7 @@ def test_quantized_bytes_and_scales_equal_the_single_process_cast_of_the_concate
     assert res[0]["q/x"].tobytes() != res[1]["q/x"].tobytes()
 
 
+@ON_JOB
 def test_training_step_equals_the_single_process_step_on_the_concatenated_batch(res):
     want = _group(res[0], "oracle/staged/")
     for r in range(D.WORLD):
@@ -56,6 +62,7 @@ def test_training_step_equals_the_single_process_step_on_the_concatenated_batch(
         assert _equal(got, res[0][f"oracle/{name}"]), name
 
 
+@ON_JOB
 def test_every_rank_holds_the_same_scales_and_weights_every_step(res):
     for step in range(D.STEPS):
         a, b = _group(res[0], f"train/state/{step}/"), _group(res[1], f"train/state/{step}/")
@@ -68,6 +75,7 @@ def test_every_rank_holds_the_same_scales_and_weights_every_step(res):
     assert not np.array_equal(s[0], s[1])
 
 
+@ON_JOB
 def test_nan_on_one_rank_is_an_overflow_on_every_rank(res):
     before = D.NAN_STEP - 1
     for r in range(D.WORLD):
@@ -81,6 +89,7 @@ def test_nan_on_one_rank_is_an_overflow_on_every_rank(res):
                           res[r][f"train/state/{before}/{n}/scale"][:1]), (r, n)
 
 
+@ON_JOB
 def test_one_all_reduce_per_tensor_group(res):
     # Fp8MLP: (LayerNorm(x), w1), (gelu(z), w2), dy, dgelu; the head: (x, w), its output gradient
     want = ["(2, 2):ReduceOp.MAX"] * 2 + ["(2, 2):ReduceOp.MAX", "(1, 2):ReduceOp.MAX", "(1, 2):ReduceOp.MAX",
@@ -92,6 +101,7 @@ def test_one_all_reduce_per_tensor_group(res):
             assert len(calls) == 6
 
 
+@ON_JOB
 def test_a_group_of_one_rank_equals_no_group(res):
     # ragged (padded GEMMs), LayerNorm fused and not, 3-D bf16 input, e4m3 gradients, margin 2
     for r in range(D.WORLD):
@@ -99,6 +109,7 @@ def test_a_group_of_one_rank_equals_no_group(res):
         assert len(cases) == 3 and all(bool(v) for v in cases.values()), (r, cases)
 
 
+@ON_JOB
 def test_amax_group_with_delayed_scaling_is_refused(res):
     for name in ("linear", "mlp", "convert", "setter"):
         msg = str(res[0][f"bad/{name}"])
@@ -141,10 +152,12 @@ def test_amax_op_is_the_amax_the_quantization_stages():
         amax_ops.amax(x.int(), None, "identity", "tanh")
 
 
+@ON_JOB
 def test_ranks_took_little_time(res):
     assert float(res[0]["seconds"]) < 30
 
 
+@ON_JOB
 def test_train_ddp_script_with_current_scaling(res):
     # scripts/train_ddp.py --recipe current: DDP, amax_group=WORLD, identical FP8 states on both ranks
     assert [int(r["script_rc"]) for r in res] == [0] * D.WORLD

@@ -3,10 +3,13 @@ own (the 'torch_distributed' background job):
 
     python tests/run/torch_distributed.py OUT_DIR
 
-One spawn (``torch.multiprocessing``) per world size (2 and 4), each running every scenario of
-tests/support/torch_distributed.py in the same processes (importing torch dominates the cost);
+One start (``torch.multiprocessing``, forked) per world size (2 and 4), each running every scenario
+of tests/support/torch_distributed.py in the same processes (importing torch dominates the cost);
 the 2-rank processes also try FSDP2 and run scripts/train_ddp.py's main() with torchrun's
-environment. The ranks' .npz files go to OUT_DIR/world2 and OUT_DIR/world4.
+environment. Then the two CurrentScaling ranks of tests/pytorch/test_torch_current_distributed.py
+(tests/support/torch_current_distributed.py), forked too: spawned from the test process, each
+imported torch and fusedfp8 again. The ranks' .npz files go to OUT_DIR/world2, OUT_DIR/world4 and
+OUT_DIR/current.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: support
 
+from support import torch_current_distributed as C  # noqa: E402
 from support import torch_distributed as D  # noqa: E402
 
 
@@ -24,6 +28,9 @@ def main(out_dir: str) -> None:
         out = Path(out_dir) / f"world{world}"
         out.mkdir(parents=True, exist_ok=True)
         D.spawn_world(world, out)
+    current = Path(out_dir) / "current"
+    current.mkdir(parents=True, exist_ok=True)
+    C.spawn(current, start_method="fork")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The ranks of tests/pytorch/test_torch_current_distributed.py: CurrentScaling across ranks
-(``amax_group``) on gloo, CPU, 2 processes spawned once per test module. Each rank writes what it
+(``amax_group``) on gloo, CPU, 2 processes forked once by tests/run/torch_distributed.py (the
+'torch_distributed' background job). Each rank writes what it
 saw to an .npz file; the tests compare the ranks with each other and with the single-process
 oracle (rank 0, after the distributed part): the same model without a group, run on the
 concatenated batch, whose amaxes are the global ones.
@@ -224,9 +225,15 @@ def worker(rank, tmp, port):
     np.savez(os.path.join(tmp, f"rank{rank}.npz"), **out)
 
 
-def spawn(out: Path, timeout: float = 120) -> list[dict]:
-    """Run the WORLD ranks to the end; each rank's record (dict of numpy arrays)."""
-    spawn_ranks(worker, (str(out),), WORLD, timeout, f"the {WORLD} spawned ranks")
+def spawn(out: Path, timeout: float = 120, start_method: str = "spawn") -> list[dict]:
+    """Run the WORLD ranks to the end (``start_method`` as in support.torch_distributed.spawn_ranks:
+    tests/run/torch_distributed.py forks them); each rank's record (:func:`results`)."""
+    spawn_ranks(worker, (str(out),), WORLD, timeout, f"the {WORLD} {start_method}ed ranks", start_method)
+    return results(out)
+
+
+def results(out: Path) -> list[dict]:
+    """Each rank's record (dict of numpy arrays) that :func:`spawn` left in ``out``."""
     return [dict(np.load(out / f"rank{r}.npz")) for r in range(WORLD)]
 
 
