@@ -1,8 +1,9 @@
 """The argument contract of the framework-agnostic functions (:mod:`fusedfp8.ops`): a quantizing
 call checked whole (:class:`_Plan`: input dtype and contiguity, the scale or the state's slot on
 the input's device, the arrays written in place sharing no memory with what is read), the
-dequantize arguments, and the state arrays an update writes. Every check runs before anything is
-launched or written, so a rejected call changes no state.
+dequantize arguments, the state arrays an update writes, and layernorm_quantize's weight, bias and
+eps (:class:`_LayerNormPlan`). Every check runs before anything is launched or written, so a
+rejected call changes no state.
 """
 from __future__ import annotations
 
@@ -168,3 +169,52 @@ def _check_state_arrays(state: ScalingState) -> list[io.ArrayInfo]:
             raise ValueError(f"ScalingState.{f} is {i.why_not_writable}; the update writes the state in place")
     _refuse_overlaps({f"state.{f}": i for f, i in zip(STATE_FIELDS, infos)}, {})
     return infos
+
+
+# ---- layernorm_quantize's checks: weight, bias and eps over those of a quantization -------------
+def _check_eps(eps) -> float:
+    """``eps`` as the float32 the kernels add (returned as a Python float)."""
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.floating, np.integer)):
+        raise TypeError(f"eps must be a real number (a Python or NumPy float); got {type(eps).__module__}."
+                        f"{type(eps).__name__}")
+    with np.errstate(over="ignore"):
+        e32 = np.float32(eps)
+    if not (math.isfinite(float(eps)) and float(eps) >= 0 and np.isfinite(e32)):
+        raise ValueError(f"eps must be a finite number >= 0 (and finite as float32); got {eps!r}")
+    return float(e32)
+
+
+def _check_param(a, argname: str, x: io.ArrayInfo, cols: int) -> io.ArrayInfo | None:
+    """weight / bias of layernorm_quantize: None, or a (cols,) float array beside x."""
+    if a is None:
+        return None
+    info = io.describe(a, argname)
+    if info.dtype not in FLOAT_INPUTS:
+        raise TypeError(f"{argname} must be float32, float16 or bfloat16; got {info.dtype}")
+    _check_beside(info, argname, x)
+    if tuple(info.shape) != (cols,):
+        raise ValueError(f"{argname} must have shape ({cols},) (the last dimension of x); got {tuple(info.shape)}")
+    if not info.contiguous:
+        raise ValueError(f"{argname} must be contiguous; got a non-contiguous view of shape {tuple(info.shape)}")
+    return info
+
+
+class _LayerNormPlan(_Plan):
+    """A checked layernorm_quantize call: the checks of a quantization of x, then weight, bias and
+    eps, and no written array (amax, the state) sharing memory with weight or bias."""
+
+    def __init__(self, x, weight, bias, eps, scale, fmt, amax, transpose, pad_to=1):
+        super().__init__(x, None, scale, fmt, amax, "layernorm", transpose, False, pad_to=pad_to)
+        if not self.xi.shape:
+            raise ValueError("x: layernorm_quantize needs an input of at least 1 dimension; got a scalar")
+        if self.cols == 0:
+            raise ValueError(f"x: layernorm_quantize normalises over the last dimension, which must not be empty; "
+                             f"got shape {tuple(self.xi.shape)}")
+        self.eps = _check_eps(eps)
+        self.wi = _check_param(weight, "weight", self.xi, self.cols)
+        self.biasi = _check_param(bias, "bias", self.xi, self.cols)
+        if self.wi is not None and self.biasi is not None and self.wi.dtype != self.biasi.dtype:
+            raise TypeError(f"weight and bias must have the same dtype; got {self.wi.dtype} and {self.biasi.dtype}")
+        self.param_dtype = next((i.dtype for i in (self.wi, self.biasi) if i is not None), "float32")
+        params = {name: i for name, i in (("weight", self.wi), ("bias", self.biasi)) if i is not None}
+        _refuse_overlaps(self.written(), params)

@@ -24,70 +24,19 @@ copied (call ``.contiguous()`` / ``np.ascontiguousarray`` first).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import _interop as io
 from . import launch
-from .checks import _check_beside, _check_state_arrays, _Plan, _refuse_overlaps, check_dequantize
+from .checks import _check_state_arrays, _LayerNormPlan, _Plan, check_dequantize
 from .formats import Format
 from .numerics import reference as ref
 from .recipe import CurrentScaling, DelayedScaling
 from .runs import _device_layernorm, _host_layernorm, _run
 from .state import STATE_FIELDS, ScalingState, apply_update
-from .types import FLOAT_INPUTS, LayerNormQuantized, Quantized, check_approximate, check_recipe
+from .types import LayerNormQuantized, Quantized, check_approximate, check_recipe
 
 __all__ = ["quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"]
-
-
-# ---- layernorm_quantize's checks: weight, bias and eps over those of a quantization -------------
-def _check_eps(eps) -> float:
-    """``eps`` as the float32 the kernels add (returned as a Python float)."""
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.floating, np.integer)):
-        raise TypeError(f"eps must be a real number (a Python or NumPy float); got {type(eps).__module__}."
-                        f"{type(eps).__name__}")
-    with np.errstate(over="ignore"):
-        e32 = np.float32(eps)
-    if not (math.isfinite(float(eps)) and float(eps) >= 0 and np.isfinite(e32)):
-        raise ValueError(f"eps must be a finite number >= 0 (and finite as float32); got {eps!r}")
-    return float(e32)
-
-
-def _check_param(a, argname: str, x: io.ArrayInfo, cols: int) -> io.ArrayInfo | None:
-    """weight / bias of layernorm_quantize: None, or a (cols,) float array beside x."""
-    if a is None:
-        return None
-    info = io.describe(a, argname)
-    if info.dtype not in FLOAT_INPUTS:
-        raise TypeError(f"{argname} must be float32, float16 or bfloat16; got {info.dtype}")
-    _check_beside(info, argname, x)
-    if tuple(info.shape) != (cols,):
-        raise ValueError(f"{argname} must have shape ({cols},) (the last dimension of x); got {tuple(info.shape)}")
-    if not info.contiguous:
-        raise ValueError(f"{argname} must be contiguous; got a non-contiguous view of shape {tuple(info.shape)}")
-    return info
-
-
-class _LayerNormPlan(_Plan):
-    """A checked layernorm_quantize call: the checks of a quantization of x, then weight, bias and
-    eps, and no written array (amax, the state) sharing memory with weight or bias."""
-
-    def __init__(self, x, weight, bias, eps, scale, fmt, amax, transpose, pad_to=1):
-        super().__init__(x, None, scale, fmt, amax, "layernorm", transpose, False, pad_to=pad_to)
-        if not self.xi.shape:
-            raise ValueError("x: layernorm_quantize needs an input of at least 1 dimension; got a scalar")
-        if self.cols == 0:
-            raise ValueError(f"x: layernorm_quantize normalises over the last dimension, which must not be empty; "
-                             f"got shape {tuple(self.xi.shape)}")
-        self.eps = _check_eps(eps)
-        self.wi = _check_param(weight, "weight", self.xi, self.cols)
-        self.biasi = _check_param(bias, "bias", self.xi, self.cols)
-        if self.wi is not None and self.biasi is not None and self.wi.dtype != self.biasi.dtype:
-            raise TypeError(f"weight and bias must have the same dtype; got {self.wi.dtype} and {self.biasi.dtype}")
-        self.param_dtype = next((i.dtype for i in (self.wi, self.biasi) if i is not None), "float32")
-        params = {name: i for name, i in (("weight", self.wi), ("bias", self.biasi)) if i is not None}
-        _refuse_overlaps(self.written(), params)
 
 
 # ---- public API ------------------------------------------------------------------------------

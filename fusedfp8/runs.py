@@ -2,7 +2,7 @@
 (:mod:`fusedfp8.numerics.reference`, bit-identical to the kernels), device arrays through the
 launch interface (:mod:`fusedfp8.launch`) on the caller's current stream, results handed back in
 the caller's framework. The calls come checked (:class:`fusedfp8.checks._Plan`, or
-:class:`fusedfp8.ops._LayerNormPlan` for the LayerNorm runs).
+:class:`fusedfp8.checks._LayerNormPlan` for the LayerNorm runs).
 """
 from __future__ import annotations
 

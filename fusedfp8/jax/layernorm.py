@@ -16,7 +16,7 @@ from .. import launch
 from ..formats import Format
 from ..numerics import jnp as jn
 from ..numerics.jnp_layernorm import layernorm_f32
-from ..ops import _check_eps
+from ..checks import _check_eps
 from ..recipe import DelayedScaling
 from ..state import ScalingState
 from ..types import FLOAT_INPUTS, LayerNormQuantized, Quantized, check_pad_to
@@ -35,7 +35,7 @@ class _LnCfg(NamedTuple):
     transpose: bool
     margin_factor: float
     current_first: bool
-    eps: float  # as float32 (ops._check_eps)
+    eps: float  # as float32 (checks._check_eps)
     pad_to: int
     has_weight: bool
     has_bias: bool

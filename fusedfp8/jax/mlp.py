@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..ops import _check_eps
+from ..checks import _check_eps
 from ..recipe import DelayedScaling
 from ..types import check_approximate, check_recipe, gemm_pad_to
 from . import layernorm as LN

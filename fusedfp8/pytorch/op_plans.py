@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import launch
-from .. import ops as _ops
-from ..checks import _Plan, check_dequantize
+from ..checks import _LayerNormPlan, _Plan, check_dequantize
 from ..formats import get_format
 from ..state import Slot
 from ..types import kernel_op
@@ -113,7 +112,7 @@ def _layernorm_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
     rows, cols = _rows(x), int(x.shape[-1])
     if plan is None:
         slot = _slot(amax_history, scale, scale_inv, updates, index, fmt, margin_factor, current_first)
-        p = _ops._LayerNormPlan(x, weight, bias, eps, slot, None, None, transpose, pad_to=pad_to)
+        p = _LayerNormPlan(x, weight, bias, eps, slot, None, None, transpose, pad_to=pad_to)
         if not (x.is_contiguous() and all(t.is_contiguous() and t.device == x.device for t in state)):
             raise ValueError("fusedfp8 custom ops need contiguous inputs and state tensors on the input's device")
         plan = _checked[key] = launch.plan_on(_stream(x), launch.layernorm_plan, x.get_device(), str(x.dtype)[6:],
