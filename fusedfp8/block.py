@@ -25,7 +25,7 @@ from .numerics import block as _block
 from .recipe import BlockScaling
 from .types import FLOAT_INPUTS, BlockQuantized, check_pad_to, check_recipe
 
-__all__ = ["block_quantize", "check_block_args", "BlockArgs"]
+__all__ = ["block_quantize", "check_block_args", "check_block_input", "block_shapes", "BlockArgs", "BlockShapes"]
 
 
 def _check_flag(value, argname: str) -> bool:
@@ -62,25 +62,51 @@ def check_block_args(recipe, weight, grad, transpose, pad_to) -> BlockArgs:
                      check_pad_to(pad_to))
 
 
+def check_block_input(dtype: str, shape) -> None:
+    """x of a block quantization: a float32 / float16 / bfloat16 array of at least 1 dimension."""
+    if dtype not in FLOAT_INPUTS:
+        raise TypeError(f"x must be float32, float16 or bfloat16; got {dtype}")
+    if not len(shape):
+        raise ValueError("x: block scaling needs an input of at least 1 dimension (viewed as rows x cols); "
+                         "got a scalar")
+
+
+class BlockShapes(NamedTuple):
+    """The shapes of a block quantization's outputs for an input shape (the 2-D view (rows, cols),
+    padded to (prows, pcols))."""
+
+    rows: int
+    cols: int
+    prows: int
+    pcols: int
+    q: tuple  # x's shape, or (prows, pcols) when padded
+    scale_inv: tuple
+    q_t: tuple  # (pcols, prows)
+    scale_inv_t: tuple
+
+
+def block_shapes(shape, args) -> BlockShapes:
+    """``args``: anything with the ``block`` and ``pad_to`` of a :class:`BlockArgs`."""
+    rows, cols = math.prod(shape[:-1]), int(shape[-1])
+    prows, pcols = launch.padded(rows, cols, args.pad_to)
+    return BlockShapes(rows, cols, prows, pcols, tuple(shape) if args.pad_to == 1 else (prows, pcols),
+                       _block.scale_shape(prows, pcols, args.block), (pcols, prows),
+                       _block.scale_shape(pcols, prows, args.block))
+
+
 class _BlockCall:
     """A checked block_quantize call: the input, the format and block the recipe gives the tensor,
     the shapes of every output."""
 
     def __init__(self, x, recipe, weight, grad, transpose, pad_to):
-        self.fmt, self.block, self.pow2, self.transpose, self.pad_to = check_block_args(recipe, weight, grad,
-                                                                                        transpose, pad_to)
+        args = check_block_args(recipe, weight, grad, transpose, pad_to)
+        self.fmt, self.block, self.pow2, self.transpose, self.pad_to = args
         self.xi = xi = io.describe(x, "x")
-        if xi.dtype not in FLOAT_INPUTS:
-            raise TypeError(f"x must be float32, float16 or bfloat16; got {xi.dtype}")
+        check_block_input(xi.dtype, xi.shape)
         if not xi.contiguous:
             raise ValueError(f"x must be contiguous (row-major); got a non-contiguous view of shape {xi.shape}: "
                              "call .contiguous() / np.ascontiguousarray first")
-        if not xi.shape:
-            raise ValueError("x: block scaling needs an input of at least 1 dimension (viewed as rows x cols); "
-                             "got a scalar")
-        self.rows, self.cols = math.prod(xi.shape[:-1]), int(xi.shape[-1])
-        self.prows, self.pcols = launch.padded(self.rows, self.cols, self.pad_to)
-        self.q_shape = xi.shape if self.pad_to == 1 else (self.prows, self.pcols)
+        self.shapes = block_shapes(xi.shape, args)
 
 
 def _host_run(c: _BlockCall) -> BlockQuantized:
@@ -95,18 +121,19 @@ def _host_run(c: _BlockCall) -> BlockQuantized:
 
 def _device_run(c: _BlockCall) -> BlockQuantized:
     xv = io.device_view(c.xi)
-    q = io.empty(c.xi, c.q_shape, c.fmt.dtype_name)
-    s = io.empty(c.xi, _block.scale_shape(c.prows, c.pcols, c.block), "float32")
+    sh = c.shapes
+    q = io.empty(c.xi, sh.q, c.fmt.dtype_name)
+    s = io.empty(c.xi, sh.scale_inv, "float32")
     amax = io.empty(c.xi, (1,), "float32")  # (the plan zeroes it before the kernel max-accumulates)
     ptr = io.data_ptr
     buffers = {"x": xv.ptr, "q": ptr(q), "scale_inv": ptr(s), "amax": ptr(amax)}
     q_t = s_t = None
     if c.transpose:
-        q_t = io.empty(c.xi, (c.pcols, c.prows), c.fmt.dtype_name)
-        s_t = io.empty(c.xi, _block.scale_shape(c.pcols, c.prows, c.block), "float32")
+        q_t = io.empty(c.xi, sh.q_t, c.fmt.dtype_name)
+        s_t = io.empty(c.xi, sh.scale_inv_t, "float32")
         buffers.update(q_t=ptr(q_t), scale_inv_t=ptr(s_t))
     launch.block_quantize(xv.device, io.stream_ptr(c.xi), buffers, dtype=xv.dtype, fmt=c.fmt.name, block=c.block,
-                          rows=c.rows, cols=c.cols, pow2=c.pow2, pad_to=c.pad_to)
+                          rows=sh.rows, cols=sh.cols, pow2=c.pow2, pad_to=c.pad_to)
     x = c.xi
     return BlockQuantized(io.fp8_out(q, c.fmt, x), io.out_for_caller(s, x),
                           io.fp8_out(q_t, c.fmt, x) if q_t is not None else None,

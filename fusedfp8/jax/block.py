@@ -12,7 +12,6 @@ or FP8 GEMM wrapper defines one where it is used).
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -21,11 +20,10 @@ from jax import lax
 
 from .. import _interop as io
 from .. import launch
-from ..block import check_block_args
+from ..block import block_shapes, check_block_args, check_block_input
 from ..formats import get_format
-from ..numerics import block as _block
 from ..numerics import block_jnp as _block_jnp
-from ..types import FLOAT_INPUTS, BlockQuantized
+from ..types import BlockQuantized
 from . import callbacks
 from .jnp_backend import _as_f32
 from .primitives import _check_impl, _dispatch, compiled_when_eager
@@ -43,10 +41,6 @@ class _BCfg(NamedTuple):
     pad_to: int
 
 
-def _rows_cols(shape) -> tuple[int, int]:
-    return math.prod(shape[:-1]), int(shape[-1])
-
-
 def _block_jnp_impl(cfg: _BCfg, x):
     r = _block_jnp.block_quantize(_as_f32(x), cfg.fmt, cfg.block, cfg.pow2, cfg.transpose, cfg.pad_to)
     t = (r.data_t, r.scale_inv_t) if cfg.transpose else ()
@@ -54,17 +48,14 @@ def _block_jnp_impl(cfg: _BCfg, x):
 
 
 def _block_kernel(cfg: _BCfg, backend: str, x):
-    rows, cols = _rows_cols(x.shape)
-    prows, pcols = launch.padded(rows, cols, cfg.pad_to)
-    plans = {dev: launch.block_quantize_plan(dev, x.dtype.name, cfg.fmt, cfg.block, rows, cols, cfg.transpose,
+    sh = block_shapes(x.shape, cfg)
+    plans = {dev: launch.block_quantize_plan(dev, x.dtype.name, cfg.fmt, cfg.block, sh.rows, sh.cols, cfg.transpose,
                                              cfg.pow2, cfg.pad_to) for dev in callbacks.gpu_devices()}
     u8, f32 = jnp.uint8, jnp.float32
-    shapes = [jax.ShapeDtypeStruct(x.shape if cfg.pad_to == 1 else (prows, pcols), u8),
-              jax.ShapeDtypeStruct(_block.scale_shape(prows, pcols, cfg.block), f32)]
+    shapes = [jax.ShapeDtypeStruct(sh.q, u8), jax.ShapeDtypeStruct(sh.scale_inv, f32)]
     sources = {"x": ("in", 0), "q": ("out", 0), "scale_inv": ("out", 1)}
     if cfg.transpose:
-        shapes += [jax.ShapeDtypeStruct((pcols, prows), u8),
-                   jax.ShapeDtypeStruct(_block.scale_shape(pcols, prows, cfg.block), f32)]
+        shapes += [jax.ShapeDtypeStruct(sh.q_t, u8), jax.ShapeDtypeStruct(sh.scale_inv_t, f32)]
         sources.update(q_t=("out", 2), scale_inv_t=("out", 3))
     shapes.append(jax.ShapeDtypeStruct((1,), f32))  # the amax: the plan zeroes it, the kernel max-accumulates
     sources["amax"] = ("out", len(shapes) - 1)
@@ -98,9 +89,5 @@ def block_quantize(x, recipe, *, weight: bool = False, grad: bool = False, trans
     args = check_block_args(recipe, weight, grad, transpose, pad_to)
     _check_impl(impl)
     x = io.as_jax(x, "x")
-    if x.dtype.name not in FLOAT_INPUTS:
-        raise TypeError(f"x must be float32, float16 or bfloat16; got {x.dtype}")
-    if x.ndim < 1:
-        raise ValueError("x: block scaling needs an input of at least 1 dimension (viewed as rows x cols); "
-                         "got a scalar")
+    check_block_input(x.dtype.name, x.shape)
     return _run(_BCfg(args.fmt.name, args.block, args.pow2, args.transpose, args.pad_to), x, impl)

@@ -9,14 +9,10 @@ and its scales come back empty, and :func:`block_quantize` hands out None for th
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from .. import block as _api
-from .. import launch
-from ..numerics import block as _block
 from ..recipe import BlockScaling
 from ..types import BlockQuantized
 
@@ -44,17 +40,12 @@ def block_quantize_op(x: Tensor, fp8_format: str, weight_side: int, power_of_two
 def _(x, fp8_format, weight_side, power_of_two_scales, weight, grad, transpose, pad_to):
     args = _api.check_block_args(_recipe(fp8_format, weight_side, power_of_two_scales), weight, grad, transpose,
                                  pad_to)
-    if x.dim() == 0:
-        raise ValueError("x: block scaling needs an input of at least 1 dimension (viewed as rows x cols); "
-                         "got a scalar")
-    rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
-    prows, pcols = launch.padded(rows, cols, args.pad_to)
+    _api.check_block_input(str(x.dtype).removeprefix("torch."), x.shape)
+    sh = _api.block_shapes(x.shape, args)
     fp8 = getattr(torch, args.fmt.dtype_name)
-    q = x.new_empty(x.shape if args.pad_to == 1 else (prows, pcols), dtype=fp8)
-    s = x.new_empty(_block.scale_shape(prows, pcols, args.block), dtype=torch.float32)
+    q, s = x.new_empty(sh.q, dtype=fp8), x.new_empty(sh.scale_inv, dtype=torch.float32)
     if transpose:
-        q_t = x.new_empty((pcols, prows), dtype=fp8)
-        s_t = x.new_empty(_block.scale_shape(pcols, prows, args.block), dtype=torch.float32)
+        q_t, s_t = x.new_empty(sh.q_t, dtype=fp8), x.new_empty(sh.scale_inv_t, dtype=torch.float32)
     else:
         q_t, s_t = x.new_empty((0,), dtype=fp8), x.new_empty((0,), dtype=torch.float32)
     return q, s, q_t, s_t, x.new_empty((1,), dtype=torch.float32)
