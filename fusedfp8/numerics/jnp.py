@@ -172,11 +172,11 @@ def fma_f32(a, b, c, tiny_products: bool = True) -> jax.Array:
 
 
 # ---- division ----------------------------------------------------------------------------------
-_QUOTIENT_BITS = 26  # 24 significant bits, a guard bit and one for a quotient below 1 (ma < mb)
-# Divisions of at most this many elements (a state's scales) run as a loop, which XLA does not
-# fuse: unrolled, XLA:CPU copies the ~130 integer ops of every scale division into each fusion that
-# reads the scale, and two chained FP8 dots then took minutes to compile.
-_LOOP_BELOW = 4096
+# The 26 quotient bits (24 significant bits, a guard bit and one for a quotient below 1) come from
+# integer divisions of at most 7 bits each: a remainder below the divisor (< 2**24) shifted
+# left by 7 bits still fits in int32. Five divisions instead of a 26-step bit loop: a few dozen
+# integer ops an element, which XLA fuses into the scale's readers without a loop of its own.
+_CHUNKS = (7, 7, 7, 4)  # the bits after the first one, 25 in all
 
 
 def _unpack(ib):
@@ -188,24 +188,16 @@ def _unpack(ib):
     return jnp.where(e == 0, frac << shift, frac | 0x800000), jnp.where(e == 0, 1 - shift, e)
 
 
-def _division_step(_, rqm):
-    """One bit of the restoring long division (a module-level function: jax caches the loop by
-    its identity, so eager calls do not trace it again). r < 2 * mb < 2**25: int32 is enough."""
-    r, q, mb = rqm
-    take = r >= mb
-    return jnp.where(take, r - mb, r) << 1, (q << 1) | take.astype(jnp.int32), mb
-
-
 @_traced_once()
 def div_rn(a, b) -> jax.Array:
     """IEEE float32 ``a / b``, round to nearest even: the kernels' ``div.rn.f32``, bit for bit.
 
     XLA:GPU lowers float32 division to ``div.full.f32`` (up to 2 ulp off; openxla/xla#37181),
     and XLA:CPU flushes a denormal quotient to zero, so neither backend's ``/`` can be the
-    twin of the kernels' scale arithmetic. This is a restoring long division of the 24-bit
-    significands in int32 (26 quotient bits and a sticky bit, unrolled for XLA to fuse), rounded
-    once at the result's precision, denormal quotients included; specials as IEEE (x/0 = inf,
-    0/0 = inf/inf = NaN, x/inf = 0; a NaN operand propagates). It costs ~130 integer ops per element.
+    twin of the kernels' scale arithmetic. This is a long division of the 24-bit significands in
+    int32 (26 quotient bits, 7 at a time, and a sticky bit), rounded once at the result's
+    precision, denormal quotients included; specials as IEEE (x/0 = inf, 0/0 = inf/inf = NaN,
+    x/inf = 0; a NaN operand propagates).
     """
     a, b = jnp.asarray(a, f32), jnp.asarray(b, f32)
     ia, ib = bits(a), bits(b)
@@ -213,14 +205,12 @@ def div_rn(a, b) -> jax.Array:
     ma, ea = _unpack(ma_bits)
     mb, eb = _unpack(mb_bits)
     below = ma < mb  # the quotient of the significands lies in (1/2, 1): one more bit from ma
-    r = jnp.where(below, ma << 1, ma)
-    q = jnp.zeros_like(r)
-
-    if r.size <= _LOOP_BELOW:  # a state's scalars: one small loop that every consumer reads (see above)
-        r, q, _ = lax.fori_loop(0, _QUOTIENT_BITS, _division_step, (r, q, mb))
-    else:  # a tensor: unrolled, for XLA to fuse into one pass
-        for i in range(_QUOTIENT_BITS):
-            r, q, _ = _division_step(i, (r, q, mb))
+    r = jnp.where(below, ma << 1, ma)  # in [mb, 2 * mb): the first quotient bit is 1
+    divisor = jnp.maximum(mb, 1)  # b = 0 is answered below; no integer division by zero
+    q, r = lax.div(r, divisor), lax.rem(r, divisor)
+    for k in _CHUNKS:
+        num = r << k
+        q, r = (q << k) | lax.div(num, divisor), lax.rem(num, divisor)
     # |a / b| = (q + rest) * 2**(E - 25), q in [2**25, 2**26), rest in [0, 1) is nonzero iff r is.
     biased = ea - eb - below.astype(jnp.int32) + 127  # of the truncated quotient
     over = biased > 254
@@ -262,7 +252,7 @@ class JnpNamespace(NumpyNamespace):
         return lax.bitcast_convert_type(a, self.m.int32)
 
     def divide(self, a, b):
-        return computed_once(div_rn(a, b))  # ~130 integer ops: not copied into every reader
+        return computed_once(div_rn(a, b))  # dozens of integer ops: not copied into every reader
 
 
 # ---- amax, scaling, the FP8 cast ------------------------------------------------------------------
