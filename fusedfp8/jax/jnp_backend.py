@@ -66,29 +66,34 @@ def _activation(cfg: _QCfg, x, b):
 
 
 def _stage_jnp(cfg: _QCfg, amax, hist, scale, scale_inv, updates):
-    """What quantizing a tensor of amax ``amax`` does to the state (the scale it quantizes with,
-    and the new history, scale, scale_inv): the amax max-accumulated into its staging slot and,
-    on the tensor's first step under first_step='current', the current scale from that slot."""
+    """What quantizing a tensor of amax ``amax`` does to the state: the scale it quantizes with and
+    its reciprocal, and the new history, scale, scale_inv: the amax max-accumulated into its
+    staging slot and, on the tensor's first step under first_step='current', the current scale
+    from that slot."""
     i = cfg.index
     acc = jn.nan_max(hist[0, i], amax)
     s_old = scale[i]
     if cfg.current_first:
         fresh = updates[i] == 0
         s = jnp.where(fresh, jn.current_scale(acc, cfg.fmt, cfg.margin_factor, s_old), s_old)
-        scale = scale.at[i].set(s)
-        scale_inv = scale_inv.at[i].set(jnp.where(fresh, jn.div_rn(1.0, s), scale_inv[i]))
     else:
         s = s_old
-    return s, hist.at[0, i].set(acc), scale, scale_inv
+    # 1 / s is read twice (the scale_inv the cast used, and the state's): computed once, or XLA
+    # copies the whole long division into both readers
+    inv = jn.computed_once(jn.div_rn(1.0, s))
+    if cfg.current_first:
+        scale = scale.at[i].set(s)
+        scale_inv = scale_inv.at[i].set(jnp.where(fresh, inv, scale_inv[i]))
+    return s, inv, hist.at[0, i].set(acc), scale, scale_inv
 
 
 def _stage_and_cast(cfg, y, hist, scale, scale_inv, updates):
     """The float32 ``y`` quantized with tensor ``cfg.index`` of the state: (q codes, (1,) 1 / the
     scale used, hist, scale, scale_inv), its amax staged as :func:`_stage_jnp` does."""
-    s, hist, scale, scale_inv = _stage_jnp(cfg, jn.amax(y), hist, scale, scale_inv, updates)
+    s, inv, hist, scale, scale_inv = _stage_jnp(cfg, jn.amax(y), hist, scale, scale_inv, updates)
     s = jn.computed_once(s)  # a scalar read by every element: not recomputed in each reader
     q = jn.cast_to_fp8(jn.mul(y, s), cfg.fmt)
-    return q, jn.div_rn(1.0, s).reshape(1), hist, scale, scale_inv
+    return q, inv.reshape(1), hist, scale, scale_inv
 
 
 def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
@@ -105,8 +110,8 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
 
 # ---- update_scales, and the first use of a flax meta in a step ------------------------------------
 def _update_jnp(recipe: DelayedScaling, hist, scale, scale_inv, overflows, updates, fmt_max):
-    return update_rule(jn.JnpNamespace(), hist, scale, overflows, updates, fmt_max, jnp.float32(recipe.margin_factor),
-                       recipe.amax_compute_algo)
+    margin = 1.0 if recipe.margin_factor == 1.0 else jnp.float32(recipe.margin_factor)  # 1.0: no division
+    return update_rule(jn.JnpNamespace(), hist, scale, overflows, updates, fmt_max, margin, recipe.amax_compute_algo)
 
 
 def _meta_update_jnp(recipe: DelayedScaling, grad: tuple, hist, scale, scale_inv, ovf_f, upd_f, writes, fmt_max):

@@ -262,7 +262,7 @@ def stage_amax(state: ScalingState, index: int, amax, recipe: DelayedScaling) ->
     amax = jnp.asarray(amax)
     if amax.shape not in ((), (1,)) or amax.dtype != jnp.float32:
         raise ValueError(f"amax must be a float32 scalar; got {amax.dtype} {amax.shape}")
-    _, hist, scale, scale_inv = _stage_jnp(cfg, lax.stop_gradient(amax.reshape(())), state.amax_history,
+    _, _, hist, scale, scale_inv = _stage_jnp(cfg, lax.stop_gradient(amax.reshape(())), state.amax_history,
                                            state.scale, state.scale_inv, state.updates)
     return state.replace(amax_history=hist, scale=scale, scale_inv=scale_inv)
 

@@ -131,7 +131,7 @@ def _pow2(k) -> jax.Array:
 
 def _scale_pow2(x, s) -> jax.Array:
     """x * 2**s for int32 s in [-252, 252], in two exact halves (no spurious over/underflow)."""
-    h = s // 2
+    h = lax.shift_right_arithmetic(s, jnp.int32(1))  # s // 2 (floor) in one op
     return _mul(_mul(x, _pow2(h)), _pow2(s - h))
 
 
@@ -270,25 +270,29 @@ def nan_max(a, b) -> jax.Array:
     return jnp.where(jnp.isnan(a) | jnp.isnan(b), _c(np.nan), m)
 
 
-def _normalized(v):
-    """(v1, k) with ``v == v1 * 2**-k`` exactly and v1 a normal float (k = 64 for a denormal v,
-    0 otherwise), built from the bits: XLA:CPU reads a denormal operand as 0."""
-    vb = bits(v)
-    mag = vb & _MAG
-    denormal = (mag != 0) & (mag < np.int32(0x00800000))
-    m = _mul(lax.convert_element_type(mag, f32), _c(2.0 ** -85))  # |v| * 2**64: exact and normal
-    return jnp.where(denormal, jnp.where(vb < 0, -m, m), v), jnp.where(denormal, 64, 0).astype(jnp.int32)
+def _times_2_64(v, vb):
+    """``v * 2**64`` for a denormal ``v`` (bits ``vb``), exact and normal, built from the bits:
+    XLA:CPU reads a denormal operand as 0."""
+    m = _mul(lax.convert_element_type(vb & _MAG, f32), _c(2.0 ** -85))
+    return jnp.where(vb < 0, -m, m)
 
 
 @_traced_once()
 def mul(a, b) -> jax.Array:
-    """``a * b`` rounded once, also when an operand is denormal (a denormal scale, ``1 / FLT_MAX``
-    as a scale_inv, a denormal input): each denormal operand is multiplied as ``v * 2**64`` and the
-    product scaled back exactly. A product that is itself denormal may still be flushed on XLA:CPU
-    (it quantizes to an FP8 zero of the same sign either way)."""
-    a1, ka = _normalized(jnp.asarray(a, f32))
-    b1, kb = _normalized(jnp.asarray(b, f32))
-    return _scale_pow2(_mul(a1, b1), -(ka + kb))
+    """``a * b`` rounded once, also when one operand is denormal (a denormal scale, ``1 / FLT_MAX``
+    as a scale_inv, a denormal input), which XLA:CPU would read as 0: that operand is multiplied by
+    2**64 (exact, from its bits) and the other by 2**-64, so the product is the same real number
+    and is rounded once. Where the other operand is below 2**-62 (its scaled copy inexact) or
+    both are denormal, the product is below 2**-188 and rounds to a zero of its sign either way.
+    A product that is itself denormal may still be flushed on XLA:CPU (it quantizes to an FP8
+    zero of the same sign either way)."""
+    a, b = jnp.asarray(a, f32), jnp.asarray(b, f32)
+    ab, bb = bits(a), bits(b)
+    a_den = ((ab & _MAG) != 0) & ((ab & _MAG) < np.int32(0x00800000))
+    b_den = ((bb & _MAG) != 0) & ((bb & _MAG) < np.int32(0x00800000))
+    a1 = jnp.where(a_den, _times_2_64(a, ab), jnp.where(b_den, _mul(a, _c(2.0 ** -64)), a))
+    b1 = jnp.where(b_den & ~a_den, _times_2_64(b, bb), jnp.where(a_den & ~b_den, _mul(b, _c(2.0 ** -64)), b))
+    return _mul(a1, b1)
 
 
 def scale_input(x, s) -> jax.Array:
@@ -308,4 +312,5 @@ def cast_to_fp8(v, fmt: str | Format) -> jax.Array:
 def current_scale(a, fmt: Format, margin_factor: float, fallback) -> jax.Array:
     """First-step scale from the amax ``a`` (scalar), or ``fallback`` where a is 0 or non-finite
     (:func:`fusedfp8.numerics.scaling.current_scale`)."""
-    return scaling.current_scale(JnpNamespace(), a, _c(fmt.max), _c(margin_factor), fallback)
+    m = 1.0 if float(margin_factor) == 1.0 else _c(margin_factor)  # no division by 1 (compute_scale)
+    return scaling.current_scale(JnpNamespace(), a, _c(fmt.max), m, fallback)

@@ -75,6 +75,32 @@ def test_amax_is_exact_with_denormals_and_nan():
     assert jn.amax(np.zeros((0, 4), f32)) == 0
 
 
+def test_mul_is_rounded_once_with_denormal_operands(jax_device, rng):
+    """jnp.mul is NumPy's float32 product wherever that is normal or non-finite, with denormal
+    operands (which XLA:CPU reads as 0) against normal ones up to 2**127, both orders, and random
+    bit patterns; where the product is denormal it is a zero of the product's sign or the exact
+    value (XLA:GPU keeps denormals), which quantize alike."""
+    n = 200_000
+    den = (rng.integers(1, 2 ** 23, n, dtype=np.int64) | (rng.integers(0, 2, n, dtype=np.int64) << 31))
+    den = den.astype(np.uint32).view(f32)
+    big = (rng.uniform(1, 2, n) * np.exp2(rng.integers(60, 128, n)) * rng.choice([-1, 1], n)).astype(f32)
+    anything = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32).view(f32)
+    a = np.concatenate([den, big, anything, den, f32([3e-39, 1e-45, -1e-45, 3e-39, 0.0, -0.0, np.inf])])
+    b = np.concatenate([big, den, anything, den, f32([1.7e38, 2.0 ** 127, 2.0 ** 126, -0.0, 1e-40, np.inf, 1e-40])])
+    put = lambda v: jax.device_put(v, jax_device)  # noqa: E731
+    got = np.asarray(jax.jit(jn.mul)(put(a), put(b)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = a * b
+    normal = ~(np.abs(want) < f32(2.0 ** -126))  # normal, inf or NaN
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all()
+    np.testing.assert_array_equal(got.view(np.uint32)[normal & ~nan], want.view(np.uint32)[normal & ~nan])
+    tiny = ~normal
+    assert ((got[tiny] == 0) | (got[tiny] == want[tiny])).all()
+    assert (np.signbit(got[tiny]) == np.signbit(want[tiny])).all()
+    assert normal[:2 * n].mean() > 0.9  # the denormal-times-large cases are mostly normal products
+
+
 def test_div_rn_is_ieee_division(jax_device):
     """jnp.div_rn is NumPy's float32 division bit for bit (XLA:GPU's `/` is div.full.f32, up to 2
     ulp off; XLA:CPU flushes denormal quotients): random bit patterns, denormals, specials, the
