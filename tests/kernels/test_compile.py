@@ -1,16 +1,17 @@
 """Every kernel family compiles with NVRTC for sm_90, for every template instantiation the
-library can ask for; no GPU needed (cuda-bindings' NVRTC and the CUDA headers only). The bfloat16
-groups of quantize, current_quantize, layernorm_quantize and block_quantize, dequantize and
-update_scales are compiled to sm_90 cubins (NVVM and ptxas); the float32 and float16 groups of those
-four families to compute_90 PTX only (support.nvrtc.target_of), with NVVM's optimizations reduced
-to the least (support.nvrtc.PTX_OPTIONS): for them the C++ front end and NVVM's code generation run for every
-instantiation and every kernel must be an entry of the PTX, but ptxas and NVVM's optimizing passes
-do not run (ptxas's register and shared-memory allocation of those instantiations is not checked
-here; the cubin groups put every template and every FMT, OP and weight dtype through both). The
-compiles run in one process of their own (tests/run/nvrtc_compile.py): after an NVRTC compile
-through cuda-bindings, torch 2.13 (CPU) cannot torch.load some tensors in the same process, and
-the pytest process runs torch.save / torch.load round trips (tests/pytorch/). That process runs
-beside the other tests (the 'nvrtc' background job)."""
+library can ask for; no GPU needed (cuda-bindings' NVRTC and the CUDA headers only). Each
+(family, dtype) group is one program compiled with the least optimization
+(support.nvrtc.FAST_OPTIONS): the bfloat16 groups of quantize, current_quantize,
+layernorm_quantize and block_quantize, dequantize and update_scales to sm_90 cubins (NVVM and
+ptxas: every template and every FMT, OP and weight dtype, so every inline-asm string, goes through
+ptxas), the float32 and float16 groups of those four families to compute_90 PTX only
+(support.nvrtc.target_of; ptxas does not run on them). One module per family
+(support.nvrtc.SIGNATURE_KEYS) is also compiled as the library compiles it, with full
+optimization, to a cubin whose kernels' parameter sizes the launch signatures are checked
+against. The compiles run in one process of their own (tests/run/nvrtc_compile.py): after an
+NVRTC compile through cuda-bindings, torch 2.13 (CPU) cannot torch.load some tensors in the same
+process, and the pytest process runs torch.save / torch.load round trips (tests/pytorch/). That
+process runs beside the other tests (the 'nvrtc' background job)."""
 import json
 import shutil
 import struct
@@ -24,7 +25,7 @@ GROUPS = N.groups()
 
 
 def uses_the_compiles(test):
-    """The test reads the verdicts of the NVRTC compiles (the 'nvrtc' background job, ~30 s)."""
+    """The test reads the verdicts of the NVRTC compiles (the 'nvrtc' background job, ~30 CPU-s)."""
     return pytest.mark.slow(pytest.mark.background("nvrtc")(test))
 
 
@@ -148,6 +149,15 @@ def test_family_source_follows_header_edits(tmp_path, monkeypatch):
     for family, text in before.items():
         after = K.family_source(family)
         assert after != text and "// edited: 5c1f0e" in after
+
+
+@uses_the_compiles
+@pytest.mark.parametrize("family", list(N.SIGNATURE_KEYS))
+def test_one_module_per_family_compiles_with_full_optimization(nvrtc, family):
+    v = nvrtc["signature"][family]
+    assert v["target"] == N.CUBIN
+    assert v["ok"], f"{family} ({N.SIGNATURE_KEYS[family]}) failed to compile with full optimization:\n{v['log']}"
+    assert "warning" not in v["log"].lower(), f"{family} compiles with warnings:\n{v['log']}"
 
 
 @uses_the_compiles

@@ -70,12 +70,12 @@ def _jax_multidevice(out: Path) -> list:
 
 # name -> steps (argv, environment) given the job's output folder; the order is the order the
 # jobs start in (and the order of their tests at the end of the session): the longest first (CPU
-# seconds on 2 cores: NVRTC ~200 on its 2 processes, jax_multidevice ~70, bench_jax ~40, the others
-# ~20-30), so that the session does not end waiting for a long job started late.
+# seconds on 2 cores: jax_multidevice ~65, bench_jax ~30, NVRTC ~30 on its 2 processes, the others
+# ~15-30), so that the session does not end waiting for a long job started late.
 JOBS = {
-    "nvrtc": lambda out: [(_script("nvrtc_compile.py", out / "verdicts.json"), _env())],
     "jax_multidevice": _jax_multidevice,
     "bench_jax": _bench_jax,
+    "nvrtc": lambda out: [(_script("nvrtc_compile.py", out / "verdicts.json"), _env())],
     "flax_checkpoint": _flax_checkpoint,
     "torch_distributed": lambda out: [(_script("torch_distributed.py", out), _env())],
     "readme": lambda out: [(_script("readme_blocks.py", out / "verdicts.json"), _env())],

@@ -1,22 +1,24 @@
 """Compile CUDA source for sm_90 with NVRTC through cuda-bindings: no GPU needed.
 
-Each compile group (:func:`groups`) is compiled to one of two targets (:func:`target_of`):
+Two kinds of compile check every kernel the library can ask for:
 
-- ``sm_90``, a cubin (NVVM, then ptxas): the bfloat16 groups of quantize, current_quantize,
-  layernorm_quantize and block_quantize (the production input dtype; between them every template, and every FMT,
-  OP, block shape and layernorm weight dtype, so every inline-asm string goes through ptxas), dequantize and
-  update_scales, and every group whose cubin the launch signatures' parameter sizes are read
-  from (:data:`SIGNATURE_KEYS`);
-- ``compute_90``, PTX only (NVVM; ptxas does not run), with NVVM's optimizations reduced to the
-  least (``--Ofast-compile=max``, :data:`PTX_OPTIONS`): the float32 and float16 groups of those
-  four families. Their front end and NVVM's code generation still run for every instantiation,
-  so a C++ error, a bad template argument or a missing name expression still fails, and every
-  kernel must be an entry of the PTX; ptxas's own checks of them (register and shared-memory
-  allocation, PTX that NVVM emits but ptxas refuses) and NVVM's optimizing passes do not run
-  on them (the bfloat16 groups, with every template and argument but the input dtype, go
-  through both). Measured on a 2-core CPU machine, the whole job: 215 CPU-s with every group to
-  a cubin, 156 with these six to PTX only; the six PTX groups alone 136 CPU-s with NVVM's full
-  optimization (layernorm_quantize's two: 95), 6 with ``--Ofast-compile=max``.
+- the compile groups (:func:`groups`): one NVRTC program per (family, dtype) holding every
+  template instantiation of that family and dtype, compiled with NVVM's and ptxas's
+  optimizations reduced to the least (:data:`FAST_OPTIONS`) to one of two targets
+  (:func:`target_of`): ``sm_90``, a cubin (NVVM, then ptxas), for the bfloat16 groups of
+  quantize, current_quantize, layernorm_quantize and block_quantize (between them every template,
+  and every FMT, OP, block shape and layernorm weight dtype, so every inline-asm string goes
+  through ptxas) and for dequantize and update_scales; ``compute_90``, PTX only (ptxas does not
+  run), for the float32 and float16 groups of those four families. The C++ front end and NVVM's
+  code generation run for every instantiation, and every kernel must be an entry of the PTX;
+- the signature modules (:data:`SIGNATURE_KEYS`): one module per family, compiled as the library
+  compiles it (its options, NVVM's and ptxas's full optimization) to an sm_90 cubin, from which
+  the parameter sizes the launch signatures are checked against are read.
+
+So NVVM's optimizing passes and ptxas's allocation of optimized code run on one module per family
+here (every module on the GPU, where the library compiles them). Measured on a 2-core CPU
+machine: the bfloat16 layernorm_quantize group alone took 56 CPU-s with full optimization and 5
+with ``--Ofast-compile=max``; the whole check ~30 CPU-s instead of ~95.
 
 The compiles run only in tests/run/nvrtc_compile.py, a process of its own: torch 2.13 (CPU)
 fails to torch.load some tensors in a process that has compiled an NVRTC program through
@@ -45,7 +47,7 @@ SIGNATURE_KEYS = {"quantize": K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu
 CUBIN, PTX = "sm_90", "compute_90"
 PTX_ONLY_DTYPES = ("float32", "float16")  # of the families below
 PTX_ONLY_FAMILIES = ("quantize", "current_quantize", "layernorm_quantize", "block_quantize")
-PTX_OPTIONS = ("--Ofast-compile=max",)  # added to a PTX-only compile (see the module's docstring)
+FAST_OPTIONS = ("--Ofast-compile=max",)  # added to a compile group's compile (see the module's docstring)
 def target_of(group: str) -> str:
     """What ``group`` is compiled to: :data:`CUBIN` (``-arch=sm_90``) or :data:`PTX`
     (``-arch=compute_90``, PTX only); see the module's docstring."""
@@ -87,12 +89,13 @@ def ready() -> tuple[bool, str]:
 
 
 def compile_for_sm90(source: str, name_expressions=(), options=(), name: str = "kernel.cu",
-                     sizes_of=(), arch: str = CUBIN) -> tuple[bool, str, dict]:
-    """(ok, log, sizes). Uses the same options as the library, minus CuPy's additions. ``arch``:
-    :data:`CUBIN` compiles to an sm_90 cubin (ok: a non-empty cubin), :data:`PTX` to compute_90
-    PTX only, with :data:`PTX_OPTIONS` (ok: a non-empty PTX; ptxas does not run). ``sizes`` maps each name expression of
-    ``sizes_of`` (some of ``name_expressions``; a cubin compile only) to its kernel's parameter
-    bytes, read from the cubin (see :func:`_param_sizes`); empty when the compile failed."""
+                     sizes_of=(), arch: str = CUBIN, fast: bool = False) -> tuple[bool, str, dict]:
+    """(ok, log, sizes). Uses the same options as the library, minus CuPy's additions, plus
+    :data:`FAST_OPTIONS` with ``fast``. ``arch``: :data:`CUBIN` compiles to an sm_90 cubin (ok: a
+    non-empty cubin), :data:`PTX` to compute_90 PTX only (ok: a non-empty PTX; ptxas does not
+    run). ``sizes`` maps each name expression of ``sizes_of`` (some of ``name_expressions``; a
+    cubin compile only) to its kernel's parameter bytes, read from the cubin (see
+    :func:`_param_sizes`); empty when the compile failed."""
     from cuda.bindings import nvrtc
 
     if arch not in (CUBIN, PTX):
@@ -106,7 +109,7 @@ def compile_for_sm90(source: str, name_expressions=(), options=(), name: str = "
         for expr in name_expressions:
             (err,) = nvrtc.nvrtcAddNameExpression(prog, expr.encode())
             assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, (expr, err)
-        opts = [f"-arch={arch}".encode(), *(o.encode() for o in (*options, *(PTX_OPTIONS if arch == PTX else ())))]
+        opts = [f"-arch={arch}".encode(), *(o.encode() for o in (*options, *(FAST_OPTIONS if fast else ())))]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
