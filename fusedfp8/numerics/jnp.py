@@ -4,8 +4,8 @@ products, exact fused multiply-adds and divisions), the scaling rule's namespace
 scale and the FP8 cast; the activations are :mod:`fusedfp8.numerics.jnp_gelu`, LayerNorm
 :mod:`fusedfp8.numerics.jnp_layernorm`, both written on these.
 
-XLA does not keep NumPy's operation order by itself, so everything here is written against two
-of its habits, and tested byte for byte against the reference:
+XLA does not keep NumPy's operation order by itself, so everything here is written against these
+habits of it, and tested byte for byte against the reference:
 
 - FMA contraction. XLA:CPU (and LLVM on GPU) fuse ``a * b + c`` into one fused multiply-add,
   which rounds once instead of twice. Every product is passed through :func:`_mul`, which hides
@@ -13,6 +13,10 @@ of its habits, and tested byte for byte against the reference:
   back), so no add ever sees a multiply to fuse with. The fused multiply-adds the reference
   *does* use (``fma_f32``) are emulated exactly in float32 (:func:`fma_f32`), since JAX has no
   FMA primitive and float64 is off by default.
+- Reassociation with constants. XLA's simplifier rewrites ``(1 + p) - 1`` to ``p``; it leaves
+  sums and differences of non-constant operands as written. Every constant is therefore hidden
+  (:func:`_c`) and the error-free sums (TwoSum, Veltkamp's split) are plain adds: hiding each of
+  their steps as well made the emulated FMA half again as large for XLA to compile.
 - Flushed denormals. XLA:CPU treats denormal inputs of float arithmetic as zero and flushes
   denormal results. The amax is therefore taken on the bits (exact, NaN-propagating), and the
   one product whose denormal input can matter (``x * scale`` of a bf16/fp32 denormal input,
@@ -97,31 +101,33 @@ def _mul(a, b) -> jax.Array:
 
 
 def _two_sum(a, b):
-    """Knuth's TwoSum: s + err == a + b exactly; every step hidden so that none is rewritten."""
-    s = _hide(a + b)
-    bb = _hide(s - a)
-    return s, _hide(a - _hide(s - bb)) + _hide(b - bb)
+    """Knuth's TwoSum: s + err == a + b exactly. Sums and differences need no hiding: XLA
+    reassociates float adds only with constants (which :func:`_c` hides) and contracts only
+    products (which :func:`_mul` hides)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
 
 
 def _split(a):
     """Veltkamp's split of a float32 into two 12-bit halves (hi + lo == a exactly)."""
     t = _mul(_c(4097.0), a)
-    hi = _hide(t - _hide(t - a))
-    return hi, _hide(a - hi)
+    hi = t - (t - a)
+    return hi, a - hi
 
 
 def _fma_core(a, b, c):
     p = _mul(a, b)
     ah, al = _split(a)
     bh, bl = _split(b)
-    e = _hide(_hide(_hide(_mul(ah, bh) - p) + _mul(ah, bl)) + _mul(al, bh)) + _mul(al, bl)
+    e = (((_mul(ah, bh) - p) + _mul(ah, bl)) + _mul(al, bh)) + _mul(al, bl)
     th, tl = _two_sum(c, p)
     s, err = _two_sum(tl, e)
     sb = bits(s)
     inexact = (err != 0) & ((sb & 1) == 0)
     away = (s > 0) == (err > 0)  # the exact value lies further from zero than s
     v = jnp.where(inexact, from_bits(sb + jnp.where(away, 1, -1).astype(jnp.int32)), s)
-    return p, _hide(th + v)
+    return p, th + v
 
 
 def _pow2(k) -> jax.Array:
@@ -156,7 +162,7 @@ def fma_f32(a, b, c, tiny_products: bool = True) -> jax.Array:
         p, z = _fma_core(a, b, c)
         big = _c(2.0 ** 100)
         safe = jnp.isfinite(p) & jnp.isfinite(c) & jnp.isfinite(z) & (jnp.abs(a) < big) & (jnp.abs(b) < big)
-        return jnp.where(safe, z, _hide(p + c))
+        return jnp.where(safe, z, p + c)
     exp_a = ((bits(a) >> 23) & 0xFF) - 127
     exp_b = ((bits(b) >> 23) & 0xFF) - 127
     normal = (exp_a > -127) & (exp_a < 128) & (exp_b > -127) & (exp_b < 128)
@@ -166,7 +172,7 @@ def fma_f32(a, b, c, tiny_products: bool = True) -> jax.Array:
     small = _c(2.0 ** -100)
     c1 = jnp.where((c != 0) & (jnp.abs(c1) < small), jnp.where(jnp.signbit(c), -small, small), c1)
     z = _scale_pow2(_fma_core(a1, b1, c1)[1], -(sa + sb))
-    naive = _hide(_mul(a, b) + c)
+    naive = _mul(a, b) + c
     safe = normal & jnp.isfinite(c) & jnp.isfinite(c1) & (jnp.abs(c1) < _c(2.0 ** 100)) & jnp.isfinite(z)
     return jnp.where(safe, z, naive)
 

@@ -34,12 +34,16 @@ def test_fma_is_correctly_rounded(rng):
 
 
 def test_plain_xla_would_not_match():
-    """The hazards numerics/jnp.py guards against are real on this XLA: a * b + c is contracted."""
+    """The hazards numerics/jnp.py guards against are real on this XLA: a * b + c is contracted,
+    denormals are flushed, float adds are reassociated with constants."""
     rng = np.random.default_rng(0)
     a, b, c = (rng.standard_normal(10_000).astype(f32) for _ in range(3))
     naive = np.asarray(jax.jit(lambda a, b, c: a * b + c)(a, b, c))
     assert (naive != (a * b + c)).any()  # contracted into an fma (two roundings expected)
     assert np.asarray(jax.jit(lambda x: x * f32(2.0 ** 100))(np.float32(1e-40))) == 0  # denormals flushed
+    p = np.float32(1e-10)
+    assert np.asarray(jax.jit(lambda p: (1 + p) - 1)(p)) == p  # reassociated with the constants (exact: 0)
+    assert np.asarray(jax.jit(lambda p: (jn._c(1.0) + p) - jn._c(1.0))(p)) == 0  # a hidden constant is not
 
 
 GRID = np.concatenate([np.linspace(-30, 30, 120_001, dtype=np.float32),
