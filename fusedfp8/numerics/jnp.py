@@ -12,7 +12,7 @@ habits of it, and tested byte for byte against the reference:
   it behind a bit-level identity (bitcast, xor with a zero that XLA cannot see is zero, bitcast
   back), so no add ever sees a multiply to fuse with. Known gap: that zero is opaque only while
   it reaches the fusion as a parameter; where XLA:CPU fuses it in as a constant (the smallest
-  programs), LLVM folds the xor and contracts (test_jnp's strict xfail shows one such program).
+  programs), LLVM folds the xor and contracts (an xfail in test_jnp shows one such program).
   The fused multiply-adds the reference *does* use (``fma_f32``) are emulated exactly in float32
   (:func:`fma_f32`), since JAX has no FMA primitive and float64 is off by default.
 - Reassociation with constants. XLA's simplifier rewrites ``(1 + p) - 1`` to ``p``; it leaves
