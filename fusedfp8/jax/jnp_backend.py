@@ -72,12 +72,10 @@ def _stage_jnp(cfg: _QCfg, amax, hist, scale, scale_inv, updates):
     from that slot."""
     i = cfg.index
     acc = jn.nan_max(hist[0, i], amax)
-    s_old = scale[i]
+    fresh = updates[i] == 0
+    s = scale[i]
     if cfg.current_first:
-        fresh = updates[i] == 0
-        s = jnp.where(fresh, jn.current_scale(acc, cfg.fmt, cfg.margin_factor, s_old), s_old)
-    else:
-        s = s_old
+        s = jnp.where(fresh, jn.current_scale(acc, cfg.fmt, cfg.margin_factor, s), s)
     # 1 / s is read twice (the scale_inv the cast used, and the state's): computed once, or XLA
     # copies the whole long division into both readers
     inv = jn.computed_once(jn.div_rn(1.0, s))
@@ -110,7 +108,7 @@ def _quantize_jnp(cfg: _QCfg, x, b, hist, scale, scale_inv, updates):
 
 # ---- update_scales, and the first use of a flax meta in a step ------------------------------------
 def _update_jnp(recipe: DelayedScaling, hist, scale, scale_inv, overflows, updates, fmt_max):
-    margin = 1.0 if recipe.margin_factor == 1.0 else jnp.float32(recipe.margin_factor)  # 1.0: no division
+    margin = jn.margin_operand(recipe.margin_factor)
     return update_rule(jn.JnpNamespace(), hist, scale, overflows, updates, fmt_max, margin, recipe.amax_compute_algo)
 
 
