@@ -13,9 +13,6 @@ Imports jax; load it only when needed.
 """
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -71,7 +68,7 @@ def _quantize_2d(z, fmt: Format, block: tuple, power_of_two: bool):
     return q, _layout(s_inv, block, scale_shape(rows, cols, block)), s_inv
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block", "power_of_two", "transpose", "pad_to"))
+@jn._traced_once("fmt", "block", "power_of_two", "transpose", "pad_to")
 def _block_quantize(x, fmt: str, block: tuple, power_of_two: bool, transpose: bool, pad_to: int):
     f = get_format(fmt)
     v = jnp.asarray(x).astype(f32)

@@ -10,11 +10,10 @@ habits of it, and tested byte for byte against the reference:
 - FMA contraction. XLA:CPU (and LLVM on GPU) fuse ``a * b + c`` into one fused multiply-add,
   which rounds once instead of twice. Every product is passed through :func:`_mul`, which hides
   it behind a bit-level identity (bitcast, xor with a zero that XLA cannot see is zero, bitcast
-  back), so no add ever sees a multiply to fuse with. Known gap: that zero is opaque only while
-  it reaches the fusion as a parameter; where XLA:CPU fuses it in as a constant (the smallest
-  programs), LLVM folds the xor and contracts: ``jit(lambda a, b, c: _mul(a, b) + c)`` on jax 0.10.
-  The fused multiply-adds the reference *does* use (``fma_f32``) are emulated exactly in float32
-  (:func:`fma_f32`), since JAX has no FMA primitive and float64 is off by default.
+  back), so no add ever sees a multiply to fuse with. How that zero is made is
+  :func:`_hidden_zero`'s business. The fused multiply-adds the reference *does* use
+  (``fma_f32``) are emulated exactly in float32 (:func:`fma_f32`), since JAX has no FMA primitive
+  and float64 is off by default.
 - Reassociation with constants. XLA's simplifier rewrites ``(1 + p) - 1`` to ``p``; it leaves
   sums and differences of non-constant operands as written. Every constant is therefore hidden
   (:func:`_c`) and the error-free sums (TwoSum, Veltkamp's split) are plain adds: hiding each of
@@ -34,7 +33,10 @@ habits of it, and tested byte for byte against the reference:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +65,36 @@ def _traced_once(*static_argnames: str):
     every later call, traced or eager, instead of being traced again at each call site. Under an
     outer ``jit`` XLA inlines the call, so the compiled program is the same; eagerly it is one
     compiled program instead of thousands of dispatched ops: tracing was a fifth of the CPU test
-    suite's time."""
-    return lambda fn: functools.wraps(fn)(jax.jit(fn, static_argnames=static_argnames))
+    suite's time.
+
+    The hidden zero (:func:`one_hidden_zero`) is an argument: the caller's, so that a program
+    has one however many of these it calls, or one made from the arguments. Read from the
+    enclosing block instead, it would be a tracer of the first caller's trace kept in the cache."""
+
+    def wrap(fn):
+        sig = inspect.signature(fn)
+
+        def traced(*args, _zero, **kwargs):
+            token = _ZERO.set(_zero)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _ZERO.reset(token)
+
+        traced.__signature__ = sig.replace(parameters=[*sig.parameters.values(),
+                                                       inspect.Parameter("_zero", inspect.Parameter.KEYWORD_ONLY)])
+        jitted = jax.jit(traced, static_argnames=static_argnames)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            zero = _ZERO.get()
+            if zero is None:
+                zero = _new_zero(*jax.tree.leaves((args, kwargs)))
+            return jitted(*args, _zero=zero, **kwargs)
+
+        return call
+
+    return wrap
 
 
 # ---- bit-level helpers -------------------------------------------------------------------------
@@ -76,15 +106,67 @@ def from_bits(b) -> jax.Array:
     return lax.bitcast_convert_type(b, f32)
 
 
-def _hidden_zero() -> jax.Array:
-    """An int32 0 that XLA cannot constant-fold (it comes out of an optimization barrier)."""
-    return lax.optimization_barrier(jnp.zeros((), jnp.int32))
+_ZERO = contextvars.ContextVar("fusedfp8_hidden_zero", default=None)
+
+
+def _new_zero(*like) -> jax.Array:
+    """An int32 0 that neither XLA nor LLVM can see is 0, computed from the first nonempty array
+    among ``like`` (a value XLA cannot know in advance).
+
+    On the CPU it is what a while loop leaves of a counter that starts at 0 or 1 (whether that
+    value's first element is nonzero) and counts down to 0. XLA:CPU removes optimization barriers
+    before it fuses; a zero out of a barrier then becomes a constant that XLA may fuse into its
+    reader, where LLVM folds the xor away and contracts the product it hid (``jit(lambda a, b,
+    c: _mul(a, b) + c)`` was one ulp off NumPy on a quarter of the elements). A loop is never
+    fused, so its result reaches every reader as a buffer, and ``vmap`` keeps it a loop (a
+    conditional on a batched predicate becomes a select of its two results, which XLA folds).
+
+    Elsewhere the zero comes out of an optimization barrier: on the GPU this module runs the
+    train step's state update, not the quantization (the kernels do that), and a loop there
+    would cost a host round trip a step. So it does where ``like`` holds no traced element:
+    nothing to hide from a compiler (eager values are computed op by op), or nothing to make
+    the zero from."""
+    seed = next((a for a in like if isinstance(a, jax.core.Tracer) and a.size), None)
+    if seed is None:
+        return lax.optimization_barrier(jnp.zeros((), jnp.int32))
+
+    def first_nonzero(v):  # 0 or 1; varying over a shard_map's axes where v is
+        return (jnp.ravel(v)[0] != 0).astype(jnp.int32)
+
+    def cpu(v):
+        return lax.while_loop(lambda n: n > 0, lambda n: n - 1, first_nonzero(v))
+
+    return lax.platform_dependent(seed, cpu=cpu, default=lambda v: lax.optimization_barrier(first_nonzero(v) & 0))
+
+
+@contextlib.contextmanager
+def one_hidden_zero(*like):
+    """Within the block every hidden product and constant shares one zero, made on entry from
+    ``like`` (:func:`_new_zero`). Outside any block each hidden value makes its own from itself:
+    as exact, but a loop each for XLA:CPU to compile; and a constant, having no traced value to
+    make it from, gets the barrier's zero, which XLA:CPU may see through.
+
+    A function under ``jax.jit`` that hides takes its caller's zero as an argument
+    (:func:`_traced_once` does) or opens its own block: its trace is cached and reused by later
+    calls, and must not keep a tracer of its first caller's."""
+    token = _ZERO.set(_new_zero(*like))
+    try:
+        yield
+    finally:
+        _ZERO.reset(token)
+
+
+def _hidden_zero(v) -> jax.Array:
+    """An int32 0 that XLA cannot see is 0: the enclosing :func:`one_hidden_zero` block's, else
+    one made from ``v``."""
+    zero = _ZERO.get()
+    return _new_zero(v) if zero is None else zero
 
 
 def _hide(v) -> jax.Array:
     """``v`` unchanged, bit for bit, but opaque to XLA: no simplification or contraction sees
     through it."""
-    return from_bits(bits(v) ^ _hidden_zero())
+    return from_bits(bits(v) ^ _hidden_zero(v))
 
 
 def computed_once(v) -> jax.Array:
@@ -94,7 +176,7 @@ def computed_once(v) -> jax.Array:
     transpose was compiled, and run, once per reader. An integer division counts as expensive to
     XLA's fusion pass, which never duplicates one: dividing the bits by a 1 it cannot see stops
     the copying there."""
-    return from_bits(lax.div(bits(v), _hidden_zero() + 1))
+    return from_bits(lax.div(bits(v), _hidden_zero(v) + 1))
 
 
 def _mul(a, b) -> jax.Array:

@@ -1,7 +1,8 @@
 """tests/support/hlo.py, which the GPU tests use to count FP8 GEMMs in XLA's optimized HLO, on a
 hand-written module: one Triton FP8 GEMM fusion, one cuBLASLt FP8 call, one bf16 dot; and on
-another, the pads of FP8 bytes (fp8_pads)."""
-from support.hlo import fp8_gemm_counts, fp8_pads, other_gemms
+another, the pads of FP8 bytes (fp8_pads); on a third, the xors that XLA can see through
+(xors_with_zero)."""
+from support.hlo import fp8_gemm_counts, fp8_pads, other_gemms, xors_with_zero
 
 MODULE = """HloModule m
 
@@ -69,3 +70,42 @@ def test_fp8_pads_finds_the_fused_pad_of_fp8_and_the_uint8_pad_but_not_the_bf16_
     found = fp8_pads(PADS)
     assert [ln.split(" = ")[0] for ln in found] == ["fused_pad: %pad.1", "main: %pad.3"]
     assert fp8_pads(PADS.replace("f8e4m3fn", "f32").replace("u8", "s32")) == []
+
+
+XORS = """HloModule m
+
+%fused_seen (p0: f32[8], p1: f32[8], p2: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  %p1 = f32[8]{0} parameter(1)
+  %p2 = f32[8]{0} parameter(2)
+  %mul.0 = f32[8]{0} multiply(%p0, %p1)
+  %bc.0 = s32[8]{0} bitcast-convert(%mul.0)
+  %zero.0 = s32[] constant(0)
+  %zeros.0 = s32[8]{0} broadcast(%zero.0), dimensions={}
+  %xor.0 = s32[8]{0} xor(%bc.0, %zeros.0)
+  %back.0 = f32[8]{0} bitcast-convert(%xor.0)
+  ROOT %add.0 = f32[8]{0} add(%back.0, %p2)
+}
+
+%fused_hidden (q0: f32[8], q1: f32[8], q2: s32[]) -> f32[8] {
+  %q0 = f32[8]{0} parameter(0)
+  %q1 = f32[8]{0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %mul.1 = f32[8]{0} multiply(%q0, %q1)
+  %bc.1 = s32[8]{0} bitcast-convert(%mul.1)
+  %zeros.1 = s32[8]{0} broadcast(%q2), dimensions={}
+  %xor.1 = s32[8]{0} xor(%bc.1, %zeros.1)
+  %c.1 = s32[] constant(0)
+  %xor.2 = s32[] xor(%c.1, %q2)
+  %c.2 = s32[] constant(1065353216)
+  %xor.3 = s32[] xor(%c.2, %q2)
+  ROOT %back.1 = f32[8]{0} bitcast-convert(%xor.1)
+}
+"""
+
+
+def test_xors_with_zero_finds_the_zero_xla_can_see_and_not_the_hidden_ones():
+    """A product xor a broadcast constant 0 is found; a product xor a zero that comes in as a
+    parameter, the hidden constant 0.0 (0 xor that parameter) and another hidden constant are not."""
+    found = xors_with_zero(XORS)
+    assert len(found) == 1 and found[0].startswith("fused_seen: %xor.0 = "), found

@@ -22,6 +22,7 @@ from fusedfp8.numerics import jnp_gelu as jg
 from fusedfp8.numerics import layernorm as ln_ref
 from fusedfp8.numerics import reference as ref
 from fusedfp8.state import ScalingState, apply_update
+from support import hlo
 from support import shapes as S
 
 f32 = np.float32
@@ -243,7 +244,9 @@ def test_layernorm_quantize_refuses_bad_arguments_by_name():
 def test_vmap_quantizes_each_example_on_its_own(rng):
     x = rng.standard_normal((4, 8, 16)).astype(f32) * np.array([1, 10, 100, 1000], f32)[:, None, None]
     st = fresh()
-    r, new = jax.jit(jax.vmap(lambda x: P.quantize(x, st, 0, RECIPE, transpose=True)))(jnp.asarray(x))
+    compiled = jax.jit(jax.vmap(lambda x: P.quantize(x, st, 0, RECIPE, transpose=True))).lower(x).compile()
+    assert not hlo.xors_with_zero(compiled.as_text())  # the hiding zero stays hidden under vmap
+    r, new = compiled(jnp.asarray(x))
     for i in range(4):
         s = ref_current(x[i], E4M3)
         np.testing.assert_array_equal(u8(r.data[i]), u8(ref.quantize(x[i], s, E4M3).data))
@@ -421,7 +424,10 @@ def test_fp8_mlp_fused_layernorm_matches_layernorm_then_fp8_mlp(rng, M):
         def loss(*a):
             return jnp.sum(fn(*a).astype(jnp.float32) ** 2)
 
-        return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=tuple(range(6)))(*a)))(x, lw, w1, w2, m1, m2)
+        args = (x, lw, w1, w2, m1, m2)
+        step = jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=tuple(range(6)))(*a))).lower(*args).compile()
+        assert not hlo.xors_with_zero(step.as_text())  # every hidden product and constant stays hidden
+        return step(*args)
 
     (yf, gf), (yu, gu) = run(fused), run(unfused)
     assert yf.shape == (M, H) and yf.dtype == bf
@@ -508,7 +514,9 @@ def test_the_emulated_activation_is_compiled_once(op):
     st = ScalingState.create((False, True), RECIPE, like=x)
 
     def instructions(fn, *args):
-        return len(_INSTRUCTION.findall(jax.jit(fn).lower(*args).compile().as_text()))
+        text = jax.jit(fn).lower(*args).compile().as_text()
+        assert not hlo.xors_with_zero(text)  # every hidden product and constant stays hidden
+        return len(_INSTRUCTION.findall(text))
 
     if op == "gelu":
         alone = instructions(lambda x: jg.gelu_f32(x.astype(jnp.float32), "tanh"), x)

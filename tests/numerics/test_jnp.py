@@ -46,6 +46,37 @@ def test_plain_xla_would_not_match():
     assert np.asarray(jax.jit(lambda p: (jn._c(1.0) + p) - jn._c(1.0))(p)) == 0  # a hidden constant is not
 
 
+# A hidden product read by an add, in programs small enough for XLA:CPU to fuse a zero it can see
+# into the add's fusion (where LLVM folds the xor and contracts the product): (program, NumPy's).
+HIDDEN = {
+    "product + c": (lambda a, b, c: jn._mul(a, b) + c, lambda a, b, c: a * b + c),
+    "c - product": (lambda a, b, c: c - jn._mul(a, b), lambda a, b, c: c - a * b),
+    "hidden constant factor": (lambda a, b, c: jn._mul(a, jn._c(1.1)) + c, lambda a, b, c: a * f32(1.1) + c),
+    "stored factor": (lambda a, b, c: jn._mul(a, jn.computed_once(b)) + c, lambda a, b, c: a * b + c),
+    "jn.mul": (lambda a, b, c: jn.mul(a, b) + c, lambda a, b, c: a * b + c),
+    "two products": (lambda a, b, c: jn._mul(a, b) + jn._mul(b, c), lambda a, b, c: a * b + b * c),
+}
+
+
+@pytest.mark.parametrize("transform", ["jit", "vmap"])
+@pytest.mark.parametrize("name", list(HIDDEN))
+def test_a_hidden_product_is_rounded_before_the_add(name, transform, jax_device):
+    """Every product that numerics.jnp hides is rounded before an add reads it, however small the
+    program (``jit(lambda a, b, c: _mul(a, b) + c)`` was one ulp off NumPy on a quarter of the
+    results: XLA:CPU had fused the hiding zero in as a constant) and under vmap; on the CPU no
+    xor of the compiled program has an operand XLA knows is 0."""
+    from support import hlo
+
+    program, numpy = HIDDEN[name]
+    rng = np.random.default_rng(3)
+    a, b, c = (jax.device_put(rng.standard_normal((40, 2500)).astype(f32), jax_device) for _ in range(3))
+    fn = jax.jit(program if transform == "jit" else jax.vmap(program))
+    compiled = fn.lower(a, b, c).compile()
+    np.testing.assert_array_equal(u8(compiled(a, b, c)), u8(numpy(*(np.asarray(v) for v in (a, b, c)))))
+    if jax_device.platform == "cpu":
+        assert not hlo.xors_with_zero(compiled.as_text())
+
+
 GRID = np.concatenate([np.linspace(-30, 30, 120_001, dtype=np.float32),
                        np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e30, -1e30, 3e38, -3e38], np.float32)])
 # the documented gap: where the reference's erf intermediates are denormal (gradual underflow),

@@ -1,4 +1,4 @@
-"""Reading XLA's optimized HLO text (``jax.jit(f).lower(...).compile().as_text()``) in the GPU tests."""
+"""Reading XLA's optimized HLO text (``jax.jit(f).lower(...).compile().as_text()``) in the tests."""
 from __future__ import annotations
 
 import re
@@ -9,6 +9,7 @@ _DOT = re.compile(r"= \S+ dot\(%([^,\s]+), %([^,)\s]+)\)")
 _FUSION = re.compile(r"= \S+ fusion\(.*kind=kCustom, calls=%([^,\s]+)")
 _PAD = re.compile(r"^\s*(?:ROOT )?%\S+ = (\S+?)\[\S*\s+pad\(%([^,\s]+),")
 _CONVERT = re.compile(r"\s+convert\(%([^,)\s]+)\)")
+_OPERANDS = re.compile(r"= \S+ (\w[\w-]*)\(([^)]*)\)")
 _BYTES = ("f8", "u8")  # FP8 values, and the uint8 codes the kernels write (bitcast to FP8)
 
 CUBLASLT_FP8 = 'custom_call_target="__cublas$lt$matmul$f8"'
@@ -75,5 +76,33 @@ def fp8_pads(text: str) -> list[str]:
                 continue
             conv = _CONVERT.search(instrs.get(pad.group(2), ("", ""))[1])
             if pad.group(1).startswith(_BYTES) or (conv and instrs.get(conv.group(1), ("",))[0].startswith(_BYTES)):
+                found.append(f"{name}: {ln.strip()}")
+    return found
+
+
+def xors_with_zero(text: str) -> list[str]:
+    """The ``xor`` instructions that XLA can see through, each as "computation: instruction": an
+    operand it knows is 0 (a constant 0, or a broadcast of one) and the other not a parameter of
+    the computation. ``fusedfp8.numerics.jnp`` hides a product or a constant as ``bits ^ zero``;
+    where XLA sees the zero, LLVM folds the xor away and a product is free to be contracted into
+    the add that reads it. (An operand that is a parameter was computed elsewhere, a product
+    already rounded; a hidden constant 0.0 is ``0 ^ zero``, the zero itself.)"""
+    found = []
+    for name, lines in computations(text).items():
+        ops = {}
+        for ln in lines:
+            m, o = _INSTR.match(ln), _OPERANDS.search(ln)
+            if m and o:
+                ops[m.group(1)] = (o.group(1), [a.strip().lstrip("%") for a in o.group(2).split(",")])
+
+        def zero(op: str) -> bool:
+            kind, args = ops.get(op, ("", []))
+            return (kind == "constant" and args == ["0"]) or (kind == "broadcast" and zero(args[0]))
+
+        for ln in lines:
+            m = _INSTR.match(ln)
+            kind, args = ops.get(m.group(1), ("", [])) if m else ("", [])
+            if kind == "xor" and len(args) == 2 and any(
+                    zero(a) and ops.get(other, ("",))[0] != "parameter" for a, other in (args, args[::-1])):
                 found.append(f"{name}: {ln.strip()}")
     return found
