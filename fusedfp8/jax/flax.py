@@ -49,7 +49,6 @@ import flax.linen as nn
 from flax.training import train_state
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from .. import policy as _policy
 from ..recipe import DelayedScaling
