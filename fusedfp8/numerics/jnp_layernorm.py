@@ -12,7 +12,7 @@ from jax import lax
 from ..formats import Format
 from . import layernorm as _ln
 from .jnp import (_INF_BITS, _MAG, _c, _hide, _mul, _one_zero, _traced_once, _unpack, amax, bits, cast_to_fp8,
-                  div_rn, f32, from_bits, mul)
+                  computed_once, div_rn, f32, from_bits, mul)
 
 _SQRT_STEPS = 26  # result bits of the integer square root: 24 significant, a guard bit, one for odd exponents
 
@@ -96,10 +96,11 @@ def layernorm_f32(x, weight, bias, eps):
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     v = x.reshape(rows, cols)
     n = _c(cols)
-    mean = div_rn(row_sum(v), n)
+    # each statistic computed once: XLA copies a division into every fusion that reads it
+    mean = computed_once(div_rn(row_sum(v), n))
     d = v - mean[:, None]
     var = div_rn(row_sum(_mul(d, d)), n)
-    rstd = div_rn(_c(1.0), sqrt_rn(var + _c(np.float32(eps))))
+    rstd = computed_once(div_rn(_c(1.0), sqrt_rn(var + _c(np.float32(eps)))))
     y = _mul(d, rstd[:, None])
     if weight is not None:
         y = _mul(y, jnp.asarray(weight).astype(f32))
