@@ -425,7 +425,8 @@ def cast_to_fp8(v, fmt: str | Format) -> jax.Array:
 def current_scale(a, fmt: Format, margin_factor: float, fallback) -> jax.Array:
     """First-step scale from the amax ``a`` (scalar), or ``fallback`` where a is 0 or non-finite
     (:func:`fusedfp8.numerics.scaling.current_scale`)."""
-    return scaling.current_scale(JnpNamespace(), a, _c(fmt.max), margin_operand(margin_factor), fallback)
+    # fmt_max is only ever divided (integer ops on its bits): a plain constant, which XLA folds
+    return scaling.current_scale(JnpNamespace(), a, np.float32(fmt.max), margin_operand(margin_factor), fallback)
 
 
 def margin_operand(margin_factor: float):
