@@ -10,10 +10,10 @@ habits of it, and tested byte for byte against the reference:
 - FMA contraction. XLA:CPU (and LLVM on GPU) fuse ``a * b + c`` into one fused multiply-add,
   which rounds once instead of twice. Every product is passed through :func:`_mul`, which hides
   it behind a bit-level identity (bitcast, xor with a zero that XLA cannot see is zero, bitcast
-  back), so no add ever sees a multiply to fuse with. How that zero is made is
-  :func:`_hidden_zero`'s business. The fused multiply-adds the reference *does* use
-  (``fma_f32``) are emulated exactly in float32 (:func:`fma_f32`), since JAX has no FMA primitive
-  and float64 is off by default.
+  back), so no add ever sees a multiply to fuse with; on the CPU that zero is a loop's result,
+  which XLA cannot fuse into the add's kernel (:func:`_new_zero`). The fused multiply-adds the
+  reference *does* use (``fma_f32``) are emulated exactly in float32 (:func:`fma_f32`), since JAX
+  has no FMA primitive and float64 is off by default.
 - Reassociation with constants. XLA's simplifier rewrites ``(1 + p) - 1`` to ``p``; it leaves
   sums and differences of non-constant operands as written. Every constant is therefore hidden
   (:func:`_c`) and the error-free sums (TwoSum, Veltkamp's split) are plain adds: hiding each of
