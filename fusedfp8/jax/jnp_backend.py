@@ -71,11 +71,11 @@ def _stage_jnp(cfg: _QCfg, amax, hist, scale, scale_inv, updates):
     staging slot and, on the tensor's first step under first_step='current', the current scale
     from that slot."""
     i = cfg.index
-    acc = jn.nan_max(hist[0, i], amax)
+    acc = jn.computed_once(jn.nan_max(hist[0, i], amax))
     fresh = updates[i] == 0
     s = scale[i]
     if cfg.current_first:
-        s = jnp.where(fresh, jn.current_scale(acc, cfg.fmt, cfg.margin_factor, s), s)
+        s = jn.computed_once(jnp.where(fresh, jn.current_scale(acc, cfg.fmt, cfg.margin_factor, s), s))
     # 1 / s is read twice (the scale_inv the cast used, and the state's): computed once, or XLA
     # copies the whole long division into both readers
     inv = jn.computed_once(jn.div_rn(1.0, s))
