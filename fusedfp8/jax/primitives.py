@@ -146,20 +146,9 @@ def _as_varying_as(outs, args):
                  if vma - _vma(o) else o for o in outs)
 
 
-def _one_hidden_zero(jnp_fn):
-    """``jnp_fn`` with every product and constant it hides sharing one zero
-    (:func:`fusedfp8.numerics.jnp.one_hidden_zero`)."""
-
-    def run(*args):
-        with jn.one_hidden_zero(*args):
-            return jnp_fn(*args)
-
-    return run
-
-
 def _dispatch(impl: str, jnp_fn, kernel_fn, *args):
     """``jnp_fn(*args)`` or ``kernel_fn(backend, *args)`` as ``impl`` says."""
-    jnp_fn = _one_hidden_zero(jnp_fn)
+    jnp_fn = jn.shares_one_zero(jnp_fn)  # one hiding zero for the whole jax.numpy branch
     if impl == "jnp":
         return jnp_fn(*args)
     if impl in _CUDA_IMPLS:
@@ -275,7 +264,7 @@ def stage_amax(state: ScalingState, index: int, amax, recipe: DelayedScaling) ->
     if amax.shape not in ((), (1,)) or amax.dtype != jnp.float32:
         raise ValueError(f"amax must be a float32 scalar; got {amax.dtype} {amax.shape}")
     args = lax.stop_gradient((amax.reshape(()), state.amax_history, state.scale, state.scale_inv, state.updates))
-    _, _, hist, scale, scale_inv = _one_hidden_zero(functools.partial(_stage_jnp, cfg))(*args)
+    _, _, hist, scale, scale_inv = jn.shares_one_zero(functools.partial(_stage_jnp, cfg))(*args)
     return state.replace(amax_history=hist, scale=scale, scale_inv=scale_inv)
 
 

@@ -156,10 +156,10 @@ def one_hidden_zero(*like):
         _ZERO.reset(token)
 
 
-def _one_zero(fn):
+def shares_one_zero(fn):
     """Decorator: the values ``fn`` hides share one zero, the enclosing block's or one made from
-    ``fn``'s arguments (:func:`one_hidden_zero`); for the functions other modules call outside
-    the jnp backend's blocks, which are not :func:`_traced_once`."""
+    ``fn``'s arguments (:func:`one_hidden_zero`). For the twin's entry points that are not
+    :func:`_traced_once`, and for the jnp backend's branch of each primitive."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -361,7 +361,7 @@ class JnpNamespace(NumpyNamespace):
 
 
 # ---- amax, scaling, the FP8 cast ------------------------------------------------------------------
-@_one_zero
+@shares_one_zero
 def amax(y) -> jax.Array:
     """max |y| as a float32 scalar from the bits: exact with denormals, NaN-propagating
     (canonical NaN), 0 for an empty array."""
@@ -370,7 +370,7 @@ def amax(y) -> jax.Array:
     return jnp.where(m > _INF_BITS, _c(np.nan), from_bits(m))
 
 
-@_one_zero
+@shares_one_zero
 def nan_max(a, b) -> jax.Array:
     """max of two amaxes (>= 0 or NaN), NaN-propagating, exact with denormals."""
     m = from_bits(jnp.maximum(bits(a) & _MAG, bits(b) & _MAG))
@@ -411,7 +411,7 @@ def scale_input(x, s) -> jax.Array:
     return mul(x, s)
 
 
-@_one_zero
+@shares_one_zero
 def cast_to_fp8(v, fmt: str | Format) -> jax.Array:
     """``cvt.rn.satfinite`` as uint8 codes: RNE, saturating, NaN -> the canonical NaN byte."""
     fmt = get_format(fmt)
@@ -421,7 +421,7 @@ def cast_to_fp8(v, fmt: str | Format) -> jax.Array:
     return jnp.where(jnp.isnan(v), jnp.uint8(fmt.nan_bits), q)
 
 
-@_one_zero
+@shares_one_zero
 def current_scale(a, fmt: Format, margin_factor: float, fallback) -> jax.Array:
     """First-step scale from the amax ``a`` (scalar), or ``fallback`` where a is 0 or non-finite
     (:func:`fusedfp8.numerics.scaling.current_scale`)."""

@@ -11,8 +11,8 @@ from jax import lax
 
 from ..formats import Format
 from . import layernorm as _ln
-from .jnp import (_INF_BITS, _MAG, _c, _hide, _mul, _one_zero, _traced_once, _unpack, amax, bits, cast_to_fp8,
-                  computed_once, div_rn, f32, from_bits, mul)
+from .jnp import (_INF_BITS, _MAG, _c, _hide, _mul, _traced_once, _unpack, amax, bits, cast_to_fp8, computed_once,
+                  div_rn, f32, from_bits, mul, shares_one_zero)
 
 _SQRT_STEPS = 26  # result bits of the integer square root: 24 significant, a guard bit, one for odd exponents
 
@@ -67,7 +67,7 @@ def _halve(v, n: int):
     return v[..., 0]
 
 
-@_one_zero
+@shares_one_zero
 def row_sum(v) -> jax.Array:
     """(rows,) sums of the (rows, cols) float32 array ``v`` in the kernel's order
     (:func:`fusedfp8.numerics.layernorm.row_sum`). The adds need no hiding: XLA reassociates
@@ -86,7 +86,7 @@ def _canonical_nan(v):
     return jnp.where(jnp.isnan(v), from_bits(np.int32(0x7FC00000)), v)
 
 
-@_one_zero
+@shares_one_zero
 def layernorm_f32(x, weight, bias, eps):
     """(y, mean, rstd) as :func:`fusedfp8.numerics.layernorm.layernorm_f32`: y float32 of x's shape,
     mean and rstd (rows,) float32 with the canonical NaN. Known gap on XLA:CPU: denormal
@@ -109,7 +109,7 @@ def layernorm_f32(x, weight, bias, eps):
     return y.reshape(x.shape), _canonical_nan(mean), _canonical_nan(rstd)
 
 
-@_one_zero
+@shares_one_zero
 def layernorm_quantize(x, weight, bias, eps, scale, fmt: str | Format, transpose: bool = False):
     """(q, q_t, amax, mean, rstd): LayerNorm of x quantized with ``scale`` (uint8 codes of x's
     shape; the (cols, rows) transpose or None), ``amax = max |y|``, the per-row statistics."""
