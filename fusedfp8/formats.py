@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 
@@ -32,6 +31,8 @@ class Format(NamedTuple):
 
     @property
     def numpy_dtype(self) -> np.dtype:
+        import ml_dtypes  # a second to import: only where numpy arrays of FP8 are made
+
         return np.dtype(getattr(ml_dtypes, self.dtype_name))
 
 

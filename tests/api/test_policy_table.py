@@ -35,7 +35,9 @@ def data_dir(monkeypatch, tmp_path, no_env_table):
 
 
 def test_policy_imports_no_framework():
-    code = "import sys, fusedfp8.policy; print(sorted(m for m in ('torch', 'jax', 'cupy') if m in sys.modules))"
+    """Nor ml_dtypes (a second to import): only code that makes FP8 numpy arrays needs it."""
+    code = ("import sys, fusedfp8.policy; "
+            "print(sorted(m for m in ('torch', 'jax', 'cupy', 'ml_dtypes') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

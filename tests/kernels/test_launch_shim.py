@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -345,18 +346,50 @@ def torch_lib():
     return built_shim("torch")
 
 
-def test_the_shim_builds_with_its_stamp(tmp_path):
-    """build() (what setup.py runs) compiles the JAX shim and stamps it with this process's fingerprint."""
+def test_the_loaded_shim_is_stamped_with_this_process_fingerprint(xla_lib):
+    """The library that library() loaded was compiled by build() (at install time, or on first use
+    into the cache, under a name that holds its fingerprint) from these sources and flags: its
+    stamp is this process's fingerprint and it reads this package's plan version."""
+    where = shim.library("xla")[1]
+    path = Path(where.rsplit(": ", 1)[1])
+    assert (path.parent / (path.name + ".stamp")).read_text().strip() == shim.fingerprint("xla")
+    assert xla_lib.ff8_plan_version() == P.PLAN_VERSION
+
+
+FAKE_CXX = """#!/bin/sh
+# a stand-in compiler: writes the file after -o; then fails with a message if $FAKE_CXX_FAIL is set
+while [ "$1" != "-o" ]; do shift; done
+echo built > "$2"
+[ -n "$FAKE_CXX_FAIL" ] && { echo "fake-cxx: $FAKE_CXX_FAIL" >&2; exit 3; }
+exit 0
+"""
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["compiles", "fails"])
+def test_build_writes_the_library_and_its_stamp_only_when_the_compile_succeeds(tmp_path, monkeypatch, fails):
+    """build() (what setup.py and first use run) with a stand-in compiler: on success the library
+    appears under its name (renamed from a temporary file) with the fingerprint as its stamp; on a
+    failure after writing part of its output nothing is left (no library, no stamp, no temporary
+    file) and the log holds the command and the compiler's output. (The real compile: the test
+    above, and every test that loads the shim.)"""
     pytest.importorskip("jax")
-    if shim.compiler() is None:
-        pytest.skip("no C++ compiler")
-    out = tmp_path / shim.filename("xla")
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text(FAKE_CXX)
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    if fails:
+        monkeypatch.setenv("FAKE_CXX_FAIL", "no such header")
+    out = tmp_path / "lib" / shim.filename("xla")
     ok, log = shim.build("xla", out)
-    assert ok, log
-    assert (tmp_path / (out.name + ".stamp")).read_text().strip() == shim.fingerprint("xla")
-    lib = ctypes.CDLL(str(out))
-    lib.ff8_plan_version.restype = ctypes.c_int64
-    assert lib.ff8_plan_version() == P.PLAN_VERSION
+    left = sorted(p.name for p in out.parent.iterdir())
+    if fails:
+        assert not ok and "fake-cxx: no such header" in log and "exit status 3" in log and str(cxx) in log
+        assert left == []
+    else:
+        assert ok and log == ""
+        assert out.read_text() == "built\n"
+        assert (out.parent / (out.name + ".stamp")).read_text().strip() == shim.fingerprint("xla")
+        assert left == [out.name, out.name + ".stamp"]
 
 
 def test_status_and_library_agree(xla_lib):
