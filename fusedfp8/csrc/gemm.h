@@ -83,8 +83,13 @@ enum : int32_t {
   kDescAScalePointer = 17,
   kDescBScalePointer = 18,
   kDescFastAccum = 25,
-  kDescBiasDataType = 26
+  kDescBiasDataType = 26,
+  kDescAScaleMode = 31,
+  kDescBScaleMode = 32
 };
+// cublasLtMatmulMatrixScale_t: one float32 scale per tensor, per 1x128 block (VEC128_32F), per
+// 128x128 block (BLK128x128_32F)
+enum : int32_t { kScaleScalar = 0, kScaleVec128 = 4, kScaleBlk128x128 = 5 };
 // cublasLtEpilogue_t (the attribute is a uint32_t)
 enum : uint32_t { kEpilogueDefault = 1, kEpilogueBias = 4 };
 // cublasLtMatmulPreferenceAttributes_t
@@ -191,10 +196,12 @@ struct Shape {
   int64_t workspace;      // bytes of workspace the call provides
   uint32_t epilogue = kEpilogueDefault;  // kEpilogueDefault, or kEpilogueBias: + bias[j] before the rounding
   int32_t bias_type = kR16BF;            // cudaDataType of the bias (read with kEpilogueBias only)
+  int32_t sa_mode = kScaleScalar;        // how a's scales are laid out (cublasLtMatmulMatrixScale_t), b's:
+  int32_t sb_mode = kScaleScalar;        // kScaleScalar, or the block modes (the layout: docs/design.md)
 
   bool operator==(const Shape& o) const { return std::memcmp(this, &o, sizeof(Shape)) == 0; }
 };
-static_assert(sizeof(Shape) == 8 * 7 + 4 * 6, "Shape must have no padding (it is hashed and compared bytewise)");
+static_assert(sizeof(Shape) == 8 * 7 + 4 * 8, "Shape must have no padding (it is hashed and compared bytewise)");
 
 inline int64_t out_bytes(int32_t td) { return td == kR32F ? 4 : (td == kR16BF || td == kR16F) ? 2 : 0; }
 
@@ -207,6 +214,25 @@ inline const char* type_name(int32_t t) {
     case kR32F: return "float32";
     default: return "an unsupported type";
   }
+}
+
+// "" or why the scale modes of `s` are not a block-scaled GEMM cuBLASLt offers (tests/run/
+// cublaslt_block_probe.py asked its heuristic on the H200): both operands scaled per tensor, or
+// both per block with at most one 128x128 operand (128x128 x 128x128 is not offered) and the split
+// accumulator (fast accumulation is not offered with block scales).
+inline std::string check_scale_modes(const Shape& s, const std::string& at) {
+  auto known = [](int32_t m) { return m == kScaleScalar || m == kScaleVec128 || m == kScaleBlk128x128; };
+  if (!known(s.sa_mode) || !known(s.sb_mode))
+    return at + "scale modes must be " + std::to_string(kScaleScalar) + " (per tensor), " +
+           std::to_string(kScaleVec128) + " (1x128 blocks) or " + std::to_string(kScaleBlk128x128) +
+           " (128x128 blocks); got " + std::to_string(s.sa_mode) + " and " + std::to_string(s.sb_mode);
+  if ((s.sa_mode == kScaleScalar) != (s.sb_mode == kScaleScalar))
+    return at + "one operand is scaled per tensor and the other per block: scale both per block or neither";
+  if (s.sa_mode == kScaleBlk128x128 && s.sb_mode == kScaleBlk128x128)
+    return at + "cuBLASLt has no 128x128 x 128x128 block-scaled GEMM (one operand must have 1x128 blocks)";
+  if (s.sa_mode != kScaleScalar && s.fast_accum)
+    return at + "block-scaled FP8 GEMMs take the split accumulator only (fast_accum must be 0)";
+  return "";
 }
 
 // "" or why cuBLASLt's FP8 GEMM cannot take this shape (before anything runs).
@@ -233,7 +259,7 @@ inline std::string check_shape(const Shape& s) {
   if (s.epilogue == kEpilogueBias && (s.td == kR32F || s.bias_type != s.td))
     return at + "the bias must have the output's type, bfloat16 or float16 (cuBLASLt's FP8 bias epilogue); got a " +
            type_name(s.bias_type) + " bias for a " + type_name(s.td) + " output";
-  return "";
+  return check_scale_modes(s, at);
 }
 
 struct Entry {
@@ -306,6 +332,10 @@ inline std::string build(Handle h, const Shape& s, uint32_t align, Entry& e) {
   if ((st = a.desc_set(e.desc, kDescAScalePointer, &unit, sizeof unit)) ||
       (st = a.desc_set(e.desc, kDescBScalePointer, &unit, sizeof unit)))
     return fail("setting the scale pointers");
+  if (s.sa_mode != kScaleScalar &&  // cuBLASLt's A is our b
+      ((st = a.desc_set(e.desc, kDescAScaleMode, &s.sb_mode, sizeof s.sb_mode)) ||
+       (st = a.desc_set(e.desc, kDescBScaleMode, &s.sa_mode, sizeof s.sa_mode))))
+    return fail("setting the block scale modes");
   if (s.epilogue == kEpilogueBias) {
     const void* aligned = reinterpret_cast<const void*>(static_cast<uintptr_t>(align));  // never read
     if ((st = a.desc_set(e.desc, kDescEpilogue, &s.epilogue, sizeof s.epilogue)) ||

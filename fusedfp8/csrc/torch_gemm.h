@@ -5,12 +5,18 @@
 //
 //   fp8_gemm_lt(Tensor a, Tensor b, Tensor scale_inv_a, Tensor scale_inv_b, ScalarType out_dtype,
 //               bool fast_accum=False, Tensor? bias=None) -> Tensor
+//   fp8_gemm_lt_block(Tensor a, Tensor b, Tensor scale_inv_a, Tensor scale_inv_b, int a_block,
+//                     int b_block, ScalarType out_dtype, Tensor? bias=None) -> Tensor
 //   out (M, N) = out_dtype(scale_inv_a * scale_inv_b * (a @ b.T) + bias), a (M, K) and b (N, K)
 //   contiguous FP8 (float8_e4m3fn / float8_e5m2, not both e5m2), K and N multiples of 16 (as
 //   torch._scaled_mm asks; the quantize kernels' pad_to=16 writes such operands), scales float32
 //   of one element. bias: None, or (N,) of out_dtype, which must then be bfloat16 or float16 (as
 //   torch._scaled_mm's bias); it is added in cuBLASLt's epilogue in float32 and the sum rounded
 //   once (gemm.h). `bias` came last, with a default, so callers of the op without it are unchanged.
+//   fp8_gemm_lt_block: the same product with a scale per block (BlockScaling): a_block / b_block
+//   are each operand's block rows (1: 1x128 blocks, 128: 128x128; not both 128), its scale_inv the
+//   contiguous float32 array of fusedfp8.numerics.block's layout, which cuBLASLt reads as it is
+//   (VEC128_32F / BLK128x128_32F); always the split accumulator (cuBLASLt offers no other there).
 // The workspace is one at::empty per call (the caching allocator, stream-ordered) of
 // workspace_bytes(): 32 MiB unless set (gemm_set_workspace of torch_ops.cc). fusedfp8.pytorch.gemm
 // sets it to torch's own cuBLASLt workspace size where torch tells it
@@ -57,55 +63,91 @@ inline int32_t lt_type(at::ScalarType t) {
   }
 }
 
+// The scale layout of an operand (rows, k) of the block GEMM by its block's rows (`block`: 1 for
+// 1x128 blocks, 128 for 128x128; docs/design.md "Block scaling"): cuBLASLt's scale mode and the
+// floats its scale_inv holds, (ceil(k/128), pad4(rows)) or (ceil(rows/128), pad4(ceil(k/128))).
+inline int32_t block_mode(int64_t block) { return block == 1 ? lt::kScaleVec128 : lt::kScaleBlk128x128; }
+inline int64_t block_scale_numel(int64_t rows, int64_t k, int64_t block) {
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  auto pad4 = [&](int64_t a) { return ceil_div(a, 4) * 4; };
+  return block == 1 ? ceil_div(k, 128) * pad4(rows) : ceil_div(rows, 128) * pad4(ceil_div(k, 128));
+}
+
 // The gemm.h shape of the call, after the argument checks (TORCH_CHECK: ValueError / TypeError-like
-// messages naming the argument).
-inline lt::Shape checked_shape(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
-                               at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "fp8_gemm_lt: a and b must be 2-D; got ", a.sizes(), " and ", b.sizes());
-  TORCH_CHECK(a.size(1) == b.size(1), "fp8_gemm_lt: a (M, K) and b (N, K) must agree on K; got ", a.sizes(), " and ",
+// messages naming the argument). `op` names the op in them; `a_block` / `b_block`: 0 for one scale
+// per tensor (fp8_gemm_lt), else the operand's block rows (fp8_gemm_lt_block).
+inline lt::Shape checked_shape(const char* op, const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa,
+                               const at::Tensor& sb, at::ScalarType out_dtype, bool fast_accum,
+                               const std::optional<at::Tensor>& bias, int64_t a_block = 0, int64_t b_block = 0) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D; got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.size(1) == b.size(1), op, ": a (M, K) and b (N, K) must agree on K; got ", a.sizes(), " and ",
               b.sizes());
-  TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "fp8_gemm_lt: a and b must be contiguous (row-major)");
-  TORCH_CHECK(a.device() == b.device() && sa.device() == a.device() && sb.device() == a.device(),
-              "fp8_gemm_lt: a, b and the scales must be on one device");
-  for (const at::Tensor* s : {&sa, &sb})
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->numel() == 1,
-                "fp8_gemm_lt: scale_inv_a and scale_inv_b must be float32 tensors of one element; got ",
-                s->scalar_type(), " ", s->sizes());
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), op, ": a and b must be contiguous (row-major)");
+  TORCH_CHECK(a.device() == b.device() && sa.device() == a.device() && sb.device() == a.device(), op,
+              ": a, b and the scales must be on one device");
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
+  if (a_block == 0) {
+    for (const at::Tensor* s : {&sa, &sb})
+      TORCH_CHECK(s->scalar_type() == at::kFloat && s->numel() == 1, op,
+                  ": scale_inv_a and scale_inv_b must be float32 tensors of one element; got ", s->scalar_type(), " ",
+                  s->sizes());
+  } else {
+    TORCH_CHECK((a_block == 1 || a_block == 128) && (b_block == 1 || b_block == 128), op,
+                ": a_block and b_block must be 1 (1x128 blocks) or 128 (128x128 blocks); got ", a_block, " and ",
+                b_block);
+    const int64_t want_a = block_scale_numel(m, k, a_block), want_b = block_scale_numel(n, k, b_block);
+    TORCH_CHECK(sa.scalar_type() == at::kFloat && sa.is_contiguous() && sa.numel() == want_a, op,
+                ": scale_inv_a must be a contiguous float32 tensor of ", want_a, " elements (the ", a_block,
+                "x128 block scales of a (", m, ", ", k, ") operand); got ", sa.scalar_type(), " ", sa.sizes());
+    TORCH_CHECK(sb.scalar_type() == at::kFloat && sb.is_contiguous() && sb.numel() == want_b, op,
+                ": scale_inv_b must be a contiguous float32 tensor of ", want_b, " elements (the ", b_block,
+                "x128 block scales of a (", n, ", ", k, ") operand); got ", sb.scalar_type(), " ", sb.sizes());
+  }
   lt::Shape s{m, n, k, k, k, n, lt_type(a.scalar_type()), lt_type(b.scalar_type()), lt_type(out_dtype),
               fast_accum ? 1 : 0, workspace_bytes().load()};
+  if (a_block != 0) {
+    s.sa_mode = block_mode(a_block);
+    s.sb_mode = block_mode(b_block);
+  }
   if (bias.has_value()) {
     const at::Tensor& v = *bias;
-    TORCH_CHECK(v.dim() == 1 && v.size(0) == n, "fp8_gemm_lt: bias must be 1-D of N = b.size(0) = ", n,
+    TORCH_CHECK(v.dim() == 1 && v.size(0) == n, op, ": bias must be 1-D of N = b.size(0) = ", n,
                 " elements; got shape ", v.sizes());
-    TORCH_CHECK(v.device() == a.device(), "fp8_gemm_lt: bias must be on the operands' device (", a.device(), "); got ",
+    TORCH_CHECK(v.device() == a.device(), op, ": bias must be on the operands' device (", a.device(), "); got ",
                 v.device());
-    TORCH_CHECK(v.scalar_type() == out_dtype && (out_dtype == at::kBFloat16 || out_dtype == at::kHalf),
-                "fp8_gemm_lt: bias must have out_dtype, which must then be bfloat16 or float16 (cuBLASLt's FP8 bias "
+    TORCH_CHECK(v.scalar_type() == out_dtype && (out_dtype == at::kBFloat16 || out_dtype == at::kHalf), op,
+                ": bias must have out_dtype, which must then be bfloat16 or float16 (cuBLASLt's FP8 bias "
                 "epilogue, as torch._scaled_mm's); got a ", v.scalar_type(), " bias with out_dtype ", out_dtype);
     s.epilogue = lt::kEpilogueBias;
     s.bias_type = lt_type(v.scalar_type());
   }
   if (m > 0 && n > 0 && k > 0) {
     std::string why = lt::check_shape(s);
-    TORCH_CHECK(why.empty(), "fp8_gemm_lt: ", why);
+    TORCH_CHECK(why.empty(), op, ": ", why);
   } else {
-    TORCH_CHECK(lt::out_bytes(s.td) > 0, "fp8_gemm_lt: out_dtype must be bfloat16, float16 or float32");
+    TORCH_CHECK(lt::out_bytes(s.td) > 0, op, ": out_dtype must be bfloat16, float16 or float32");
   }
   return s;
 }
 
 inline at::Tensor meta(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
                        at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias) {
-  checked_shape(a, b, sa, sb, out_dtype, fast_accum, bias);
+  checked_shape("fp8_gemm_lt", a, b, sa, sb, out_dtype, fast_accum, bias);
   return at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
 }
 
-// `stream_of(device)`: torch's current CUDA stream there (torch_ops.cc's current_stream).
+inline at::Tensor meta_block(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
+                             int64_t a_block, int64_t b_block, at::ScalarType out_dtype,
+                             const std::optional<at::Tensor>& bias) {
+  checked_shape("fp8_gemm_lt_block", a, b, sa, sb, out_dtype, false, bias, a_block, b_block);
+  return at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
+}
+
+// Runs the checked shape `s` (both ops' CUDA kernels). `stream_of(device)`: torch's current CUDA
+// stream there (torch_ops.cc's current_stream).
 template <void* (*stream_of)(const c10::Device&)>
-at::Tensor cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
-                at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias) {
-  const lt::Shape s = checked_shape(a, b, sa, sb, out_dtype, fast_accum, bias);
+at::Tensor run(const lt::Shape& s, const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa,
+               const at::Tensor& sb, at::ScalarType out_dtype, const std::optional<at::Tensor>& bias) {
   // the operands' device, not the caller's current one (the dispatcher adds no guard to a custom
   // op): the bias copy below runs there, and cuBLASLt in the current context (on_device below)
   const c10::DeviceGuard guard(a.device());
@@ -128,6 +170,21 @@ at::Tensor cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, 
   });
   TORCH_CHECK(err.empty(), err);
   return out;
+}
+
+template <void* (*stream_of)(const c10::Device&)>
+at::Tensor cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
+                at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias) {
+  return run<stream_of>(checked_shape("fp8_gemm_lt", a, b, sa, sb, out_dtype, fast_accum, bias), a, b, sa, sb,
+                        out_dtype, bias);
+}
+
+template <void* (*stream_of)(const c10::Device&)>
+at::Tensor cuda_block(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
+                      int64_t a_block, int64_t b_block, at::ScalarType out_dtype,
+                      const std::optional<at::Tensor>& bias) {
+  return run<stream_of>(checked_shape("fp8_gemm_lt_block", a, b, sa, sb, out_dtype, false, bias, a_block, b_block),
+                        a, b, sa, sb, out_dtype, bias);
 }
 
 }  // namespace ff8::torch_gemm

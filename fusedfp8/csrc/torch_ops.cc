@@ -712,12 +712,20 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ff8_torch", "fusedfp8's torch la
 
 }  // namespace
 
-// the cuBLASLt FP8 GEMM (torch_gemm.h): defined here, with its CUDA and Meta kernels
+// the cuBLASLt FP8 GEMMs (torch_gemm.h): defined here, with their CUDA and Meta kernels
 TORCH_LIBRARY_FRAGMENT(fusedfp8, m) {
   m.def("fp8_gemm_lt(Tensor a, Tensor b, Tensor scale_inv_a, Tensor scale_inv_b, ScalarType out_dtype, "
         "bool fast_accum=False, Tensor? bias=None) -> Tensor");
+  m.def("fp8_gemm_lt_block(Tensor a, Tensor b, Tensor scale_inv_a, Tensor scale_inv_b, int a_block, int b_block, "
+        "ScalarType out_dtype, Tensor? bias=None) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(fusedfp8, CUDA, m) { m.impl("fp8_gemm_lt", &ff8::torch_gemm::cuda<&current_stream>); }
-TORCH_LIBRARY_IMPL(fusedfp8, Meta, m) { m.impl("fp8_gemm_lt", &ff8::torch_gemm::meta); }
+TORCH_LIBRARY_IMPL(fusedfp8, CUDA, m) {
+  m.impl("fp8_gemm_lt", &ff8::torch_gemm::cuda<&current_stream>);
+  m.impl("fp8_gemm_lt_block", &ff8::torch_gemm::cuda_block<&current_stream>);
+}
+TORCH_LIBRARY_IMPL(fusedfp8, Meta, m) {
+  m.impl("fp8_gemm_lt", &ff8::torch_gemm::meta);
+  m.impl("fp8_gemm_lt_block", &ff8::torch_gemm::meta_block);
+}
 
 PyMODINIT_FUNC PyInit__ff8_torch(void) { return PyModule_Create(&kModule); }

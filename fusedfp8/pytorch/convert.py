@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from ..policy import ConversionReport, Decision, check_dims, check_mode, check_policy, find_table
-from ..recipe import DelayedScaling
+from ..recipe import BlockScaling, DelayedScaling
 from ..types import check_recipe
 from .gemm import check_gemm
-from .module_checks import check_amax_group
+from .module_checks import check_amax_group, check_block_module_args
 from .modules import MISSED_UPDATE_MODES, Fp8Linear
 
 __all__ = ["convert_to_fp8", "plan_fp8_conversion"]
@@ -92,7 +92,8 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
     Parameters
     ----------
     model : nn.Module
-    recipe : DelayedScaling or CurrentScaling, shared by every converted module
+    recipe : DelayedScaling, CurrentScaling or BlockScaling, shared by every converted module (a
+        BlockScaling makes stateless :class:`~fusedfp8.pytorch.block_linear.Fp8BlockLinear` modules)
     filter_fn : callable(fqn, linear) -> bool, optional
         Convert only the modules for which it returns True (``fqn`` is the module's name in
         ``model.named_modules()``). It is asked first; ``policy`` decides among the rest.
@@ -143,11 +144,14 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
         'compiled'); raised before any module is swapped.
     """
     policy, mode = _check_plan_args(model, filter_fn, policy, tokens, policy_table, mode)
-    check_recipe(recipe)
+    check_recipe(recipe, block=True)
     if missed_update not in MISSED_UPDATE_MODES:
         raise ValueError(f"missed_update must be one of {MISSED_UPDATE_MODES}; got {missed_update!r}")
     check_gemm(gemm)
-    check_amax_group(amax_group, recipe)
+    if isinstance(recipe, BlockScaling):
+        check_block_module_args(missed_update, amax_group)
+    else:
+        check_amax_group(amax_group, recipe)
     report = _plan(model, filter_fn, policy, tokens, policy_table, mode)
     converted = set(report.converted)
     if type(model) is nn.Linear:

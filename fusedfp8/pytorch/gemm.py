@@ -42,7 +42,7 @@ from torch import Tensor
 
 from .. import csrc as _shim
 
-__all__ = ["GEMMS", "check_gemm", "backend", "gemm_path", "scaled_mm"]
+__all__ = ["GEMMS", "check_gemm", "backend", "gemm_path", "scaled_mm", "block_scaled_mm"]
 
 GEMMS = ("auto", "cublaslt", "scaled_mm")
 _resolved: dict = {}  # gemm -> (backend, why), decided once per process
@@ -200,3 +200,83 @@ def _cublaslt_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: T
         return op(a, b.t(), scale_a, scale_b, out_dtype, fast_accum, bias)
     y = op(a, b.t(), scale_a, scale_b, torch.float32, fast_accum).add_(bias)  # one rounding, as an epilogue
     return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+# ---- the block-scaled call (BlockScaling) ---------------------------------------------------------
+_BLOCK = 128
+
+
+def _expand_block_scales(s: Tensor, rows: int, k: int, block: int) -> Tensor:
+    """(rows, k) float32: each element's scale_inv, read from ``s`` in the layout of a (rows, k)
+    operand with ``block``-row blocks (:func:`fusedfp8.numerics.block.expand_scales` in torch)."""
+    kb = -(-k // _BLOCK)
+    if block == 1:  # (ceil(k/128), pad4(rows)), element [kb, r]
+        per = s[:, :rows].t()  # (rows, kb)
+        return per.repeat_interleave(_BLOCK, dim=1)[:, :k]
+    per = s[:, :kb]  # (ceil(rows/128), kb), element [rb, kb]
+    return per.repeat_interleave(_BLOCK, dim=0)[:rows].repeat_interleave(_BLOCK, dim=1)[:, :k]
+
+
+def _scaled_mm_scale(s: Tensor, rows: int, k: int, block: int, operand: str) -> Tensor:
+    """``s`` (our layout) as the view ``torch._scaled_mm`` checks for its blockwise recipes: for
+    ``a`` (M, K) 1x128 (M, ceil(K/128)) with strides (1, pad4(M)), 128x128 (ceil(M/128),
+    ceil(K/128)); for ``b`` (passed as the (K, N) ``.t()`` of our (N, K) operand) the transposes."""
+    kb = -(-k // _BLOCK)
+    if block == 1:
+        v = s[:, :rows]  # (kb, rows), rows contiguous
+        return v.t() if operand == "a" else v
+    v = s[:, :kb]  # (ceil(rows/128), kb), K blocks contiguous
+    return v if operand == "a" else v.t()
+
+
+def block_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, a_block: int, b_block: int,
+                    bias: Tensor | None, out_dtype: torch.dtype, gemm: str = "scaled_mm") -> Tensor:
+    """``out_dtype(a @ b.T + bias)`` for FP8 operands with a scale per block (BlockScaling).
+
+    Parameters
+    ----------
+    a : (M, K) float8, row-major; b : (N, K) float8, row-major (both K-contiguous, as the block
+        quantize kernel writes q and q_t)
+    scale_a, scale_b : float32, each operand's ``scale_inv`` as :func:`fusedfp8.block_quantize`
+        returns it (the layout of :mod:`fusedfp8.numerics.block`)
+    a_block, b_block : 1 (1x128 blocks) or 128 (128x128 blocks; not both)
+    bias : (N,) tensor or None
+    out_dtype : torch.dtype
+    gemm : {'scaled_mm', 'cublaslt'}
+        The CUDA backend: the shim's ``torch.ops.fusedfp8.fp8_gemm_lt_block`` (cuBLASLt with the
+        VEC128_32F / BLK128x128_32F scale modes, reading the scales as they are) or
+        ``torch._scaled_mm``'s blockwise recipes (views of the same scales). Ignored on the CPU.
+
+    Returns
+    -------
+    (M, N) tensor of ``out_dtype``. CUDA: one block-scaled cuBLASLt GEMM with the split
+    accumulator (the only one cuBLASLt offers with block scales), K and N multiples of 16 (the
+    callers pad); a bias of the output's dtype (bf16 / fp16) in the epilogue, any other added to
+    the float32 product and rounded once. The CPU: the float32 product of the dequantized
+    operands (each FP8 value times its block's scale_inv, exact) plus the bias in float32.
+    """
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    if m == 0 or n == 0 or k == 0:
+        y = torch.zeros((m, n), dtype=torch.float32, device=a.device)
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+    fused = bias is None or (out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype)
+    if a.is_cuda:
+        if gemm == "cublaslt":
+            op = torch.ops.fusedfp8.fp8_gemm_lt_block.default
+            if fused:
+                return op(a, b, scale_a, scale_b, a_block, b_block, out_dtype, bias)
+            y = op(a, b, scale_a, scale_b, a_block, b_block, torch.float32).add_(bias)
+        else:
+            sa = _scaled_mm_scale(scale_a, m, k, a_block, "a")
+            sb = _scaled_mm_scale(scale_b, n, k, b_block, "b")
+            if fused:
+                return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)
+            y = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32).add_(bias)
+        return y if out_dtype == torch.float32 else y.to(out_dtype)
+    with torch.autocast("cpu", enabled=False):  # the emulation is float32, whatever autocast says
+        da = a.float() * _expand_block_scales(scale_a, m, k, a_block)
+        db = b.float() * _expand_block_scales(scale_b, n, k, b_block)
+        y = torch.mm(da, db.t())
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype)

@@ -13,6 +13,7 @@ from torch import nn
 from .amax_ops import check_group
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+MISSED_UPDATE_MODES = ("raise", "warn", "ignore")  # Fp8Linear's missed_update
 # torch passes strict=True to every _load_from_state_dict whatever the caller asked; the strict
 # of a load_state_dict called on an FP8 module itself is kept here (None: called on a parent,
 # where torch's own missing-keys report applies)
@@ -32,6 +33,17 @@ class _StrictLoad:
             return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
         finally:
             _LOAD.strict = outer
+
+
+def check_block_module_args(missed_update, amax_group) -> None:
+    """Fp8Linear's ``missed_update`` and ``amax_group`` under BlockScaling: a valid mode (there is
+    no update to miss), and no group (nothing to reduce)."""
+    if missed_update not in MISSED_UPDATE_MODES:
+        raise ValueError(f"missed_update must be one of {MISSED_UPDATE_MODES}; got {missed_update!r}")
+    if amax_group is not None:
+        raise ValueError("amax_group is for CurrentScaling (an amax reduced across ranks before every cast); under "
+                         "BlockScaling each block's scale comes from its own max, the same on every rank: pass "
+                         f"amax_group=None; got {amax_group!r}")
 
 
 def check_amax_group(amax_group, recipe) -> str | None:

@@ -66,20 +66,20 @@ import weakref
 import torch
 from torch import nn
 
-from ..recipe import CurrentScaling, DelayedScaling
+from ..recipe import BlockScaling, CurrentScaling, DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 from ..types import check_recipe
 from . import autograd as F8
 from . import gemm as G
 from . import weights as W
-from .module_checks import _check_input, _check_state_writable, _load_strict, _StrictLoad, check_amax_group
+from .module_checks import (MISSED_UPDATE_MODES, _check_input, _check_state_writable, _load_strict, _StrictLoad,
+                            check_amax_group)
 
 __all__ = ["Fp8Linear", "MissedScaleUpdateError", "MissedScaleUpdateWarning"]
 
 GRAD = (False, False, True)  # tensors of an Fp8Linear's state: input, weight, output gradient
 
 
-MISSED_UPDATE_MODES = ("raise", "warn", "ignore")
 
 
 class MissedScaleUpdateError(RuntimeError):
@@ -119,7 +119,8 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     ----------
     in_features, out_features : int
     bias : bool
-    recipe : DelayedScaling or CurrentScaling
+    recipe : DelayedScaling or CurrentScaling (a BlockScaling builds the stateless
+        :class:`~fusedfp8.pytorch.block_linear.Fp8BlockLinear` instead)
     device, dtype : as for ``nn.Linear`` (the parameters; the state is always float32/int32).
     missed_update : {'raise', 'warn', 'ignore'}
         What happens when the module goes through an optimizer step without
@@ -154,10 +155,19 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         In backward, see ``missed_update``.
     """
 
+    def __new__(cls, *args, **kwargs):
+        """``Fp8Linear(..., recipe=BlockScaling())`` builds the block-scaled module,
+        :class:`fusedfp8.pytorch.block_linear.Fp8BlockLinear` (no state: nothing of this class applies)."""
+        if cls is Fp8Linear and isinstance(kwargs.get("recipe", args[3] if len(args) > 3 else None), BlockScaling):
+            from .block_linear import Fp8BlockLinear
+            return Fp8BlockLinear(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  recipe: DelayedScaling = DelayedScaling(), device=None, dtype=None, *,
                  missed_update: str = "raise", gemm: str = "auto", amax_group=None):
-        check_recipe(recipe)
+        if isinstance(check_recipe(recipe, block=True), BlockScaling):  # (a subclass: __new__ did not swap it)
+            check_recipe(recipe)  # refused by name: this class keeps per-tensor state
         if missed_update not in MISSED_UPDATE_MODES:
             raise ValueError(f"missed_update must be one of {MISSED_UPDATE_MODES}; got {missed_update!r}")
         G.check_gemm(gemm)
@@ -178,7 +188,12 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     def from_linear(cls, linear: nn.Linear, recipe: DelayedScaling = DelayedScaling(), *,
                     missed_update: str = "raise", gemm: str = "auto", amax_group=None) -> "Fp8Linear":
         """An Fp8Linear that takes over ``linear``'s Parameter objects (not copies: an optimizer
-        built before the conversion keeps working) with a fresh state on their device."""
+        built before the conversion keeps working) with a fresh state on their device (under a
+        BlockScaling recipe the stateless :class:`~fusedfp8.pytorch.block_linear.Fp8BlockLinear`)."""
+        if cls is Fp8Linear and isinstance(recipe, BlockScaling):
+            from .block_linear import Fp8BlockLinear
+            return Fp8BlockLinear.from_linear(linear, recipe, missed_update=missed_update, gemm=gemm,
+                                              amax_group=amax_group)
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear; got {type(linear).__name__}")
         with torch.device("meta"):

@@ -47,6 +47,7 @@ from .. import ops
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 from .amax_ops import check_group
+from .block_linear import Fp8BlockLinear
 from .modules import GRAD, Fp8Linear
 
 __all__ = ["update_model_scales", "fp8_modules", "PendingScaleUpdate"]
@@ -194,7 +195,8 @@ def update_model_scales(model: nn.Module, group=None, *, async_op: bool = False)
     ValueError
         If ``model`` holds no FP8 module (an update that would silently do nothing), unless
         :func:`convert_to_fp8` left every layer of it in high precision (its ``filter_fn`` or
-        ``policy='auto'`` kept them all): then there is nothing to update and the call does nothing.
+        ``policy='auto'`` kept them all) or its FP8 layers are block-scaled (stateless): then
+        there is nothing to update and the call does nothing.
     RuntimeError
         If a group is given but torch.distributed is not initialized.
     """
@@ -203,8 +205,10 @@ def update_model_scales(model: nn.Module, group=None, *, async_op: bool = False)
     modules = fp8_modules(model)
     if group is not None:
         check_group(group, "group")
-    if not modules and any(getattr(m, "fp8_conversion_report", None) is not None for m in model.modules()):
-        # convert_to_fp8 kept every layer in high precision (its filter_fn or policy): nothing to do
+    if not modules and any(getattr(m, "fp8_conversion_report", None) is not None or isinstance(m, Fp8BlockLinear)
+                           for m in model.modules()):
+        # convert_to_fp8 kept every layer in high precision (its filter_fn or policy), or the FP8
+        # layers are block-scaled (no state): nothing to do
         done = PendingScaleUpdate([], None, [])
         return done if async_op else None
     if not modules:

@@ -340,9 +340,11 @@ CASES = [
     ("mlp-approximate-unknown", lambda w: lambda: fp8.Fp8MLP(16, 32, R, approximate="fast"),
      ValueError, r"^approximate must be 'tanh' or 'none'; got 'fast'"),
     ("linear-recipe-not-a-recipe", lambda w: lambda: fp8.Fp8Linear(16, 16, recipe="hybrid"),
-     TypeError, r"^recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; got str"),
+     TypeError, r"^recipe must be a fusedfp8\.DelayedScaling, a fusedfp8\.CurrentScaling or a fusedfp8\.BlockScaling; "
+     r"got str"),
     ("convert-recipe-not-a-recipe", lambda w: lambda: fp8.convert_to_fp8(nn.Sequential(nn.Linear(4, 4)), "e4m3"),
-     TypeError, r"^recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; got str"),
+     TypeError, r"^recipe must be a fusedfp8\.DelayedScaling, a fusedfp8\.CurrentScaling or a fusedfp8\.BlockScaling; "
+     r"got str"),
     ("convert-missed-update-unknown", lambda w: lambda: fp8.convert_to_fp8(nn.Linear(4, 4), missed_update="loud"),
      ValueError, r"^missed_update must be one of \('raise', 'warn', 'ignore'\); got 'loud'"),
     ("update-scales-model-without-fp8", lambda w: lambda: fp8.update_model_scales(nn.Sequential(nn.Linear(4, 4))),

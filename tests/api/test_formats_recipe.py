@@ -326,11 +326,12 @@ def test_check_recipe_takes_a_block_recipe_only_where_asked():
 
 
 def test_every_per_tensor_entry_point_refuses_a_block_recipe_by_name():
-    """Until they take block scaling, the state, the update and the torch and flax layers refuse a
-    BlockScaling with the message that names it, before they read a field it does not have."""
+    """Until they take block scaling, the state, the update, Fp8MLP and the JAX and flax layers refuse
+    a BlockScaling with the message that names it, before they read a field it does not have
+    (Fp8Linear and convert_to_fp8 take it: tests/pytorch/test_torch_block_linear.py)."""
     import jax
     from fusedfp8.jax import flax as fx, functional as jf, meta as jmeta
-    from fusedfp8.pytorch import Fp8Linear, Fp8MLP, convert_to_fp8
+    from fusedfp8.pytorch import Fp8MLP
 
     r = BlockScaling()
     state = fusedfp8.ScalingState.create(3, DelayedScaling(amax_history_len=4))
@@ -340,9 +341,7 @@ def test_every_per_tensor_entry_point_refuses_a_block_recipe_by_name():
         "ScalingState.create": lambda: fusedfp8.ScalingState.create(2, r),
         "update_scales": lambda: fusedfp8.update_scales(state, r),
         "slot": lambda: state.slot(0, r),
-        "Fp8Linear": lambda: Fp8Linear(32, 32, recipe=r),
         "Fp8MLP": lambda: Fp8MLP(32, 64, recipe=r),
-        "convert_to_fp8": lambda: convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 32)), recipe=r),
         "fp8_dot": lambda: jf.fp8_dot(x, w, meta, r),
         "quantize_weight": lambda: jf.quantize_weight(w, meta, r),
         "fp8_mlp": lambda: jf.fp8_mlp(x, w, jnp.zeros(32), w, jnp.zeros(32), meta, meta, r),

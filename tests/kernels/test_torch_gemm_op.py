@@ -96,6 +96,53 @@ def test_the_workspace_is_settable_and_checked():
         lib.gemm_set_workspace(before)
 
 
+# ---- fp8_gemm_lt_block: the same GEMM with a scale per block (BlockScaling) ----------------------
+def _block_scales(rows, k, block, device="meta"):
+    from fusedfp8.numerics.block import scale_shape
+    return torch.empty(scale_shape(rows, k, (block, 128)), device=device)
+
+
+def _meta_block(m, n, k, a_block=1, b_block=128, ta=E4, tb=E4):
+    return (torch.empty(m, k, dtype=ta, device="meta"), torch.empty(n, k, dtype=tb, device="meta"),
+            _block_scales(m, k, a_block), _block_scales(n, k, b_block), a_block, b_block)
+
+
+@pytest.mark.parametrize("blocks", [(1, 128), (128, 1), (1, 1)], ids=["1x128-128x128", "128x128-1x128", "1x128-1x128"])
+def test_block_meta_kernel_gives_the_output_shape_and_dtype(blocks):
+    built_shim("torch")
+    op = torch.ops.fusedfp8.fp8_gemm_lt_block
+    y = op(*_meta_block(48, 32, 400, *blocks), torch.bfloat16)
+    assert y.shape == (48, 32) and y.dtype == torch.bfloat16 and y.device.type == "meta"
+    bias = torch.empty(32, dtype=torch.float16, device="meta")
+    assert op(*_meta_block(48, 32, 400, *blocks), torch.float16, bias).shape == (48, 32)
+
+
+@pytest.mark.parametrize("args, message", [
+    (lambda: _meta_block(48, 32, 400, 128, 128), "no 128x128 x 128x128 block-scaled GEMM"),
+    (lambda: (*_meta_block(48, 32, 400)[:4], 1, 64), "a_block and b_block must be 1 .* or 128"),
+    (lambda: (*_meta_block(48, 32, 400)[:2], _block_scales(48, 384, 1), *_meta_block(48, 32, 400)[3:]),
+     r"scale_inv_a must be a contiguous float32 tensor of 192 elements \(the 1x128 block scales of a \(48, 400\)"),
+    (lambda: (*_meta_block(48, 32, 400)[:3], torch.empty(1, device="meta"), 1, 128),
+     "scale_inv_b must be a contiguous float32 tensor of 4 elements"),
+    (lambda: (*_meta_block(48, 32, 400)[:2], _block_scales(48, 400, 1).t(), *_meta_block(48, 32, 400)[3:]),
+     "scale_inv_a must be a contiguous"),
+    (lambda: _meta_block(48, 32, 40), "multiples of 16"),
+    (lambda: _meta_block(48, 32, 400, ta=E5, tb=E5), "no float8_e5m2 x float8_e5m2 GEMM"),
+], ids=["both-128x128", "block-64", "scale-a-size", "scale-b-size", "scale-a-strided", "ragged-k", "e5m2xe5m2"])
+def test_block_bad_arguments_are_refused_before_anything_runs(args, message):
+    built_shim("torch")
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.fusedfp8.fp8_gemm_lt_block(*args(), torch.bfloat16)
+
+
+def test_block_schema():
+    built_shim("torch")
+    args = torch.ops.fusedfp8.fp8_gemm_lt_block.default._schema.arguments
+    assert [a.name for a in args] == ["a", "b", "scale_inv_a", "scale_inv_b", "a_block", "b_block", "out_dtype",
+                                      "bias"]
+    assert args[-1].default_value is None
+
+
 def test_no_cpu_kernel(op):
     a, b = torch.zeros(16, 16, dtype=E4), torch.zeros(16, 16, dtype=E4)
     with pytest.raises(NotImplementedError, match="fp8_gemm_lt"):
@@ -215,3 +262,34 @@ def test_fp8_gemm_lt_in_a_cuda_graph_and_compiled(op):
     torch.testing.assert_close(out, (want.float() * 4).to(torch.bfloat16), rtol=0, atol=0)  # both scales doubled
     compiled = torch.compile(lambda a, b, s: op(a, b, s, s, torch.bfloat16) * 2, fullgraph=True)
     torch.testing.assert_close(compiled(a, b, s), op(a, b, s, s, torch.bfloat16) * 2, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("blocks", [(1, 128), (128, 1), (1, 1)], ids=["1x128-128x128", "128x128-1x128", "1x128-1x128"])
+@pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("mnk", [(2048, 1024, 4096), (1008, 80, 304), (16, 16, 16)], ids=str)
+def test_fp8_gemm_lt_block_matches_float64(mnk, pair, blocks, out):
+    """Operands block-quantized by the NumPy definition (every block at its own magnitude, so that
+    a scale read from the wrong block shows), the op's result against the float64 product of the
+    dequantized operands; with a bias of the output's dtype in the epilogue for bf16."""
+    from fusedfp8.numerics import block as B
+    m, n, k = mnk
+    rng = np.random.default_rng(m + n + k)
+    fmts = ["e4m3" if t == E4 else "e5m2" for t in pair]
+    qs, deqs = [], []
+    for rows, fmt, blk, seed in ((m, fmts[0], blocks[0], 1), (n, fmts[1], blocks[1], 2)):
+        x = (rng.standard_normal((rows, k)) * np.exp2(rng.integers(-8, 8, (rows, 1)))).astype(np.float32)
+        q = B.block_quantize(x, fmt, (blk, 128), True)
+        qs.append(q)
+        deqs.append(B.block_dequantize(q.data, q.scale_inv, (blk, 128)).astype(np.float64))
+    a, b = (torch.from_numpy(q.data.view(np.uint8)).cuda().view(t) for q, t in zip(qs, pair))
+    sa, sb = (torch.from_numpy(q.scale_inv).cuda() for q in qs)
+    bias = torch.linspace(-1, 1, n, device="cuda").to(out) if out == torch.bfloat16 else None
+    y = torch.ops.fusedfp8.fp8_gemm_lt_block(a, b, sa, sb, blocks[0], blocks[1], out, bias)
+    ref, absref = deqs[0] @ deqs[1].T, np.abs(deqs[0]) @ np.abs(deqs[1]).T
+    if bias is not None:
+        ref, absref = ref + bias.double().cpu().numpy(), absref + np.abs(bias.double().cpu().numpy())
+    assert y.shape == (m, n) and y.dtype == out
+    assert _within_accumulation(y, ref, absref, out) <= 1.0

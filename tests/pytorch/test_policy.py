@@ -231,7 +231,7 @@ BAD = [
     ("table-missing-file", dict(policy="auto", tokens=64, policy_table="/nonexistent/t.json"), FileNotFoundError,
      r"^the policy table argument names '/nonexistent/t\.json', which is not a file"),
     ("recipe", dict(policy="auto", tokens=64, recipe="hybrid"), TypeError,
-     r"^recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; "
+     r"^recipe must be a fusedfp8\.DelayedScaling, a fusedfp8\.CurrentScaling or a fusedfp8\.BlockScaling; "
      r"got str"),
     ("missed-update", dict(policy="auto", tokens=64, missed_update="loud"), ValueError,
      r"^missed_update must be one of"),

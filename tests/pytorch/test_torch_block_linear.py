@@ -1,0 +1,297 @@
+"""The block-scaled FP8 linear in torch (fusedfp8.pytorch.block_linear): block_linear and
+Fp8BlockLinear, which Fp8Linear / from_linear / convert_to_fp8 build for a BlockScaling recipe.
+
+On the CPU the forward and both gradients are held against the NumPy definition: each operand
+block-quantized by fusedfp8.numerics.block (the bytes the kernels write), dequantized, and
+multiplied in float64 -- the emulation's float32 product may differ from that only by its own
+rounding. The modules: construction through every entry point, parameters taken over, a state
+dict that is nn.Linear's, no update to do, copies, torch.compile, training, arguments refused by
+name. On the GPU (marked): both CUDA GEMMs (the shim's cuBLASLt block GEMM and torch._scaled_mm's
+blockwise path) against the same definition, on ragged and aligned shapes."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fusedfp8
+import fusedfp8.pytorch as fp8
+from fusedfp8.numerics import block as B
+from fusedfp8.pytorch import gemm as G
+from fusedfp8.pytorch.block_linear import Fp8BlockLinear, block_linear
+from support.block import inputs
+
+RECIPES = {
+    "default": fusedfp8.BlockScaling(),  # 1x128 activations, 128x128 weights, E4M3, power-of-two scales
+    "1x128w-hybrid-exact": fusedfp8.BlockScaling(weight_block=(1, 128), fp8_format="hybrid",
+                                                 power_of_two_scales=False),
+}
+SHAPES = {"aligned-256x384x128": (256, 384, 128), "ragged-17x300x200": (17, 300, 200),
+          "ragged-130x48x49": (130, 48, 49), "3d-2x5x130x64": ((2, 5), 130, 64)}
+
+
+def _deq(q: B.BlockQuantized, block, transposed: bool = False) -> np.ndarray:
+    data, s = (q.data_t, q.scale_inv_t) if transposed else (q.data, q.scale_inv)
+    return B.block_dequantize(data, s, block).astype(np.float64)
+
+
+def _reference(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, g: np.ndarray, recipe) -> dict:
+    """{name: (float64 value, the sum of |products| bounding its float32 rounding)} of y, dx, dw
+    from the NumPy definition's bytes (x, g as 2-D float32)."""
+    fwd, grd, wb = recipe.format_for(False), recipe.format_for(True), recipe.weight_block
+    p2 = recipe.power_of_two_scales
+    qx = B.block_quantize(x, fwd, (1, 128), p2, True)
+    qw = B.block_quantize(w, fwd, wb, p2, True)
+    qg = B.block_quantize(g, grd, (1, 128), p2, True)
+    bias = 0 if b is None else b.astype(np.float64)
+    pairs = {"y": (_deq(qx, (1, 128)), _deq(qw, wb)),
+             "dx": (_deq(qg, (1, 128)), _deq(qw, wb, transposed=True)),
+             "dw": (_deq(qg, (1, 128), transposed=True), _deq(qx, (1, 128), transposed=True))}
+    out = {k: (a @ c.T, np.abs(a) @ np.abs(c).T) for k, (a, c) in pairs.items()}
+    out["y"] = (out["y"][0] + bias, out["y"][1] + np.abs(bias))
+    return out
+
+
+def _close(got: torch.Tensor, want: np.ndarray, scale: np.ndarray, what: str, rtol: float = 1e-5) -> None:
+    """|got - want| <= rtol * scale elementwise (scale: the sum of |products|, which bounds the
+    float32 product's rounding error, K * 2**-24 of it)."""
+    err = np.abs(got.detach().double().numpy().reshape(want.shape) - want)
+    bad = err > rtol * scale + 1e-30
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, worst {float((err / (scale + 1e-30)).max()):.3g}"
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_forward_and_gradients_are_the_block_definition(shape, recipe):
+    lead, k, n = shape
+    lead = lead if isinstance(lead, tuple) else (lead,)
+    m = int(np.prod(lead))
+    x = inputs((m, k), "float32", m + k)
+    w = inputs((n, k), "float32", n + 1) * np.float32(0.05)
+    b = np.linspace(-1, 1, n, dtype=np.float32)
+    g = inputs((m, n), "float32", k + n + 2)
+    xt = torch.from_numpy(x).reshape(*lead, k).requires_grad_(True)
+    wt, bt = torch.from_numpy(w).requires_grad_(True), torch.from_numpy(b).requires_grad_(True)
+    y = block_linear(xt, wt, bt, recipe)
+    assert y.shape == (*lead, n) and y.dtype == torch.float32
+    y.backward(torch.from_numpy(g).reshape(*lead, n))
+    ref = _reference(x, w, b, g, recipe)
+    for got, name in ((y, "y"), (xt.grad, "dx"), (wt.grad, "dw")):
+        _close(got, *ref[name], name)
+    _close(bt.grad, g.astype(np.float64).sum(0), np.abs(g).astype(np.float64).sum(0), "db")
+
+
+def test_bf16_input_and_float32_master_weight():
+    """The output and dx in the input's dtype, dw in the weight's (float32 master weights)."""
+    x = torch.from_numpy(inputs((32, 256), "float32", 3)).bfloat16().requires_grad_(True)
+    lin = fp8.Fp8Linear(256, 64, recipe=fusedfp8.BlockScaling())
+    y = lin(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    assert lin.weight.grad.dtype == torch.float32 and lin.bias.grad.dtype == torch.float32
+    ref = x.detach().float() @ lin.weight.detach().T + lin.bias.detach()
+    assert float((y.detach().float() - ref).abs().max() / ref.abs().max()) < 0.1  # FP8 operands: a few percent
+
+
+def test_without_gradients_only_the_forward_runs():
+    lin = fp8.Fp8Linear(128, 32, recipe=fusedfp8.BlockScaling())
+    x = torch.randn(16, 128)
+    with torch.no_grad():
+        y0 = lin(x)
+    y1 = lin(x)
+    assert not y0.requires_grad and torch.equal(y0, y1.detach())
+    lin.weight.requires_grad_(False)
+    lin.bias.requires_grad_(False)
+    xg = x.clone().requires_grad_(True)
+    lin(xg).sum().backward()  # dx only (the forward wrote no transpose of the input)
+    assert xg.grad is not None and lin.weight.grad is None
+
+
+# ---- the modules ------------------------------------------------------------------------------
+def test_every_entry_point_builds_the_block_module():
+    r = fusedfp8.BlockScaling()
+    assert type(fp8.Fp8Linear(64, 32, recipe=r)) is Fp8BlockLinear
+    assert type(fp8.Fp8Linear(64, 32, True, r)) is Fp8BlockLinear  # the recipe positionally
+    assert type(fp8.Fp8Linear(64, 32)) is fp8.Fp8Linear  # the per-tensor default is unchanged
+    lin = nn.Linear(64, 32)
+    m = fp8.Fp8Linear.from_linear(lin, r)
+    assert type(m) is Fp8BlockLinear and m.weight is lin.weight and m.bias is lin.bias and m.recipe is r
+    model = nn.Sequential(nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
+    w0 = model[0].weight
+    out = fp8.convert_to_fp8(model, r)
+    assert out is model and type(model[0]) is Fp8BlockLinear and type(model[2]) is Fp8BlockLinear
+    assert model[0].weight is w0
+    assert fp8.fp8_modules(model) == []  # no per-tensor state among them
+    fp8.update_model_scales(model)  # nothing to update: does nothing
+    hand = nn.Sequential(Fp8BlockLinear(64, 32, recipe=r))
+    fp8.update_model_scales(hand)  # built by hand (no conversion report): also nothing to do
+
+
+def test_state_dict_is_a_linear_one_and_copies_work():
+    r = fusedfp8.BlockScaling(weight_block=(1, 128))
+    m = fp8.Fp8Linear(130, 20, recipe=r)
+    lin = nn.Linear(130, 20)
+    assert set(m.state_dict()) == set(lin.state_dict()) == {"weight", "bias"}
+    m.load_state_dict(lin.state_dict())
+    assert torch.equal(m.weight, lin.weight)
+    x = torch.randn(3, 130)
+    for twin in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert type(twin) is Fp8BlockLinear and twin.recipe == r and twin.gemm == m.gemm
+        assert torch.equal(twin(x), m(x))
+    assert "recipe=BlockScaling(" in repr(m)
+
+
+@pytest.mark.parametrize("build, error, message", [
+    (lambda: fp8.Fp8Linear(8, 8, recipe=fusedfp8.BlockScaling(), gemm="cutlass"), ValueError, "gemm must be one of"),
+    (lambda: fp8.Fp8Linear(8, 8, recipe=fusedfp8.BlockScaling(), missed_update="never"), ValueError,
+     "missed_update must be one of"),
+    (lambda: fp8.Fp8Linear(8, 8, recipe=fusedfp8.BlockScaling(), amax_group=object()), ValueError,
+     "amax_group is for CurrentScaling"),
+    (lambda: Fp8BlockLinear(8, 8, recipe=fusedfp8.DelayedScaling()), TypeError, "must be a fusedfp8.BlockScaling"),
+    (lambda: fp8.convert_to_fp8(nn.Linear(8, 8), fusedfp8.BlockScaling(), amax_group=object()), ValueError,
+     "amax_group is for CurrentScaling"),
+    (lambda: Fp8BlockLinear.from_linear(nn.Conv1d(1, 1, 1)), TypeError,
+     "linear must be an nn.Linear"),
+    (lambda: type("Sub", (fp8.Fp8Linear,), {})(8, 8, recipe=fusedfp8.BlockScaling()), TypeError,
+     r"recipe: a fusedfp8\.BlockScaling is not accepted here"),
+], ids=["gemm", "missed_update", "amax_group", "per-tensor-recipe", "convert-amax_group", "from-not-linear",
+        "stateful-subclass"])
+def test_bad_arguments_are_refused_by_name(build, error, message):
+    with pytest.raises(error, match=message):
+        build()
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m: m(torch.zeros(4, 9)), ValueError, "must have 8 features"),
+    (lambda m: m(torch.zeros(4, 8, dtype=torch.int32)), TypeError, "input must be float32, float16 or bfloat16"),
+    (lambda m: block_linear(torch.zeros(4, 8), m.weight, None, fusedfp8.DelayedScaling()), TypeError,
+     "recipe must be a fusedfp8.BlockScaling"),
+    (lambda m: block_linear(torch.zeros(4, 8), m.weight, torch.zeros(3), fusedfp8.BlockScaling()), ValueError,
+     r"bias must be None or a tensor of shape \(8,\)"),
+    (lambda m: block_linear(torch.zeros(4, 8), m.weight[0], None, fusedfp8.BlockScaling()), ValueError,
+     "weight must be a 2-D torch.Tensor"),
+], ids=["features", "int-input", "per-tensor-recipe", "bias-shape", "weight-1d"])
+def test_bad_inputs_are_refused_before_anything_runs(call, error, message):
+    m = Fp8BlockLinear(8, 8)
+    with pytest.raises(error, match=message):
+        call(m)
+
+
+def test_compiled_is_the_eager_result():
+    """torch.compile (fullgraph, aot_eager: the custom ops' fake implementations and the autograd
+    function traced) gives the eager bytes, forward and gradients."""
+    torch.manual_seed(0)
+    m = fp8.Fp8Linear(130, 48, recipe=fusedfp8.BlockScaling())
+    x = torch.randn(20, 130, requires_grad=True)
+    y = m(x)
+    y.square().sum().backward()
+    want = (y.detach(), x.grad.clone(), m.weight.grad.clone(), m.bias.grad.clone())
+    x.grad = None
+    m.zero_grad()
+    yc = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+    yc.square().sum().backward()
+    for got, w in zip((yc.detach(), x.grad, m.weight.grad, m.bias.grad), want):
+        assert torch.equal(got, w)
+
+
+def test_a_block_scaled_model_trains_as_its_float32_twin():
+    """Twenty SGD steps of a two-layer regression: the FP8 model's loss falls as the float32 one's
+    and ends within 5% of it."""
+    torch.manual_seed(1)
+    ref = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 128))
+    model = fp8.convert_to_fp8(copy.deepcopy(ref), fusedfp8.BlockScaling())
+    x, target = torch.randn(64, 256), torch.randn(64, 128) * 0.1
+    losses = {}
+    for name, net in (("fp32", ref), ("fp8", model)):
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        losses[name] = []
+        for _ in range(20):
+            loss = (net(x) - target).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    first, last = losses["fp32"][0], losses["fp32"][-1]
+    assert abs(losses["fp8"][0] - first) < 0.05 * first  # the same model at the start, up to FP8
+    assert last < 0.8 * first and losses["fp8"][-1] < 1.05 * last, losses
+
+
+def test_the_cpu_emulation_reads_the_scale_layout():
+    """block_scaled_mm's CPU path against numerics.block.expand_scales on both block shapes."""
+    x = inputs((48, 300), "float32", 5)
+    w = inputs((40, 300), "float32", 6)
+    for wb in ((128, 128), (1, 128)):
+        qa, qb = B.block_quantize(x, "e4m3", (1, 128), True), B.block_quantize(w, "e4m3", wb, True)
+        y = G.block_scaled_mm(*(torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
+                                for a in (qa.data, qb.data)),
+                              torch.from_numpy(qa.scale_inv), torch.from_numpy(qb.scale_inv), 1, wb[0], None,
+                              torch.float32)
+        a, c = _deq(qa, (1, 128)), _deq(qb, wb)
+        _close(y, a @ c.T, np.abs(a) @ np.abs(c).T, f"weight block {wb}")
+
+
+# ---- on the GPU -------------------------------------------------------------------------------
+CUDA_SHAPES = {"aligned-2048x1024x4096": (2048, 1024, 4096), "ragged-1000x300x200": (1000, 300, 200),
+               "small-16x128x16": (16, 128, 16)}
+
+
+@pytest.mark.gpu
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("gemm", ["cublaslt", "scaled_mm"])
+@pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
+@pytest.mark.parametrize("shape", list(CUDA_SHAPES.values()), ids=list(CUDA_SHAPES))
+def test_cuda_linear_is_the_block_definition(shape, recipe, gemm):
+    """Forward and both gradients on CUDA against the float64 product of the NumPy definition's
+    operands (the kernels write those bytes): within the allowance of cuBLASLt's split accumulator
+    that tests/kernels/test_torch_gemm_op.py gives the per-tensor GEMM (2**-9 of the sum of
+    |products|)."""
+    m, k, n = shape
+    x = inputs((m, k), "float32", m + k)
+    w = inputs((n, k), "float32", n + 1) * np.float32(0.05)
+    g = inputs((m, n), "float32", k + n + 2)
+    b = np.linspace(-1, 1, n, dtype=np.float32)
+    xt = torch.from_numpy(x).cuda().requires_grad_(True)
+    lin = fp8.Fp8Linear(k, n, recipe=recipe, gemm=gemm, device="cuda")
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(w))
+        lin.bias.copy_(torch.from_numpy(b))
+    y = lin(xt)
+    y.backward(torch.from_numpy(g).cuda())
+    ref = _reference(x, w, b, g, recipe)
+    for got, name in ((y, "y"), (xt.grad, "dx"), (lin.weight.grad, "dw")):
+        _close(got.cpu(), *ref[name], name, rtol=2.0 ** -9)  # the split accumulator's allowance (float32 out)
+
+
+@pytest.mark.gpu
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("gemm", ["cublaslt", "scaled_mm"])
+def test_cuda_bf16_linear_with_its_bias_in_the_epilogue(gemm):
+    m, k, n = 512, 384, 256
+    x = inputs((m, k), "float32", 9)
+    w = inputs((n, k), "float32", 10) * np.float32(0.05)
+    b = np.linspace(-1, 1, n, dtype=np.float32)
+    lin = fp8.Fp8Linear(k, n, recipe=fusedfp8.BlockScaling(), gemm=gemm, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(w))
+        lin.bias.copy_(torch.from_numpy(b))
+    xb = torch.from_numpy(x).cuda().bfloat16()
+    y = lin(xb)
+    w_b = lin.weight.detach().float().cpu().numpy()
+    y_ref, _ = _reference(xb.float().cpu().numpy(), w_b, lin.bias.detach().float().cpu().numpy(),
+                          np.zeros((m, n), np.float32), fusedfp8.BlockScaling())["y"]
+    err = np.abs(y.float().cpu().numpy() - y_ref).max() / np.abs(y_ref).max()
+    assert y.dtype == torch.bfloat16 and err < 8e-3  # one bf16 rounding of the epilogue's sum
+
+
+@pytest.mark.gpu
+@pytest.mark.fp8_gemm
+def test_cuda_compiled_block_linear_matches_eager():
+    lin = fp8.Fp8Linear(256, 128, recipe=fusedfp8.BlockScaling(), device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = lin(x)
+    yc = torch.compile(lin, fullgraph=True)(x)
+    assert torch.equal(y, yc)
