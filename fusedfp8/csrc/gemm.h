@@ -216,6 +216,15 @@ inline const char* type_name(int32_t t) {
   }
 }
 
+// The floats of the scale_inv of an operand (rows, k) with blocks of `block` rows (1: 1x128, 128:
+// 128x128) in fusedfp8.numerics.block's layout (docs/design.md "Block scaling"), which cuBLASLt's
+// VEC128_32F / BLK128x128_32F modes read: (ceil(k/128), pad4(rows)) or (ceil(rows/128), pad4(ceil(k/128))).
+inline int64_t block_scale_numel(int64_t rows, int64_t k, int64_t block) {
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  auto pad4 = [&](int64_t a) { return ceil_div(a, 4) * 4; };
+  return block == 1 ? ceil_div(k, 128) * pad4(rows) : ceil_div(rows, 128) * pad4(ceil_div(k, 128));
+}
+
 // "" or why the scale modes of `s` are not a block-scaled GEMM cuBLASLt offers (tests/run/
 // cublaslt_block_probe.py asked its heuristic on the H200): both operands scaled per tensor, or
 // both per block with at most one 128x128 operand (128x128 x 128x128 is not offered) and the split

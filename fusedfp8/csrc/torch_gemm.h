@@ -63,15 +63,7 @@ inline int32_t lt_type(at::ScalarType t) {
   }
 }
 
-// The scale layout of an operand (rows, k) of the block GEMM by its block's rows (`block`: 1 for
-// 1x128 blocks, 128 for 128x128; docs/design.md "Block scaling"): cuBLASLt's scale mode and the
-// floats its scale_inv holds, (ceil(k/128), pad4(rows)) or (ceil(rows/128), pad4(ceil(k/128))).
 inline int32_t block_mode(int64_t block) { return block == 1 ? lt::kScaleVec128 : lt::kScaleBlk128x128; }
-inline int64_t block_scale_numel(int64_t rows, int64_t k, int64_t block) {
-  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
-  auto pad4 = [&](int64_t a) { return ceil_div(a, 4) * 4; };
-  return block == 1 ? ceil_div(k, 128) * pad4(rows) : ceil_div(rows, 128) * pad4(ceil_div(k, 128));
-}
 
 // The gemm.h shape of the call, after the argument checks (TORCH_CHECK: ValueError / TypeError-like
 // messages naming the argument). `op` names the op in them; `a_block` / `b_block`: 0 for one scale
@@ -95,7 +87,7 @@ inline lt::Shape checked_shape(const char* op, const at::Tensor& a, const at::Te
     TORCH_CHECK((a_block == 1 || a_block == 128) && (b_block == 1 || b_block == 128), op,
                 ": a_block and b_block must be 1 (1x128 blocks) or 128 (128x128 blocks); got ", a_block, " and ",
                 b_block);
-    const int64_t want_a = block_scale_numel(m, k, a_block), want_b = block_scale_numel(n, k, b_block);
+    const int64_t want_a = lt::block_scale_numel(m, k, a_block), want_b = lt::block_scale_numel(n, k, b_block);
     TORCH_CHECK(sa.scalar_type() == at::kFloat && sa.is_contiguous() && sa.numel() == want_a, op,
                 ": scale_inv_a must be a contiguous float32 tensor of ", want_a, " elements (the ", a_block,
                 "x128 block scales of a (", m, ", ", k, ") operand); got ", sa.scalar_type(), " ", sa.sizes());

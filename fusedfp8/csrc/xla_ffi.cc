@@ -29,7 +29,10 @@
 //   attrs     fast_accum int64 (0 / 1)
 // out = scale_inv_a * scale_inv_b * (a[:m] @ b[:n].T). `ff8_xla_fp8_gemm_bias` ("fusedfp8_fp8_gemm_bias")
 // takes a fifth operand, bias (n,) of the output's type, added in cuBLASLt's epilogue before the
-// one rounding to the output type. The workspace is a result rather than an
+// one rounding to the output type. `ff8_xla_fp8_gemm_block` / `_block_bias` ("fusedfp8_fp8_gemm_block"
+// / "_bias") are the block-scaled GEMM of BlockScaling: attrs a_block, b_block (1: 1x128 blocks,
+// 128: 128x128), the scales each operand's block scales (gemm.h's block_scale_numel floats), out
+// (a's rows, b's rows), the split accumulator. The workspace is a result rather than an
 // ffi::ScratchAllocator allocation: a scratch allocation is released when the handler returns,
 // and a CUDA graph recorded from the handler would keep its address; an XLA-assigned buffer is
 // what XLA's own cuBLASLt calls use, and stays valid for every replay.
@@ -122,10 +125,13 @@ int32_t lt_type(ffi::DataType t) {
   }
 }
 
-// `bias`: null, or the (n,) bias of the bias epilogue (the output's type).
+// `bias`: null, or the (n,) bias of the bias epilogue (the output's type). `a_block` / `b_block`:
+// 0 for one scale per tensor, else the operand's block rows (1: 1x128, 128: 128x128), its scales
+// the block_scale_numel floats of gemm.h's layout for the operand as stored, which must then be
+// the GEMM's (m = a's rows, n = b's rows: the scale layout follows the GEMM's dimensions).
 ffi::Error Fp8GemmImpl(void* stream, ffi::AnyBuffer& a, ffi::AnyBuffer& b, ffi::AnyBuffer& sa, ffi::AnyBuffer& sb,
                        const ffi::AnyBuffer* bias, ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& ws,
-                       int64_t fast_accum) {
+                       int64_t fast_accum, int64_t a_block = 0, int64_t b_block = 0) {
   const ff8::Driver& d = ff8::driver();
   if (!d.why.empty()) return ffi::Error::Internal("fusedfp8: " + d.why);
   auto da = a.dimensions(), db = b.dimensions(), dout = out->dimensions();
@@ -136,12 +142,27 @@ ffi::Error Fp8GemmImpl(void* stream, ffi::AnyBuffer& a, ffi::AnyBuffer& b, ffi::
                                        ") and b (" + std::to_string(db[0]) + ", " + std::to_string(db[1]) +
                                        ") do not give an output of (" + std::to_string(dout[0]) + ", " +
                                        std::to_string(dout[1]) + ")");
-  for (const ffi::AnyBuffer* s : {&sa, &sb})
-    if (s->element_type() != ffi::DataType::F32 || s->element_count() < 1)
-      return ffi::Error::InvalidArgument("fusedfp8 FP8 GEMM: the scales must be float32 arrays of one element");
   ff8::lt::Shape shape{dout[0], dout[1], da[1], da[1], db[1], dout[1], lt_type(a.element_type()),
                        lt_type(b.element_type()), lt_type(out->element_type()), static_cast<int32_t>(fast_accum),
                        static_cast<int64_t>(ws->size_bytes())};
+  if (a_block == 0) {
+    for (const ffi::AnyBuffer* s : {&sa, &sb})
+      if (s->element_type() != ffi::DataType::F32 || s->element_count() < 1)
+        return ffi::Error::InvalidArgument("fusedfp8 FP8 GEMM: the scales must be float32 arrays of one element");
+  } else {
+    if (da[0] != dout[0] || db[0] != dout[1])
+      return ffi::Error::InvalidArgument("fusedfp8 block-scaled FP8 GEMM: the output must be (a's rows, b's rows)");
+    const int64_t want[2] = {ff8::lt::block_scale_numel(da[0], da[1], a_block),
+                             ff8::lt::block_scale_numel(db[0], db[1], b_block)};
+    const ffi::AnyBuffer* scales[2] = {&sa, &sb};
+    for (int i = 0; i < 2; ++i)
+      if (scales[i]->element_type() != ffi::DataType::F32 ||
+          static_cast<int64_t>(scales[i]->element_count()) != want[i])
+        return ffi::Error::InvalidArgument("fusedfp8 block-scaled FP8 GEMM: scale_inv_" + std::string(i ? "b" : "a") +
+                                           " must be " + std::to_string(want[i]) + " float32 values (its block scales)");
+    shape.sa_mode = a_block == 1 ? ff8::lt::kScaleVec128 : ff8::lt::kScaleBlk128x128;
+    shape.sb_mode = b_block == 1 ? ff8::lt::kScaleVec128 : ff8::lt::kScaleBlk128x128;
+  }
   if (bias != nullptr) {
     if (bias->element_count() != static_cast<size_t>(dout[1]))
       return ffi::Error::InvalidArgument("fusedfp8 FP8 GEMM: the bias must have one element per output column (" +
@@ -170,6 +191,18 @@ ffi::Error Fp8GemmBias(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::An
   return Fp8GemmImpl(stream, a, b, sa, sb, &bias, out, ws, fast_accum);
 }
 
+ffi::Error Fp8GemmBlock(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> ws, int64_t a_block,
+                        int64_t b_block) {
+  return Fp8GemmImpl(stream, a, b, sa, sb, nullptr, out, ws, 0, a_block, b_block);
+}
+
+ffi::Error Fp8GemmBlockBias(void* stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
+                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> ws,
+                            int64_t a_block, int64_t b_block) {
+  return Fp8GemmImpl(stream, a, b, sa, sb, &bias, out, ws, 0, a_block, b_block);
+}
+
 }  // namespace
 
 // a, b, scale_inv_a, scale_inv_b -> out, workspace
@@ -183,6 +216,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm, Fp8Gemm,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("fast_accum"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// the block-scaled GEMM (BlockScaling): a, b, scale_inv_a, scale_inv_b (the block scales) -> out, workspace
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm_block, Fp8GemmBlock,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("a_block")
+                                  .Attr<int64_t>("b_block"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// the same with a bias in the epilogue
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ff8_xla_fp8_gemm_block_bias, Fp8GemmBlockBias,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("a_block")
+                                  .Attr<int64_t>("b_block"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // a, b, scale_inv_a, scale_inv_b, bias -> out, workspace: out = the product + bias[j], rounded once
@@ -254,11 +316,11 @@ int64_t ff8_register_kernels(int64_t device, const int64_t* ids, const uint64_t*
 
 namespace {
 
-// m, n, k, lda, ldb, ldd, ta, tb, td, fast_accum, workspace, epilogue, bias_type
+// m, n, k, lda, ldb, ldd, ta, tb, td, fast_accum, workspace, epilogue, bias_type, sa_mode, sb_mode
 ff8::lt::Shape gemm_shape(const int64_t* v) {
   return ff8::lt::Shape{v[0], v[1], v[2], v[3], v[4], v[5], static_cast<int32_t>(v[6]), static_cast<int32_t>(v[7]),
                         static_cast<int32_t>(v[8]), static_cast<int32_t>(v[9]), v[10], static_cast<uint32_t>(v[11]),
-                        static_cast<int32_t>(v[12])};
+                        static_cast<int32_t>(v[12]), static_cast<int32_t>(v[13]), static_cast<int32_t>(v[14])};
 }
 }  // namespace
 
@@ -277,8 +339,9 @@ int64_t ff8_gemm_load(char* err, int64_t errcap) {
   return static_cast<int64_t>(a.version());
 }
 
-// 0 when cuBLASLt's FP8 GEMM takes the shape `v` (13 int64s: m, n, k, lda, ldb, ldd, a's, b's and
-// the output's cudaDataType, fast_accum, workspace bytes, epilogue, the bias's cudaDataType), else
+// 0 when cuBLASLt's FP8 GEMM takes the shape `v` (15 int64s: m, n, k, lda, ldb, ldd, a's, b's and
+// the output's cudaDataType, fast_accum, workspace bytes, epilogue, the bias's cudaDataType, a's and
+// b's cublasLtMatmulMatrixScale_t), else
 // -1 with the reason. No GPU needed.
 int64_t ff8_gemm_check(const int64_t* v, char* err, int64_t errcap) {
   return put_error(ff8::lt::check_shape(gemm_shape(v)), err, errcap);

@@ -43,11 +43,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..recipe import DelayedScaling
+from ..recipe import BlockScaling, DelayedScaling
 from ..state import ScalingState
 from ..types import GEMM_MULTIPLE, Quantized, check_pad_to, check_recipe, gemm_pad_to
 from . import gemm as G
 from . import primitives as P
+from .block_dot import block_dot
 from .meta import (LINEAR_GRAD, combine, decode, float_counters, meta_to_state, refuse_corrupted, refusing,
                    state_to_meta)
 from .meta import check_meta as _check_meta
@@ -306,6 +307,14 @@ def _quantize_weight_call(w, meta, cfg: _Cfg, pad_to: int) -> Quantized:
     return rw
 
 
+def _check_block_call(meta, axis_name, fp8_weight) -> None:
+    """fp8_dot's state arguments under BlockScaling, which keeps no state: all None."""
+    for name, v in (("meta", meta), ("axis_name", axis_name), ("fp8_weight", fp8_weight)):
+        if v is not None:
+            raise ValueError(f"{name} must be None under BlockScaling (no state: each block's scale is its own max, "
+                             f"the same on every device); got {type(v).__name__}")
+
+
 def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=None, axis_name=None,
             impl: str = "auto", forward_fast_accum: bool = True, fp8_weight=None):
     return fp8_dot_use(x, w, meta, recipe, out_dtype=out_dtype, axis_name=axis_name, impl=impl,
@@ -314,7 +323,9 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=
 
 def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=None, axis_name=None,
                 impl: str = "auto", forward_fast_accum: bool = True, first: bool = True, fp8_weight=None):
-    """``x @ w`` with FP8 GEMMs and delayed scaling (forward and both backward GEMMs).
+    """``x @ w`` with FP8 GEMMs and delayed scaling (forward and both backward GEMMs); under a
+    :class:`fusedfp8.BlockScaling` recipe :func:`fusedfp8.jax.block_dot.block_dot` (``meta``,
+    ``axis_name`` and ``fp8_weight`` None: no state; the second result of :func:`fp8_dot_use` None).
 
     Parameters
     ----------
@@ -348,10 +359,13 @@ def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dt
     next use takes as its ``meta``; the VJP then max-accumulates the staged amaxes of all uses
     into the one new meta of the first use.
     """
+    if isinstance(recipe, BlockScaling):
+        _check_block_call(meta, axis_name, fp8_weight)
+        return block_dot(x, w, recipe, out_dtype=out_dtype, impl=impl), None
     x, w = _check_operand(x, "x"), _check_operand(w, "w")
     if x.shape[1] != w.shape[0]:
         raise ValueError(f"x (M, K) and w (K, N) must agree on K; got {x.shape} and {w.shape}")
-    check_recipe(recipe)
+    check_recipe(recipe, block=True)
     meta = _check_meta(meta, 3, recipe)
     if first:
         refuse_corrupted(meta)

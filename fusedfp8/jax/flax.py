@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import policy as _policy
-from ..recipe import DelayedScaling
+from ..recipe import BlockScaling, DelayedScaling
 from ..types import Quantized, check_recipe
 from . import functional as F
 from .meta import META_FIELDS as STATE_VARIABLES
@@ -136,7 +136,9 @@ class Fp8DotGeneral(nn.Module):
     do; ``precision`` is ignored (FP8); the output dtype is ``preferred_element_type`` or the
     kernel dtype.
 
-    Attributes: ``recipe`` (DelayedScaling or CurrentScaling), ``impl`` (see
+    Attributes: ``recipe`` (DelayedScaling or CurrentScaling; or BlockScaling: no state variables,
+    :func:`fusedfp8.jax.block_dot.block_dot`, ``axis_name`` must stay None and
+    ``forward_fast_accum`` does not apply), ``impl`` (see
     :data:`fusedfp8.jax.IMPLS`), ``axis_name`` (None, or the mesh axis name(s) inside ``shard_map``
     over which the staged amaxes are MAX-reduced before each update: ``functools.partial(Fp8DotGeneral,
     axis_name='data')``), ``forward_fast_accum`` (the forward GEMM with cuBLASLt's fast
@@ -153,7 +155,7 @@ class Fp8DotGeneral(nn.Module):
                  preferred_element_type=None):
         if any(a is _NO_OPERAND for a in (lhs, rhs, dimension_numbers)):
             raise _no_operand_error(lhs is _NO_OPERAND and rhs is _NO_OPERAND)
-        recipe = _check_recipe(self)
+        recipe = check_recipe(self.recipe, f"{type(self).__name__}.recipe", block=True)
         (lc, rc), (lb, rb) = dimension_numbers
         lc, rc = tuple(int(d) % max(lhs.ndim, 1) for d in lc), tuple(int(d) % max(rhs.ndim, 1) for d in rc)
         nc = len(lc)
@@ -161,14 +163,18 @@ class Fp8DotGeneral(nn.Module):
             raise ValueError(f"Fp8DotGeneral supports lhs contracting its trailing and rhs its leading dimensions, "
                              f"without batch dimensions; got dimension_numbers={dimension_numbers} for shapes "
                              f"{lhs.shape} and {rhs.shape}")
-        stored = _declare_state(self, recipe)
-        meta, first = _this_use(self, stored)
         lead, k = lhs.shape[:lhs.ndim - nc], math.prod(lhs.shape[lhs.ndim - nc:])
         rest = rhs.shape[nc:]
         if k != math.prod(rhs.shape[:nc]):
             raise ValueError(f"contracting dimensions disagree: {lhs.shape} and {rhs.shape}")
         x2 = jnp.asarray(lhs, rhs.dtype).reshape(math.prod(lead), k)
         w2 = rhs.reshape(k, math.prod(rest))
+        if isinstance(recipe, BlockScaling):  # no state: no variables, nothing to remember between calls
+            y, _ = F.fp8_dot_use(x2, w2, None, recipe, out_dtype=preferred_element_type or rhs.dtype,
+                                 axis_name=self.axis_name, impl=self.impl)
+            return y.reshape(*lead, *rest)
+        stored = _declare_state(self, recipe)
+        meta, first = _this_use(self, stored)
         fp8_weight = _fp8_weight(self, w2, stored, first, recipe, self.axis_name, self.impl)
         y, out = F.fp8_dot_use(x2, w2, meta, recipe, out_dtype=preferred_element_type or rhs.dtype,
                                axis_name=self.axis_name, impl=self.impl, forward_fast_accum=self.forward_fast_accum,

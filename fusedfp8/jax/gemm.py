@@ -40,14 +40,18 @@ from ..types import FP8_DTYPES, GEMM_MULTIPLE
 from . import callbacks, cuda_backend
 from . import primitives as P
 
-__all__ = ["fp8_gemm", "gemm_target", "gemm_path", "output_cols", "TARGET", "TARGET_BIAS", "WORKSPACE_BYTES"]
+__all__ = ["fp8_gemm", "fp8_block_gemm", "gemm_target", "gemm_path", "output_cols", "TARGET", "TARGET_BIAS",
+           "TARGET_BLOCK", "TARGET_BLOCK_BIAS", "WORKSPACE_BYTES"]
 
 TARGET = "fusedfp8_fp8_gemm"  # command-buffer compatible
 TARGET_BIAS = "fusedfp8_fp8_gemm_bias"  # the same with cuBLASLt's bias epilogue
+TARGET_BLOCK = "fusedfp8_fp8_gemm_block"  # the block-scaled GEMM (BlockScaling)
+TARGET_BLOCK_BIAS = "fusedfp8_fp8_gemm_block_bias"
 WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace on Hopper (torch and Transformer Engine give it 32 MiB)
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 _LT_TYPE = {"float8_e4m3fn": 28, "float8_e5m2": 29, "bfloat16": 14, "float16": 2, "float32": 0}  # cudaDataType
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4  # cublasLtEpilogue_t
+_SCALE_MODE = {0: 0, 1: 4, 128: 5}  # block rows -> cublasLtMatmulMatrixScale_t (0: one scale per tensor)
 _XLA_IMPLS = ("jnp", "callback")
 
 
@@ -61,12 +65,13 @@ def output_cols(n: int) -> int:
     return n if n % GEMM_MULTIPLE == 0 else _round_up(n)
 
 
-def _shape_code(m, n, k, lda, ldb, ldd, ta, tb, td, fast, workspace, bias: bool = False) -> np.ndarray:
-    """The 13 int64s of the shim's GEMM shape (ff8_gemm_check / ff8_gemm_prepare); ``bias``: the
-    bias epilogue, the bias of the output's type."""
+def _shape_code(m, n, k, lda, ldb, ldd, ta, tb, td, fast, workspace, bias: bool = False, blocks=(0, 0)) -> np.ndarray:
+    """The 15 int64s of the shim's GEMM shape (ff8_gemm_check / ff8_gemm_prepare); ``bias``: the
+    bias epilogue, the bias of the output's type; ``blocks``: each operand's block rows (0: one
+    scale per tensor, 1: 1x128 blocks, 128: 128x128)."""
     return np.array([m, n, k, lda, ldb, ldd, _LT_TYPE[ta], _LT_TYPE[tb], _LT_TYPE[td], int(fast), workspace,
-                     _EPILOGUE_BIAS if bias else _EPILOGUE_DEFAULT, _LT_TYPE[td] if bias else _LT_TYPE["bfloat16"]],
-                    np.int64)
+                     _EPILOGUE_BIAS if bias else _EPILOGUE_DEFAULT, _LT_TYPE[td] if bias else _LT_TYPE["bfloat16"],
+                     _SCALE_MODE[blocks[0]], _SCALE_MODE[blocks[1]]], np.int64)
 
 
 def _call(fn, *args) -> str:
@@ -91,6 +96,9 @@ def gemm_target() -> tuple[bool, str]:
     try:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ff8_xla_fp8_gemm), platform="CUDA")
         jax.ffi.register_ffi_target(TARGET_BIAS, jax.ffi.pycapsule(lib.ff8_xla_fp8_gemm_bias), platform="CUDA")
+        jax.ffi.register_ffi_target(TARGET_BLOCK, jax.ffi.pycapsule(lib.ff8_xla_fp8_gemm_block), platform="CUDA")
+        jax.ffi.register_ffi_target(TARGET_BLOCK_BIAS, jax.ffi.pycapsule(lib.ff8_xla_fp8_gemm_block_bias),
+                                    platform="CUDA")
     except Exception as e:  # noqa: BLE001 - say why and keep XLA's dot
         return False, f"registering the FP8 GEMM's XLA FFI target failed ({type(e).__name__}: {e})"
     return True, f"cuBLASLt {version} ({err.value.decode(errors='replace')})"
@@ -109,13 +117,14 @@ def gemm_path() -> tuple[str, str]:
     return TARGET, f"from the first CUDA trace on, cuBLASLt from {where} (or the copy already loaded)"
 
 
-def check_shape(m, n, k, lda, ldb, ldd, ta, tb, td, fast=False, workspace=WORKSPACE_BYTES, bias=False) -> str:
+def check_shape(m, n, k, lda, ldb, ldd, ta, tb, td, fast=False, workspace=WORKSPACE_BYTES, bias=False,
+                blocks=(0, 0)) -> str:
     """"" or why the shim's FP8 GEMM refuses the shape (its own check, gemm.h's check_shape; no GPU
     needed, the shim is built on first use)."""
     lib, why = _shim.library("xla")
     if lib is None:
         return f"the shim is not available: {why}"
-    code = _shape_code(m, n, k, lda, ldb, ldd, ta, tb, td, fast, workspace, bias)
+    code = _shape_code(m, n, k, lda, ldb, ldd, ta, tb, td, fast, workspace, bias, blocks)
     return _call(lib.ff8_gemm_check, code.ctypes.data)
 
 
@@ -277,3 +286,143 @@ def fp8_gemm(a, b, scale_inv_a, scale_inv_b, out_dtype=jnp.bfloat16, *, shape=No
         return (ffi if use else xla)(a, b, sa, sb, *bias)
 
     return lax.platform_dependent(*args, cuda=cuda, default=xla)
+
+
+# ---- the block-scaled GEMM (BlockScaling) ---------------------------------------------------------
+_BLOCK = 128
+
+
+def _expand_block_scales(s, rows: int, k: int, block: int):
+    """(rows, k) float32: each element's scale_inv read from ``s`` in the layout of a (rows, k)
+    operand with ``block``-row blocks (:func:`fusedfp8.numerics.block.expand_scales` in jax.numpy)."""
+    kb = -(-k // _BLOCK)
+    if block == 1:  # (ceil(k/128), pad4(rows)), element [kb, r]
+        return jnp.repeat(s[:, :rows].T, _BLOCK, axis=1, total_repeat_length=kb * _BLOCK)[:, :k]
+    per = s[:, :kb]  # (ceil(rows/128), kb), element [rb, kb]
+    per = jnp.repeat(per, _BLOCK, axis=0, total_repeat_length=per.shape[0] * _BLOCK)[:rows]
+    return jnp.repeat(per, _BLOCK, axis=1, total_repeat_length=kb * _BLOCK)[:, :k]
+
+
+def _block_emulation(a, b, sa, sb, a_block: int, b_block: int, bias, out_name: str):
+    """The float32 product of the dequantized operands (each FP8 value times its block's
+    scale_inv, exact), plus the bias, rounded once."""
+    (m, k), n = a.shape, b.shape[0]
+    da = a.astype(jnp.float32) * _expand_block_scales(sa, m, k, a_block)
+    db = b.astype(jnp.float32) * _expand_block_scales(sb, n, k, b_block)
+    y = lax.dot_general(da, db, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+    return (y if bias is None else y + bias.astype(jnp.float32)).astype(out_name)
+
+
+def _block_ffi(a, b, sa, sb, a_block: int, b_block: int, bias, out_name: str):
+    (m, k), n = a.shape, b.shape[0]
+    if bias is not None and out_name == "float32":  # (cuBLASLt's FP8 bias epilogue has no float32 output)
+        return _block_ffi(a, b, sa, sb, a_block, b_block, None, out_name) + bias
+    code = _shape_code(m, n, k, k, k, n, a.dtype.name, b.dtype.name, out_name, False, WORKSPACE_BYTES,
+                       bias is not None, (a_block, b_block))
+    why = _prepared(tuple(int(v) for v in code))
+    if why:
+        raise RuntimeError(f"fusedfp8: the block-scaled FP8 GEMM (m={m}, n={n}, k={k}) cannot run: {why}")
+    call = jax.ffi.ffi_call(TARGET_BLOCK if bias is None else TARGET_BLOCK_BIAS,
+                            (jax.ShapeDtypeStruct((m, n), jnp.dtype(out_name)),
+                             jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)), vmap_method="sequential")
+    out, _ = call(a, b, sa, sb, *(() if bias is None else (bias,)), a_block=int(a_block), b_block=int(b_block))
+    return out
+
+
+def _has_gpu() -> bool:
+    return bool(callbacks.gpu_devices())
+
+
+def block_gemm_path() -> tuple[bool, str]:
+    """(True, why) where the block-scaled GEMM can run on CUDA (the shim's cuBLASLt GEMM), else
+    (False, why not): there is no other block-scaled FP8 GEMM for JAX on a GPU."""
+    if not _shim.default_on()[0]:
+        return False, f"the shim is not in use: {_shim.default_on()[1]}"
+    return gemm_target()
+
+
+def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, out_dtype=jnp.bfloat16, *,
+                   bias=None, impl: str = "auto"):
+    """``out_dtype(a @ b.T (+ bias))`` for FP8 operands with a scale per block (BlockScaling).
+
+    Parameters
+    ----------
+    a : (M, K), b : (N, K), float8_e4m3fn / float8_e5m2 (not both e5m2), both K-contiguous (the q
+        and q_t that :func:`fusedfp8.jax.block.block_quantize` writes)
+    scale_inv_a, scale_inv_b : float32, each operand's block scales in the layout of
+        :mod:`fusedfp8.numerics.block` (``scale_shape(M, K, (a_block, 128))``, ...)
+    a_block, b_block : 1 (1x128 blocks) or 128 (128x128; not both)
+    out_dtype : bfloat16 (default), float16 or float32
+    bias : None, or (N,) of ``out_dtype``, added in float32 before the one rounding
+    impl : 'auto' (on CUDA the shim's cuBLASLt block-scaled GEMM, a custom call to
+        ``fusedfp8_fp8_gemm_block``, M, N and K multiples of 16; elsewhere the emulation), 'ffi'
+        (that GEMM; an error where it cannot run), 'jnp' / 'callback' (the emulation everywhere:
+        the float32 product of the dequantized operands)
+
+    On CUDA without the shim 'auto' raises (there is no other block-scaled FP8 GEMM; a silent
+    float32 product would not be the FP8 GEMM asked for): impl='jnp' asks for the emulation.
+    Returns the (M, N) array of ``out_dtype``.
+    """
+    from ..numerics.block import scale_shape
+
+    P._check_impl(impl)
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    for name, x in (("a", a), ("b", b)):
+        if x.dtype.name not in FP8_DTYPES or x.ndim != 2:
+            raise TypeError(f"{name} must be a 2-D float8_e4m3fn or float8_e5m2 array; got {x.dtype} {x.shape}")
+    if a.dtype.name == b.dtype.name == "float8_e5m2":
+        raise TypeError("a and b cannot both be float8_e5m2: cuBLASLt has no e5m2 x e5m2 FP8 GEMM")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"a (M, K) and b (N, K) must agree on K; got {a.shape} and {b.shape}")
+    if a_block not in (1, 128) or b_block not in (1, 128) or a_block == b_block == 128:
+        raise ValueError(f"a_block and b_block must be 1 (1x128 blocks) or 128 (128x128), not both 128; got "
+                         f"{a_block!r} and {b_block!r}")
+    (m, k), n = a.shape, b.shape[0]
+    scales = []
+    for name, s, rows, blk in (("scale_inv_a", scale_inv_a, m, a_block), ("scale_inv_b", scale_inv_b, n, b_block)):
+        s = jnp.asarray(s)
+        want = scale_shape(rows, k, (blk, 128))
+        if s.dtype != jnp.float32 or s.shape != want:
+            raise ValueError(f"{name} must be a float32 array of shape {want} (the {blk}x128 block scales of a "
+                             f"({rows}, {k}) operand); got {s.dtype} {s.shape}")
+        scales.append(s)
+    out_name = jnp.dtype(out_dtype).name
+    if out_name not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}; got {out_name}")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (n,) or bias.dtype.name != out_name:
+            raise ValueError(f"bias must be None or a ({n},) {out_name} array; got {bias.dtype} {bias.shape}")
+    sa, sb = scales
+    if impl == "ffi":
+        ok, why = block_gemm_path()
+        if not ok:
+            raise ValueError(f"impl='ffi' needs the block-scaled FP8 GEMM of the compiled shim, which is not "
+                             f"available: {why}")
+    if m == 0 or n == 0 or k == 0:
+        zeros = jnp.zeros((m, n), out_name)
+        return zeros if bias is None else zeros + bias
+    args = (a, b, sa, sb) + (() if bias is None else (bias,))
+
+    def emulation(a, b, sa, sb, *bias):
+        return _block_emulation(a, b, sa, sb, a_block, b_block, bias[0] if bias else None, out_name)
+
+    def cuda(a, b, sa, sb, *bias):
+        if not _has_gpu():  # (traced by platform_dependent on a machine without a GPU: never run)
+            return emulation(a, b, sa, sb, *bias)
+        ok, why = block_gemm_path()
+        if not ok:
+            raise RuntimeError(f"fusedfp8: the block-scaled FP8 GEMM on CUDA needs the compiled shim's cuBLASLt "
+                               f"GEMM, which is not available: {why}. impl='jnp' runs the float32 emulation instead")
+        if any(d % GEMM_MULTIPLE for d in (m, n, k)):
+            raise ValueError(f"the block-scaled FP8 GEMM needs M, N and K multiples of {GEMM_MULTIPLE} (quantize "
+                             f"with pad_to={GEMM_MULTIPLE}); got (M, N, K) = {(m, n, k)}")
+        out = _block_ffi(a, b, sa, sb, a_block, b_block, bias[0] if bias else None, out_name)
+        return P._as_varying_as((out,), (a, b, sa, sb, *bias))[0]
+
+    if impl in _XLA_IMPLS:
+        return emulation(*args)
+    if impl == "ffi":
+        return cuda(*args)
+    return lax.platform_dependent(*args, cuda=cuda, default=emulation)

@@ -89,7 +89,8 @@ JAX_CASES = [
     ("jax-dot-w-1d", lambda w: lambda: JF.fp8_dot(w.x, w.w[0], w.meta, R, impl="jnp"),
      ValueError, r"^w must be 2-D; got shape \(16,\)"),
     ("jax-dot-recipe-a-string", lambda w: lambda: JF.fp8_dot(w.x, w.w, w.meta, "hybrid", impl="jnp"),
-     TypeError, r"^recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; got str"),
+     TypeError, r"^recipe must be a fusedfp8\.DelayedScaling, a fusedfp8\.CurrentScaling or a fusedfp8\.BlockScaling; "
+     r"got str"),
     ("jax-dot-meta-history-of-another-recipe", lambda w: lambda: JF.fp8_dot(w.x, w.w, w.meta, R_OTHER, impl="jnp"),
      ValueError, r"^meta\.amax_history must be float32 of shape \(16, 3\) \(recipe\.amax_history_len=16\); got "
                  r"float32 \(8, 3\)"),
@@ -139,7 +140,8 @@ JAX_CASES = [
      TypeError, r"^Fp8DotGeneral: variable 'updates' must be float32 \(or flax's fp32_max_grad\); got int32"),
     ("flax-dense-recipe-a-string", lambda w: lambda: fnn.Dense(16, dot_general_cls=lambda: Fp8DotGeneral(
         recipe="hybrid")).apply(w.dense_vars, w.x, mutable=[OWG]),
-     TypeError, r"^Fp8DotGeneral\.recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; got str"),
+     TypeError, r"^Fp8DotGeneral\.recipe must be a fusedfp8\.DelayedScaling, a fusedfp8\.CurrentScaling or a "
+                r"fusedfp8\.BlockScaling; got str"),
     ("flax-dense-unknown-impl", lambda w: lambda: fnn.Dense(16, dot_general_cls=lambda: Fp8DotGeneral(
         recipe=R, impl="cuda")).apply(w.dense_vars, w.x, mutable=[OWG]),
      ValueError, r"^impl must be one of .*; got 'cuda'"),

@@ -1,0 +1,213 @@
+"""The block-scaled FP8 linear in JAX: fusedfp8.jax.block_dot (custom_vjp), fp8_dot and flax's
+Fp8DotGeneral under a BlockScaling recipe, and the block-scaled GEMM fusedfp8.jax.gemm.fp8_block_gemm.
+
+On the CPU the forward and both gradients are held against the NumPy definition: each operand
+block-quantized by fusedfp8.numerics.block (the bytes the kernels write; w (K, N) is the torch
+weight's transpose, so the 128x128 tiles and the 1x128 copies are the same ones), dequantized and
+multiplied in float64. The lowering for CUDA is read without a GPU: three block-scaled FFI GEMMs
+in the gradient, the block quantizations as FFI launches, no dot_general. On the GPU (marked): the
+same against the definition within the split accumulator's allowance."""
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fusedfp8
+from fusedfp8.jax import functional as F
+from fusedfp8.jax import gemm as G
+from fusedfp8.numerics import block as B
+from support.block import inputs
+from support.shim import built as built_shim
+
+RECIPES = {
+    "default": fusedfp8.BlockScaling(),
+    "1x128w-hybrid-exact": fusedfp8.BlockScaling(weight_block=(1, 128), fp8_format="hybrid",
+                                                 power_of_two_scales=False),
+}
+SHAPES = {"aligned-256x384x128": (256, 384, 128), "ragged-17x300x200": (17, 300, 200),
+          "ragged-130x48x49": (130, 48, 49)}
+CASES = [("aligned-256x384x128", "default"), ("ragged-17x300x200", "default"),
+         ("ragged-17x300x200", "1x128w-hybrid-exact"), ("ragged-130x48x49", "1x128w-hybrid-exact")]
+
+
+def _deq(data, s, block) -> np.ndarray:
+    return B.block_dequantize(np.asarray(data), np.asarray(s), block).astype(np.float64)
+
+
+def _reference(x, w, g, recipe) -> dict:
+    """{name: (float64 value, sum of |products|)} of y = x @ w, dx, dw from the NumPy definition
+    (w (K, N): its transposed copy (N, K) is the forward's operand)."""
+    fwd, grd, wb = recipe.format_for(False), recipe.format_for(True), recipe.weight_block
+    p2 = recipe.power_of_two_scales
+    qx = B.block_quantize(x, fwd, (1, 128), p2, True)
+    qw = B.block_quantize(w, fwd, wb, p2, True)
+    qg = B.block_quantize(g, grd, (1, 128), p2, True)
+    pairs = {"y": (_deq(qx.data, qx.scale_inv, (1, 128)), _deq(qw.data_t, qw.scale_inv_t, wb)),
+             "dx": (_deq(qg.data, qg.scale_inv, (1, 128)), _deq(qw.data, qw.scale_inv, wb)),
+             "dw": (_deq(qx.data_t, qx.scale_inv_t, (1, 128)), _deq(qg.data_t, qg.scale_inv_t, (1, 128)))}
+    return {k: (a @ c.T, np.abs(a) @ np.abs(c).T) for k, (a, c) in pairs.items()}
+
+
+def _close(got, want, scale, what, rtol=1e-5):
+    err = np.abs(np.asarray(got, np.float64) - want)
+    bad = err > rtol * scale + 1e-30
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, worst {float((err / (scale + 1e-30)).max()):.3g}"
+
+
+def _operands(shape):
+    m, k, n = shape
+    return (inputs((m, k), "float32", m + k), inputs((k, n), "float32", n + 1) * np.float32(0.05),
+            inputs((m, n), "float32", k + n + 2))
+
+
+@pytest.mark.parametrize("shape, recipe", [(SHAPES[s], RECIPES[r]) for s, r in CASES], ids=[f"{s}-{r}" for s, r in CASES])
+def test_forward_and_gradients_are_the_block_definition(shape, recipe):
+    x, w, g = _operands(shape)
+
+    def run(a, b, ct):  # one program: the forward and its VJP
+        y, vjp = jax.vjp(lambda a, b: F.block_dot(a, b, recipe), a, b)
+        return (y, *vjp(ct))
+
+    y, dx, dw = jax.jit(run)(x, w, g)
+    ref = _reference(x, w, g, recipe)
+    for got, name in ((y, "y"), (dx, "dx"), (dw, "dw")):
+        _close(got, *ref[name], name)
+    assert y.dtype == dx.dtype == dw.dtype == jnp.float32
+
+
+def test_jitted_fp8_dot_and_flax_dense_are_block_dot():
+    """fp8_dot with meta=None and nn.Dense(dot_general_cls=Fp8DotGeneral(recipe=BlockScaling)) give
+    block_dot's bytes, jitted, forward and gradients; the Dense declares no state variables."""
+    import flax.linen as nn
+
+    from fusedfp8.jax.flax import Fp8DotGeneral
+
+    r = fusedfp8.BlockScaling()
+    x, w, _ = _operands((2 * 3 * 5, 130, 48))
+    dense = nn.Dense(48, use_bias=False, dot_general_cls=partial(Fp8DotGeneral, recipe=r))
+    x3 = jnp.asarray(x).reshape(2, 3, 5, 130)
+    assert set(dense.init(jax.random.PRNGKey(0), x3)) == {"params"}
+
+    def all_three(a, b):  # one program
+        grads = {name: jax.value_and_grad(lambda a, b: (f(a, b) ** 2).sum(), argnums=(0, 1))(a, b)
+                 for name, f in (("block_dot", lambda a, b: F.block_dot(a, b, r)),
+                                 ("fp8_dot", lambda a, b: F.fp8_dot(a, b, None, r)),
+                                 ("flax", lambda a, b: dense.apply({"params": {"kernel": b}},
+                                                                   a.reshape(2, 3, 5, 130)).reshape(30, 48)))}
+        return grads
+
+    got = jax.jit(all_three)(x, w)
+    for name in ("fp8_dot", "flax"):
+        for a, b in zip(jax.tree_util.tree_leaves(got[name]), jax.tree_util.tree_leaves(got["block_dot"])):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), name
+
+
+def test_bf16_operands_give_bf16_results():
+    x, w, _ = _operands((32, 256, 64))
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+
+    def run(a, b):
+        y, vjp = jax.vjp(lambda a, b: F.block_dot(a, b), a, b)
+        return (y, *vjp(jnp.ones_like(y)))
+
+    y, dx, dw = jax.eval_shape(run, xb, wb)  # (the dtypes: nothing compiled)
+    assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+    assert jax.eval_shape(lambda a, b: F.block_dot(a, b, out_dtype=jnp.float32), xb, wb).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda x, w: F.block_dot(x, w, fusedfp8.DelayedScaling()), TypeError, "recipe must be a fusedfp8.BlockScaling"),
+    (lambda x, w: F.block_dot(x.astype(jnp.int32), w), TypeError, "x must be float32, float16 or bfloat16"),
+    (lambda x, w: F.block_dot(x[0], w), ValueError, "x must be 2-D"),
+    (lambda x, w: F.block_dot(x, w[:-1]), ValueError, "must agree on K"),
+    (lambda x, w: F.block_dot(x, w, out_dtype=jnp.int8), TypeError, "out_dtype must be"),
+    (lambda x, w: F.fp8_dot(x, w, {"scale": 1}, fusedfp8.BlockScaling()), ValueError, "meta must be None under"),
+    (lambda x, w: F.fp8_dot(x, w, None, fusedfp8.BlockScaling(), axis_name="d"), ValueError,
+     "axis_name must be None under"),
+], ids=["recipe", "x-int", "x-1d", "k", "out-dtype", "meta", "axis_name"])
+def test_bad_arguments_are_refused_by_name(call, error, message):
+    x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
+    with pytest.raises(error, match=message):
+        call(x, w)
+
+
+# ---- the block-scaled GEMM --------------------------------------------------------------------------
+def _quantized(rows, k, block, fmt="e4m3", seed=0):
+    x = inputs((rows, k), "float32", seed)
+    return B.block_quantize(x, fmt, (block, 128), True)
+
+
+@pytest.mark.parametrize("blocks", [(1, 128), (128, 1), (1, 1)], ids=["1x128-128x128", "128x128-1x128", "1x128-1x128"])
+def test_the_gemm_emulation_reads_the_scale_layout(blocks):
+    qa, qb = _quantized(48, 300, blocks[0], seed=1), _quantized(40, 300, blocks[1], "e5m2", seed=2)
+    bias = jnp.linspace(-1, 1, 40, dtype=jnp.float32)
+    y = G.fp8_block_gemm(jnp.asarray(qa.data), jnp.asarray(qb.data), qa.scale_inv, qb.scale_inv, *blocks,
+                         jnp.float32, bias=bias)
+    a, c = _deq(qa.data, qa.scale_inv, (blocks[0], 128)), _deq(qb.data, qb.scale_inv, (blocks[1], 128))
+    _close(y, a @ c.T + np.asarray(bias, np.float64), np.abs(a) @ np.abs(c).T + 1, "y")
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(blocks=(128, 128)), ValueError, "not both 128"),
+    (dict(blocks=(1, 64)), ValueError, "a_block and b_block must be 1"),
+    (dict(sa=np.ones((3, 4), np.float32)), ValueError, r"scale_inv_a must be a float32 array of shape \(3, 48\)"),
+    (dict(sb=np.ones((1, 1), np.float64)), ValueError, "scale_inv_b must be a float32 array"),
+    (dict(a=np.ones((48, 300), np.float32)), TypeError, "a must be a 2-D float8"),
+    (dict(out=jnp.int8), TypeError, "out_dtype must be one of"),
+    (dict(bias=jnp.ones(41, jnp.float32)), ValueError, r"bias must be None or a \(40,\) float32 array"),
+], ids=["both-128", "block-64", "scale-a", "scale-b-dtype", "a-f32", "out", "bias"])
+def test_the_gemm_refuses_bad_arguments_by_name(change, error, message):
+    qa, qb = _quantized(48, 300, 1), _quantized(40, 300, 128)
+    args = dict(a=jnp.asarray(qa.data), b=jnp.asarray(qb.data), sa=qa.scale_inv, sb=qb.scale_inv, blocks=(1, 128),
+                out=jnp.float32, bias=None)
+    args.update(change)
+    with pytest.raises(error, match=message):
+        G.fp8_block_gemm(args["a"], args["b"], args["sa"], args["sb"], *args["blocks"], args["out"],
+                         bias=args["bias"])
+
+
+def test_on_cuda_the_gradient_lowers_to_three_block_gemms(monkeypatch):
+    """block_dot's forward and both gradients lowered for CUDA (read without a GPU; the trace-time
+    decisions forced): three calls of fusedfp8_fp8_gemm_block with their block modes, the
+    quantizations as fusedfp8_launch calls, no dot_general; on the CPU no custom call at all."""
+    from fusedfp8.jax import primitives as JP
+
+    built_shim("xla")
+    monkeypatch.setattr(JP, "_auto_backend", lambda: "ffi")
+    monkeypatch.setattr(G, "_has_gpu", lambda: True)
+    monkeypatch.setattr(G, "block_gemm_path", lambda: (True, "forced"))
+    monkeypatch.setattr(G, "_prepared", lambda code: "")
+    r = fusedfp8.BlockScaling()
+    x, w = jnp.ones((300, 260), jnp.bfloat16), jnp.ones((260, 200), jnp.bfloat16)
+    loss = jax.grad(lambda a, b: (F.block_dot(a, b, r).astype(jnp.float32) ** 2).sum(), argnums=(0, 1))
+    text = jax.jit(loss).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "@fusedfp8_fp8_gemm_block" in ln]
+    assert len(calls) == 3, calls
+    modes = sorted(tuple(int(v) for v in re.search(r"a_block = (\d+) : i64, b_block = (\d+)", c).groups())
+                   for c in calls)
+    assert modes == [(1, 1), (1, 128), (1, 128)], modes  # wgrad 1x128 x 1x128; forward and dgrad x 128x128
+    assert "dot_general" not in text and text.count("@fusedfp8_launch") == 3
+    cpu = jax.jit(loss).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+    assert "custom_call" not in cpu
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
+@pytest.mark.parametrize("shape", [(2048, 1024, 4096), (1000, 300, 200), (16, 128, 16)], ids=str)
+def test_cuda_block_dot_is_the_block_definition(shape, recipe):
+    x, w, g = _operands(shape)
+    dev = jax.devices("gpu")[0]
+    xd, wd, gd = (jax.device_put(a, dev) for a in (x, w, g))
+    y, vjp = jax.vjp(jax.jit(lambda a, b: F.block_dot(a, b, recipe)), xd, wd)
+    dx, dw = vjp(gd)
+    ref = _reference(x, w, g, recipe)
+    for got, name in ((y, "y"), (dx, "dx"), (dw, "dw")):
+        _close(got, *ref[name], name, rtol=2.0 ** -9)  # the split accumulator's allowance
