@@ -23,6 +23,11 @@ padded to multiples of 16, zeros in the pad) beside the next aligned size (rows 
 to 16, the same kernels with nothing to pad) and the ragged size unpadded (pad_to=1), same run;
 bytes first (a block of the last rows, which holds the edge tiles, against the reference, padded);
 writes DIR/bench_kernels_ragged.json. Target: padded / aligned <= 1.02.
+
+       python scripts/bench_kernels.py --recipe block [--sizes ...] [--jobs act_t,act,weight_t] [--peers eager,compile]
+Block scaling (scripts/_bench_block.py): the block quantize kernel (1x128 with the transposed copy and
+its scales; 128x128 weights) beside torch doing the same job, bytes first; writes
+DIR/bench_kernels_block.json. Target: act_t >= 0.85 of the copy ceiling at 8192x16384.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax shares th
 import torch  # noqa: E402
 
 import _bench  # noqa: E402
+import _bench_block  # noqa: E402
 import _bench_current  # noqa: E402
 import fusedfp8  # noqa: E402
 
@@ -229,8 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=None, help="MxN list")
     ap.add_argument("--jobs", default=None, help="jobs to run")
     ap.add_argument("--peers", default="eager,compile,xla", help="peers to run ('none': fusedfp8 alone)")
-    ap.add_argument("--recipe", default="delayed", choices=("delayed", "current"),
-                    help="current: one-launch current scaling against the delayed kernel and the two-pass path")
+    ap.add_argument("--recipe", default="delayed", choices=("delayed", "current", "block"),
+                    help="current: one-launch current scaling against the delayed kernel and the two-pass path; "
+                         "block: the block-scaling quantize kernel against torch doing the same")
     ap.add_argument("--ragged", action="store_true",
                     help="ragged sizes padded to 16 against the next aligned size (fusedfp8 alone)")
     args = ap.parse_args(argv)
@@ -245,6 +252,19 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             ap.error("needs a CUDA GPU that runs the fused kernels (this machine has none)")
         return run_ragged(args, sizes, jobs)
+    if args.recipe == "block":
+        sizes = _bench.parse_sizes(args.sizes or ",".join(f"{m}x{n}" for m, n in _bench_block.SIZES), 2, "--sizes",
+                                   ap.error)
+        jobs = (args.jobs or ",".join(_bench_block.JOBS)).split(",")
+        if set(jobs) - set(_bench_block.JOBS):
+            ap.error(f"--jobs: unknown with --recipe block {sorted(set(jobs) - set(_bench_block.JOBS))}; choose from "
+                     f"{_bench_block.JOBS}")
+        peers = [] if args.peers == "none" else [p for p in args.peers.split(",") if p != "xla"]
+        if set(peers) - {"eager", "compile"}:
+            ap.error(f"--peers with --recipe block: from eager, compile (xla is ignored); got {args.peers!r}")
+        if not torch.cuda.is_available():
+            ap.error("needs a CUDA GPU that runs the fused kernels (this machine has none)")
+        return run_block(args, sizes, jobs, peers)
     current = args.recipe == "current"
     own_jobs, own_sizes = (_bench_current.JOBS, _bench_current.SIZES) if current else (JOBS, SIZES)
     sizes = _bench.parse_sizes(args.sizes or ",".join(f"{m}x{n}" for m, n in own_sizes), 2, "--sizes", ap.error)
@@ -396,6 +416,19 @@ def run_current(args, sizes, jobs, peers) -> int:
     meta = _bench.run_meta(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_ceiling_TBps=ceiling)
     _bench.write_json(out / "bench_kernels_current.json", meta, results)
     _bench_current.print_table(results)
+    return 0 if all(r["correct"] for r in results) else 1
+
+
+def run_block(args, sizes, jobs, peers) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ceiling = _bench.copy_ceiling_tbps()
+    print(f"copy ceiling: {ceiling:.3f} TB/s (read + write)", flush=True)
+    _bench.allow_recompiles()
+    results = _bench_block.run(sizes, jobs, ceiling, peers)
+    meta = _bench.run_meta(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_ceiling_TBps=ceiling)
+    _bench.write_json(out / "bench_kernels_block.json", meta, results)
+    _bench_block.print_table(results, peers)
     return 0 if all(r["correct"] for r in results) else 1
 
 
