@@ -1,4 +1,5 @@
-"""The FP8 recipes of the MLP train-step benchmarks: ``--recipes delayed,current`` (and ``unit``).
+"""The FP8 recipes of the MLP train-step benchmarks: ``--recipes delayed,current`` (and ``unit``,
+``block``).
 
 Every FP8 mode of bench_mlp_torch.py, bench_mlp_jax.py and seed_flax_mlp.py runs once per recipe
 in the same run, beside bf16, from the same initial weights on the same data. A mode under
@@ -24,8 +25,9 @@ import fusedfp8
 # 'unit': DelayedScaling(first_step='unit'), whose first step quantizes with scale 1 (no first-step
 # amax pass): its quantizations need no cooperative launch (the first step's grid-wide amax), so a
 # CUDA-graphed step holds plain kernel nodes only.
+# 'block': BlockScaling() (1x128 / 128x128 blocks, E4M3, power-of-two scales): no state at all.
 RECIPES = {"delayed": fusedfp8.DelayedScaling(), "current": fusedfp8.CurrentScaling(),
-           "unit": fusedfp8.DelayedScaling(first_step="unit")}
+           "unit": fusedfp8.DelayedScaling(first_step="unit"), "block": fusedfp8.BlockScaling()}
 TAG = "@"
 
 
@@ -151,6 +153,8 @@ def state_check(states: list[dict], recipe: str, closed: int) -> dict:
     (no zeroed or summed state); under 'delayed' every tensor's ``updates`` counter is
     ``closed`` (every tensor is seen every step), under 'current' it is 0 and, once a step was
     closed, row 1 holds a positive last amax."""
+    if recipe == "block":  # no state: the model must hold none
+        return {"recipe": recipe, "history_rows": [], "updates": [], "expected_updates": 0, "ok": not states}
     want_rows = RECIPES[recipe].amax_history_len
     counts = sorted({int(u) for st in states for u in np.asarray(st["updates"]).ravel()})
     rows = sorted({np.asarray(st["amax_history"]).shape[0] for st in states})

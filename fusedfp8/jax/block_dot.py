@@ -16,8 +16,8 @@ other axis; a 128x128 weight's tiles are their own transpose). Where a dimension
 of 16 every operand is quantized with ``pad_to=16`` (the zero pad written in the same pass) and the
 results are sliced. Only the FP8 transposes and their scales are saved for the backward. The three
 GEMMs use the split accumulator, the only one cuBLASLt offers with block scales. On CUDA the GEMMs
-are the shim's cuBLASLt block-scaled GEMM; elsewhere (and for ``impl`` 'jnp' / 'callback') the
-float32 product of the dequantized operands.
+are the shim's cuBLASLt block-scaled GEMM; elsewhere (and for ``impl='jnp'``) the float32 product
+of the dequantized operands.
 """
 from __future__ import annotations
 
@@ -92,8 +92,9 @@ def block_dot(x, w, recipe: BlockScaling = BlockScaling(), *, out_dtype=None, im
     out_dtype : the output dtype (x's by default); dx comes in x's dtype, dw in w's
     impl : backend of the quantizations and the GEMMs (:data:`fusedfp8.jax.IMPLS`): on CUDA 'auto'
         runs the block_quantize kernel and the shim's block-scaled cuBLASLt GEMM (an error where
-        the shim is missing: there is no other block-scaled FP8 GEMM); 'jnp' the jax.numpy twin
-        of the kernel and the float32 emulation of the GEMM
+        the shim is missing: there is no other block-scaled FP8 GEMM), 'callback' the kernel
+        through a buffer callback and the same GEMM; 'jnp' the jax.numpy twin of the kernel and
+        the float32 emulation of the GEMM
 
     Raises
     ------

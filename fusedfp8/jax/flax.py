@@ -108,10 +108,6 @@ def _fp8_weight(module: nn.Module, w, stored: tuple, first: bool, recipe: Delaye
     return Quantized(**{name: module.get_variable(FP8_WEIGHTS, name) for name in _CACHED})
 
 
-def _check_recipe(module) -> DelayedScaling:
-    return check_recipe(module.recipe, f"{module.__class__.__name__}.recipe")
-
-
 _NO_OPERAND = object()  # the default of Fp8DotGeneral's operands: tells flax's zero-argument call apart
 
 
@@ -255,7 +251,7 @@ class _DenseParams(nn.Module):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (self.features_in, self.features),
                             self.param_dtype)
         bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
-        return kernel, bias, _declare_state(self, self.recipe)
+        return kernel, bias, None if isinstance(self.recipe, BlockScaling) else _declare_state(self, self.recipe)
 
     def fp8_weight(self, w, stored: tuple, first: bool, axis_name, impl):
         """This linear's cached FP8 weight, or None (:func:`_fp8_weight`, in this module's scope)."""
@@ -289,6 +285,9 @@ class Fp8MLP(nn.Module):
     variables stored before the LayerNorm was fused load as they are); the FP8 state of fc1 and
     fc2 in ``'_overwrite_with_gradient'``.
 
+    Under a :class:`fusedfp8.BlockScaling` recipe the same parameters, no state variables: the
+    LayerNorm and the gelu run in JAX between two :func:`fusedfp8.jax.block_dot` linears.
+
     Attributes: ``ffn`` (inner width), ``out_features`` (default: the input width), ``recipe``,
     ``approximate`` ('tanh' or 'none'), ``dtype`` (computation dtype, default the input's: the
     activations, biases and output; the two weights are quantized to FP8 straight from
@@ -320,12 +319,14 @@ class Fp8MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        recipe = _check_recipe(self)
+        recipe = check_recipe(self.recipe, f"{type(self).__name__}.recipe", block=True)
         if jnp.asarray(x).dtype.name not in ("float32", "float16", "bfloat16"):  # before LayerNorm's own message
             raise TypeError(f"Fp8MLP: x must be float32, float16 or bfloat16; got {jnp.asarray(x).dtype}")
         hidden = x.shape[-1]
         out = self.out_features or hidden
         dtype = self.dtype or x.dtype
+        if isinstance(recipe, BlockScaling):
+            return self._block(x, recipe, hidden, out, dtype)
         if self.fuse_layernorm and hidden <= _FUSED_LN_MAX:  # x itself in, LayerNorm(x) straight to FP8
             ln_w, ln_b = _LayerNormParams(hidden, self.param_dtype, name="norm")()
             h, ln = x, {"ln_weight": ln_w, "ln_bias": ln_b, "ln_eps": self.epsilon}
@@ -346,6 +347,22 @@ class Fp8MLP(nn.Module):
                                       forward_fast_accum=self.forward_fast_accum, out_dtype=dtype, first=first,
                                       fp8_weights=None if q1 is None else (q1, q2), **ln)
         _remember(self, (*stored1, *stored2), (out1, out2))
+        return y.reshape(*x.shape[:-1], out)
+
+    def _block(self, x, recipe: BlockScaling, hidden: int, out: int, dtype):
+        """Under block scaling: nn.LayerNorm, then the two linears as :func:`fusedfp8.jax.block_dot`
+        with the gelu between them in JAX (no state variables; the fused LayerNorm and gelu kernels
+        take one scale per tensor)."""
+        if self.axis_name is not None:
+            raise ValueError(f"Fp8MLP.axis_name must be None under BlockScaling (no state to reduce); got "
+                             f"{self.axis_name!r}")
+        h = nn.LayerNorm(epsilon=self.epsilon, dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
+        (w1, b1, _), (w2, b2, _) = (_DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")(),
+                                    _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")())
+        z = F.block_dot(jnp.asarray(h, dtype).reshape(-1, hidden), w1, recipe, out_dtype=dtype,
+                        impl=self.impl) + b1.astype(dtype)
+        a = jax.nn.gelu(z, approximate=self.approximate == "tanh")
+        y = F.block_dot(a, w2, recipe, out_dtype=dtype, impl=self.impl) + b2.astype(dtype)
         return y.reshape(*x.shape[:-1], out)
 
 

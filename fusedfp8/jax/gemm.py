@@ -355,10 +355,10 @@ def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, o
     a_block, b_block : 1 (1x128 blocks) or 128 (128x128; not both)
     out_dtype : bfloat16 (default), float16 or float32
     bias : None, or (N,) of ``out_dtype``, added in float32 before the one rounding
-    impl : 'auto' (on CUDA the shim's cuBLASLt block-scaled GEMM, a custom call to
-        ``fusedfp8_fp8_gemm_block``, M, N and K multiples of 16; elsewhere the emulation), 'ffi'
-        (that GEMM; an error where it cannot run), 'jnp' / 'callback' (the emulation everywhere:
-        the float32 product of the dequantized operands)
+    impl : 'auto' and 'callback' (on CUDA the shim's cuBLASLt block-scaled GEMM, a custom call to
+        ``fusedfp8_fp8_gemm_block``, M, N and K multiples of 16: XLA has no block-scaled FP8 dot
+        to call instead; elsewhere the emulation), 'ffi' (that GEMM; an error where it cannot
+        run), 'jnp' (the emulation everywhere: the float32 product of the dequantized operands)
 
     On CUDA without the shim 'auto' raises (there is no other block-scaled FP8 GEMM; a silent
     float32 product would not be the FP8 GEMM asked for): impl='jnp' asks for the emulation.
@@ -421,8 +421,8 @@ def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, o
         out = _block_ffi(a, b, sa, sb, a_block, b_block, bias[0] if bias else None, out_name)
         return P._as_varying_as((out,), (a, b, sa, sb, *bias))[0]
 
-    if impl in _XLA_IMPLS:
+    if impl == "jnp":
         return emulation(*args)
     if impl == "ffi":
         return cuda(*args)
-    return lax.platform_dependent(*args, cuda=cuda, default=emulation)
+    return lax.platform_dependent(*args, cuda=cuda, default=emulation)  # 'auto', 'callback'

@@ -27,7 +27,7 @@ FP8 GEMM ``scaled_mm`` and its ``gemm=`` choice on CUDA: the shim's cuBLASLt GEM
 ``torch._scaled_mm``).
 """
 from . import amax_ops, block, custom_ops  # noqa: F401  (register torch.ops.fusedfp8.*)
-from .block_linear import Fp8BlockLinear, block_linear
+from .block_linear import Fp8BlockLinear, Fp8BlockMLP, block_linear
 from .convert import convert_to_fp8, plan_fp8_conversion
 from .gemm import gemm_path
 from .mlp import Fp8MLP
@@ -35,5 +35,5 @@ from .modules import Fp8Linear, MissedScaleUpdateError, MissedScaleUpdateWarning
 from .scaling import PendingScaleUpdate, fp8_modules, update_model_scales
 from .ste import quantize_ste
 
-__all__ = ["Fp8Linear", "Fp8BlockLinear", "block_linear", "Fp8MLP", "convert_to_fp8", "plan_fp8_conversion", "update_model_scales", "PendingScaleUpdate",
+__all__ = ["Fp8Linear", "Fp8BlockLinear", "block_linear", "Fp8MLP", "Fp8BlockMLP", "convert_to_fp8", "plan_fp8_conversion", "update_model_scales", "PendingScaleUpdate",
            "fp8_modules", "MissedScaleUpdateError", "MissedScaleUpdateWarning", "quantize_ste", "gemm_path"]

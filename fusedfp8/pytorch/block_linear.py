@@ -1,6 +1,7 @@
 """The FP8 linear under block scaling (:class:`fusedfp8.BlockScaling`): :func:`block_linear` and
 the module :class:`Fp8BlockLinear`, which ``Fp8Linear(..., recipe=BlockScaling())``,
-``Fp8Linear.from_linear`` and ``convert_to_fp8`` build for that recipe.
+``Fp8Linear.from_linear`` and ``convert_to_fp8`` build for that recipe; and :class:`Fp8BlockMLP`,
+which ``Fp8MLP(..., recipe=BlockScaling())`` builds.
 
 Block scaling keeps no state: every quantization takes the scales of its own blocks' maxes in
 the pass that casts it (the block_quantize kernel, :mod:`fusedfp8.pytorch.block`), so there is
@@ -30,12 +31,12 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from ..recipe import BlockScaling
-from ..types import check_recipe, gemm_pad_to
+from ..types import check_approximate, check_recipe, gemm_pad_to
 from . import gemm as G
 from .block import block_quantize_op
 from .module_checks import _check_input, check_block_module_args
 
-__all__ = ["Fp8BlockLinear", "block_linear", "BlockLinearConfig"]
+__all__ = ["Fp8BlockLinear", "Fp8BlockMLP", "block_linear", "BlockLinearConfig"]
 
 
 @dataclass(frozen=True)
@@ -229,3 +230,38 @@ class Fp8BlockLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self._recipe}, gemm={self.gemm!r}"
+
+
+class Fp8BlockMLP(nn.Module):
+    """LayerNorm -> Fp8BlockLinear -> gelu -> Fp8BlockLinear: :class:`~fusedfp8.pytorch.Fp8MLP`
+    under block scaling (what ``Fp8MLP(..., recipe=BlockScaling())`` builds), with its parameter
+    names (``norm``, ``fc1``, ``fc2``), so state dicts carry over between the two and a plain
+    torch MLP of those names.
+
+    The LayerNorm and the gelu run in torch between the two block-scaled linears (their outputs
+    written in the input's dtype, then block-quantized in one pass each); the fused LayerNorm and
+    gelu kernels of the per-tensor Fp8MLP take one scale per tensor.
+
+    Parameters as :class:`~fusedfp8.pytorch.Fp8MLP`: ``hidden``, ``ffn``, ``recipe`` (a
+    BlockScaling), ``approximate``, ``bias``, ``device``, ``dtype``, ``gemm``; ``missed_update``
+    and ``amax_group`` as :class:`Fp8BlockLinear`'s.
+    """
+
+    def __init__(self, hidden: int, ffn: int, recipe: BlockScaling = BlockScaling(), *,
+                 approximate: str = "tanh", bias: bool = True, device=None, dtype=None,
+                 missed_update: str = "raise", gemm: str = "auto", amax_group=None):
+        check_approximate(approximate)
+        super().__init__()
+        self.approximate = approximate
+        self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
+        self.fc1 = Fp8BlockLinear(hidden, ffn, bias, recipe, device, dtype, gemm=gemm, missed_update=missed_update,
+                                  amax_group=amax_group)
+        self.fc2 = Fp8BlockLinear(ffn, hidden, bias, recipe, device, dtype, gemm=gemm, missed_update=missed_update,
+                                  amax_group=amax_group)
+
+    @property
+    def recipe(self) -> BlockScaling:
+        return self.fc1.recipe
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)), approximate=self.approximate))

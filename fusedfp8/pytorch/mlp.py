@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..recipe import DelayedScaling
+from ..recipe import BlockScaling, DelayedScaling
 from ..types import check_approximate, check_recipe
 from . import autograd as F8
 from . import gemm as G
@@ -35,7 +35,8 @@ class Fp8MLP(_StrictLoad, nn.Module):
     ----------
     hidden, ffn : int
         Input/output width and the inner width (fc1: hidden -> ffn, fc2: ffn -> hidden).
-    recipe : DelayedScaling or CurrentScaling
+    recipe : DelayedScaling or CurrentScaling (a BlockScaling builds
+        :class:`~fusedfp8.pytorch.block_linear.Fp8BlockMLP` instead)
     approximate : {'tanh', 'none'}
         The gelu (as ``torch.nn.functional.gelu``).
     bias : bool
@@ -52,12 +53,20 @@ class Fp8MLP(_StrictLoad, nn.Module):
     Input (..., hidden); output (..., hidden) in the input's dtype. Errors as Fp8Linear.
     """
 
+    def __new__(cls, *args, **kwargs):
+        """``Fp8MLP(..., recipe=BlockScaling())`` builds :class:`fusedfp8.pytorch.block_linear.Fp8BlockMLP`."""
+        if cls is Fp8MLP and isinstance(kwargs.get("recipe", args[2] if len(args) > 2 else None), BlockScaling):
+            from .block_linear import Fp8BlockMLP
+            return Fp8BlockMLP(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, hidden: int, ffn: int, recipe: DelayedScaling = DelayedScaling(), *,
                  approximate: str = "tanh", bias: bool = True, device=None, dtype=None,
                  missed_update: str = "raise", gemm: str = "auto", amax_group=None):
         check_approximate(approximate)
         G.check_gemm(gemm)
-        check_recipe(recipe)
+        if isinstance(check_recipe(recipe, block=True), BlockScaling):  # (a subclass: __new__ did not swap it)
+            check_recipe(recipe)
         check_amax_group(amax_group, recipe)
         super().__init__()
         self.approximate = approximate

@@ -326,13 +326,10 @@ def test_check_recipe_takes_a_block_recipe_only_where_asked():
 
 
 def test_every_per_tensor_entry_point_refuses_a_block_recipe_by_name():
-    """Until they take block scaling, the state, the update, the MLP blocks and the weight cache
-    refuse a BlockScaling with the message that names it, before they read a field it does not
-    have (Fp8Linear, convert_to_fp8, fp8_dot and Fp8DotGeneral take it: test_torch_block_linear.py,
-    test_jax_block_dot.py)."""
-    import jax
-    from fusedfp8.jax import flax as fx, functional as jf, meta as jmeta
-    from fusedfp8.pytorch import Fp8MLP
+    """The state, the update, the fused MLP function and the weight cache refuse a BlockScaling
+    with the message that names it, before they read a field it does not have (the layers take
+    it: test_torch_block_linear.py, test_jax_block_dot.py)."""
+    from fusedfp8.jax import functional as jf, meta as jmeta
 
     r = BlockScaling()
     state = fusedfp8.ScalingState.create(3, DelayedScaling(amax_history_len=4))
@@ -342,11 +339,9 @@ def test_every_per_tensor_entry_point_refuses_a_block_recipe_by_name():
         "ScalingState.create": lambda: fusedfp8.ScalingState.create(2, r),
         "update_scales": lambda: fusedfp8.update_scales(state, r),
         "slot": lambda: state.slot(0, r),
-        "Fp8MLP": lambda: Fp8MLP(32, 64, recipe=r),
         "quantize_weight": lambda: jf.quantize_weight(w, meta, r),
         "fp8_mlp": lambda: jf.fp8_mlp(x, w, jnp.zeros(32), w, jnp.zeros(32), meta, meta, r),
         "fresh_meta": lambda: jmeta.fresh_meta(r),
-        "flax.Fp8MLP": lambda: fx.Fp8MLP(ffn=64, recipe=r).init(jax.random.PRNGKey(0), x),
     }
     before = {f: a.copy() for f, a in state.arrays().items()}
     for name, call in calls.items():

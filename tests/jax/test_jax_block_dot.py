@@ -211,3 +211,31 @@ def test_cuda_block_dot_is_the_block_definition(shape, recipe):
     ref = _reference(x, w, g, recipe)
     for got, name in ((y, "y"), (dx, "dx"), (dw, "dw")):
         _close(got, *ref[name], name, rtol=2.0 ** -9)  # the split accumulator's allowance
+
+
+def test_flax_fp8_mlp_under_block_scaling_is_its_composition():
+    """flax Fp8MLP(recipe=BlockScaling()): nn.LayerNorm's and nn.Dense's parameter names, no state
+    variables, bit for bit LayerNorm -> block_dot -> gelu -> block_dot (one jitted program)."""
+    import flax.linen as nn
+
+    from fusedfp8.jax.flax import Fp8MLP
+
+    r = fusedfp8.BlockScaling(weight_block=(1, 128))
+    m = Fp8MLP(ffn=260, recipe=r, dtype=jnp.bfloat16)
+    x = jnp.asarray(inputs((21, 130), "float32", 4), jnp.bfloat16).reshape(3, 7, 130)
+    v = m.init(jax.random.PRNGKey(0), x)
+    assert set(v) == {"params"} and set(v["params"]) == {"norm", "fc1", "fc2"}
+
+    def both(p):
+        got = m.apply(p, x)
+        q = p["params"]
+        h = nn.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16).apply({"params": q["norm"]}, x).reshape(21, 130)
+        z = F.block_dot(h, q["fc1"]["kernel"], r, out_dtype=jnp.bfloat16) + q["fc1"]["bias"].astype(jnp.bfloat16)
+        a = jax.nn.gelu(z, approximate=True)
+        want = F.block_dot(a, q["fc2"]["kernel"], r, out_dtype=jnp.bfloat16) + q["fc2"]["bias"].astype(jnp.bfloat16)
+        return got, want.reshape(3, 7, 130)
+
+    got, want = jax.jit(both)(v)
+    assert got.dtype == jnp.bfloat16 and np.array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="Fp8MLP.axis_name must be None under BlockScaling"):
+        Fp8MLP(ffn=260, recipe=r, axis_name="d").init(jax.random.PRNGKey(0), x)

@@ -295,3 +295,32 @@ def test_cuda_compiled_block_linear_matches_eager():
     y = lin(x)
     yc = torch.compile(lin, fullgraph=True)(x)
     assert torch.equal(y, yc)
+
+
+def test_fp8_mlp_under_block_scaling_is_its_composition():
+    """Fp8MLP(recipe=BlockScaling()) builds Fp8BlockMLP: the per-tensor Fp8MLP's parameter names
+    (state dicts carry over), no state, and bit for bit LayerNorm -> block linear -> gelu -> block
+    linear, forward and gradients."""
+    from fusedfp8.pytorch.block_linear import Fp8BlockMLP
+
+    torch.manual_seed(3)
+    r = fusedfp8.BlockScaling()
+    m = fp8.Fp8MLP(130, 260, r, approximate="none")
+    assert type(m) is Fp8BlockMLP and m.recipe is r
+    per_tensor = fp8.Fp8MLP(130, 260)
+    assert {k for k in per_tensor.state_dict() if k.endswith(("weight", "bias"))} == set(m.state_dict())
+    m.load_state_dict({k: v for k, v in per_tensor.state_dict().items() if k in m.state_dict()})
+    x = torch.randn(3, 7, 130, requires_grad=True)
+    y = m(x)
+    y.square().sum().backward()
+    got = (y.detach(), x.grad.clone(), m.fc1.weight.grad.clone(), m.norm.weight.grad.clone())
+    x.grad = None
+    m.zero_grad()
+    h = torch.nn.functional.layer_norm(x, (130,), m.norm.weight, m.norm.bias, m.norm.eps)
+    z = block_linear(h, m.fc1.weight, m.fc1.bias, r)
+    want_y = block_linear(torch.nn.functional.gelu(z, approximate="none"), m.fc2.weight, m.fc2.bias, r)
+    want_y.square().sum().backward()
+    for a, b in zip(got, (want_y.detach(), x.grad, m.fc1.weight.grad, m.norm.weight.grad)):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match=r"recipe: a fusedfp8\.BlockScaling is not accepted here"):
+        type("Sub", (fp8.Fp8MLP,), {})(8, 16, r)

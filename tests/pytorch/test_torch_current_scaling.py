@@ -158,8 +158,8 @@ def test_a_forgotten_update_is_still_caught():
 
 
 def test_modules_refuse_a_recipe_that_is_not_one():
-    with pytest.raises(TypeError, match=r"^recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; "
-                                        r"got type"):
+    with pytest.raises(TypeError, match=r"^recipe must be a fusedfp8\.DelayedScaling, a fusedfp8\.CurrentScaling or a "
+                                        r"fusedfp8\.BlockScaling; got type"):
         fp8.Fp8Linear(16, 16, recipe=ff.CurrentScaling)
     with pytest.raises(ValueError, match=r"^CurrentScaling\.fp8_format must be one of"):
         fp8.Fp8MLP(16, 32, ff.CurrentScaling("e5m2"))
