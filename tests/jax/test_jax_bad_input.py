@@ -159,7 +159,8 @@ JAX_CASES = [
         w.mlp_vars, w.x, mutable=[OWG]),
      ValueError, r"^_DenseParams: variable 'amax_history' has shape \(8, 3\) but the recipe \(amax_history_len=16\)"),
     ("flax-mlp-recipe-none", lambda w: lambda: Fp8MLP(32, recipe=None).apply(w.mlp_vars, w.x, mutable=[OWG]),
-     TypeError, r"^Fp8MLP\.recipe must be a fusedfp8\.DelayedScaling or a fusedfp8\.CurrentScaling; got NoneType"),
+     TypeError, r"^Fp8MLP\.recipe must be a fusedfp8\.DelayedScaling, a fusedfp8\.CurrentScaling or a "
+                r"fusedfp8\.BlockScaling; got NoneType"),
     ("flax-mlp-approximate-unknown", lambda w: lambda: Fp8MLP(32, recipe=R, approximate="erf", impl="jnp").apply(
         w.mlp_vars, w.x, mutable=[OWG]),
      ValueError, r"^approximate must be 'tanh' or 'none'; got 'erf'"),

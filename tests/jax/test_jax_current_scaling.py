@@ -243,6 +243,6 @@ def test_flax_meta_and_bad_recipes():
     assert meta[0].shape == (2, 3)
     with pytest.raises(ValueError, match=r"amax_history_len=2"):
         M.check_meta(M.fresh_meta(ff.DelayedScaling(amax_history_len=8)), 3, R)
-    with pytest.raises(TypeError, match=r"^Fp8DotGeneral\.recipe must be a fusedfp8\.DelayedScaling or a "
-                                        r"fusedfp8\.CurrentScaling; got type"):
+    with pytest.raises(TypeError, match=r"^Fp8DotGeneral\.recipe must be a fusedfp8\.DelayedScaling, a "
+                                        r"fusedfp8\.CurrentScaling or a fusedfp8\.BlockScaling; got type"):
         _dense(ff.CurrentScaling, "jnp").init(jax.random.key(0), jnp.ones((4, 8)))
