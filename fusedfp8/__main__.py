@@ -100,17 +100,22 @@ def info(compile_all: bool, progress: bool = True) -> int:
             continue
         print(f"{label:<18}{path}: {why}" + ("" if ok else " [no usable GPU here: CPU arrays take the CPU path]"))
     try:
-        from .jax.gemm import gemm_path
+        from .jax.gemm import block_gemm_path, gemm_path
 
         path, why = gemm_path()
         print(f"{'JAX FP8 GEMM':<18}{path}: {why}")
+        path, why = block_gemm_path()
+        print(f"{'JAX block GEMM':<18}{path}: {why}")
     except ImportError as e:
         print(f"{'JAX FP8 GEMM':<18}not available ({type(e).__name__}: {e})")
     try:
+        from .pytorch.gemm import block_gemm_path as torch_block_path
         from .pytorch.gemm import gemm_path as torch_gemm_path
 
         path, why = torch_gemm_path("auto")
         print(f"{'torch FP8 GEMM':<18}{path} (gemm='auto'): {why}")
+        path, why = torch_block_path("auto")
+        print(f"{'torch block GEMM':<18}{path} (gemm='auto'): {why}")
     except ImportError as e:
         print(f"{'torch FP8 GEMM':<18}not available ({type(e).__name__}: {e})")
     if compile_all:

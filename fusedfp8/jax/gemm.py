@@ -40,7 +40,7 @@ from ..types import FP8_DTYPES, GEMM_MULTIPLE
 from . import callbacks, cuda_backend
 from . import primitives as P
 
-__all__ = ["fp8_gemm", "fp8_block_gemm", "gemm_target", "gemm_path", "output_cols", "TARGET", "TARGET_BIAS",
+__all__ = ["fp8_gemm", "fp8_block_gemm", "gemm_target", "gemm_path", "block_gemm_path", "output_cols", "TARGET", "TARGET_BIAS",
            "TARGET_BLOCK", "TARGET_BLOCK_BIAS", "WORKSPACE_BYTES"]
 
 TARGET = "fusedfp8_fp8_gemm"  # command-buffer compatible
@@ -334,12 +334,22 @@ def _has_gpu() -> bool:
     return bool(callbacks.gpu_devices())
 
 
-def block_gemm_path() -> tuple[bool, str]:
-    """(True, why) where the block-scaled GEMM can run on CUDA (the shim's cuBLASLt GEMM), else
-    (False, why not): there is no other block-scaled FP8 GEMM for JAX on a GPU."""
+def _block_ready() -> tuple[bool, str]:
+    """(True, why) where the block-scaled GEMM can run on CUDA (the shim's cuBLASLt GEMM, loaded
+    now), else (False, why not): there is no other block-scaled FP8 GEMM for JAX on a GPU."""
     if not _shim.default_on()[0]:
         return False, f"the shim is not in use: {_shim.default_on()[1]}"
     return gemm_target()
+
+
+def block_gemm_path() -> tuple[str, str]:
+    """(backend, why) of the block-scaled GEMM on CUDA, without building or loading anything:
+    :data:`TARGET_BLOCK` where :func:`gemm_path` finds the shim's GEMM, else 'none' (block-scaled
+    layers then raise on CUDA)."""
+    path, why = gemm_path()
+    if path == TARGET:
+        return TARGET_BLOCK, f"{why}; the scale pairs cuBLASLt offers are asked at first use"
+    return "none", f"{why}: block-scaled layers raise on CUDA (impl='jnp' runs the float32 emulation)"
 
 
 def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, out_dtype=jnp.bfloat16, *,
@@ -396,7 +406,7 @@ def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, o
             raise ValueError(f"bias must be None or a ({n},) {out_name} array; got {bias.dtype} {bias.shape}")
     sa, sb = scales
     if impl == "ffi":
-        ok, why = block_gemm_path()
+        ok, why = _block_ready()
         if not ok:
             raise ValueError(f"impl='ffi' needs the block-scaled FP8 GEMM of the compiled shim, which is not "
                              f"available: {why}")
@@ -411,7 +421,7 @@ def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, o
     def cuda(a, b, sa, sb, *bias):
         if not _has_gpu():  # (traced by platform_dependent on a machine without a GPU: never run)
             return emulation(a, b, sa, sb, *bias)
-        ok, why = block_gemm_path()
+        ok, why = _block_ready()
         if not ok:
             raise RuntimeError(f"fusedfp8: the block-scaled FP8 GEMM on CUDA needs the compiled shim's cuBLASLt "
                                f"GEMM, which is not available: {why}. impl='jnp' runs the float32 emulation instead")

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from .. import csrc as _shim
 
-__all__ = ["GEMMS", "check_gemm", "backend", "gemm_path", "scaled_mm", "block_scaled_mm"]
+__all__ = ["GEMMS", "check_gemm", "backend", "gemm_path", "block_gemm_path", "scaled_mm", "block_scaled_mm"]
 
 GEMMS = ("auto", "cublaslt", "scaled_mm")
 _resolved: dict = {}  # gemm -> (backend, why), decided once per process
@@ -133,6 +133,18 @@ def gemm_path(gemm: str = "auto") -> tuple[str, str]:
             return "scaled_mm", f"torch._scaled_mm (gemm='auto'): the torch launch shim is not available: {why}"
         return "error", f"the torch launch shim is not available: {why}"
     return "cublaslt", f"from the first CUDA forward on ({why})"
+
+
+def block_gemm_path(gemm: str = "auto") -> tuple[str, str]:
+    """(backend, why) of the block-scaled GEMM (BlockScaling) of ``gemm`` on CUDA, as
+    :func:`gemm_path` (nothing built or loaded): the shim's ``fusedfp8::fp8_gemm_lt_block`` or
+    ``torch._scaled_mm``'s blockwise recipes (torch >= 2.9 on Hopper)."""
+    path, why = gemm_path(gemm)
+    if path == "cublaslt":
+        return "fusedfp8::fp8_gemm_lt_block", why
+    if path == "scaled_mm":
+        return "torch._scaled_mm (blockwise)", why
+    return path, why
 
 
 # ---- the call --------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ def test_on_cuda_the_gradient_lowers_to_three_block_gemms(monkeypatch):
     built_shim("xla")
     monkeypatch.setattr(JP, "_auto_backend", lambda: "ffi")
     monkeypatch.setattr(G, "_has_gpu", lambda: True)
-    monkeypatch.setattr(G, "block_gemm_path", lambda: (True, "forced"))
+    monkeypatch.setattr(G, "_block_ready", lambda: (True, "forced"))
     monkeypatch.setattr(G, "_prepared", lambda code: "")
     r = fusedfp8.BlockScaling()
     x, w = jnp.ones((300, 260), jnp.bfloat16), jnp.ones((260, 200), jnp.bfloat16)

@@ -867,6 +867,12 @@ def test_info_reports_the_launch_paths(capsys):
     assert info(False, progress=False) == 0
     out = capsys.readouterr().out
     assert "JAX launch" in out and "torch launch" in out and "JAX FP8 GEMM" in out
+    # the block-scaled GEMM's path is said beside the per-tensor one's, in both frameworks
+    lines = {ln[:18].strip(): ln[18:] for ln in out.splitlines()}
+    jax_path, torch_path = lines["JAX FP8 GEMM"].split(":")[0], lines["torch FP8 GEMM"].split(" ")[0]
+    assert lines["JAX block GEMM"].startswith("fusedfp8_fp8_gemm_block" if jax_path == "fusedfp8_fp8_gemm" else "none")
+    assert lines["torch block GEMM"].startswith({"cublaslt": "fusedfp8::fp8_gemm_lt_block",
+                                                 "scaled_mm": "torch._scaled_mm (blockwise)"}[torch_path])
 
 
 # ---- on the GPU: the shim path against the Python path, byte for byte ------------------------------
