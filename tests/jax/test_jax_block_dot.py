@@ -80,9 +80,23 @@ def test_forward_and_gradients_are_the_block_definition(shape, recipe):
     assert y.dtype == dx.dtype == dw.dtype == jnp.float32
 
 
-def test_jitted_fp8_dot_and_flax_dense_are_block_dot():
-    """fp8_dot with meta=None and nn.Dense(dot_general_cls=Fp8DotGeneral(recipe=BlockScaling)) give
-    block_dot's bytes, jitted, forward and gradients; the Dense declares no state variables."""
+def test_fp8_dot_hands_a_block_recipe_to_block_dot(monkeypatch):
+    """fp8_dot(x, w, None, BlockScaling()) is block_dot(x, w, recipe) with its out_dtype and impl;
+    fp8_dot_use's second result (the next meta) is None."""
+    from fusedfp8.jax import dot as D
+
+    seen = []
+    monkeypatch.setattr(D, "block_dot", lambda *a, **k: seen.append((a, k)) or "y")
+    r = fusedfp8.BlockScaling(fp8_format="hybrid")
+    x, w = jnp.ones((16, 32)), jnp.ones((32, 8))
+    assert F.fp8_dot(x, w, None, r, out_dtype=jnp.bfloat16, impl="jnp") == "y"
+    assert F.fp8_dot_use(x, w, None, r) == ("y", None)
+    assert seen[0] == ((x, w, r), {"out_dtype": jnp.bfloat16, "impl": "jnp"})
+
+
+def test_jitted_flax_dense_is_block_dot():
+    """nn.Dense(dot_general_cls=Fp8DotGeneral(recipe=BlockScaling)) on a 4-D input gives block_dot's
+    bytes, jitted, the value and the kernel's gradient; it declares no state variables."""
     import flax.linen as nn
 
     from fusedfp8.jax.flax import Fp8DotGeneral
@@ -90,21 +104,17 @@ def test_jitted_fp8_dot_and_flax_dense_are_block_dot():
     r = fusedfp8.BlockScaling()
     x, w, _ = _operands((2 * 3 * 5, 130, 48))
     dense = nn.Dense(48, use_bias=False, dot_general_cls=partial(Fp8DotGeneral, recipe=r))
-    x3 = jnp.asarray(x).reshape(2, 3, 5, 130)
-    assert set(dense.init(jax.random.PRNGKey(0), x3)) == {"params"}
+    x4 = jnp.asarray(x).reshape(2, 3, 5, 130)
+    assert set(jax.eval_shape(dense.init, jax.random.PRNGKey(0), x4)) == {"params"}
 
-    def all_three(a, b):  # one program
-        grads = {name: jax.value_and_grad(lambda a, b: (f(a, b) ** 2).sum(), argnums=(0, 1))(a, b)
-                 for name, f in (("block_dot", lambda a, b: F.block_dot(a, b, r)),
-                                 ("fp8_dot", lambda a, b: F.fp8_dot(a, b, None, r)),
-                                 ("flax", lambda a, b: dense.apply({"params": {"kernel": b}},
-                                                                   a.reshape(2, 3, 5, 130)).reshape(30, 48)))}
-        return grads
+    def both(b):  # one program
+        return [jax.value_and_grad(lambda b: (f(b) ** 2).sum())(b)
+                for f in (lambda b: F.block_dot(jnp.asarray(x), b, r),
+                          lambda b: dense.apply({"params": {"kernel": b}}, x4).reshape(30, 48))]
 
-    got = jax.jit(all_three)(x, w)
-    for name in ("fp8_dot", "flax"):
-        for a, b in zip(jax.tree_util.tree_leaves(got[name]), jax.tree_util.tree_leaves(got["block_dot"])):
-            assert np.array_equal(np.asarray(a), np.asarray(b)), name
+    want, got = jax.jit(both)(w)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_bf16_operands_give_bf16_results():
@@ -223,8 +233,11 @@ def test_flax_fp8_mlp_under_block_scaling_is_its_composition():
     r = fusedfp8.BlockScaling(weight_block=(1, 128))
     m = Fp8MLP(ffn=260, recipe=r, dtype=jnp.bfloat16)
     x = jnp.asarray(inputs((21, 130), "float32", 4), jnp.bfloat16).reshape(3, 7, 130)
-    v = m.init(jax.random.PRNGKey(0), x)
-    assert set(v) == {"params"} and set(v["params"]) == {"norm", "fc1", "fc2"}
+    shapes = jax.eval_shape(m.init, jax.random.PRNGKey(0), x)
+    assert set(shapes) == {"params"} and set(shapes["params"]) == {"norm", "fc1", "fc2"}
+    rng = np.random.default_rng(5)  # values for those parameters (nothing compiled for an init)
+    v = jax.tree_util.tree_map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.1 + (s.shape == (130,)),
+                                                     s.dtype), shapes)
 
     def both(p):
         got = m.apply(p, x)
