@@ -49,6 +49,7 @@ def test_names_and_parsing(scripts):
     assert isinstance(r.RECIPES["current"], fusedfp8.CurrentScaling)
     assert isinstance(r.RECIPES["delayed"], fusedfp8.DelayedScaling)
     assert r.RECIPES["unit"] == fusedfp8.DelayedScaling(first_step="unit") and r.tagged("fp8_graphed", "unit") == "fp8_graphed@unit"
+    assert r.RECIPES["block"] == fusedfp8.BlockScaling() and r.split("fp8_eager@block") == ("fp8_eager", "block")
     assert r.meta(["delayed"]) == {"recipe": str(fusedfp8.DelayedScaling()),
                                    "recipes": {"delayed": str(fusedfp8.DelayedScaling())}}
 
@@ -142,6 +143,8 @@ def test_state_check_passes_and_fails(scripts):
     bad_scale["scale"][1] = np.inf
     assert not check([bad_scale], "delayed", 5)["ok"]
     assert not check([], "delayed", 0)["ok"]
+    assert check([], "block", 5)["ok"]  # block scaling keeps no state ...
+    assert not check([_state(1024, 5)], "block", 5)["ok"]  # ... so a model holding one is not block-scaled
 
 
 def _gpu(cat, name, ts, dur, corr, stream=7):
@@ -185,7 +188,8 @@ def test_trace_busy_is_the_union_of_the_gpu_intervals(scripts):
 def test_seed_program_models_take_the_recipe(scripts):
     pytest.importorskip("flax")
     seed = importlib.import_module("seed_flax_mlp")
-    for recipe, cls in (("delayed", fusedfp8.DelayedScaling), ("current", fusedfp8.CurrentScaling)):
+    for recipe, cls in (("delayed", fusedfp8.DelayedScaling), ("current", fusedfp8.CurrentScaling),
+                        ("block", fusedfp8.BlockScaling)):
         mode = scripts.recipes.tagged("fusedfp8", recipe)
         dense = seed.make_model(mode, 32, 64).dot_general_cls()
         assert type(dense).__name__ == "Fp8DotGeneral" and isinstance(dense.recipe, cls)
