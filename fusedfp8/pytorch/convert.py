@@ -93,7 +93,7 @@ def convert_to_fp8(model: nn.Module, recipe: DelayedScaling = DelayedScaling(),
     ----------
     model : nn.Module
     recipe : DelayedScaling, CurrentScaling or BlockScaling, shared by every converted module (a
-        BlockScaling makes stateless :class:`~fusedfp8.pytorch.block_linear.Fp8BlockLinear` modules)
+        BlockScaling makes stateless :class:`~fusedfp8.pytorch.block_layers.Fp8BlockLinear` modules)
     filter_fn : callable(fqn, linear) -> bool, optional
         Convert only the modules for which it returns True (``fqn`` is the module's name in
         ``model.named_modules()``). It is asked first; ``policy`` decides among the rest.

@@ -36,7 +36,7 @@ class Fp8MLP(_StrictLoad, nn.Module):
     hidden, ffn : int
         Input/output width and the inner width (fc1: hidden -> ffn, fc2: ffn -> hidden).
     recipe : DelayedScaling or CurrentScaling (a BlockScaling builds
-        :class:`~fusedfp8.pytorch.block_linear.Fp8BlockMLP` instead)
+        :class:`~fusedfp8.pytorch.block_layers.Fp8BlockMLP` instead)
     approximate : {'tanh', 'none'}
         The gelu (as ``torch.nn.functional.gelu``).
     bias : bool
@@ -54,9 +54,9 @@ class Fp8MLP(_StrictLoad, nn.Module):
     """
 
     def __new__(cls, *args, **kwargs):
-        """``Fp8MLP(..., recipe=BlockScaling())`` builds :class:`fusedfp8.pytorch.block_linear.Fp8BlockMLP`."""
+        """``Fp8MLP(..., recipe=BlockScaling())`` builds :class:`fusedfp8.pytorch.block_layers.Fp8BlockMLP`."""
         if cls is Fp8MLP and isinstance(kwargs.get("recipe", args[2] if len(args) > 2 else None), BlockScaling):
-            from .block_linear import Fp8BlockMLP
+            from .block_layers import Fp8BlockMLP
             return Fp8BlockMLP(*args, **kwargs)
         return super().__new__(cls)
 

@@ -120,7 +120,7 @@ class Fp8Linear(_StrictLoad, nn.Linear):
     in_features, out_features : int
     bias : bool
     recipe : DelayedScaling or CurrentScaling (a BlockScaling builds the stateless
-        :class:`~fusedfp8.pytorch.block_linear.Fp8BlockLinear` instead)
+        :class:`~fusedfp8.pytorch.block_layers.Fp8BlockLinear` instead)
     device, dtype : as for ``nn.Linear`` (the parameters; the state is always float32/int32).
     missed_update : {'raise', 'warn', 'ignore'}
         What happens when the module goes through an optimizer step without
@@ -157,9 +157,9 @@ class Fp8Linear(_StrictLoad, nn.Linear):
 
     def __new__(cls, *args, **kwargs):
         """``Fp8Linear(..., recipe=BlockScaling())`` builds the block-scaled module,
-        :class:`fusedfp8.pytorch.block_linear.Fp8BlockLinear` (no state: nothing of this class applies)."""
+        :class:`fusedfp8.pytorch.block_layers.Fp8BlockLinear` (no state: nothing of this class applies)."""
         if cls is Fp8Linear and isinstance(kwargs.get("recipe", args[3] if len(args) > 3 else None), BlockScaling):
-            from .block_linear import Fp8BlockLinear
+            from .block_layers import Fp8BlockLinear
             return Fp8BlockLinear(*args, **kwargs)
         return super().__new__(cls)
 
@@ -189,9 +189,9 @@ class Fp8Linear(_StrictLoad, nn.Linear):
                     missed_update: str = "raise", gemm: str = "auto", amax_group=None) -> "Fp8Linear":
         """An Fp8Linear that takes over ``linear``'s Parameter objects (not copies: an optimizer
         built before the conversion keeps working) with a fresh state on their device (under a
-        BlockScaling recipe the stateless :class:`~fusedfp8.pytorch.block_linear.Fp8BlockLinear`)."""
+        BlockScaling recipe the stateless :class:`~fusedfp8.pytorch.block_layers.Fp8BlockLinear`)."""
         if cls is Fp8Linear and isinstance(recipe, BlockScaling):
-            from .block_linear import Fp8BlockLinear
+            from .block_layers import Fp8BlockLinear
             return Fp8BlockLinear.from_linear(linear, recipe, missed_update=missed_update, gemm=gemm,
                                               amax_group=amax_group)
         if not isinstance(linear, nn.Linear):

@@ -47,7 +47,7 @@ from .. import ops
 from ..recipe import DelayedScaling
 from ..state import STATE_FIELDS, ScalingState
 from .amax_ops import check_group
-from .block_linear import Fp8BlockLinear
+from .block_layers import Fp8BlockLinear
 from .modules import GRAD, Fp8Linear
 
 __all__ = ["update_model_scales", "fp8_modules", "PendingScaleUpdate"]

@@ -45,7 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import csrc as _shim
 
-__all__ = ["WeightCache", "WeightWatch", "weight_leaves", "signature"]
+__all__ = ["WeightCache", "WeightWatch", "weight_leaves", "signature", "watch_steps"]
 
 # id -> weakref of every leaf of an FP8 module's weight (the tensors an optimizer steps); an entry
 # goes when its tensor dies, which is before the id can be given to another object
@@ -80,6 +80,13 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def watch_steps(module: nn.Module) -> None:
+    """Have every optimizer step that holds a leaf of ``module.weight`` move its version counter
+    (mechanism 1 above) without the missed-update check of :class:`WeightWatch`: for a module
+    whose FP8 weight cache is its only reason to watch (block scaling: no update to miss)."""
+    _watch(weight_leaves(module))
 
 
 def weight_leaves(module: nn.Module) -> list[Tensor]:
@@ -223,21 +230,22 @@ class WeightCache:
     def __reduce__(self):
         return fresh_cache, (self.enabled,)
 
-    def key_of(self, w: Tensor, state: tuple, extra: tuple):
+    def key_of(self, w: Tensor, state: tuple | None, extra: tuple):
         """The key of ``w``'s FP8 copy (quantized through ``state`` = (amax_history, scale,
-        scale_inv, updates), for the call described by ``extra``), or None where it must not be
-        cached."""
+        scale_inv, updates), or None for block scaling, which has no state; for the call described
+        by ``extra``), or None where it must not be cached."""
         if not self.enabled or torch.compiler.is_compiling() or not isinstance(w, nn.Parameter):
             if self.value is not None:
                 self.clear()  # (a weight parametrized after it was cached: free the copy)
             return None
+        state = state or ()
         if torch.is_inference_mode_enabled() and any(t.is_inference() for t in (w, *state[:3])):
             return None
         capture = _capture(w)
         if capture is None or (capture == 0 and self.graphed):
             return None
         return (w._version, w.untyped_storage()._cdata, w.data_ptr(), w.stride(), w.dtype, w.device,
-                tuple(w.shape), *extra, self.epoch, state[1].data_ptr(), capture)
+                tuple(w.shape), *extra, self.epoch, state[1].data_ptr() if state else 0, capture)
 
     def store(self, key: tuple, value: tuple, w: Tensor) -> None:
         self.key, self.value = key, value

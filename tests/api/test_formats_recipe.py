@@ -328,7 +328,7 @@ def test_check_recipe_takes_a_block_recipe_only_where_asked():
 def test_every_per_tensor_entry_point_refuses_a_block_recipe_by_name():
     """The state, the update, the fused MLP function and the weight cache refuse a BlockScaling
     with the message that names it, before they read a field it does not have (the layers take
-    it: test_torch_block_linear.py, test_jax_block_dot.py)."""
+    it: test_torch_block_layers.py, test_jax_block_dot.py)."""
     from fusedfp8.jax import functional as jf, meta as jmeta
 
     r = BlockScaling()

@@ -1,4 +1,4 @@
-"""The block-scaled FP8 linear in torch (fusedfp8.pytorch.block_linear): block_linear and
+"""The block-scaled FP8 linear in torch (fusedfp8.pytorch.block_layers): block_linear and
 Fp8BlockLinear, which Fp8Linear / from_linear / convert_to_fp8 build for a BlockScaling recipe.
 
 On the CPU the forward and both gradients are held against the NumPy definition: each operand
@@ -22,7 +22,7 @@ import fusedfp8
 import fusedfp8.pytorch as fp8
 from fusedfp8.numerics import block as B
 from fusedfp8.pytorch import gemm as G
-from fusedfp8.pytorch.block_linear import Fp8BlockLinear, block_linear
+from fusedfp8.pytorch.block_layers import Fp8BlockLinear, block_linear
 from support.block import inputs
 
 RECIPES = {
@@ -301,7 +301,7 @@ def test_fp8_mlp_under_block_scaling_is_its_composition():
     """Fp8MLP(recipe=BlockScaling()) builds Fp8BlockMLP: the per-tensor Fp8MLP's parameter names
     (state dicts carry over), no state, and bit for bit LayerNorm -> block linear -> gelu -> block
     linear, forward and gradients."""
-    from fusedfp8.pytorch.block_linear import Fp8BlockMLP
+    from fusedfp8.pytorch.block_layers import Fp8BlockMLP
 
     torch.manual_seed(3)
     r = fusedfp8.BlockScaling()
@@ -324,3 +324,55 @@ def test_fp8_mlp_under_block_scaling_is_its_composition():
         assert torch.equal(a, b)
     with pytest.raises(TypeError, match=r"recipe: a fusedfp8\.BlockScaling is not accepted here"):
         type("Sub", (fp8.Fp8MLP,), {})(8, 16, r)
+
+
+# ---- the FP8 weight cache -------------------------------------------------------------------------
+def _count_weight_quantizations(monkeypatch) -> list:
+    from fusedfp8.pytorch import block_layers as BL
+
+    calls, real = [], BL.block_quantize_op
+    monkeypatch.setattr(BL, "block_quantize_op", lambda x, *a: calls.append(a[3]) or real(x, *a))  # a[3]: weight
+    return calls
+
+
+@pytest.mark.parametrize("optimizer", ["sgd-foreach", "adam-fused", "data-assigned"])
+def test_the_weight_is_quantized_once_per_step_and_again_after_it(monkeypatch, optimizer):
+    """Gradient accumulation: the micro-batches of one step quantize the weight once (the same
+    gradients as without the cache); the step (a fused optimizer too, which leaves the version
+    counter alone) or an assigned .data makes the next forward quantize it again."""
+    torch.manual_seed(4)
+    cached = fp8.Fp8Linear(130, 40, recipe=fusedfp8.BlockScaling())
+    plain = copy.deepcopy(cached)
+    plain.cache_fp8_weight = False
+    xs = [torch.randn(8, 130) for _ in range(3)]
+    calls = _count_weight_quantizations(monkeypatch)
+    for x in xs:
+        cached(x).square().sum().backward()
+    assert calls.count(True) == 1
+    for x in xs:
+        plain(x).square().sum().backward()
+    assert calls.count(True) == 4 and torch.equal(cached.weight.grad, plain.weight.grad)
+    if optimizer == "data-assigned":
+        cached.weight.data = cached.weight.data * 0.5
+    else:
+        opt = (torch.optim.SGD(cached.parameters(), lr=0.1, foreach=True) if optimizer == "sgd-foreach" else
+               torch.optim.Adam(cached.parameters(), lr=0.1, fused=True))
+        opt.step()
+    y = cached(xs[0])
+    assert calls.count(True) == 5
+    cached.cache_fp8_weight = False
+    assert torch.equal(cached(xs[0]), y) and calls.count(True) == 6
+
+
+def test_a_forward_without_gradients_does_not_serve_one_that_needs_the_transpose(monkeypatch):
+    m = fp8.Fp8Linear(130, 40, recipe=fusedfp8.BlockScaling())
+    x = torch.randn(8, 130, requires_grad=True)
+    calls = _count_weight_quantizations(monkeypatch)
+    with torch.no_grad():
+        m(x)
+    m(x).sum().backward()  # needs the weight's transpose: quantized again, with it
+    m(x).sum().backward()
+    assert calls.count(True) == 2 and x.grad is not None
+    twin = copy.deepcopy(m)  # a copy starts with an empty cache
+    twin(x)
+    assert calls.count(True) == 3

@@ -35,8 +35,9 @@ from ..types import check_approximate, check_recipe, gemm_pad_to
 from . import gemm as G
 from .block import block_quantize_op
 from .module_checks import _check_input, check_block_module_args
+from .weights import WeightCache, watch_steps
 
-__all__ = ["Fp8BlockLinear", "Fp8BlockMLP", "block_linear", "BlockLinearConfig"]
+__all__ = ["Fp8BlockLinear", "Fp8BlockMLP", "block_linear", "quantized_weight", "BlockLinearConfig"]
 
 
 @dataclass(frozen=True)
@@ -70,14 +71,15 @@ def _unpad(t: Tensor, rows: int, cols: int) -> Tensor:
 
 
 class _BlockLinearFn(torch.autograd.Function):
-    """y = x @ w.T + b, block-scaled; ``apply(x, weight, bias, cfg)`` with a :class:`BlockLinearConfig`."""
+    """y = x @ w.T + b, block-scaled; ``apply(x, weight, bias, w_q, w_s, w_t, w_ts, cfg)``: the
+    weight quantized by :func:`quantized_weight` (``w_t`` / ``w_ts`` empty without
+    ``cfg.need_dgrad``) and a :class:`BlockLinearConfig`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, cfg: BlockLinearConfig):
+    def forward(ctx, x, weight, bias, w_q, w_s, w_t, w_ts, cfg: BlockLinearConfig):
         x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
         (m, k), n = x2.shape, weight.shape[0]
         x_q, x_s, x_t, x_ts = _quantize(x2, cfg, transpose=cfg.need_wgrad)
-        w_q, w_s, w_t, w_ts = _quantize(weight.detach().contiguous(), cfg, weight=True, transpose=cfg.need_dgrad)
         b = bias if bias is None or bias.shape[0] == w_q.shape[0] else \
             torch.nn.functional.pad(bias, (0, w_q.shape[0] - bias.shape[0]))
         y = G.block_scaled_mm(x_q, w_q, x_s, w_s, 1, cfg.weight_side, b, x.dtype, cfg.gemm)
@@ -106,7 +108,26 @@ class _BlockLinearFn(torch.autograd.Function):
                             k).contiguous()
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None, None, None, None
+
+
+def quantized_weight(w: Tensor, cfg: BlockLinearConfig, cache: WeightCache | None) -> tuple:
+    """(w_q, w_s, w_t, w_ts) of the weight (the transpose only with ``cfg.need_dgrad``), from
+    ``cache`` when it holds this weight quantized for this call
+    (:class:`fusedfp8.pytorch.weights.WeightCache`: the weight's version, storage and layout;
+    block scaling has no scale epoch)."""
+    key = None if cache is None else cache.key_of(
+        w, None, ("block", cfg.fp8_format, cfg.weight_side, cfg.pow2, cfg.need_dgrad, cfg.pad))
+    if key is not None and cache.key == key:
+        return cache.value
+    if key is not None and torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):  # a cached copy may serve a later training forward
+            out = _quantize(w.detach().contiguous(), cfg, weight=True, transpose=cfg.need_dgrad)
+    else:
+        out = _quantize(w.detach().contiguous(), cfg, weight=True, transpose=cfg.need_dgrad)
+    if key is not None:
+        cache.store(key, out, w)
+    return out
 
 
 def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: BlockScaling, *, gemm: str = "auto") -> Tensor:
@@ -139,15 +160,17 @@ def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: BlockSc
     if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (weight.shape[0],)):
         raise ValueError(f"bias must be None or a tensor of shape ({weight.shape[0]},); got "
                          f"{getattr(bias, 'shape', type(bias).__name__)}")
-    return _apply(x, weight, bias, recipe, G.backend(gemm) if x.is_cuda else "scaled_mm")
+    return _run(x, weight, bias, recipe, G.backend(gemm) if x.is_cuda else "scaled_mm")
 
 
-def _apply(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: BlockScaling, backend: str) -> Tensor:
+def _run(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: BlockScaling, backend: str,
+           cache: WeightCache | None = None) -> Tensor:
     enabled = torch.is_grad_enabled()
     need_dgrad, need_wgrad = enabled and x.requires_grad, enabled and weight.requires_grad
     m = math.prod(x.shape[:-1])
     pad = gemm_pad_to(m, x.shape[-1], weight.shape[0])  # the tokens too: see the module docstring
-    return _BlockLinearFn.apply(x, weight, bias, BlockLinearConfig.of(recipe, need_dgrad, need_wgrad, pad, backend))
+    cfg = BlockLinearConfig.of(recipe, need_dgrad, need_wgrad, pad, backend)
+    return _BlockLinearFn.apply(x, weight, bias, *quantized_weight(weight, cfg, cache), cfg)
 
 
 class Fp8BlockLinear(nn.Linear):
@@ -157,7 +180,8 @@ class Fp8BlockLinear(nn.Linear):
     Forward: the input (1x128 blocks, with its transpose for the weight gradient) and the weight
     (``recipe.weight_block``, with its transpose for the input gradient) are each quantized in
     one pass, and one block-scaled FP8 GEMM computes ``x @ w.T + b``; the backward quantizes the
-    output gradient with its transpose in one pass and runs both gradient GEMMs in FP8. No state:
+    output gradient with its transpose in one pass and runs both gradient GEMMs in FP8. The FP8
+    weight is kept until the weight changes (:attr:`cache_fp8_weight`). No state:
     nothing to update per optimizer step (``update_model_scales`` skips the module), and its
     ``state_dict`` is an ``nn.Linear``'s.
 
@@ -195,6 +219,7 @@ class Fp8BlockLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._recipe = recipe
         self.gemm = gemm
+        self._wcache = WeightCache()  # the FP8 weight between its changes (gradient accumulation)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: BlockScaling = BlockScaling(), *, gemm: str = "auto",
@@ -223,10 +248,40 @@ class Fp8BlockLinear(nn.Linear):
     def gemm(self, gemm: str) -> None:
         self._gemm = G.check_gemm(gemm)
 
+    @property
+    def cache_fp8_weight(self) -> bool:
+        """Keep the FP8 weight (and its transpose) between forwards until the weight changes
+        (default True; as :attr:`Fp8Linear.cache_fp8_weight`: with gradient accumulation the weight
+        is quantized once per optimizer step; every optimizer step, change seen by autograd and
+        assignment to ``.data`` is seen, see :mod:`fusedfp8.pytorch.weights`; after a change that
+        bypasses autograd outside an optimizer step call :meth:`clear_fp8_weight`)."""
+        return self._wcache.enabled
+
+    @cache_fp8_weight.setter
+    def cache_fp8_weight(self, on: bool) -> None:
+        self._wcache.enabled = bool(on)
+        self._wcache.clear()
+
+    def clear_fp8_weight(self) -> None:
+        """Drop the cached FP8 weight (the next forward quantizes the weight again)."""
+        self._wcache.clear()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._wcache.clear()  # (a move or a dtype change: another weight)
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._wcache.clear()
+
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         _check_input(type(self).__name__, x, self.in_features, w)
-        return _apply(x, w, self.bias, self._recipe, G.backend(self._gemm) if x.is_cuda else "scaled_mm")
+        if not torch.compiler.is_compiling():
+            watch_steps(self)  # (optimizer steps move the weight's version: the cache then misses)
+        return _run(x, w, self.bias, self._recipe, G.backend(self._gemm) if x.is_cuda else "scaled_mm",
+                    self._wcache)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self._recipe}, gemm={self.gemm!r}"
