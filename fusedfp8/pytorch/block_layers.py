@@ -35,7 +35,7 @@ from ..types import check_approximate, check_recipe, gemm_pad_to
 from . import gemm as G
 from .block import block_quantize_op
 from .module_checks import _check_input, check_block_module_args
-from .weights import WeightCache, watch_steps
+from .weights import CachedFp8Weight, WeightCache, watch_steps
 
 __all__ = ["Fp8BlockLinear", "Fp8BlockMLP", "block_linear", "quantized_weight", "BlockLinearConfig"]
 
@@ -173,7 +173,7 @@ def _run(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: BlockScaling, b
     return _BlockLinearFn.apply(x, weight, bias, *quantized_weight(weight, cfg, cache), cfg)
 
 
-class Fp8BlockLinear(nn.Linear):
+class Fp8BlockLinear(CachedFp8Weight, nn.Linear):
     """``nn.Linear`` with its three GEMMs in FP8 under block scaling (a drop-in replacement; what
     ``Fp8Linear(..., recipe=BlockScaling())`` builds).
 
@@ -247,24 +247,6 @@ class Fp8BlockLinear(nn.Linear):
     @gemm.setter
     def gemm(self, gemm: str) -> None:
         self._gemm = G.check_gemm(gemm)
-
-    @property
-    def cache_fp8_weight(self) -> bool:
-        """Keep the FP8 weight (and its transpose) between forwards until the weight changes
-        (default True; as :attr:`Fp8Linear.cache_fp8_weight`: with gradient accumulation the weight
-        is quantized once per optimizer step; every optimizer step, change seen by autograd and
-        assignment to ``.data`` is seen, see :mod:`fusedfp8.pytorch.weights`; after a change that
-        bypasses autograd outside an optimizer step call :meth:`clear_fp8_weight`)."""
-        return self._wcache.enabled
-
-    @cache_fp8_weight.setter
-    def cache_fp8_weight(self, on: bool) -> None:
-        self._wcache.enabled = bool(on)
-        self._wcache.clear()
-
-    def clear_fp8_weight(self) -> None:
-        """Drop the cached FP8 weight (the next forward quantizes the weight again)."""
-        self._wcache.clear()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

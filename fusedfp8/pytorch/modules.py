@@ -102,7 +102,7 @@ class _UpdateHook:
             module._after_update()
 
 
-class Fp8Linear(_StrictLoad, nn.Linear):
+class Fp8Linear(_StrictLoad, W.CachedFp8Weight, nn.Linear):
     """``nn.Linear`` with FP8 GEMMs and delayed scaling (a drop-in replacement).
 
     Forward: the input and the weight are quantized (the forward format of the recipe, E4M3)
@@ -354,26 +354,6 @@ class Fp8Linear(_StrictLoad, nn.Linear):
         """Called by every update of this module's state: the backward since the last update is
         accounted for; the scales moved, so the cached FP8 weight is stale."""
         self._watch.pending = False
-        self._wcache.clear()
-
-    @property
-    def cache_fp8_weight(self) -> bool:
-        """Keep the FP8 weight (and its transpose) between forwards until the weight or its scale
-        changes (default True): with gradient accumulation the weight is quantized once per
-        optimizer step, not once per micro-batch; costs the FP8 copy's memory (2 bytes per
-        parameter with the transpose). Every optimizer step, in-place change seen by autograd and
-        assignment to ``.data`` is seen (``weights.py``); after an in-place change that bypasses
-        autograd outside an optimizer step (``weight.data.mul_(2)``, a collective on the weight)
-        call :meth:`clear_fp8_weight`."""
-        return self._wcache.enabled
-
-    @cache_fp8_weight.setter
-    def cache_fp8_weight(self, on: bool) -> None:
-        self._wcache.enabled = bool(on)
-        self._wcache.clear()
-
-    def clear_fp8_weight(self) -> None:
-        """Drop the cached FP8 weight (the next forward quantizes the weight again)."""
         self._wcache.clear()
 
     # -- forward -------------------------------------------------------------------------------

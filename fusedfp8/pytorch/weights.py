@@ -45,7 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import csrc as _shim
 
-__all__ = ["WeightCache", "WeightWatch", "weight_leaves", "signature", "watch_steps"]
+__all__ = ["WeightCache", "CachedFp8Weight", "WeightWatch", "weight_leaves", "signature", "watch_steps"]
 
 # id -> weakref of every leaf of an FP8 module's weight (the tensors an optimizer steps); an entry
 # goes when its tensor dies, which is before the id can be given to another object
@@ -181,6 +181,31 @@ def _capture(w: Tensor):
     get = getattr(lib, "capture_id", None)  # (an older build of the shim has none)
     capture = get(torch.cuda.current_stream(w.device).cuda_stream) if get is not None else None
     return capture or None
+
+
+class CachedFp8Weight:
+    """The FP8 weight cache's switches of a module holding a :class:`WeightCache` as ``_wcache``
+    (Fp8Linear, Fp8BlockLinear)."""
+
+    @property
+    def cache_fp8_weight(self) -> bool:
+        """Keep the FP8 weight (and its transpose) between forwards until the weight (or, under a
+        per-tensor recipe, its scale) changes (default True): with gradient accumulation the weight
+        is quantized once per optimizer step, not once per micro-batch; costs the FP8 copy's memory
+        (2 bytes per parameter with the transpose). Every optimizer step, in-place change seen by
+        autograd and assignment to ``.data`` is seen (``weights.py``); after an in-place change that
+        bypasses autograd outside an optimizer step (``weight.data.mul_(2)``, a collective on the
+        weight) call :meth:`clear_fp8_weight`."""
+        return self._wcache.enabled
+
+    @cache_fp8_weight.setter
+    def cache_fp8_weight(self, on: bool) -> None:
+        self._wcache.enabled = bool(on)
+        self._wcache.clear()
+
+    def clear_fp8_weight(self) -> None:
+        """Drop the cached FP8 weight (the next forward quantizes the weight again)."""
+        self._wcache.clear()
 
 
 def fresh_cache(enabled: bool) -> "WeightCache":
