@@ -376,3 +376,23 @@ def test_a_forward_without_gradients_does_not_serve_one_that_needs_the_transpose
     twin = copy.deepcopy(m)  # a copy starts with an empty cache
     twin(x)
     assert calls.count(True) == 3
+
+
+def test_inference_mode_and_a_parametrized_weight(monkeypatch):
+    """A forward under torch.inference_mode fills a cache entry that a later training forward can
+    use (it is made outside inference mode); a parametrized weight (weight_norm) is quantized at
+    every forward, never cached, and its gradient reaches the parametrization's parameters."""
+    m = fp8.Fp8Linear(130, 40, recipe=fusedfp8.BlockScaling())
+    m.weight.requires_grad_(False)  # (x needs no gradient either: no weight transpose, one cache entry)
+    x = torch.randn(8, 130)
+    calls = _count_weight_quantizations(monkeypatch)
+    with torch.inference_mode():
+        y = m(x)
+    y_train = m(x)  # a training forward (the bias needs its gradient) served by the inference-mode entry
+    y_train.sum().backward()
+    assert torch.equal(y_train.detach(), y) and calls.count(True) == 1 and m.bias.grad is not None
+    wn = torch.nn.utils.parametrizations.weight_norm(fp8.Fp8Linear(130, 40, recipe=fusedfp8.BlockScaling()))
+    wn(x).sum().backward()
+    wn(x).sum().backward()
+    assert calls.count(True) == 3  # twice more
+    assert all(p.grad is not None for p in wn.parametrizations.weight.parameters())
