@@ -187,16 +187,8 @@ def quantized_weight(w: Tensor, state: tuple, col: int, fmt: str, margin_factor:
     """(w_q, w_t or None, scale_inv) of the weight in column ``col``, from ``cache`` when it holds
     this weight at this scale epoch (:class:`fusedfp8.pytorch.weights.WeightCache`)."""
     key = None if cache is None else cache.key_of(w, state, (col, transpose, pad))
-    if key is not None and cache.key == key:
-        return cache.value
-    if key is not None and torch.is_inference_mode_enabled():
-        with torch.inference_mode(False):  # a cached copy may serve a later training forward
-            out = _quantize(w.detach().contiguous(), state, col, fmt, margin_factor, current_first, transpose, pad)
-    else:
-        out = _quantize(w.detach().contiguous(), state, col, fmt, margin_factor, current_first, transpose, pad)
-    if key is not None:
-        cache.store(key, out, w)
-    return out
+    return WeightCache.through(cache, key, w, lambda: _quantize(w.detach().contiguous(), state, col, fmt, margin_factor,
+                                                               current_first, transpose, pad))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, state: tuple, cfg: tuple, need_dgrad: bool,

@@ -118,16 +118,8 @@ def quantized_weight(w: Tensor, cfg: BlockLinearConfig, cache: WeightCache | Non
     block scaling has no scale epoch)."""
     key = None if cache is None else cache.key_of(
         w, None, ("block", cfg.fp8_format, cfg.weight_side, cfg.pow2, cfg.need_dgrad, cfg.pad))
-    if key is not None and cache.key == key:
-        return cache.value
-    if key is not None and torch.is_inference_mode_enabled():
-        with torch.inference_mode(False):  # a cached copy may serve a later training forward
-            out = _quantize(w.detach().contiguous(), cfg, weight=True, transpose=cfg.need_dgrad)
-    else:
-        out = _quantize(w.detach().contiguous(), cfg, weight=True, transpose=cfg.need_dgrad)
-    if key is not None:
-        cache.store(key, out, w)
-    return out
+    return WeightCache.through(cache, key, w,
+                               lambda: _quantize(w.detach().contiguous(), cfg, weight=True, transpose=cfg.need_dgrad))
 
 
 def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: BlockScaling, *, gemm: str = "auto") -> Tensor:
@@ -160,7 +152,7 @@ def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: BlockSc
     if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (weight.shape[0],)):
         raise ValueError(f"bias must be None or a tensor of shape ({weight.shape[0]},); got "
                          f"{getattr(bias, 'shape', type(bias).__name__)}")
-    return _run(x, weight, bias, recipe, G.backend(gemm) if x.is_cuda else "scaled_mm")
+    return _run(x, weight, bias, recipe, G.backend_for(gemm, x))
 
 
 def _run(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: BlockScaling, backend: str,
@@ -173,7 +165,7 @@ def _run(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: BlockScaling, b
     return _BlockLinearFn.apply(x, weight, bias, *quantized_weight(weight, cfg, cache), cfg)
 
 
-class Fp8BlockLinear(CachedFp8Weight, nn.Linear):
+class Fp8BlockLinear(CachedFp8Weight, G.GemmChoice, nn.Linear):
     """``nn.Linear`` with its three GEMMs in FP8 under block scaling (a drop-in replacement; what
     ``Fp8Linear(..., recipe=BlockScaling())`` builds).
 
@@ -239,15 +231,6 @@ class Fp8BlockLinear(CachedFp8Weight, nn.Linear):
     def recipe(self) -> BlockScaling:
         return self._recipe
 
-    @property
-    def gemm(self) -> str:
-        """The FP8 GEMM on CUDA: 'auto', 'cublaslt' or 'scaled_mm'."""
-        return self._gemm
-
-    @gemm.setter
-    def gemm(self, gemm: str) -> None:
-        self._gemm = G.check_gemm(gemm)
-
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self._wcache.clear()  # (a move or a dtype change: another weight)
@@ -262,8 +245,7 @@ class Fp8BlockLinear(CachedFp8Weight, nn.Linear):
         _check_input(type(self).__name__, x, self.in_features, w)
         if not torch.compiler.is_compiling():
             watch_steps(self)  # (optimizer steps move the weight's version: the cache then misses)
-        return _run(x, w, self.bias, self._recipe, G.backend(self._gemm) if x.is_cuda else "scaled_mm",
-                    self._wcache)
+        return _run(x, w, self.bias, self._recipe, self._gemm_backend(x), self._wcache)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self._recipe}, gemm={self.gemm!r}"

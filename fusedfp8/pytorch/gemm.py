@@ -42,7 +42,8 @@ from torch import Tensor
 
 from .. import csrc as _shim
 
-__all__ = ["GEMMS", "check_gemm", "backend", "gemm_path", "block_gemm_path", "scaled_mm", "block_scaled_mm"]
+__all__ = ["GEMMS", "check_gemm", "backend", "backend_for", "GemmChoice", "gemm_path", "block_gemm_path", "scaled_mm",
+           "block_scaled_mm"]
 
 GEMMS = ("auto", "cublaslt", "scaled_mm")
 _resolved: dict = {}  # gemm -> (backend, why), decided once per process
@@ -117,6 +118,31 @@ def backend(gemm: str) -> str:
             if got is None:
                 got = _resolved[gemm] = _resolve(gemm)
     return got[0]
+
+
+def backend_for(gemm: str, x: Tensor) -> str:
+    """The backend a call on ``x`` runs: :func:`backend` on CUDA; 'scaled_mm' on the CPU, where
+    every value runs the same float32 emulation."""
+    return backend(gemm) if x.is_cuda else "scaled_mm"
+
+
+class GemmChoice:
+    """The ``gemm`` attribute of an FP8 layer (Fp8Linear, Fp8BlockLinear): checked when set."""
+
+    _gemm = "auto"  # (also the value of a module pickled before the argument existed)
+
+    @property
+    def gemm(self) -> str:
+        """The FP8 GEMM on CUDA: 'auto', 'cublaslt' or 'scaled_mm' (see :mod:`fusedfp8.pytorch.gemm`)."""
+        return self._gemm
+
+    @gemm.setter
+    def gemm(self, gemm: str) -> None:
+        self._gemm = check_gemm(gemm)
+
+    def _gemm_backend(self, x: Tensor) -> str:
+        """The GEMM backend of a forward on ``x`` (:func:`backend_for`)."""
+        return backend_for(self._gemm, x)
 
 
 def gemm_path(gemm: str = "auto") -> tuple[str, str]:

@@ -102,7 +102,7 @@ class _UpdateHook:
             module._after_update()
 
 
-class Fp8Linear(_StrictLoad, W.CachedFp8Weight, nn.Linear):
+class Fp8Linear(_StrictLoad, W.CachedFp8Weight, G.GemmChoice, nn.Linear):
     """``nn.Linear`` with FP8 GEMMs and delayed scaling (a drop-in replacement).
 
     Forward: the input and the weight are quantized (the forward format of the recipe, E4M3)
@@ -216,21 +216,6 @@ class Fp8Linear(_StrictLoad, W.CachedFp8Weight, nn.Linear):
     @property
     def recipe(self) -> DelayedScaling | CurrentScaling:
         return self._recipe
-
-    _gemm = "auto"  # (also the value of a module pickled before the argument existed)
-
-    @property
-    def gemm(self) -> str:
-        """The FP8 GEMM on CUDA: 'auto', 'cublaslt' or 'scaled_mm' (see the class docstring)."""
-        return self._gemm
-
-    @gemm.setter
-    def gemm(self, gemm: str) -> None:
-        self._gemm = G.check_gemm(gemm)
-
-    def _gemm_backend(self, x: torch.Tensor) -> str:
-        """:func:`fusedfp8.pytorch.gemm.scaled_mm`'s backend for ``x`` (the CPU emulates either)."""
-        return G.backend(self._gemm) if x.is_cuda else "scaled_mm"
 
     @property
     def amax_group(self):

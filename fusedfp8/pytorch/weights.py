@@ -272,6 +272,23 @@ class WeightCache:
         return (w._version, w.untyped_storage()._cdata, w.data_ptr(), w.stride(), w.dtype, w.device,
                 tuple(w.shape), *extra, self.epoch, state[1].data_ptr() if state else 0, capture)
 
+    @staticmethod
+    def through(cache: "WeightCache | None", key, w: Tensor, make):
+        """``make()``'s FP8 copy of ``w``, or the one ``cache`` holds under ``key`` (its
+        :meth:`key_of`; None: not cached). A copy made for the cache under inference mode is made
+        outside it, so that a later training forward can use (and save) it."""
+        if key is None:
+            return make()
+        if cache.key == key:
+            return cache.value
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                out = make()
+        else:
+            out = make()
+        cache.store(key, out, w)
+        return out
+
     def store(self, key: tuple, value: tuple, w: Tensor) -> None:
         self.key, self.value = key, value
         self.storage = StorageWeakRef(w.untyped_storage())  # the key's storage address stays its own
