@@ -254,6 +254,8 @@ __global__ void __launch_bounds__(FF8_THREADS) quantize_flat(
 // counter for the next call. (The sums and their order are a tile's: the bits do not depend on the
 // grid.) A fence and the counting once per block, not per tile: a per-tile fence waited for the
 // tile's q and q_t stores to land before the next tile, with two blocks per multiprocessor.
+// W: the width of a column strip (the tile's columns: TILE_C here, 128 for block_quantize).
+template <int W = TILE_C>
 __device__ __forceinline__ void finish_dbias(float* __restrict__ dbias, const float* __restrict__ partial,
                                              int* __restrict__ strip_count, i64 cols, u32 tiles_r, u32 tiles_c,
                                              i64 ntiles) {
@@ -272,15 +274,15 @@ __device__ __forceinline__ void finish_dbias(float* __restrict__ dbias, const fl
         __syncthreads();
         const int n = ndone;
         if (n > 0) __threadfence();
-        for (int k = t >> 6; k < n; k += 256 / TILE_C) {  // four strips at a time, a thread per column
+        for (int k = t / W; k < n; k += 256 / W) {  // 256 / W strips at a time, a thread per column
             const int tc = done[k];
-            const i64 c = (i64)tc * TILE_C + (t & 63);
+            const i64 c = (i64)tc * W + (t & (W - 1));
             if (c < cols) {
                 float acc = 0.0f;
                 for (u32 r = 0; r < tiles_r; ++r) acc = fadd(acc, __ldcg(&partial[(i64)r * cols + c]));
                 dbias[c] = acc;
             }
-            if ((t & 63) == 0) strip_count[tc] = 0;  // leave the counters zeroed for the next call
+            if ((t & (W - 1)) == 0) strip_count[tc] = 0;  // leave the counters zeroed for the next call
         }
         __syncthreads();  // (done / ndone are reused by the next chunk)
     }

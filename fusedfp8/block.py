@@ -1,4 +1,5 @@
-"""Block scaling, framework-agnostic: :func:`block_quantize`.
+"""Block scaling, framework-agnostic: :func:`block_quantize`, and the activation's and its
+gradient's fused twins :func:`block_gelu_quantize` and :func:`block_dgelu_quantize`.
 
 As :mod:`fusedfp8.ops`: the argument contract first (everything checked before anything is
 allocated or launched), then the host run (the NumPy definition,
@@ -23,9 +24,10 @@ from . import launch
 from .formats import Format
 from .numerics import block as _block
 from .recipe import BlockScaling
-from .types import FLOAT_INPUTS, BlockQuantized, check_pad_to, check_recipe
+from .types import FLOAT_INPUTS, BlockQuantized, check_approximate, check_pad_to, check_recipe, kernel_op
 
-__all__ = ["block_quantize", "check_block_args", "check_block_input", "block_shapes", "BlockArgs", "BlockShapes"]
+__all__ = ["block_quantize", "block_gelu_quantize", "block_dgelu_quantize", "check_block_args", "check_block_input",
+           "check_block_op", "block_shapes", "run_block", "BlockArgs", "BlockShapes", "BlockOp"]
 
 
 def _check_flag(value, argname: str) -> bool:
@@ -62,13 +64,38 @@ def check_block_args(recipe, weight, grad, transpose, pad_to) -> BlockArgs:
                      check_pad_to(pad_to))
 
 
-def check_block_input(dtype: str, shape) -> None:
+def check_block_input(dtype: str, shape, argname: str = "x") -> None:
     """x of a block quantization: a float32 / float16 / bfloat16 array of at least 1 dimension."""
     if dtype not in FLOAT_INPUTS:
-        raise TypeError(f"x must be float32, float16 or bfloat16; got {dtype}")
+        raise TypeError(f"{argname} must be float32, float16 or bfloat16; got {dtype}")
     if not len(shape):
-        raise ValueError("x: block scaling needs an input of at least 1 dimension (viewed as rows x cols); "
+        raise ValueError(f"{argname}: block scaling needs an input of at least 1 dimension (viewed as rows x cols); "
                          "got a scalar")
+
+
+class BlockOp(NamedTuple):
+    """What is quantized: ``op`` ('identity', 'gelu': y = gelu(x), 'dgelu': y = dy * gelu'(x)) with
+    its ``approximate``, and whether the column sums of y come back (``dbias``)."""
+
+    op: str = "identity"
+    approximate: str = "tanh"
+    dbias: bool = False
+
+    @property
+    def kernel(self) -> str:
+        """The kernels' name of the op (:func:`fusedfp8.types.kernel_op`)."""
+        return kernel_op(self.op, self.approximate)
+
+
+def check_block_op(op: str, approximate, dbias, block: tuple) -> BlockOp:
+    """The op of a block quantization checked against its block: an op and ``dbias`` take 1x128
+    blocks (an activation, a gradient), ``dbias`` goes with a gradient (the identity or dgelu)."""
+    dbias = _check_flag(dbias, "dbias")
+    approximate = check_approximate(approximate)
+    if dbias and tuple(block) != (1, _block.BLOCK):
+        raise ValueError(f"dbias: the column sums of a gradient go with 1x128 blocks; this tensor takes {block} "
+                         "(weight=True): pass weight=False")
+    return BlockOp(op, approximate, dbias)
 
 
 class BlockShapes(NamedTuple):
@@ -94,29 +121,46 @@ def block_shapes(shape, args) -> BlockShapes:
                        _block.scale_shape(pcols, prows, args.block))
 
 
-class _BlockCall:
-    """A checked block_quantize call: the input, the format and block the recipe gives the tensor,
-    the shapes of every output."""
+def _describe_input(x, argname: str) -> io.ArrayInfo:
+    info = io.describe(x, argname)
+    check_block_input(info.dtype, info.shape, argname)
+    if not info.contiguous:
+        raise ValueError(f"{argname} must be contiguous (row-major); got a non-contiguous view of shape {info.shape}: "
+                         "call .contiguous() / np.ascontiguousarray first")
+    return info
 
-    def __init__(self, x, recipe, weight, grad, transpose, pad_to):
+
+class _BlockCall:
+    """A checked block quantization: the input(s), the format and block the recipe gives the
+    tensor, the op, the shapes of every output."""
+
+    def __init__(self, x, recipe, weight, grad, transpose, pad_to, op: BlockOp, b=None):
         args = check_block_args(recipe, weight, grad, transpose, pad_to)
         self.fmt, self.block, self.pow2, self.transpose, self.pad_to = args
-        self.xi = xi = io.describe(x, "x")
-        check_block_input(xi.dtype, xi.shape)
-        if not xi.contiguous:
-            raise ValueError(f"x must be contiguous (row-major); got a non-contiguous view of shape {xi.shape}: "
-                             "call .contiguous() / np.ascontiguousarray first")
+        self.op = check_block_op(op.op, op.approximate, op.dbias, args.block)
+        self.xi = xi = _describe_input(x, "dy" if op.op == "dgelu" else "x")
+        self.bi = None
+        if op.op == "dgelu":
+            self.bi = bi = _describe_input(b, "x")
+            if bi.shape != xi.shape:
+                raise ValueError(f"dy and x must have the same shape; got {xi.shape} and {bi.shape}")
+            if bi.dtype != xi.dtype:
+                raise TypeError(f"dy and x must have the same dtype; got {xi.dtype} and {bi.dtype}")
+            if (bi.framework, bi.device) != (xi.framework, xi.device):
+                raise ValueError(f"dy is on {xi.where()} ({xi.framework}) but x is on {bi.where()} ({bi.framework}); "
+                                 "they must be on the same device")
         self.shapes = block_shapes(xi.shape, args)
 
 
 def _host_run(c: _BlockCall) -> BlockQuantized:
-    r = _block.block_quantize(io.to_numpy(c.xi), c.fmt, c.block, c.pow2, c.transpose, c.pad_to)
+    r = _block.block_quantize(io.to_numpy(c.xi), c.fmt, c.block, c.pow2, c.transpose, c.pad_to, c.op.op,
+                              None if c.bi is None else io.to_numpy(c.bi), c.op.approximate, c.op.dbias)
 
     def out(a):
         return None if a is None else io.from_numpy(a, c.xi)
 
     return BlockQuantized(out(r.data), out(r.scale_inv), out(r.data_t), out(r.scale_inv_t),
-                          out(np.array([r.amax], np.float32)))
+                          out(np.array([r.amax], np.float32)), out(r.dbias))
 
 
 def _device_run(c: _BlockCall) -> BlockQuantized:
@@ -127,21 +171,39 @@ def _device_run(c: _BlockCall) -> BlockQuantized:
     amax = io.empty(c.xi, (1,), "float32")  # (the plan zeroes it before the kernel max-accumulates)
     ptr = io.data_ptr
     buffers = {"x": xv.ptr, "q": ptr(q), "scale_inv": ptr(s), "amax": ptr(amax)}
-    q_t = s_t = None
+    if c.bi is not None:
+        buffers["b"] = io.device_view(c.bi).ptr
+    q_t = s_t = dbias = None
     if c.transpose:
         q_t = io.empty(c.xi, sh.q_t, c.fmt.dtype_name)
         s_t = io.empty(c.xi, sh.scale_inv_t, "float32")
         buffers.update(q_t=ptr(q_t), scale_inv_t=ptr(s_t))
+    work = ()
+    if c.op.dbias:
+        (pr, pc), nc = launch.block_dbias_workspace(sh.rows, sh.cols, c.pad_to)
+        dbias = io.empty(c.xi, (sh.cols,), "float32")
+        work = (io.empty(c.xi, (pr, pc), "float32"), io.empty(c.xi, (nc,), "int32"))  # (alive until launched)
+        buffers.update(dbias=ptr(dbias), partial=ptr(work[0]), counters=ptr(work[1]))
     launch.block_quantize(xv.device, io.stream_ptr(c.xi), buffers, dtype=xv.dtype, fmt=c.fmt.name, block=c.block,
-                          rows=sh.rows, cols=sh.cols, pow2=c.pow2, pad_to=c.pad_to)
+                          rows=sh.rows, cols=sh.cols, pow2=c.pow2, pad_to=c.pad_to, op=c.op.kernel)
+    del work
     x = c.xi
     return BlockQuantized(io.fp8_out(q, c.fmt, x), io.out_for_caller(s, x),
                           io.fp8_out(q_t, c.fmt, x) if q_t is not None else None,
-                          io.out_for_caller(s_t, x) if s_t is not None else None, io.out_for_caller(amax, x))
+                          io.out_for_caller(s_t, x) if s_t is not None else None, io.out_for_caller(amax, x),
+                          io.out_for_caller(dbias, x) if dbias is not None else None)
+
+
+def run_block(x, recipe: BlockScaling, weight: bool, grad: bool, transpose: bool, pad_to: int, op: BlockOp,
+              b=None) -> BlockQuantized:
+    """The three functions below in one (the torch custom op calls it): checked whole, then the
+    device or the host run."""
+    c = _BlockCall(x, recipe, weight, grad, transpose, pad_to, op, b)
+    return _device_run(c) if c.xi.is_gpu else _host_run(c)
 
 
 def block_quantize(x, recipe: BlockScaling, *, weight: bool = False, grad: bool = False, transpose: bool = False,
-                   pad_to: int = 1) -> BlockQuantized:
+                   dbias: bool = False, pad_to: int = 1) -> BlockQuantized:
     """Quantize ``x`` to FP8 with a scale per block, in one pass (:class:`~fusedfp8.BlockScaling`).
 
     ``x`` is viewed as 2-D, (rows, cols) = (prod(shape[:-1]), shape[-1]), and cut into the
@@ -164,6 +226,10 @@ def block_quantize(x, recipe: BlockScaling, *, weight: bool = False, grad: bool 
         Also quantize the transpose of the 2-D view (the weight-gradient GEMM's operand): for 1x128
         blocks with its own scales (along the other axis), for 128x128 the same bytes and scales
         transposed.
+    dbias : bool
+        Also return the view's (cols,) float32 column sums (a gradient's bias gradient), from the
+        same read; 1x128 blocks only (not with ``weight=True``). Deterministic: fixed-order float32
+        sums, equal to the float64 sums within rounding.
     pad_to : int
         1 (default): ``data`` has x's shape. Else ``data`` is the (rows, cols) view rounded up to
         multiples of ``pad_to`` (zeros in the pad, and the scales of the zero-padded input), as
@@ -175,7 +241,7 @@ def block_quantize(x, recipe: BlockScaling, *, weight: bool = False, grad: bool 
         ``data`` (FP8), ``scale_inv`` (float32, :func:`fusedfp8.numerics.block.scale_shape` of the
         (padded) 2-D view: the layout cuBLASLt's block-scaled GEMM reads), ``data_t`` /
         ``scale_inv_t`` (the transpose and its scales, or None), ``amax`` ((1,) float32: max |x|
-        of the whole tensor, NaN-propagating).
+        of the whole tensor, NaN-propagating), ``dbias`` ((cols,) float32, or None).
 
     Raises
     ------
@@ -183,5 +249,23 @@ def block_quantize(x, recipe: BlockScaling, *, weight: bool = False, grad: bool 
         On a recipe that is not a BlockScaling, a bad dtype, shape, flag or pad_to, or a
         non-contiguous input, naming the argument; nothing is allocated or launched.
     """
-    c = _BlockCall(x, recipe, weight, grad, transpose, pad_to)
-    return _device_run(c) if c.xi.is_gpu else _host_run(c)
+    return run_block(x, recipe, weight, grad, transpose, pad_to, BlockOp("identity", "tanh", dbias))
+
+
+def block_gelu_quantize(x, recipe: BlockScaling, *, approximate: str = "tanh", transpose: bool = False,
+                        pad_to: int = 1) -> BlockQuantized:
+    """``y = gelu(x)`` (float32; ``approximate`` 'tanh' or 'none', the per-tensor kernels' gelu bit
+    for bit) quantized with 1x128 blocks in the recipe's forward format, in one pass: the
+    activation a block-scaled linear reads, never written in 16 or 32 bits. ``amax = max |y|``.
+    Arguments, results and errors as :func:`block_quantize` (x is an activation: no ``weight``,
+    ``grad`` or ``dbias``)."""
+    return run_block(x, recipe, False, False, transpose, pad_to, BlockOp("gelu", approximate, False))
+
+
+def block_dgelu_quantize(dy, x, recipe: BlockScaling, *, approximate: str = "tanh", transpose: bool = False,
+                         dbias: bool = False, pad_to: int = 1) -> BlockQuantized:
+    """The gelu backward: ``y = dy * gelu'(x)`` in float32 quantized with 1x128 blocks in the
+    recipe's gradient format, in one pass, with ``dbias=True`` also y's column sums (the bias
+    gradient of the linear before the gelu). ``dy`` and ``x``: same shape, dtype and device.
+    Arguments, results and errors as :func:`block_quantize`."""
+    return run_block(dy, recipe, False, True, transpose, pad_to, BlockOp("dgelu", approximate, dbias), x)

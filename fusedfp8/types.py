@@ -61,8 +61,9 @@ class BlockQuantized(NamedTuple):
     data_t : the FP8 transpose (pcols, prows) of the 2-D view, or None.
     scale_inv_t : its scales, in the same layout for the transposed shape (its own 1x128 blocks,
         along the other axis; for 128x128 blocks the same values transposed), or None.
-    amax : float32 max |input| of the whole tensor, NaN-propagating (what reaches the caller of a
-        block that held a NaN or an inf, whose scale is 1).
+    amax : float32 max |y| of the whole tensor (y: the input, or the activation quantized),
+        NaN-propagating (what reaches the caller of a block that held a NaN or an inf, whose scale is 1).
+    dbias : float32 (cols,) column sums of y over the 2-D view (a gradient's bias gradient), or None.
     """
 
     data: Any
@@ -70,6 +71,7 @@ class BlockQuantized(NamedTuple):
     data_t: Any = None
     scale_inv_t: Any = None
     amax: Any = None
+    dbias: Any = None
 
 
 class LayerNormQuantized(NamedTuple):

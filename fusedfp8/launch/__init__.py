@@ -28,12 +28,12 @@ from .executor import current_device, execute, plan_on, run
 from .format import Plan
 from .kernels import all_module_keys, cuda_include_dirs, probe, source_dir
 from .plans import (BLOCK_SLOTS, DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, QUANTIZE_SLOTS, UPDATE_SLOTS,
-                    KernelRef, block_of, build_amax_plan, build_block_quantize_plan, build_dequantize_plan,
-                    build_layernorm_amax_plan, build_layernorm_plan, build_quantize_plan, build_update_plan,
-                    dbias_workspace, layernorm_block, layernorm_tile, padded, split_transpose)
+                    KernelRef, block_dbias_workspace, block_of, build_amax_plan, build_block_quantize_plan,
+                    build_dequantize_plan, build_layernorm_amax_plan, build_layernorm_plan, build_quantize_plan,
+                    build_update_plan, dbias_workspace, layernorm_block, layernorm_tile, padded, split_transpose)
 
 __all__ = ["probe", "source_dir", "cuda_include_dirs", "all_module_keys", "compile_module", "padded",
-           "dbias_workspace", "Plan", "plan_on", "execute", "run", "current_device",
+           "dbias_workspace", "block_dbias_workspace", "Plan", "plan_on", "execute", "run", "current_device",
            "QUANTIZE_SLOTS", "LAYERNORM_SLOTS", "BLOCK_SLOTS", "DEQUANTIZE_SLOTS", "UPDATE_SLOTS", "META_UPDATE_SLOTS",
            "quantize_plan", "layernorm_plan", "amax_plan", "layernorm_amax_plan", "block_quantize_plan",
            "dequantize_plan", "update_plan", "quantize", "layernorm_quantize", "block_quantize", "dequantize",
@@ -115,12 +115,12 @@ def layernorm_amax_plan(device: int, dtype: str, param: str, rows: int, cols: in
 
 @functools.lru_cache(maxsize=1024)
 def block_quantize_plan(device: int, dtype: str, fmt: str, block: tuple, rows: int, cols: int, transpose: bool = False,
-                        pow2: bool = False, pad_to: int = 1) -> Plan:
-    """:func:`~fusedfp8.launch.plans.build_block_quantize_plan` for module (dtype, fmt) on ``device``
-    (both block shapes' kernels compiled on first use); ``block``: (1, 128) or (128, 128)."""
-    return build_block_quantize_plan(kernel_refs(kernels.ModuleKey("block_quantize", dtype, fmt), device),
+                        pow2: bool = False, pad_to: int = 1, op: str = "identity", dbias: bool = False) -> Plan:
+    """:func:`~fusedfp8.launch.plans.build_block_quantize_plan` for module (dtype, fmt, op) on
+    ``device`` (its kernels compiled on first use); ``block``: (1, 128) or (128, 128)."""
+    return build_block_quantize_plan(kernel_refs(kernels.ModuleKey("block_quantize", dtype, fmt, op), device),
                                      kernels.sm_count(device), rows, cols, tuple(block), transpose, pow2,
-                                     pad_to)._replace(device=device)
+                                     pad_to, dbias, op)._replace(device=device)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -199,7 +199,7 @@ def layernorm_quantize(device: int, stream: int, buffers: dict, *, dtype: str, p
 
 
 def block_quantize(device: int, stream: int, buffers: dict, *, dtype: str, fmt: str, block: tuple, rows: int,
-                   cols: int, pow2: bool = False, pad_to: int = 1) -> None:
+                   cols: int, pow2: bool = False, pad_to: int = 1, op: str = "identity") -> None:
     """Launch the block quantization (:func:`block_quantize_plan`, then :func:`run`) on raw device
     pointers; the bytes and scales of :func:`fusedfp8.numerics.block.block_quantize`.
 
@@ -210,15 +210,19 @@ def block_quantize(device: int, stream: int, buffers: dict, *, dtype: str, fmt: 
         ``q``: the (prows, pcols) FP8 output (bytes), ``scale_inv``: its float32 scales in
         cuBLASLt's layout (:func:`fusedfp8.numerics.block.scale_shape` of (prows, pcols));
         ``q_t`` and ``scale_inv_t``: the (pcols, prows) transpose and its scales (given: the plan
-        writes them; both or neither); ``amax``: (1,) float32, set to max |x| (the plan zeroes it first).
+        writes them; both or neither); ``amax``: (1,) float32, set to max |y| (the plan zeroes it first);
+        ``b``: the forward input of the dgelu ops (``x`` is then dy); ``dbias``: (cols,) float32 column
+        sums of y (the identity and the dgelu ops, 1x128; given: the plan computes them), with the
+        workspaces ``partial`` and ``counters`` (:func:`block_dbias_workspace`).
     dtype : 'float32' | 'float16' | 'bfloat16', the input's dtype.
     fmt : 'e4m3' | 'e5m2'.
-    block : (1, 128) or (128, 128).
+    block : (1, 128) or (128, 128) (only 1x128 with an op other than the identity).
+    op : a kernel op of :data:`fusedfp8.launch.kernels.OPS`: y = op(x) is what is quantized.
     pow2 : the scales rounded down to powers of two.
     pad_to : (prows, pcols) = (rows, cols) rounded up to multiples of it (:func:`padded`), zeros in the pad.
     """
     plan = plan_on(stream, block_quantize_plan, device, dtype, fmt, tuple(block), rows, cols,
-                   bool(buffers.get("q_t")), bool(pow2), int(pad_to))
+                   bool(buffers.get("q_t")), bool(pow2), int(pad_to), op, bool(buffers.get("dbias")))
     run(plan, buffers, stream)
 
 

@@ -127,9 +127,12 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
                 "padded_layernorm_store1": f"layernorm_quantize_padded<{t}, {p}, {f}, false>",
                 "padded_layernorm_store1_t": f"layernorm_quantize_padded<{t}, {p}, {f}, true>",
                 "transpose_tiled": "transpose_fp8"}
-    if key.family == "block_quantize":  # both block shapes (plans.block_role): 1x128 rows, 128x128 tiles
-        t, f = CPP_TYPES[key.dtype], FMT_IDS[key.fmt]
-        return {"block_1x128": f"block_quantize<{t}, {f}, false>", "block_128x128": f"block_quantize<{t}, {f}, true>"}
+    if key.family == "block_quantize":  # plans.block_role: 1x128 rows (every op), 128x128 tiles (the identity)
+        t, f, o = CPP_TYPES[key.dtype], FMT_IDS[key.fmt], OPS[key.op]
+        if key.op != "identity":  # an activation (gelu) or a gradient (dgelu, with its column sums compiled in)
+            return {"block_1x128": f"block_quantize<{t}, {f}, false, {o}>"}
+        return {"block_1x128": f"block_quantize<{t}, {f}, false>", "block_128x128": f"block_quantize<{t}, {f}, true>",
+                "block_1x128_dbias": f"block_quantize<{t}, {f}, false, 0, true>"}  # a plain gradient's dbias
     if key.family == "dequantize":
         return {"dequant": f"dequantize_flat<{CPP_TYPES[key.dtype]}, {FMT_IDS[key.fmt]}>"}
     if key.family == "update_scales":
@@ -141,7 +144,7 @@ def all_module_keys() -> list[ModuleKey]:
     keys = [ModuleKey(fam, d, f, o) for fam in ("quantize", "current_quantize") for d in CPP_TYPES for f in FMT_IDS
             for o in OPS]
     keys += [ModuleKey("layernorm_quantize", d, f, param=p) for d in CPP_TYPES for f in FMT_IDS for p in CPP_TYPES]
-    keys += [ModuleKey("block_quantize", d, f) for d in CPP_TYPES for f in FMT_IDS]
+    keys += [ModuleKey("block_quantize", d, f, o) for d in CPP_TYPES for f in FMT_IDS for o in OPS]
     keys += [ModuleKey("dequantize", d, f) for d in CPP_TYPES for f in FMT_IDS]
     keys.append(ModuleKey("update_scales"))
     return keys

@@ -28,8 +28,9 @@ UPDATE_SLOTS = Slots("amax_history", "scale", "scale_inv", "overflows", "updates
 # update_meta (JAX, out of place): the meta's arrays in, the state's (int32 counters) and the output meta's counters out
 META_UPDATE_SLOTS = Slots("amax_history", "scale", "overflows_f", "updates_f", "writes", "fmt_max", "amax_history_out",
                           "scale_out", "scale_inv_out", "overflows", "updates", "overflows_f_out", "updates_f_out")
-# block scaling: the input, q and q_t with their per-block scales, the tensor's amax (no state)
-BLOCK_SLOTS = Slots("x", "q", "scale_inv", "q_t", "scale_inv_t", "amax")
+# block scaling: the input(s), q and q_t with their per-block scales, the tensor's amax (no state), and a
+# gradient's column sums with their workspaces
+BLOCK_SLOTS = Slots("x", "b", "q", "scale_inv", "q_t", "scale_inv_t", "amax", "dbias", "partial", "counters")
 
 # ---- the tile geometry: the one source of the grids, the padding rules and the workspaces --------
 THREADS = 256  # the element-wise kernels' block: -DFF8_THREADS (kernels.COMPILE_OPTIONS)
@@ -84,8 +85,8 @@ SIGNATURES = {
                                          #                            tile_rows, vec, vec_t, eps, margin
     "transpose": "@2Pqqii",  # transpose_fp8: q, q_t, prows, pcols, vec, vec_t
     "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
-    "block": "@6Pqqqqi",     # block_quantize: x, q, scale_inv, q_t, scale_inv_t, amax, rows, cols, prows, pcols,
-                             #                pow2
+    "block": "@10Pqqqqi",    # block_quantize: x, b, q, scale_inv, q_t, scale_inv_t, amax, dbias, partial,
+                             #                counters, rows, cols, prows, pcols, pow2
     "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
     "meta_update": "@13Piifi",  # update_meta: 13 pointers (the meta in, the state and counters out), n, L, margin,
                                 #              algo_max
@@ -153,6 +154,14 @@ def dbias_workspace(rows: int, cols: int, pad_to: int = 1) -> tuple[tuple[int, i
     of the padded shape."""
     prows, pcols = padded(rows, cols, pad_to)
     return (max(1, -(-prows // TILE_R)), cols), max(1, -(-pcols // TILE_C))
+
+
+def block_dbias_workspace(rows: int, cols: int, pad_to: int = 1) -> tuple[tuple[int, int], int]:
+    """The dbias workspaces of block_quantize: ``partial`` (float32, (row tiles, cols)) and the int32
+    ``counters`` (one per 128-column strip; the plan zeroes them first), tiles (128 x 128) of the
+    padded shape."""
+    prows, pcols = padded(rows, cols, pad_to)
+    return (max(1, -(-prows // BLOCK_SIDE)), cols), max(1, -(-pcols // BLOCK_SIDE))
 
 
 def build_quantize_plan(refs: dict, sms: int, rows: int, cols: int, transpose: bool = False, dbias: bool = False,
@@ -370,27 +379,42 @@ def build_update_plan(refs: dict, n: int, L: int, margin_factor: float, algo_max
         *map(ptr, range(len(slots))), imm32(n), imm32(L), immf32(margin_factor), imm32(int(algo_max))))])
 
 
-def block_role(block) -> str:
-    """The role of block_quantize's instantiation for ``block``: (1, 128) or (128, 128)."""
-    return {(1, BLOCK_SIDE): "block_1x128", (BLOCK_SIDE, BLOCK_SIDE): "block_128x128"}[tuple(block)]
+def block_role(block, dbias: bool = False) -> str:
+    """The role of block_quantize's instantiation for ``block``: (1, 128) or (128, 128); ``dbias``:
+    the identity's instantiation with the column sums (the dgelu ops' ``block_1x128`` has them)."""
+    role = {(1, BLOCK_SIDE): "block_1x128", (BLOCK_SIDE, BLOCK_SIDE): "block_128x128"}[tuple(block)]
+    return role + "_dbias" if dbias else role
 
 
 def build_block_quantize_plan(refs: dict, sms: int, rows: int, cols: int, block=(1, BLOCK_SIDE),
-                              transpose: bool = False, pow2: bool = False, pad_to: int = 1) -> Plan:
+                              transpose: bool = False, pow2: bool = False, pad_to: int = 1, dbias: bool = False,
+                              op: str = "identity") -> Plan:
     """The plan of one block quantization over :data:`BLOCK_SLOTS` (``refs``: role -> KernelRef of
-    the block_quantize module): ``amax`` zeroed (a memset: the kernel max-accumulates into it, and
-    block scaling keeps no state to accumulate into), then, unless the input is empty, one launch of
-    the kernel for ``block`` over the 128 x 128 tiles of the padded shape, grid-stride beyond one
-    resident wave. With ``transpose`` it writes ``q_t`` and ``scale_inv_t`` as well; ``pow2``: the
-    scales rounded down to powers of two. The kernel checks its own pointers' alignment (no flag)."""
+    the block_quantize module of ``op``): ``amax`` zeroed (a memset: the kernel max-accumulates into
+    it, and block scaling keeps no state to accumulate into), then, unless the input is empty, one
+    launch of the kernel for ``block`` over the 128 x 128 tiles of the padded shape, grid-stride
+    beyond one resident wave. With ``transpose`` it writes ``q_t`` and ``scale_inv_t`` as well;
+    ``pow2``: the scales rounded down to powers of two; ``dbias`` (1x128, the identity and the dgelu
+    ops): the column sums of what is cast into ``dbias``, through ``partial`` and ``counters``
+    (:func:`block_dbias_workspace`; the counters zeroed first, and ``dbias`` zeroed instead of a
+    launch for an input without rows). The kernel checks its own pointers' alignment (no flag)."""
     k = BLOCK_SLOTS
+    if op != "identity" and tuple(block) != (1, BLOCK_SIDE):
+        raise ValueError(f"block_quantize: {op} takes 1x128 blocks (an activation or a gradient); got {block}")
+    if dbias and op not in ("identity", "dgelu_tanh", "dgelu_erf"):
+        raise ValueError(f"block_quantize: dbias goes with a gradient (the identity or dgelu); got {op}")
     steps = [Memset(k.amax, 4)]
     prows, pcols = padded(rows, cols, pad_to)
+    if dbias and rows * cols == 0 and cols:
+        steps.append(Memset(k.dbias, 4 * cols))  # no kernel runs: the column sums of nothing are 0
     if rows * cols:
-        r = refs[block_role(block)]
+        r = refs[block_role(block, dbias and op == "identity")]
         tiles = -(-prows // BLOCK_SIDE) * -(-pcols // BLOCK_SIDE)
+        if dbias:
+            steps.append(Memset(k.counters, 4 * block_dbias_workspace(rows, cols, pad_to)[1]))
         q_t, s_t = (ptr(k.q_t), ptr(k.scale_inv_t)) if transpose else (NULLPTR, NULLPTR)
+        db = (ptr(k.dbias), ptr(k.partial), ptr(k.counters)) if dbias else (NULLPTR,) * 3
         steps.append(_launch([(r, max(1, min(tiles, r.per_sm * sms)))], 0, BLOCK_THREADS, (
-            ptr(k.x), ptr(k.q), ptr(k.scale_inv), q_t, s_t, ptr(k.amax), imm64(rows), imm64(cols), imm64(prows),
-            imm64(pcols), imm32(int(bool(pow2))))))
+            ptr(k.x), ptr(k.b), ptr(k.q), ptr(k.scale_inv), q_t, s_t, ptr(k.amax), *db, imm64(rows), imm64(cols),
+            imm64(prows), imm64(pcols), imm32(int(bool(pow2))))))
     return make_plan(k, steps)

@@ -21,6 +21,12 @@ last block of a row or column is shorter where cols or rows is not a multiple of
 - ``scale_inv = 1 / scale``: one float32 division (exact for a power of two; 2**-127 is a
   float32 subnormal, kept).
 
+An activation (``op``, as the per-tensor kernels' and :func:`.reference.activation`): what is
+quantized is ``y = gelu(x)`` or ``y = dy * gelu'(b)`` in float32 (the same functions, bit for
+bit), taking x's place above: the blocks, amaxes and scales are y's; the pad is zeros of y. A
+gradient's ``dbias`` is the column sums of y over the 2-D view (float32, accumulated in float64
+here: the oracle the kernel's fixed-order float32 sums are held to within rounding).
+
 The transposed copy (``transpose=True``) is the block quantization of ``x.T`` (the 2-D view's):
 for 1x128 blocks its own scales, one per 128 consecutive elements of a column of x; for 128x128
 blocks the same bytes transposed and the same scales transposed.
@@ -51,8 +57,8 @@ import numpy as np
 from ..formats import Format, get_format
 from ..types import BlockQuantized, check_pad_to
 from . import scaling
+from .reference import activation, as_2d, cast_to_fp8, column_sums, float32_to, to_float32
 from .reference import amax as tensor_amax
-from .reference import as_2d, cast_to_fp8, float32_to, to_float32
 from .xp import NumpyNamespace
 
 BLOCK = 128  # the side of a block
@@ -131,18 +137,33 @@ def _quantize_2d(z: np.ndarray, fmt: Format, block: tuple, power_of_two: bool):
     return q, _layout(s_inv, block, scale_shape(rows, cols, block)), s_inv
 
 
+OPS = ("identity", "gelu", "dgelu")
+
+
 def block_quantize(x, fmt: str | Format = "e4m3", block=(1, BLOCK), power_of_two: bool = False,
-                   transpose: bool = False, pad_to: int = 1) -> BlockQuantized:
-    """Block-scaled quantization of ``x`` (float32, float16 or bfloat16, at least 1-D, viewed as
-    2-D): the bytes, the per-block ``scale_inv`` in cuBLASLt's layout, optionally the transposed
-    copy with its own scales, and the tensor's amax. See the module's docstring for the rule.
+                   transpose: bool = False, pad_to: int = 1, op: str = "identity", b=None,
+                   approximate: str = "tanh", dbias: bool = False) -> BlockQuantized:
+    """Block-scaled quantization of ``y = op(x)`` (x float32, float16 or bfloat16, at least 1-D,
+    viewed as 2-D): the bytes, the per-block ``scale_inv`` in cuBLASLt's layout, optionally the
+    transposed copy with its own scales, the tensor's amax, and optionally ``dbias``. See the
+    module's docstring for the rule.
 
     ``pad_to``: the FP8 data is (prows, pcols), rows and cols rounded up to a multiple of it, zeros
     outside the input (and its scales those of the zero-padded input); with 1 the data has ``x``'s
-    shape.
+    shape. ``op``: 'identity', 'gelu' (y = gelu(x)) or 'dgelu' (y = x * gelu'(b): x is dy, ``b``
+    the forward input, of x's shape), with ``approximate`` 'tanh' or 'none'; an op takes 1x128
+    blocks. ``dbias`` (the identity and 'dgelu'): the column sums of y.
     """
     fmt, block, pad = get_format(fmt), check_block(block), check_pad_to(pad_to)
-    v = to_float32(x)
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}; got {op!r}")
+    if op != "identity" and block != (1, BLOCK):
+        raise ValueError(f"op={op!r} takes 1x128 blocks (an activation or a gradient); got {block}")
+    if dbias and op == "gelu":
+        raise ValueError("dbias goes with a gradient (op 'identity' or 'dgelu'); got op='gelu'")
+    if op == "dgelu" and np.shape(b) != np.shape(x):
+        raise ValueError(f"b must have dy's shape {np.shape(x)}; got {np.shape(b)}")
+    v = activation(op, x, b, approximate)
     v2 = as_2d(v, need="block scaling")
     rows, cols = v2.shape
     z = np.zeros((_ceil_to(rows, pad), _ceil_to(cols, pad)), np.float32)
@@ -155,7 +176,7 @@ def block_quantize(x, fmt: str | Format = "e4m3", block=(1, BLOCK), power_of_two
         q_t = np.ascontiguousarray(q.T)
         s_inv_t = _layout(grid.T, block, scale_shape(z.shape[1], z.shape[0], block))
     data = q.reshape(v.shape) if pad == 1 else q
-    return BlockQuantized(data, s_inv, q_t, s_inv_t, tensor_amax(v))
+    return BlockQuantized(data, s_inv, q_t, s_inv_t, tensor_amax(v), column_sums(v2, "y") if dbias else None)
 
 
 def expand_scales(scale_inv: np.ndarray, rows: int, cols: int, block) -> np.ndarray:

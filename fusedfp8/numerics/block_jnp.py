@@ -19,7 +19,8 @@ import numpy as np
 from ..formats import Format, get_format
 from ..types import BlockQuantized, check_pad_to
 from . import jnp as jn
-from .block import BLOCK, check_block, scale_shape
+from .block import BLOCK, OPS, check_block, scale_shape
+from .jnp_gelu import dgelu_f32, gelu_f32
 
 f32 = jnp.float32
 _MAG = np.int32(0x7FFFFFFF)
@@ -68,10 +69,20 @@ def _quantize_2d(z, fmt: Format, block: tuple, power_of_two: bool):
     return q, _layout(s_inv, block, scale_shape(rows, cols, block)), s_inv
 
 
-@jn._traced_once("fmt", "block", "power_of_two", "transpose", "pad_to")
-def _block_quantize(x, fmt: str, block: tuple, power_of_two: bool, transpose: bool, pad_to: int):
+def activation(op: str, x, b, approximate: str):
+    """:func:`fusedfp8.numerics.reference.activation` in jax.numpy, bit for bit (float32 inputs)."""
+    if op == "identity":
+        return x
+    if op == "gelu":
+        return jn.computed_once(gelu_f32(x, approximate))  # (once, not in each of the amax, casts and sums)
+    return jn.computed_once(jn._mul(x, dgelu_f32(b, approximate)))
+
+
+@jn._traced_once("fmt", "block", "power_of_two", "transpose", "pad_to", "op", "approximate", "dbias")
+def _block_quantize(x, b, fmt: str, block: tuple, power_of_two: bool, transpose: bool, pad_to: int, op: str,
+                    approximate: str, dbias: bool):
     f = get_format(fmt)
-    v = jnp.asarray(x).astype(f32)
+    v = activation(op, jnp.asarray(x).astype(f32), None if b is None else jnp.asarray(b).astype(f32), approximate)
     rows, cols = (int(np.prod(v.shape[:-1])), int(v.shape[-1]))
     z = _pad2(v.reshape(rows, cols), (_ceil_to(rows, pad_to), _ceil_to(cols, pad_to)), 0.0)
     q, s_inv, grid = _quantize_2d(z, f, block, power_of_two)
@@ -81,20 +92,28 @@ def _block_quantize(x, fmt: str, block: tuple, power_of_two: bool, transpose: bo
     elif transpose:
         q_t = q.T
         s_inv_t = _layout(grid.T, block, scale_shape(z.shape[1], z.shape[0], block))
-    return BlockQuantized(q.reshape(v.shape) if pad_to == 1 else q, s_inv, q_t, s_inv_t, jn.amax(v))
+    db = jnp.sum(v.reshape(rows, cols), axis=0, dtype=f32) if dbias else None
+    return BlockQuantized(q.reshape(v.shape) if pad_to == 1 else q, s_inv, q_t, s_inv_t, jn.amax(v), db)
 
 
 def block_quantize(x, fmt: str | Format = "e4m3", block=(1, BLOCK), power_of_two: bool = False,
-                   transpose: bool = False, pad_to: int = 1) -> BlockQuantized:
+                   transpose: bool = False, pad_to: int = 1, op: str = "identity", b=None,
+                   approximate: str = "tanh", dbias: bool = False) -> BlockQuantized:
     """:func:`fusedfp8.numerics.block.block_quantize` in jax.numpy, traced or eager: the same
-    arguments, the same bytes and scales. ``x``: a float32, float16 or bfloat16 array (widened
+    arguments, the same bytes and scales (``dbias``: float32 sums in XLA's order, equal to the
+    definition's within rounding). ``x`` (and ``b``): float32, float16 or bfloat16 arrays (widened
     exactly; under ``jax.jit`` the caller keeps a narrow input rounded, see
     :func:`fusedfp8.jax.primitives._as_f32`), at least 1-D. ``data`` and ``data_t`` come back as
     uint8 codes (bitcast them to the format's float8 dtype), ``amax`` as a float32 scalar."""
     fmt, block, pad = get_format(fmt), check_block(block), check_pad_to(pad_to)
     if jnp.ndim(x) == 0:
         raise ValueError("x: block scaling needs an input of at least 1 dimension; got a scalar")
-    return _block_quantize(x, fmt.name, block, bool(power_of_two), bool(transpose), pad)
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}; got {op!r}")
+    if (op != "identity" or dbias) and block != (1, BLOCK):
+        raise ValueError(f"op={op!r} / dbias take 1x128 blocks (an activation or a gradient); got {block}")
+    return _block_quantize(x, b if op == "dgelu" else None, fmt.name, block, bool(power_of_two), bool(transpose), pad,
+                           op, approximate, bool(dbias))
 
 
 __all__ = ["block_quantize", "block_scale"]

@@ -61,8 +61,8 @@ class BlockLinearConfig:
 def _quantize(t: Tensor, cfg: BlockLinearConfig, *, weight: bool = False, grad: bool = False,
               transpose: bool = False) -> tuple:
     """(q, scale_inv, q_t, scale_inv_t) of the 2-D ``t`` (q_t / scale_inv_t empty without ``transpose``)."""
-    q, s, q_t, s_t, _ = block_quantize_op(t, cfg.fp8_format, cfg.weight_side, cfg.pow2, weight, grad, transpose,
-                                          cfg.pad)
+    q, s, q_t, s_t, _, _ = block_quantize_op(t, cfg.fp8_format, cfg.weight_side, cfg.pow2, weight, grad, transpose,
+                                             cfg.pad)
     return q, s, q_t, s_t
 
 
