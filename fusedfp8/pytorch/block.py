@@ -37,9 +37,11 @@ def block_quantize_op(x: Tensor, fp8_format: str, weight_side: int, power_of_two
     scale_inv_t empty without ``transpose``, dbias without ``dbias``."""
     recipe = _recipe(fp8_format, weight_side, power_of_two_scales)
     r = _api.run_block(x, recipe, weight, grad, transpose, pad_to, _api.BlockOp(op, approximate, dbias), b)
-    none = r.scale_inv.new_empty((0,))
+    def none():  # (a fresh one each: the outputs of a custom op must not alias)
+        return r.scale_inv.new_empty((0,))
+
     return (r.data, r.scale_inv, r.data_t if transpose else r.data.new_empty((0,)),
-            r.scale_inv_t if transpose else none, r.amax, r.dbias if dbias else none)
+            r.scale_inv_t if transpose else none(), r.amax, r.dbias if dbias else none())
 
 
 @block_quantize_op.register_fake

@@ -85,12 +85,14 @@ def test_on_cuda_it_lowers_to_one_ffi_call_with_the_block_slots(monkeypatch):
     text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
     assert len(calls) == 2 and all("@fusedfp8_launch" in c for c in calls)
-    # BLOCK_SLOTS (x, q, scale_inv, q_t, scale_inv_t, amax): x -> arg 0; q, scale_inv, q_t, scale_inv_t, amax -> 0..4
-    assert "slots = dense<[0, -2, -3, -4, -5, -6]>" in calls[0] and "output_operand_alias" not in calls[0]
+    # BLOCK_SLOTS (x, b, q, scale_inv, q_t, scale_inv_t, amax, dbias, partial, counters): x -> arg 0; q, scale_inv,
+    # q_t, scale_inv_t, amax -> results 0..4; b and the dbias slots null
+    assert "slots = dense<[0, -1, -2, -3, -4, -5, -6, -1, -1, -1]>" in calls[0]
+    assert "output_operand_alias" not in calls[0]
     # q's 1x128 scales (3 K blocks, 48 rows), q_t's (one K block of 48, 260 rows)
     assert "tensor<3x48xf32>" in calls[0] and "tensor<260x48xui8>" in calls[0] and "tensor<1x260xf32>" in calls[0]
     # no q_t: its slots null; q padded to 48 x 32, its 128x128 scales (1, pad4(1))
-    assert "slots = dense<[0, -2, -3, -1, -1, -4]>" in calls[1]
+    assert "slots = dense<[0, -1, -2, -3, -1, -1, -4, -1, -1, -1]>" in calls[1]
     assert "tensor<48x32xui8>" in calls[1] and "tensor<1x4xf32>" in calls[1]
     cpu = jax.jit(f).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
     assert "fusedfp8_launch" not in cpu  # jax.numpy there

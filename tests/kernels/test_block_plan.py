@@ -2,7 +2,8 @@
 made-up kernel references (no GPU): the amax zeroed first, one launch of the block shape's kernel
 with the parameters the kernel declares (checked against SIGNATURES when built), the grid of one
 resident wave over the padded shape's 128 x 128 tiles, null q_t / scale_inv_t without the
-transpose, nothing launched for an empty input. tests/kernels/test_launch_shim.py runs the same
+transpose, nothing launched for an empty input; the ops' modules (gelu, dgelu with b) and the
+dbias plans (the counters zeroed, the workspaces of 128-column strips). tests/kernels/test_launch_shim.py runs the same
 plans through the C++ packer and against the cubin's parameter sizes; tests/kernels/
 test_block_kernels.py runs them on the GPU."""
 from __future__ import annotations
@@ -13,13 +14,13 @@ from fusedfp8.launch import format as P
 from fusedfp8.launch import kernels as K
 from fusedfp8.launch import plans as PL
 
-KEY = K.ModuleKey("block_quantize", "float16", "e5m2")
+KEY = K.ModuleKey("block_quantize", "float16", "e5m2", "identity")
 SMS = 132
 
 
-def refs(per_sm: int = 3) -> dict:
+def refs(per_sm: int = 3, key=KEY) -> dict:
     return {role: PL.KernelRef(0x7F00 + i, expr, role, per_sm, 100 + i)
-            for i, (role, expr) in enumerate(K.name_expressions(KEY).items())}
+            for i, (role, expr) in enumerate(K.name_expressions(key).items())}
 
 
 def params(step: P.Launch) -> list:
@@ -40,9 +41,10 @@ def test_the_plan_zeroes_the_amax_then_launches_the_blocks_kernel(block, transpo
     assert variant.func == r[PL.block_role(block)].func and launch.block == 256 and not launch.coop
     assert variant.grid == 3 * 3  # (304 x 272 padded: 3 x 3 tiles of 128)
     t = [("ptr", "q_t"), ("ptr", "scale_inv_t")] if transpose else [("null",), ("null",)]
-    assert params(launch) == [("ptr", "x"), ("ptr", "q"), ("ptr", "scale_inv"), *t, ("ptr", "amax"),
-                              ("imm", 300), ("imm", 260), ("imm", 304), ("imm", 272), ("imm", 1)]
-    assert launch.layout == PL.signature(PL.block_role(block)) == "@PPPPPPqqqqi"
+    assert params(launch) == [("ptr", "x"), ("ptr", "b"), ("ptr", "q"), ("ptr", "scale_inv"), *t, ("ptr", "amax"),
+                              ("null",), ("null",), ("null",), ("imm", 300), ("imm", 260), ("imm", 304), ("imm", 272),
+                              ("imm", 1)]
+    assert launch.layout == PL.signature(PL.block_role(block)) == "@PPPPPPPPPPqqqqi"
 
 
 def test_the_grid_is_one_resident_wave_and_pow2_is_a_flag():
@@ -61,7 +63,47 @@ def test_an_empty_input_only_zeroes_the_amax(rows, cols):
 
 def test_the_roles_are_the_block_shapes():
     assert PL.block_role((1, 128)) == "block_1x128" and PL.block_role((128, 128)) == "block_128x128"
-    assert set(K.name_expressions(KEY)) == {"block_1x128", "block_128x128"}
+    assert PL.block_role((1, 128), dbias=True) == "block_1x128_dbias"
+    assert set(K.name_expressions(KEY)) == {"block_1x128", "block_128x128", "block_1x128_dbias"}
+    for op in ("gelu_tanh", "gelu_erf", "dgelu_tanh", "dgelu_erf"):  # activations and gradients: 1x128 only
+        assert set(K.name_expressions(K.ModuleKey("block_quantize", "float16", "e5m2", op))) == {"block_1x128"}
     assert PL.block_of("block_1x128") == PL.BLOCK_THREADS == 256
     with pytest.raises(KeyError):
         PL.block_role((128, 1))
+
+
+@pytest.mark.parametrize("op", ["identity", "dgelu_erf"])
+def test_dbias_zeroes_the_counters_then_passes_the_workspaces(op):
+    key = K.ModuleKey("block_quantize", "bfloat16", "e5m2", op)
+    r = refs(key=key)
+    plan = PL.build_block_quantize_plan(r, SMS, 300, 260, (1, 128), True, False, 16, True, op)
+    amax, counters, launch = plan.steps
+    assert amax == P.Memset(PL.BLOCK_SLOTS.amax, 4)
+    # 272 padded columns: 3 strips of 128; partial: one row per 128-row tile of the 304 padded rows
+    assert counters == P.Memset(PL.BLOCK_SLOTS.counters, 4 * 3)
+    assert PL.block_dbias_workspace(300, 260, 16) == ((3, 260), 3)
+    assert launch.variants[0].func == r["block_1x128_dbias" if op == "identity" else "block_1x128"].func
+    assert params(launch)[7:10] == [("ptr", "dbias"), ("ptr", "partial"), ("ptr", "counters")]
+
+
+def test_dbias_of_an_input_without_rows_is_a_memset_of_zeros():
+    plan = PL.build_block_quantize_plan(refs(), SMS, 0, 130, (1, 128), False, False, 1, True)
+    assert plan.steps == (P.Memset(PL.BLOCK_SLOTS.amax, 4), P.Memset(PL.BLOCK_SLOTS.dbias, 4 * 130))
+
+
+@pytest.mark.parametrize("op, block, dbias, match", [
+    ("gelu_tanh", (128, 128), False, "takes 1x128 blocks"),
+    ("dgelu_tanh", (128, 128), True, "takes 1x128 blocks"),
+    ("gelu_erf", (1, 128), True, "dbias goes with a gradient")])
+def test_the_plan_refuses_what_the_kernel_has_no_instantiation_for(op, block, dbias, match):
+    key = K.ModuleKey("block_quantize", "bfloat16", "e4m3", op)
+    with pytest.raises(ValueError, match=match):
+        PL.build_block_quantize_plan(refs(key=key), SMS, 256, 256, block, False, False, 1, dbias, op)
+
+
+def test_a_gelu_plan_launches_its_modules_kernel_with_b_left_null_by_the_caller():
+    key = K.ModuleKey("block_quantize", "float32", "e4m3", "gelu_tanh")
+    r = refs(key=key)
+    (_, launch) = PL.build_block_quantize_plan(r, SMS, 256, 512, (1, 128), True, False, 1, False, "gelu_tanh").steps
+    assert launch.variants[0].name == "block_quantize<float, 0, false, 1>"
+    assert params(launch)[1] == ("ptr", "b")  # (a slot the caller leaves out is null)

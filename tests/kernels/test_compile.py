@@ -88,7 +88,7 @@ def test_every_family_and_instantiation_is_listed():
     bq = [k for k in keys if k.family == "block_quantize"]
     assert {tuple(e[len("block_quantize<"):-1].split(", ")) for k in bq for e in K.name_expressions(k).values()} == {
         (t, str(f), sq) for t in K.CPP_TYPES.values() for f in K.FMT_IDS.values() for sq in ("false", "true")}
-    assert K.name_expressions(K.ModuleKey("block_quantize", "bfloat16", "e5m2")) == {
+    assert K.name_expressions(K.ModuleKey("block_quantize", "bfloat16", "e5m2", "identity")) == {
         "block_1x128": "block_quantize<__nv_bfloat16, 1, false>",
         "block_128x128": "block_quantize<__nv_bfloat16, 1, true>"}
     assert {PL.block_role(b) for b in ((1, 128), (128, 128))} == set(K.name_expressions(bq[0]))

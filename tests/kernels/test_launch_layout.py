@@ -26,7 +26,7 @@ CSRC = Path(PL.__file__).resolve().parent.parent / "csrc"
 MODULES = {"quantize": K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh"),
            "current_quantize": K.ModuleKey("current_quantize", "bfloat16", "e4m3", "identity"),
            "layernorm_quantize": K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"),
-           "block_quantize": K.ModuleKey("block_quantize", "bfloat16", "e5m2"),
+           "block_quantize": K.ModuleKey("block_quantize", "bfloat16", "e5m2", "dgelu_tanh"),
            "dequantize": K.ModuleKey("dequantize", "float16", "e5m2"),
            "update_scales": K.ModuleKey("update_scales")}
 # a parameter's struct character by its C++ type (pointers: 'P'); the aliases are common.cuh's typedefs

@@ -56,7 +56,7 @@ QKEY = K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh")
 DQKEY = K.ModuleKey("dequantize", "float16", "e5m2")
 UKEY = K.ModuleKey("update_scales")
 LNKEY = K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32")
-BQKEY = K.ModuleKey("block_quantize", "bfloat16", "e4m3")
+BQKEY = K.ModuleKey("block_quantize", "bfloat16", "e4m3", "identity")
 
 # (rows, cols, transpose, dbias, first, margin_factor, offset): every launch configuration
 QUANTIZE_CASES = [(r, c, t, d, f, m, o) for (r, c) in [(256, 1024), (303, 300), (1, 1), (0, 16), (16, 0), (24, 8)]
@@ -92,7 +92,11 @@ def other_plans():
             # block scaling: the amax zeroed, then the kernel of the block shape (none for an empty input)
             + [(("block", r, c, b, t, p), PL.build_block_quantize_plan(fake_refs(BQKEY), SMS, r, c, b, t, True, p))
                for r, c, p in [(0, 8, 1), (303, 300, 1), (303, 300, 16), (8192, 4096, 1)]
-               for b in ((1, 128), (128, 128)) for t in (False, True)])
+               for b in ((1, 128), (128, 128)) for t in (False, True)]
+            # a plain gradient's column sums: the counters zeroed, the identity's dbias kernel
+            + [(("block_dbias", r, c, t), PL.build_block_quantize_plan(fake_refs(BQKEY), SMS, r, c, (1, 128), t, False,
+                                                                       16, True))
+               for r, c in [(0, 8), (303, 300)] for t in (False, True)])
 
 
 def pointer_sets(n_slots: int):

@@ -39,7 +39,7 @@ BROKEN = {  # sources that must fail, with a log
 SIGNATURE_KEYS = {"quantize": K.ModuleKey("quantize", "bfloat16", "e4m3", "dgelu_tanh"),
                   "current_quantize": K.ModuleKey("current_quantize", "bfloat16", "e4m3", "dgelu_tanh"),
                   "layernorm_quantize": K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"),
-                  "block_quantize": K.ModuleKey("block_quantize", "bfloat16", "e4m3"),
+                  "block_quantize": K.ModuleKey("block_quantize", "bfloat16", "e4m3", "identity"),
                   "dequantize": K.ModuleKey("dequantize", "float16", "e5m2"),
                   "update_scales": K.ModuleKey("update_scales")}
 
