@@ -55,10 +55,11 @@ def test_the_cubin_groups_put_every_template_and_argument_through_ptxas():
     ptx_only = {g for g in GROUPS if N.target_of(g) == N.PTX}
     assert ptx_only == {f"{f}-{d}" for f in ("quantize", "current_quantize", "layernorm_quantize", "block_quantize")
                         for d in ("float32", "float16")}
-    # block_quantize's cubin group holds every FMT and block shape
+    # block_quantize's cubin group holds every FMT, block shape, op and the identity's dbias
     assert N.target_of("block_quantize-bfloat16") == N.CUBIN
     assert {e.split(",", 1)[1] for e in GROUPS["block_quantize-bfloat16"]} == {
-        f" {f}, {sq}>" for f in K.FMT_IDS.values() for sq in ("false", "true")}
+        f" {f}, {tail}>" for f in K.FMT_IDS.values()
+        for tail in ("false", "true", "false, 0, true", *(f"false, {o}" for o in range(1, 5)))}
     assert {N.target_of(N.group_of(k)) for k in N.SIGNATURE_KEYS.values()} == {N.CUBIN}
     keys = K.all_module_keys()
     in_cubin = [k for k in keys if N.target_of(N.group_of(k)) == N.CUBIN]
@@ -86,12 +87,20 @@ def test_every_family_and_instantiation_is_listed():
     assert {k.family for k in keys} == set(K.families()) == {
         "quantize", "current_quantize", "layernorm_quantize", "block_quantize", "dequantize", "update_scales"}
     bq = [k for k in keys if k.family == "block_quantize"]
+    # the identity: both block shapes and the 1x128 one with dbias; every other op: 1x128 (dgelu's with dbias)
     assert {tuple(e[len("block_quantize<"):-1].split(", ")) for k in bq for e in K.name_expressions(k).values()} == {
-        (t, str(f), sq) for t in K.CPP_TYPES.values() for f in K.FMT_IDS.values() for sq in ("false", "true")}
+        (t, str(f), *tail) for t in K.CPP_TYPES.values() for f in K.FMT_IDS.values()
+        for tail in (("false",), ("true",), ("false", "0", "true"), *(("false", str(o)) for o in range(1, 5)))}
+    assert {(k.dtype, k.fmt, k.op) for k in bq} == {(d, f, o) for d in K.CPP_TYPES for f in K.FMT_IDS for o in K.OPS}
     assert K.name_expressions(K.ModuleKey("block_quantize", "bfloat16", "e5m2", "identity")) == {
         "block_1x128": "block_quantize<__nv_bfloat16, 1, false>",
-        "block_128x128": "block_quantize<__nv_bfloat16, 1, true>"}
-    assert {PL.block_role(b) for b in ((1, 128), (128, 128))} == set(K.name_expressions(bq[0]))
+        "block_128x128": "block_quantize<__nv_bfloat16, 1, true>",
+        "block_1x128_dbias": "block_quantize<__nv_bfloat16, 1, false, 0, true>"}
+    assert K.name_expressions(K.ModuleKey("block_quantize", "float16", "e4m3", "dgelu_erf")) == {
+        "block_1x128": "block_quantize<__half, 0, false, 4>"}
+    identity = next(k for k in bq if k.op == "identity")
+    assert {PL.block_role(b) for b in ((1, 128), (128, 128))} | {PL.block_role((1, 128), True)} == set(
+        K.name_expressions(identity))
     for family in ("quantize", "current_quantize"):
         q = {(k.dtype, k.fmt, k.op) for k in keys if k.family == family}
         assert q == {(d, f, o) for d in K.CPP_TYPES for f in K.FMT_IDS for o in K.OPS}
