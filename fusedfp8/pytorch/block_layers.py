@@ -37,7 +37,7 @@ from .block import block_quantize_op
 from .module_checks import _check_input, check_block_module_args
 from .weights import CachedFp8Weight, WeightCache, watch_steps
 
-__all__ = ["Fp8BlockLinear", "Fp8BlockMLP", "block_linear", "quantized_weight", "BlockLinearConfig"]
+__all__ = ["Fp8BlockLinear", "Fp8BlockMLP", "block_linear", "quantized_weight", "BlockLinearConfig", "BlockMLPConfig"]
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,18 @@ class BlockLinearConfig:
 
 
 def _quantize(t: Tensor, cfg: BlockLinearConfig, *, weight: bool = False, grad: bool = False,
-              transpose: bool = False) -> tuple:
-    """(q, scale_inv, q_t, scale_inv_t) of the 2-D ``t`` (q_t / scale_inv_t empty without ``transpose``)."""
-    q, s, q_t, s_t, _, _ = block_quantize_op(t, cfg.fp8_format, cfg.weight_side, cfg.pow2, weight, grad, transpose,
-                                             cfg.pad)
-    return q, s, q_t, s_t
+              transpose: bool = False, op: str = "identity", b: Tensor | None = None, approximate: str = "tanh",
+              dbias: bool = False) -> tuple:
+    """(q, scale_inv, q_t, scale_inv_t, dbias) of ``op`` of the 2-D ``t`` (q_t / scale_inv_t empty
+    without ``transpose``, dbias without ``dbias``): one block_quantize kernel."""
+    q, s, q_t, s_t, _, db = block_quantize_op(t, cfg.fp8_format, cfg.weight_side, cfg.pow2, weight, grad, transpose,
+                                              cfg.pad, op, b, approximate, dbias)
+    return q, s, q_t, s_t, db
+
+
+def _padded_bias(bias: Tensor | None, n: int) -> Tensor | None:
+    """The bias of the GEMM's epilogue over ``n`` (padded) output columns: zeros in the pad."""
+    return bias if bias is None or bias.shape[0] == n else torch.nn.functional.pad(bias, (0, n - bias.shape[0]))
 
 
 def _unpad(t: Tensor, rows: int, cols: int) -> Tensor:
@@ -79,10 +86,9 @@ class _BlockLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, w_q, w_s, w_t, w_ts, cfg: BlockLinearConfig):
         x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
         (m, k), n = x2.shape, weight.shape[0]
-        x_q, x_s, x_t, x_ts = _quantize(x2, cfg, transpose=cfg.need_wgrad)
-        b = bias if bias is None or bias.shape[0] == w_q.shape[0] else \
-            torch.nn.functional.pad(bias, (0, w_q.shape[0] - bias.shape[0]))
-        y = G.block_scaled_mm(x_q, w_q, x_s, w_s, 1, cfg.weight_side, b, x.dtype, cfg.gemm)
+        x_q, x_s, x_t, x_ts, _ = _quantize(x2, cfg, transpose=cfg.need_wgrad)
+        y = G.block_scaled_mm(x_q, w_q, x_s, w_s, 1, cfg.weight_side, _padded_bias(bias, w_q.shape[0]), x.dtype,
+                              cfg.gemm)
         y = _unpad(y, m, n)
         ctx.save_for_backward(x_t, x_ts, w_t, w_ts)
         ctx.cfg, ctx.dims = cfg, (m, k, n)
@@ -98,17 +104,88 @@ class _BlockLinearFn(torch.autograd.Function):
         m, k, n = ctx.dims
         g2 = grad.reshape(m, n).contiguous()
         dx = dw = db = None
-        if cfg.need_dgrad or cfg.need_wgrad:
-            g_q, g_s, g_t, g_ts = _quantize(g2, cfg, grad=True, transpose=cfg.need_wgrad)
+        need_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        if cfg.need_dgrad or cfg.need_wgrad:  # (the bias gradient from the same pass: the column sums)
+            g_q, g_s, g_t, g_ts, db = _quantize(g2, cfg, grad=True, transpose=cfg.need_wgrad, dbias=need_db)
             if cfg.need_dgrad:
                 dx = G.block_scaled_mm(g_q, w_t, g_s, w_ts, 1, cfg.weight_side, None, ctx.x_dtype, cfg.gemm)
                 dx = _unpad(dx, m, k).reshape(ctx.x_shape)
             if cfg.need_wgrad:
                 dw = _unpad(G.block_scaled_mm(g_t, x_t, g_ts, x_ts, 1, 1, None, ctx.w_dtype, cfg.gemm), n,
                             k).contiguous()
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None
+        elif need_db:
+            db = g2.sum(0, dtype=torch.float32)
+        return dx, dw, db.to(ctx.bias_dtype) if need_db else None, None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class BlockMLPConfig:
+    """Everything but the tensors of one block-scaled MLP (:class:`_BlockMLPFn`): each linear's
+    config and the gelu."""
+
+    fc1: BlockLinearConfig  # need_dgrad: the input's gradient; need_wgrad: w1's
+    fc2: BlockLinearConfig  # need_dgrad: anything before fc2 needs a gradient (the gelu's backward runs)
+    approximate: str
+
+
+class _BlockMLPFn(torch.autograd.Function):
+    """``fc2(gelu(fc1(h)))`` block-scaled, with the gelu fused into the quantization of fc2's input
+    (block_gelu_quantize: gelu(z) is never written in 16 or 32 bits) and its backward, with fc1's
+    bias gradient, into the quantization of fc1's output gradient (block_dgelu_quantize with dbias);
+    fc2's bias gradient comes from the quantization of the output gradient. ``apply(h, w1, b1, w2,
+    b2, w1_q, w1_s, w1_t, w1_ts, w2_q, w2_s, w2_t, w2_ts, cfg)``: the weights quantized by
+    :func:`quantized_weight` and a :class:`BlockMLPConfig`. Saved: z (the pre-activation, in h's
+    dtype) and FP8 operands."""
+
+    @staticmethod
+    def forward(ctx, h, w1, b1, w2, b2, w1_q, w1_s, w1_t, w1_ts, w2_q, w2_s, w2_t, w2_ts, cfg: BlockMLPConfig):
+        c1, c2 = cfg.fc1, cfg.fc2
+        h2 = h.reshape(math.prod(h.shape[:-1]), h.shape[-1]).contiguous()
+        (m, k), f, n = h2.shape, w1.shape[0], w2.shape[0]
+        h_q, h_s, h_t, h_ts, _ = _quantize(h2, c1, transpose=c1.need_wgrad)
+        z = G.block_scaled_mm(h_q, w1_q, h_s, w1_s, 1, c1.weight_side, _padded_bias(b1, w1_q.shape[0]), h.dtype,
+                              c1.gemm)
+        z = _unpad(z, m, f).contiguous()  # (the pad rows hold b1: gelu quantizes z's own rows, padded with zeros)
+        a_q, a_s, a_t, a_ts, _ = _quantize(z, c2, transpose=c2.need_wgrad, op="gelu", approximate=cfg.approximate)
+        y = G.block_scaled_mm(a_q, w2_q, a_s, w2_s, 1, c2.weight_side, _padded_bias(b2, w2_q.shape[0]), h.dtype,
+                              c2.gemm)
+        ctx.save_for_backward(h_t, h_ts, z if c2.need_dgrad else None, a_t, a_ts, w1_t, w1_ts, w2_t, w2_ts)
+        ctx.cfg, ctx.dims = cfg, (m, k, f, n)
+        ctx.h_shape, ctx.h_dtype = h.shape, h.dtype
+        ctx.dtypes = (w1.dtype, None if b1 is None else b1.dtype, w2.dtype, None if b2 is None else b2.dtype)
+        return _unpad(y, m, n).reshape(*h.shape[:-1], n)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        h_t, h_ts, z, a_t, a_ts, w1_t, w1_ts, w2_t, w2_ts = ctx.saved_tensors
+        cfg: BlockMLPConfig = ctx.cfg
+        c1, c2 = cfg.fc1, cfg.fc2
+        m, k, f, n = ctx.dims
+        w1_dt, b1_dt, w2_dt, b2_dt = ctx.dtypes
+        need_db1 = b1_dt is not None and ctx.needs_input_grad[2]
+        need_db2 = b2_dt is not None and ctx.needs_input_grad[4]
+        g2 = grad.reshape(m, n).contiguous()
+        dh = dw1 = db1 = dw2 = db2 = None
+        if c2.need_dgrad or c2.need_wgrad:
+            g_q, g_s, g_t, g_ts, db2 = _quantize(g2, c2, grad=True, transpose=c2.need_wgrad, dbias=need_db2)
+            if c2.need_wgrad:
+                dw2 = _unpad(G.block_scaled_mm(g_t, a_t, g_ts, a_ts, 1, 1, None, w2_dt, c2.gemm), n, f).contiguous()
+            if c2.need_dgrad:
+                da = G.block_scaled_mm(g_q, w2_t, g_s, w2_ts, 1, c2.weight_side, None, ctx.h_dtype, c2.gemm)
+                da = _unpad(da, m, f).contiguous()
+                gz_q, gz_s, gz_t, gz_ts, db1 = _quantize(da, c1, grad=True, transpose=c1.need_wgrad, op="dgelu", b=z,
+                                                         approximate=cfg.approximate, dbias=need_db1)
+                if c1.need_dgrad:
+                    dh = G.block_scaled_mm(gz_q, w1_t, gz_s, w1_ts, 1, c1.weight_side, None, ctx.h_dtype, c1.gemm)
+                    dh = _unpad(dh, m, k).reshape(ctx.h_shape)
+                if c1.need_wgrad:
+                    dw1 = _unpad(G.block_scaled_mm(gz_t, h_t, gz_ts, h_ts, 1, 1, None, w1_dt, c1.gemm), f,
+                                 k).contiguous()
+        elif need_db2:
+            db2 = g2.sum(0, dtype=torch.float32)
+        return (dh, dw1, db1.to(b1_dt) if need_db1 else None, dw2, db2.to(b2_dt) if need_db2 else None,
+                *(None,) * 9)
 
 
 def quantized_weight(w: Tensor, cfg: BlockLinearConfig, cache: WeightCache | None) -> tuple:
@@ -118,8 +195,8 @@ def quantized_weight(w: Tensor, cfg: BlockLinearConfig, cache: WeightCache | Non
     block scaling has no scale epoch)."""
     key = None if cache is None else cache.key_of(
         w, None, ("block", cfg.fp8_format, cfg.weight_side, cfg.pow2, cfg.need_dgrad, cfg.pad))
-    return WeightCache.through(cache, key, w,
-                               lambda: _quantize(w.detach().contiguous(), cfg, weight=True, transpose=cfg.need_dgrad))
+    return WeightCache.through(cache, key, w, lambda: _quantize(w.detach().contiguous(), cfg, weight=True,
+                                                                transpose=cfg.need_dgrad)[:4])
 
 
 def block_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: BlockScaling, *, gemm: str = "auto") -> Tensor:
@@ -257,9 +334,13 @@ class Fp8BlockMLP(nn.Module):
     names (``norm``, ``fc1``, ``fc2``), so state dicts carry over between the two and a plain
     torch MLP of those names.
 
-    The LayerNorm and the gelu run in torch between the two block-scaled linears (their outputs
-    written in the input's dtype, then block-quantized in one pass each); the fused LayerNorm and
-    gelu kernels of the per-tensor Fp8MLP take one scale per tensor.
+    The gelu is fused (:class:`_BlockMLPFn`): fc1's output z goes through one block_gelu_quantize
+    kernel into fc2's input slot (gelu(z) is never written in 16 or 32 bits), and the backward
+    quantizes the gelu gradient with its transpose and fc1's bias gradient in one
+    block_dgelu_quantize kernel; fc2's bias gradient comes with the output gradient's
+    quantization. The LayerNorm runs in torch (its output written in the input's dtype, then
+    block-quantized in one pass with its transpose): the fused LayerNorm kernel takes one scale
+    per tensor.
 
     Parameters as :class:`~fusedfp8.pytorch.Fp8MLP`: ``hidden``, ``ffn``, ``recipe`` (a
     BlockScaling), ``approximate``, ``bias``, ``device``, ``dtype``, ``gemm``; ``missed_update``
@@ -283,4 +364,25 @@ class Fp8BlockMLP(nn.Module):
         return self.fc1.recipe
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)), approximate=self.approximate))
+        fc1, fc2 = self.fc1, self.fc2
+        if fc1.recipe != fc2.recipe:
+            raise ValueError(f"{type(self).__name__}: fc1 and fc2 must share one recipe; got {fc1.recipe} and "
+                             f"{fc2.recipe}")
+        w1, w2 = fc1.weight, fc2.weight  # (once: a parametrized weight is computed at every access)
+        _check_input(type(self).__name__, x, fc1.in_features, w1)
+        if tuple(w2.shape) != (fc1.in_features, fc1.out_features):
+            raise ValueError(f"{type(self).__name__}: fc2.weight must have shape {(fc1.in_features, fc1.out_features)} "
+                             f"(hidden, ffn); got {tuple(w2.shape)}")
+        h = self.norm(x)
+        if not torch.compiler.is_compiling():
+            watch_steps(fc1)
+            watch_steps(fc2)
+        enabled = torch.is_grad_enabled()
+        b1, b2 = fc1.bias, fc2.bias
+        upstream = enabled and (h.requires_grad or w1.requires_grad or (b1 is not None and b1.requires_grad))
+        pad = gemm_pad_to(math.prod(h.shape[:-1]), fc1.in_features, fc1.out_features)
+        c1 = BlockLinearConfig.of(fc1.recipe, enabled and h.requires_grad, enabled and w1.requires_grad, pad,
+                                  fc1._gemm_backend(h))
+        c2 = BlockLinearConfig.of(fc2.recipe, upstream, enabled and w2.requires_grad, pad, fc2._gemm_backend(h))
+        return _BlockMLPFn.apply(h, w1, b1, w2, b2, *quantized_weight(w1, c1, fc1._wcache),
+                                 *quantized_weight(w2, c2, fc2._wcache), BlockMLPConfig(c1, c2, self.approximate))

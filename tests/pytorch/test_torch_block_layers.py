@@ -21,6 +21,7 @@ from torch import nn
 import fusedfp8
 import fusedfp8.pytorch as fp8
 from fusedfp8.numerics import block as B
+from fusedfp8.numerics import reference as ref
 from fusedfp8.pytorch import gemm as G
 from fusedfp8.pytorch.block_layers import Fp8BlockLinear, block_linear
 from support.block import inputs
@@ -297,33 +298,88 @@ def test_cuda_compiled_block_linear_matches_eager():
     assert torch.equal(y, yc)
 
 
-def test_fp8_mlp_under_block_scaling_is_its_composition():
+class _DefinitionGelu(torch.autograd.Function):
+    """gelu and its backward as the kernels compute them: float32, the NumPy definition's
+    (fusedfp8.numerics.reference.activation), which the fused block MLP quantizes."""
+
+    @staticmethod
+    def forward(ctx, z, approximate):
+        ctx.save_for_backward(z)
+        ctx.approximate = approximate
+        return torch.from_numpy(ref.activation("gelu", z.detach().numpy(), None, approximate))
+
+    @staticmethod
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        return torch.from_numpy(ref.activation("dgelu", g.numpy(), z.detach().numpy(), ctx.approximate)), None
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_fp8_mlp_under_block_scaling_is_its_composition_with_the_gelu_fused(approximate):
     """Fp8MLP(recipe=BlockScaling()) builds Fp8BlockMLP: the per-tensor Fp8MLP's parameter names
-    (state dicts carry over), no state, and bit for bit LayerNorm -> block linear -> gelu -> block
-    linear, forward and gradients."""
+    (state dicts carry over), no state, and bit for bit LayerNorm -> block linear -> the kernels'
+    gelu -> block linear, forward and every gradient (the biases' too: fc1's from the fused dgelu,
+    fc2's from the output gradient's quantization), on a ragged shape (every GEMM dimension
+    padded)."""
     from fusedfp8.pytorch.block_layers import Fp8BlockMLP
 
     torch.manual_seed(3)
     r = fusedfp8.BlockScaling()
-    m = fp8.Fp8MLP(130, 260, r, approximate="none")
+    m = fp8.Fp8MLP(130, 260, r, approximate=approximate)
     assert type(m) is Fp8BlockMLP and m.recipe is r
     per_tensor = fp8.Fp8MLP(130, 260)
     assert {k for k in per_tensor.state_dict() if k.endswith(("weight", "bias"))} == set(m.state_dict())
     m.load_state_dict({k: v for k, v in per_tensor.state_dict().items() if k in m.state_dict()})
     x = torch.randn(3, 7, 130, requires_grad=True)
-    y = m(x)
-    y.square().sum().backward()
-    got = (y.detach(), x.grad.clone(), m.fc1.weight.grad.clone(), m.norm.weight.grad.clone())
-    x.grad = None
-    m.zero_grad()
-    h = torch.nn.functional.layer_norm(x, (130,), m.norm.weight, m.norm.bias, m.norm.eps)
-    z = block_linear(h, m.fc1.weight, m.fc1.bias, r)
-    want_y = block_linear(torch.nn.functional.gelu(z, approximate="none"), m.fc2.weight, m.fc2.bias, r)
-    want_y.square().sum().backward()
-    for a, b in zip(got, (want_y.detach(), x.grad, m.fc1.weight.grad, m.norm.weight.grad)):
-        assert torch.equal(a, b)
+    params = (m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias, m.norm.weight, m.norm.bias)
+
+    def run(fn):
+        x.grad = None
+        m.zero_grad()
+        y = fn(x)
+        y.square().sum().backward()
+        return (y.detach(), x.grad.clone(), *(p.grad.clone() for p in params))
+
+    def composition(x):
+        h = torch.nn.functional.layer_norm(x, (130,), m.norm.weight, m.norm.bias, m.norm.eps)
+        z = block_linear(h, m.fc1.weight, m.fc1.bias, r)
+        return block_linear(_DefinitionGelu.apply(z, approximate), m.fc2.weight, m.fc2.bias, r)
+
+    got, want = run(m), run(composition)
+    for name, a, b in zip(("y", "dx", "dw1", "db1", "dw2", "db2", "dnorm_w", "dnorm_b"), got, want):
+        assert torch.equal(a, b), name
+    # and close to torch's own gelu (the FP8 rounding of the activation dominates)
+    plain = run(lambda x: m.fc2(torch.nn.functional.gelu(m.fc1(m.norm(x)), approximate=approximate)))
+    assert torch.allclose(got[0], plain[0], rtol=0.05, atol=0.05 * float(plain[0].abs().max()))
     with pytest.raises(TypeError, match=r"recipe: a fusedfp8\.BlockScaling is not accepted here"):
         type("Sub", (fp8.Fp8MLP,), {})(8, 16, r)
+
+
+def test_the_block_mlp_runs_the_fused_kernels_and_only_what_a_gradient_needs(monkeypatch):
+    """The forward quantizes fc2's input with the gelu op and the backward fc1's output gradient with
+    the dgelu op and dbias; with frozen weights and no input gradient no transposes are written and
+    fc1's gelu gradient is skipped when nothing before fc2 needs one."""
+    from fusedfp8.pytorch import block_layers as BL
+
+    calls, real = [], BL.block_quantize_op
+
+    def spy(x, fmt, ws, p2, weight, grad, transpose, pad, op="identity", b=None, approximate="tanh", dbias=False):
+        calls.append((op, weight, grad, transpose, dbias))
+        return real(x, fmt, ws, p2, weight, grad, transpose, pad, op, b, approximate, dbias)
+
+    monkeypatch.setattr(BL, "block_quantize_op", spy)
+    m = fp8.Fp8MLP(128, 256, fusedfp8.BlockScaling())
+    x = torch.randn(32, 128, requires_grad=True)
+    m(x).sum().backward()
+    acts = [c for c in calls if not c[1]]
+    assert acts == [("identity", False, False, True, False), ("gelu", False, False, True, False),
+                    ("identity", False, True, True, True), ("dgelu", False, True, True, True)]
+    calls.clear()
+    for p in m.parameters():
+        p.requires_grad_(False)
+    m(x.detach()).sum()
+    assert [c for c in calls if not c[1]] == [("identity", False, False, False, False),
+                                              ("gelu", False, False, False, False)]
 
 
 # ---- the FP8 weight cache -------------------------------------------------------------------------
