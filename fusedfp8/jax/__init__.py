@@ -12,7 +12,7 @@ flax modules.
 
 The face: ``update_scales`` (the contract of :func:`fusedfp8.update_scales`, traceable, with an
 optional mesh ``axis_name``), ``sync_staged``, ``fp8_dot`` and ``fp8_mlp`` (FP8 GEMMs with
-delayed scaling, ``custom_vjp``; ``fp8_dot`` also under block scaling: ``block_dot``),
+delayed scaling, ``custom_vjp``; also under block scaling: ``block_dot``, ``block_mlp``),
 ``quantize_weight`` (their weight cache for gradient
 accumulation), ``quantize_ste`` and ``IMPLS``. Submodules: ``primitives``
 (the traceable quantize / gelu_quantize / dgelu_quantize / dequantize, state in, state out, on
@@ -48,8 +48,8 @@ try:
 except ValueError:  # registered already (a reload)
     pass
 
-from .functional import block_dot, fp8_dot, fp8_mlp, quantize_ste, quantize_weight  # noqa: E402
+from .functional import block_dot, block_mlp, fp8_dot, fp8_mlp, quantize_ste, quantize_weight  # noqa: E402
 from .primitives import IMPLS, sync_staged, update_scales  # noqa: E402
 
-__all__ = ["update_scales", "sync_staged", "fp8_dot", "block_dot", "fp8_mlp", "quantize_weight", "quantize_ste",
+__all__ = ["update_scales", "sync_staged", "fp8_dot", "block_dot", "fp8_mlp", "block_mlp", "quantize_weight", "quantize_ste",
            "IMPLS"]

@@ -1,6 +1,8 @@
 """The FP8 linear layer under block scaling (:class:`fusedfp8.BlockScaling`): :func:`block_dot`,
 ``x @ w`` with the forward and both gradient GEMMs in FP8 (``custom_vjp``), which
-:func:`fusedfp8.jax.fp8_dot` and the flax ``Fp8DotGeneral`` run for that recipe.
+:func:`fusedfp8.jax.fp8_dot` and the flax ``Fp8DotGeneral`` run for that recipe; and
+:func:`block_mlp`, ``gelu(h @ w1 + b1) @ w2 + b2`` with the gelu fused into the quantizations,
+which :func:`fusedfp8.jax.fp8_mlp` and the flax ``Fp8MLP`` run for it.
 
 Block scaling keeps no state: each quantization takes the scales of its own blocks' maxes in the
 pass that casts it (:func:`fusedfp8.jax.block.block_quantize`), so there is no meta to carry,
@@ -28,12 +30,12 @@ import jax
 import jax.numpy as jnp
 
 from ..recipe import BlockScaling
-from ..types import check_recipe, gemm_pad_to
+from ..types import check_approximate, check_recipe, gemm_pad_to
 from . import gemm as G
 from . import primitives as P
-from .block import block_quantize
+from .block import block_dgelu_quantize, block_gelu_quantize, block_quantize
 
-__all__ = ["block_dot"]
+__all__ = ["block_dot", "block_mlp"]
 
 
 class _Cfg(NamedTuple):
@@ -81,6 +83,27 @@ def _bwd(cfg: _Cfg, res, g):
 _block_dot.defvjp(_fwd, _bwd)
 
 
+def _check_call(recipe, operands: dict, out_dtype, impl: str) -> tuple:
+    """(the operands as 2-D float arrays, the output dtype's name, impl) of block_dot / block_mlp,
+    checked by name."""
+    check_recipe(recipe, block=True)
+    if not isinstance(recipe, BlockScaling):
+        raise TypeError(f"recipe must be a fusedfp8.BlockScaling; got {type(recipe).__name__} (fp8_dot and fp8_mlp "
+                        "take the per-tensor recipes with a meta)")
+    out = {}
+    for name, a in operands.items():
+        a = out[name] = jnp.asarray(a)
+        if a.dtype.name not in ("float32", "float16", "bfloat16"):
+            raise TypeError(f"{name} must be float32, float16 or bfloat16; got {a.dtype}")
+        if a.ndim != (1 if name.startswith("b") else 2):
+            raise ValueError(f"{name} must be {1 if name.startswith('b') else 2}-D; got shape {a.shape}")
+    first = next(iter(out.values()))
+    out_name = jnp.dtype(out_dtype or first.dtype).name
+    if out_name not in ("float32", "float16", "bfloat16"):
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16; got {out_name}")
+    return out, out_name, P._check_impl(impl)
+
+
 def block_dot(x, w, recipe: BlockScaling = BlockScaling(), *, out_dtype=None, impl: str = "auto"):
     """``x @ w`` with FP8 GEMMs under block scaling (forward and both gradients; see the module
     docstring), differentiable once.
@@ -102,19 +125,103 @@ def block_dot(x, w, recipe: BlockScaling = BlockScaling(), *, out_dtype=None, im
         On a recipe that is not a BlockScaling, an operand of the wrong dtype or rank, K that
         disagrees, or a bad ``out_dtype`` / ``impl``, naming the argument, before anything runs.
     """
-    check_recipe(recipe, block=True)
-    if not isinstance(recipe, BlockScaling):
-        raise TypeError(f"recipe must be a fusedfp8.BlockScaling; got {type(recipe).__name__} (fp8_dot takes the "
-                        "per-tensor recipes with a meta)")
-    x, w = jnp.asarray(x), jnp.asarray(w)
-    for name, a in (("x", x), ("w", w)):
-        if a.dtype.name not in ("float32", "float16", "bfloat16"):
-            raise TypeError(f"{name} must be float32, float16 or bfloat16; got {a.dtype}")
-        if a.ndim != 2:
-            raise ValueError(f"{name} must be 2-D; got shape {a.shape}")
+    ops, out_name, impl = _check_call(recipe, {"x": x, "w": w}, out_dtype, impl)
+    x, w = ops["x"], ops["w"]
     if x.shape[1] != w.shape[0]:
         raise ValueError(f"x (M, K) and w (K, N) must agree on K; got {x.shape} and {w.shape}")
-    out_name = jnp.dtype(out_dtype or x.dtype).name
-    if out_name not in ("float32", "float16", "bfloat16"):
-        raise TypeError(f"out_dtype must be float32, float16 or bfloat16; got {out_name}")
-    return _block_dot(x, w, _Cfg(recipe, out_name, P._check_impl(impl)))
+    return _block_dot(x, w, _Cfg(recipe, out_name, impl))
+
+
+# ---- the MLP: gelu(h @ w1 + b1) @ w2 + b2 --------------------------------------------------------------------
+class _MlpCfg(NamedTuple):
+    recipe: BlockScaling
+    approximate: str
+    out_name: str
+    impl: str
+
+
+def _bias_for(b, n: int, dtype: str):
+    """The GEMM epilogue's bias over ``n`` (padded) output columns, in the output's dtype."""
+    b = b.astype(dtype)
+    return b if b.shape[0] == n else jnp.pad(b, (0, n - b.shape[0]))
+
+
+def _mlp_forward(h, w1, b1, w2, b2, cfg: _MlpCfg):
+    (m, k), f, n = h.shape, w1.shape[1], w2.shape[1]
+    pad = gemm_pad_to(m, k, f, n)
+    c = _Cfg(cfg.recipe, cfg.out_name, cfg.impl)
+    side = cfg.recipe.weight_block[0]
+    qh, qw1, qw2 = _quantize(h, c, pad), _quantize(w1, c, pad, weight=True), _quantize(w2, c, pad, weight=True)
+    z = G.fp8_block_gemm(qh.data, qw1.data_t, qh.scale_inv, qw1.scale_inv_t, 1, side, cfg.out_name,
+                         bias=_bias_for(b1, qw1.data_t.shape[0], cfg.out_name), impl=cfg.impl)[:m, :f]
+    # gelu(z) straight to FP8 with its transpose (z's own rows and columns, zero-padded by the kernel)
+    qa = block_gelu_quantize(z, cfg.recipe, approximate=cfg.approximate, transpose=True, pad_to=pad, impl=cfg.impl)
+    y = G.fp8_block_gemm(qa.data, qw2.data_t, qa.scale_inv, qw2.scale_inv_t, 1, side, cfg.out_name,
+                         bias=_bias_for(b2, qw2.data_t.shape[0], cfg.out_name), impl=cfg.impl)[:m, :n]
+    return y, (qh.data_t, qh.scale_inv_t, qw1.data, qw1.scale_inv, z, qa.data_t, qa.scale_inv_t, qw2.data,
+               qw2.scale_inv)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _block_mlp(h, w1, b1, w2, b2, cfg: _MlpCfg):
+    return _mlp_forward(h, w1, b1, w2, b2, cfg)[0]
+
+
+def _mlp_fwd(h, w1, b1, w2, b2, cfg: _MlpCfg):
+    y, saved = _mlp_forward(h, w1, b1, w2, b2, cfg)
+    # (empty arrays carry the gradients' dtypes and H, which the padded operands do not)
+    dtypes = tuple(jnp.zeros((0,), a.dtype) for a in (w1, b1, w2, b2))
+    return y, (saved, jnp.zeros((0, h.shape[1]), h.dtype), dtypes)
+
+
+def _mlp_bwd(cfg: _MlpCfg, res, g):
+    (h_t, h_ts, w1_q, w1_s, z, a_t, a_ts, w2_q, w2_s), h0, (w10, b10, w20, b20) = res
+    (m, n), k, f = g.shape, h0.shape[1], z.shape[1]
+    pad = gemm_pad_to(m, k, f, n)
+    r, side, impl = cfg.recipe, cfg.recipe.weight_block[0], cfg.impl
+    qg = block_quantize(g, r, grad=True, transpose=True, dbias=True, pad_to=pad, impl=impl)  # with b2's gradient
+    dw2 = G.fp8_block_gemm(a_t, qg.data_t, a_ts, qg.scale_inv_t, 1, 1, w20.dtype, impl=impl)[:f, :n]
+    da = G.fp8_block_gemm(qg.data, w2_q, qg.scale_inv, w2_s, 1, side, z.dtype, impl=impl)[:m, :f]
+    # the gelu's backward straight to FP8 with its transpose and b1's gradient
+    qz = block_dgelu_quantize(da, z, r, approximate=cfg.approximate, transpose=True, dbias=True, pad_to=pad,
+                              impl=impl)
+    dh = G.fp8_block_gemm(qz.data, w1_q, qz.scale_inv, w1_s, 1, side, h0.dtype, impl=impl)[:m, :k]
+    dw1 = G.fp8_block_gemm(h_t, qz.data_t, h_ts, qz.scale_inv_t, 1, 1, w10.dtype, impl=impl)[:k, :f]
+    return dh, dw1, qz.dbias.astype(b10.dtype), dw2, qg.dbias.astype(b20.dtype)
+
+
+_block_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def block_mlp(h, w1, b1, w2, b2, recipe: BlockScaling = BlockScaling(), *, approximate: str = "tanh",
+              out_dtype=None, impl: str = "auto"):
+    """``gelu(h @ w1 + b1) @ w2 + b2`` with FP8 GEMMs under block scaling, differentiable once.
+
+    The linears are :func:`block_dot`'s, their biases added in the GEMMs' epilogue; the gelu is
+    fused: the first GEMM's output z goes through one block_gelu_quantize kernel into the second
+    GEMM's input (gelu(z) is never written in 16 or 32 bits), and the backward quantizes the
+    gelu gradient with its transpose and b1's gradient in one block_dgelu_quantize kernel (b2's
+    comes with the output gradient's quantization). z is saved in ``out_dtype``; everything else
+    saved is FP8.
+
+    Parameters
+    ----------
+    h : (M, H); w1 : (H, F), b1 : (F,); w2 : (F, N), b2 : (N,); float32 / float16 / bfloat16
+    recipe : fusedfp8.BlockScaling
+    approximate : 'tanh' or 'none' (the gelu, as ``jax.nn.gelu(approximate=...)`` True / False)
+    out_dtype : the dtype of z and of the output (h's by default); the gradients come in their
+        operands' dtypes
+    impl : as :func:`block_dot`
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`block_dot`, and on shapes that do not chain or biases of the wrong shape.
+    """
+    ops, out_name, impl = _check_call(recipe, {"h": h, "w1": w1, "w2": w2, "b1": b1, "b2": b2}, out_dtype, impl)
+    h, w1, b1, w2, b2 = (ops[k] for k in ("h", "w1", "b1", "w2", "b2"))
+    if h.shape[1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
+        raise ValueError(f"shapes do not chain: h {h.shape}, w1 {w1.shape}, w2 {w2.shape}")
+    if b1.shape != (w1.shape[1],) or b2.shape != (w2.shape[1],):
+        raise ValueError(f"b1 must have shape {(w1.shape[1],)} and b2 {(w2.shape[1],)}; got {b1.shape}, {b2.shape}")
+    return _block_mlp(h, w1, b1, w2, b2, _MlpCfg(recipe, check_approximate(approximate), out_name, impl))

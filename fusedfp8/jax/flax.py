@@ -285,8 +285,8 @@ class Fp8MLP(nn.Module):
     variables stored before the LayerNorm was fused load as they are); the FP8 state of fc1 and
     fc2 in ``'_overwrite_with_gradient'``.
 
-    Under a :class:`fusedfp8.BlockScaling` recipe the same parameters, no state variables: the
-    LayerNorm and the gelu run in JAX between two :func:`fusedfp8.jax.block_dot` linears.
+    Under a :class:`fusedfp8.BlockScaling` recipe the same parameters, no state variables:
+    ``nn.LayerNorm``, then :func:`fusedfp8.jax.block_dot.block_mlp` (the gelu fused).
 
     Attributes: ``ffn`` (inner width), ``out_features`` (default: the input width), ``recipe``,
     ``approximate`` ('tanh' or 'none'), ``dtype`` (computation dtype, default the input's: the
@@ -350,19 +350,16 @@ class Fp8MLP(nn.Module):
         return y.reshape(*x.shape[:-1], out)
 
     def _block(self, x, recipe: BlockScaling, hidden: int, out: int, dtype):
-        """Under block scaling: nn.LayerNorm, then the two linears as :func:`fusedfp8.jax.block_dot`
-        with the gelu between them in JAX (no state variables; the fused LayerNorm and gelu kernels
-        take one scale per tensor)."""
+        """Under block scaling: nn.LayerNorm (the fused LayerNorm kernel takes one scale per tensor),
+        then :func:`fusedfp8.jax.block_dot.block_mlp`; no state variables."""
         if self.axis_name is not None:
             raise ValueError(f"Fp8MLP.axis_name must be None under BlockScaling (no state to reduce); got "
                              f"{self.axis_name!r}")
         h = nn.LayerNorm(epsilon=self.epsilon, dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
         (w1, b1, _), (w2, b2, _) = (_DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")(),
                                     _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")())
-        z = F.block_dot(jnp.asarray(h, dtype).reshape(-1, hidden), w1, recipe, out_dtype=dtype,
-                        impl=self.impl) + b1.astype(dtype)
-        a = jax.nn.gelu(z, approximate=self.approximate == "tanh")
-        y = F.block_dot(a, w2, recipe, out_dtype=dtype, impl=self.impl) + b2.astype(dtype)
+        y = F.block_mlp(jnp.asarray(h, dtype).reshape(-1, hidden), w1, b1.astype(dtype), w2, b2.astype(dtype), recipe,
+                        approximate=self.approximate, out_dtype=dtype, impl=self.impl)
         return y.reshape(*x.shape[:-1], out)
 
 

@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from ..checks import _check_eps
-from ..recipe import DelayedScaling
+from ..recipe import BlockScaling, DelayedScaling
 from ..types import check_approximate, check_recipe, gemm_pad_to
 from . import layernorm as LN
 from . import primitives as P
+from .block_dot import block_mlp
 from .dot import (_across, _advance, _check_fp8_weight, _check_operand, _first_order, _refused_here, _sync, _weight,
                   _weight_amax, _zeros_like, gemm)
 from .meta import combine, decode, meta_to_state, refuse_corrupted, refusing, state_to_meta
@@ -155,6 +156,34 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 _mlp_call = P.compiled_when_eager(9)(_mlp)
 
 
+def _block_call(h, w1, b1, w2, b2, meta1, meta2, recipe, approximate, axis_name, impl, out_dtype, ln_weight, ln_bias,
+                ln_eps, fp8_weights):
+    """fp8_mlp under BlockScaling: :func:`fusedfp8.jax.block_dot.block_mlp` (no state: the metas,
+    axis_name and fp8_weights None); with ``ln_eps`` the LayerNorm first, in JAX (float32, then
+    ``out_dtype``): the fused LayerNorm kernel takes one scale per tensor."""
+    for name, v in (("meta1", meta1), ("meta2", meta2), ("axis_name", axis_name), ("fp8_weights", fp8_weights)):
+        if v is not None:
+            raise ValueError(f"{name} must be None under BlockScaling (no state: each block's scale is its own max, "
+                             f"the same on every device); got {type(v).__name__}")
+    h = _check_operand(h, "h")
+    if ln_eps is not None:
+        try:
+            eps = _check_eps(ln_eps)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"ln_{e}") from None
+        w, b = LN.check_layernorm_params(ln_weight, ln_bias, h.shape[1], ("ln_weight", "ln_bias"), "h")
+        x = h.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + eps)
+        y = y if w is None else y * w.astype(jnp.float32)
+        y = y if b is None else y + b.astype(jnp.float32)
+        h = y.astype(out_dtype or h.dtype)
+    elif ln_weight is not None or ln_bias is not None:
+        raise ValueError("ln_weight / ln_bias are the parameters of the fused LayerNorm, which ln_eps turns on; "
+                         "got ln_eps=None")
+    return block_mlp(h, w1, b1, w2, b2, recipe, approximate=approximate, out_dtype=out_dtype, impl=impl)
+
+
 def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
             approximate: str = "tanh", axis_name=None, impl: str = "auto", forward_fast_accum: bool = True,
             out_dtype=None, ln_weight=None, ln_bias=None, ln_eps: float | None = None, fp8_weights=None):
@@ -188,6 +217,9 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
     (float32) from them, and the gradients of x, ``ln_weight`` and ``ln_bias`` come in their
     dtypes.
     """
+    if isinstance(recipe, BlockScaling):
+        return _block_call(h, w1, b1, w2, b2, meta1, meta2, recipe, approximate, axis_name, impl, out_dtype, ln_weight,
+                           ln_bias, ln_eps, fp8_weights), None, None
     h, w1, w2 = _check_operand(h, "h"), _check_operand(w1, "w1"), _check_operand(w2, "w2")
     if h.shape[1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
         raise ValueError(f"shapes do not chain: h {h.shape}, w1 {w1.shape}, w2 {w2.shape}")

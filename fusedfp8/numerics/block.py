@@ -57,7 +57,7 @@ import numpy as np
 from ..formats import Format, get_format
 from ..types import BlockQuantized, check_pad_to
 from . import scaling
-from .reference import activation, as_2d, cast_to_fp8, column_sums, float32_to, to_float32
+from .reference import activation, as_2d, cast_to_fp8, column_sums, float32_to
 from .reference import amax as tensor_amax
 from .xp import NumpyNamespace
 

@@ -206,26 +206,9 @@ def test_on_cuda_the_gradient_lowers_to_three_block_gemms(monkeypatch):
     assert "custom_call" not in cpu
 
 
-# ---- on the GPU -----------------------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.jax_gpu
-@pytest.mark.fp8_gemm
-@pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
-@pytest.mark.parametrize("shape", [(2048, 1024, 4096), (1000, 300, 200), (16, 128, 16)], ids=str)
-def test_cuda_block_dot_is_the_block_definition(shape, recipe):
-    x, w, g = _operands(shape)
-    dev = jax.devices("gpu")[0]
-    xd, wd, gd = (jax.device_put(a, dev) for a in (x, w, g))
-    y, vjp = jax.vjp(jax.jit(lambda a, b: F.block_dot(a, b, recipe)), xd, wd)
-    dx, dw = vjp(gd)
-    ref = _reference(x, w, g, recipe)
-    for got, name in ((y, "y"), (dx, "dx"), (dw, "dw")):
-        _close(got, *ref[name], name, rtol=2.0 ** -9)  # the split accumulator's allowance
-
-
-def test_flax_fp8_mlp_under_block_scaling_is_its_composition():
+def test_flax_fp8_mlp_under_block_scaling_is_layernorm_then_block_mlp():
     """flax Fp8MLP(recipe=BlockScaling()): nn.LayerNorm's and nn.Dense's parameter names, no state
-    variables, bit for bit LayerNorm -> block_dot -> gelu -> block_dot (one jitted program)."""
+    variables, bit for bit nn.LayerNorm -> block_mlp (one jitted program)."""
     import flax.linen as nn
 
     from fusedfp8.jax.flax import Fp8MLP
@@ -243,12 +226,163 @@ def test_flax_fp8_mlp_under_block_scaling_is_its_composition():
         got = m.apply(p, x)
         q = p["params"]
         h = nn.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16).apply({"params": q["norm"]}, x).reshape(21, 130)
-        z = F.block_dot(h, q["fc1"]["kernel"], r, out_dtype=jnp.bfloat16) + q["fc1"]["bias"].astype(jnp.bfloat16)
-        a = jax.nn.gelu(z, approximate=True)
-        want = F.block_dot(a, q["fc2"]["kernel"], r, out_dtype=jnp.bfloat16) + q["fc2"]["bias"].astype(jnp.bfloat16)
+        bf = jnp.bfloat16
+        want = F.block_mlp(h, q["fc1"]["kernel"], q["fc1"]["bias"].astype(bf), q["fc2"]["kernel"],
+                           q["fc2"]["bias"].astype(bf), r, out_dtype=bf)
         return got, want.reshape(3, 7, 130)
 
     got, want = jax.jit(both)(v)
     assert got.dtype == jnp.bfloat16 and np.array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="Fp8MLP.axis_name must be None under BlockScaling"):
         Fp8MLP(ffn=260, recipe=r, axis_name="d").init(jax.random.PRNGKey(0), x)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _definition_gelu(z, approximate):
+    """gelu and its backward as the kernels compute them (float32, the jax.numpy twin of the
+    NumPy definition, bit for bit)."""
+    from fusedfp8.numerics.block_jnp import activation
+
+    return activation("gelu", z, None, approximate)
+
+
+def _dg_fwd(z, approximate):
+    return _definition_gelu(z, approximate), z
+
+
+def _dg_bwd(approximate, z, g):
+    from fusedfp8.numerics.block_jnp import activation
+
+    return (activation("dgelu", g, z, approximate),)
+
+
+_definition_gelu.defvjp(_dg_fwd, _dg_bwd)
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("shape", [(17, 300, 200), (128, 128, 256)], ids=["ragged-17x300x200", "aligned-128x128x256"])
+def test_block_mlp_is_its_composition_with_the_gelu_fused(shape, approximate):
+    """block_mlp in float32: bit for bit block_dot -> + b1 -> the kernels' gelu -> block_dot -> + b2,
+    the output and the gradients of h, w1 and w2; the bias gradients (the kernels' column sums)
+    within float32 rounding of the composition's; fp8_mlp under BlockScaling is block_mlp (with
+    ln_eps: a LayerNorm first)."""
+    m, k, f = shape
+    r = fusedfp8.BlockScaling(fp8_format="hybrid")
+    h = jnp.asarray(inputs((m, k), "float32", 1))
+    w1 = jnp.asarray(inputs((k, f), "float32", 2) * np.float32(0.05))
+    w2 = jnp.asarray(inputs((f, k), "float32", 3) * np.float32(0.05))
+    b1, b2 = jnp.linspace(-1, 1, f, dtype=jnp.float32), jnp.linspace(-0.5, 0.5, k, dtype=jnp.float32)
+
+    def composition(h, w1, b1, w2, b2):
+        z = F.block_dot(h, w1, r) + b1
+        return F.block_dot(_definition_gelu(z, approximate), w2, r) + b2
+
+    def fused(h, w1, b1, w2, b2):
+        return F.block_mlp(h, w1, b1, w2, b2, r, approximate=approximate)
+
+    def run(fn):
+        return jax.jit(jax.value_and_grad(lambda *a: (fn(*a) ** 2).sum() / 2, argnums=(0, 1, 2, 3, 4)))(
+            h, w1, b1, w2, b2)
+
+    (lg, gg), (lw, gw) = run(fused), run(composition)
+    assert np.array_equal(np.asarray(fused(h, w1, b1, w2, b2)), np.asarray(composition(h, w1, b1, w2, b2)))
+    assert float(lg) == float(lw)
+    for name, a, b in zip(("dh", "dw1", "db1", "dw2", "db2"), gg, gw):
+        a, b = np.asarray(a), np.asarray(b)
+        if name.startswith("db"):
+            assert np.allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max())), name
+        else:
+            assert np.array_equal(a, b), name
+    y = F.fp8_mlp(h, w1, b1, w2, b2, None, None, r, approximate=approximate)
+    assert np.array_equal(np.asarray(y), np.asarray(fused(h, w1, b1, w2, b2)))
+    lw_, lb_ = jnp.full((k,), 1.5, jnp.float32), jnp.full((k,), 0.25, jnp.float32)
+    y_ln = F.fp8_mlp(h, w1, b1, w2, b2, None, None, r, approximate=approximate, ln_weight=lw_, ln_bias=lb_,
+                     ln_eps=1e-5)
+    mu = h.mean(-1, keepdims=True)
+    hn = (h - mu) * jax.lax.rsqrt(jnp.square(h - mu).mean(-1, keepdims=True) + 1e-5) * lw_ + lb_
+    assert np.array_equal(np.asarray(y_ln), np.asarray(fused(hn, w1, b1, w2, b2)))
+
+
+def test_block_mlp_refuses_bad_arguments_by_name():
+    r = fusedfp8.BlockScaling()
+    h, w1, w2 = jnp.ones((4, 8)), jnp.ones((8, 16)), jnp.ones((16, 8))
+    b1, b2 = jnp.zeros(16), jnp.zeros(8)
+    with pytest.raises(ValueError, match=r"^shapes do not chain"):
+        F.block_mlp(h, w1, b1, jnp.ones((15, 8)), b2, r)
+    with pytest.raises(ValueError, match=r"^b1 must have shape \(16,\)"):
+        F.block_mlp(h, w1, jnp.zeros(15), w2, b2, r)
+    with pytest.raises(ValueError, match=r"^approximate must be"):
+        F.block_mlp(h, w1, b1, w2, b2, r, approximate="fast")
+    with pytest.raises(TypeError, match=r"^recipe must be a fusedfp8\.BlockScaling"):
+        F.block_mlp(h, w1, b1, w2, b2, fusedfp8.DelayedScaling())
+    with pytest.raises(TypeError, match=r"^w2 must be float32, float16 or bfloat16; got int32"):
+        F.block_mlp(h, w1, b1, w2.astype(jnp.int32), b2, r)
+    with pytest.raises(ValueError, match=r"^meta1 must be None under BlockScaling"):
+        F.fp8_mlp(h, w1, b1, w2, b2, (jnp.zeros(3),), None, r)
+
+
+def test_on_cuda_the_block_mlp_gradient_lowers_to_six_block_gemms_and_six_launches(monkeypatch):
+    """block_mlp's forward and gradients lowered for CUDA (read without a GPU): six block-scaled GEMM
+    calls (the two forward ones with the bias epilogue), six fusedfp8_launch calls (h, w1, w2, the
+    fused gelu; the output gradient with dbias, the fused dgelu with dbias), no dot_general and no
+    XLA reduction for a bias gradient."""
+    from fusedfp8.jax import primitives as JP
+
+    built_shim("xla")
+    monkeypatch.setattr(JP, "_auto_backend", lambda: "ffi")
+    monkeypatch.setattr(G, "_has_gpu", lambda: True)
+    monkeypatch.setattr(G, "_block_ready", lambda: (True, "forced"))
+    monkeypatch.setattr(G, "_prepared", lambda code: "")
+    r = fusedfp8.BlockScaling()
+    h, w1, w2 = jnp.ones((300, 260), jnp.bfloat16), jnp.ones((260, 512), jnp.bfloat16), jnp.ones((512, 260))
+    b1, b2 = jnp.zeros(512, jnp.bfloat16), jnp.zeros(260, jnp.bfloat16)
+    loss = jax.grad(lambda *a: (F.block_mlp(*a, r).astype(jnp.float32) ** 2).sum(), argnums=(0, 1, 2, 3, 4))
+    text = jax.jit(loss).trace(h, w1, b1, w2, b2).lower(lowering_platforms=("cuda",)).as_text()
+    gemms = [ln for ln in text.splitlines() if "@fusedfp8_fp8_gemm_block" in ln]
+    assert len(gemms) == 6 and sum("@fusedfp8_fp8_gemm_block_bias" in c for c in gemms) == 2, gemms
+    assert "dot_general" not in text and text.count("@fusedfp8_launch") == 6
+    assert "stablehlo.tanh" not in text and "erf" not in text.replace("@fusedfp8", "")
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
+@pytest.mark.parametrize("shape", [(2048, 1024, 4096), (1000, 300, 200), (16, 128, 16)], ids=str)
+def test_cuda_block_dot_is_the_block_definition(shape, recipe):
+    x, w, g = _operands(shape)
+    dev = jax.devices("gpu")[0]
+    xd, wd, gd = (jax.device_put(a, dev) for a in (x, w, g))
+    y, vjp = jax.vjp(jax.jit(lambda a, b: F.block_dot(a, b, recipe)), xd, wd)
+    dx, dw = vjp(gd)
+    ref = _reference(x, w, g, recipe)
+    for got, name in ((y, "y"), (dx, "dx"), (dw, "dw")):
+        _close(got, *ref[name], name, rtol=2.0 ** -9)  # the split accumulator's allowance
+
+
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_block_mlp_is_the_emulated_one(dtype):
+    """block_mlp on CUDA (the fused gelu / dgelu+dbias kernels, the shim's block GEMMs) against
+    impl='jnp' (the jax.numpy twins, the emulated GEMMs): the output and every gradient within
+    2**-6 of their largest magnitude."""
+    r = fusedfp8.BlockScaling()
+    m, k, f = 1200, 320, 1000
+    ops = [jnp.asarray(inputs(s, "float32", i) * np.float32(sc), dtype)
+           for i, (s, sc) in enumerate((((m, k), 1.0), ((k, f), 0.05), ((f,), 0.5), ((f, k), 0.05), ((k,), 0.5)))]
+
+    def grads(impl, dev):
+        args = [jax.device_put(a, dev) for a in ops]
+        fn = jax.jit(jax.value_and_grad(
+            lambda *a: (F.block_mlp(*a, r, impl=impl).astype(jnp.float32) ** 2).sum(), argnums=(0, 1, 2, 3, 4)))
+        y = jax.jit(lambda *a: F.block_mlp(*a, r, impl=impl))(*args)
+        return [np.asarray(v, np.float32) for v in (y, *fn(*args)[1])]
+
+    got, want = grads("auto", jax.devices("gpu")[0]), grads("jnp", jax.devices("cpu")[0])
+    for name, a, b in zip(("y", "dh", "dw1", "db1", "dw2", "db2"), got, want):
+        err = float(np.abs(a - b).max() / np.abs(b).max())
+        assert err < 2.0 ** -6, (name, err)
+

@@ -298,6 +298,32 @@ def test_cuda_compiled_block_linear_matches_eager():
     assert torch.equal(y, yc)
 
 
+@pytest.mark.gpu
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("gemm", ["cublaslt", "scaled_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cuda_block_mlp_is_the_cpu_one(dtype, gemm):
+    """Fp8BlockMLP on CUDA (the fused gelu / dgelu+dbias kernels, the block GEMMs) against the same
+    module on the CPU (the NumPy definition's bytes, the float32 emulation of the GEMMs): the output
+    and every gradient within 2**-6 of their largest magnitude (the GEMMs' accumulation differs,
+    and an activation re-quantized after it may take a neighbouring FP8 value)."""
+    torch.manual_seed(4)
+    cpu = fp8.Fp8MLP(320, 1000, fusedfp8.BlockScaling(), dtype=dtype)
+    gpu = copy.deepcopy(cpu).cuda()
+    gpu.fc1.gemm = gpu.fc2.gemm = gemm
+    x = torch.randn(4, 300, 320, dtype=dtype)
+
+    def run(m, dev):
+        xd = x.to(dev).requires_grad_(True)
+        m(xd).float().square().sum().backward()
+        return [t.detach().float().cpu() for t in (m(xd), xd.grad, m.fc1.weight.grad, m.fc1.bias.grad,
+                                                    m.fc2.weight.grad, m.fc2.bias.grad, m.norm.weight.grad)]
+
+    for name, a, b in zip(("y", "dx", "dw1", "db1", "dw2", "db2", "dnorm"), run(gpu, "cuda"), run(cpu, "cpu")):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err < 2.0 ** -6, (name, err)
+
+
 class _DefinitionGelu(torch.autograd.Function):
     """gelu and its backward as the kernels compute them: float32, the NumPy definition's
     (fusedfp8.numerics.reference.activation), which the fused block MLP quantizes."""
