@@ -6,6 +6,9 @@ For each size and job (bf16 input, E4M3, power-of-two scales):
   gradient of a BlockScaling linear: q, q_t and both scale arrays from one read);
 - ``act``: the same without the transpose;
 - ``weight_t``: 128x128 blocks with the transpose (a weight: the same tiles, transposed);
+- ``gelu_t``: gelu (tanh) fused, 1x128 with the transpose (the activation of a block-scaled MLP);
+- ``dgelu_t``: dy * gelu'(x) fused, 1x128 with the transpose and the column sums (its backward,
+  with the bias gradient);
 
 fusedfp8's kernel (one launch, :func:`fusedfp8.block_quantize` on torch tensors) beside the same
 job in plain torch ops (``eager``: block amaxes by a reshape, the scales, the cast, the transpose's
@@ -31,7 +34,7 @@ import _bench
 import fusedfp8
 from fusedfp8.numerics import block as B
 
-JOBS = ["act_t", "act", "weight_t"]
+JOBS = ["act_t", "act", "weight_t", "gelu_t", "dgelu_t"]
 SIZES = [(2048, 4096), (4096, 4096), (8192, 4096), (8192, 16384)]
 TARGETS = {("act_t", "8192x16384"): 0.85}
 RECIPE = fusedfp8.BlockScaling()  # 1x128 / 128x128, E4M3, power-of-two scales
@@ -41,12 +44,18 @@ E4M3_MAX = 448.0
 def job_bytes(job: str, m: int, n: int) -> int:
     e = m * n
     kb = -(-n // 128)
-    scales = 4 * (kb * m if job.startswith("act") else -(-m // 128) * kb)
-    return 2 * e + e + scales + (e + scales if job.endswith("_t") else 0)
+    scales = 4 * (-(-m // 128) * kb if job.startswith("weight") else kb * m)
+    reads = 4 * e if job == "dgelu_t" else 2 * e
+    return reads + e + scales + (e + scales if job.endswith("_t") else 0) + (4 * n if job == "dgelu_t" else 0)
 
 
-def fused(job: str, x):
-    r = fusedfp8.block_quantize(x, RECIPE, weight=job.startswith("weight"), transpose=job.endswith("_t"))
+def fused(job: str, x, b=None):
+    if job == "gelu_t":
+        r = fusedfp8.block_gelu_quantize(x, RECIPE, transpose=True)
+    elif job == "dgelu_t":
+        return tuple(fusedfp8.block_dgelu_quantize(x, b, RECIPE, transpose=True, dbias=True)[i] for i in (0, 2, 5))
+    else:
+        r = fusedfp8.block_quantize(x, RECIPE, weight=job.startswith("weight"), transpose=job.endswith("_t"))
     return r.data, r.data_t
 
 
@@ -64,8 +73,22 @@ def _torch_blocks(x, rows_per_block: int):
     return q, (1.0 / scale)
 
 
-def torch_job(job: str, x):
-    """The job in plain torch ops (one block-amax reduction, the cast; the transpose as its own pass)."""
+def _dgelu_tanh(dy, x):
+    """dy * gelu'(x) (tanh) in float32 torch ops."""
+    xf = x.float()
+    u = 0.7978845608028654 * (xf + 0.044715 * xf ** 3)
+    t = torch.tanh(u)
+    return dy.float() * (0.5 * (1 + t) + 0.5 * xf * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * xf * xf))
+
+
+def torch_job(job: str, x, b=None):
+    """The job in plain torch ops (one block-amax reduction, the cast; the transpose as its own pass;
+    the activation, and the column sums, as their own ops)."""
+    if job == "gelu_t":
+        return torch_job("act_t", torch.nn.functional.gelu(x.float(), approximate="tanh"))
+    if job == "dgelu_t":
+        g = _dgelu_tanh(x, b)
+        return (*torch_job("act_t", g), g.sum(0))  # (and the bias gradient)
     if job.startswith("weight"):
         q, _ = _torch_blocks(x, 128)
         return q, (q.t().contiguous() if job.endswith("_t") else None)
@@ -78,16 +101,27 @@ def _u8(t) -> np.ndarray:
     return t.detach().cpu().view(torch.uint8).numpy()
 
 
-def check(job: str, x) -> dict:
-    """fusedfp8 against the NumPy definition on the first 256 rows (whole blocks)."""
+def check(job: str, x, b=None) -> dict:
+    """fusedfp8 against the NumPy definition on the first 256 rows (whole blocks); dgelu's column
+    sums within float32 rounding of the float64 ones."""
     import ml_dtypes
 
     rows = min(x.shape[0], 256)
     xs = x[:rows].contiguous()
-    r = fusedfp8.block_quantize(xs, RECIPE, weight=job.startswith("weight"), transpose=job.endswith("_t"))
-    xn = xs.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    want = B.block_quantize(xn, "e4m3", (128, 128) if job.startswith("weight") else (1, 128), True,
-                            job.endswith("_t"))
+    bs = None if b is None else b[:rows].contiguous()
+
+    def host(t):
+        return t.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+    op = {"gelu_t": "gelu", "dgelu_t": "dgelu"}.get(job, "identity")
+    if op == "gelu":
+        r = fusedfp8.block_gelu_quantize(xs, RECIPE, transpose=True)
+    elif op == "dgelu":
+        r = fusedfp8.block_dgelu_quantize(xs, bs, RECIPE, transpose=True, dbias=True)
+    else:
+        r = fusedfp8.block_quantize(xs, RECIPE, weight=job.startswith("weight"), transpose=job.endswith("_t"))
+    want = B.block_quantize(host(xs), "e4m3", (128, 128) if job.startswith("weight") else (1, 128), True,
+                            job.endswith("_t"), 1, op, None if bs is None else host(bs), "tanh", op == "dgelu")
     ok = {"q == definition": np.array_equal(_u8(r.data), want.data.view(np.uint8)),
           "scale_inv == definition": np.array_equal(r.scale_inv.cpu().numpy().view(np.uint32),
                                                     want.scale_inv.view(np.uint32))}
@@ -95,6 +129,10 @@ def check(job: str, x) -> dict:
         ok["q_t == definition"] = np.array_equal(_u8(r.data_t), want.data_t.view(np.uint8))
         ok["scale_inv_t == definition"] = np.array_equal(r.scale_inv_t.cpu().numpy().view(np.uint32),
                                                          want.scale_inv_t.view(np.uint32))
+    if op == "dgelu":
+        y = B.activation("dgelu", host(xs), host(bs)).astype(np.float64)
+        bound = 2.0 ** -18 * np.abs(y).sum(axis=0) + 1e-37
+        ok["dbias ~ float64 sums"] = bool((np.abs(r.dbias.cpu().numpy() - y.sum(axis=0)) <= bound).all())
     return {k: bool(v) for k, v in ok.items()}
 
 
@@ -107,10 +145,11 @@ def run(sizes, jobs, ceiling: float, peers=()) -> list[dict]:
         xs = [(torch.randn(m, n, device="cuda", generator=gen)
                * torch.exp2(torch.randint(-8, 8, (m, 1), device="cuda", generator=gen).float())).to(torch.bfloat16)
               for _ in range(k)]
-        inputs = [(x,) for x in xs]
         for job in jobs:
+            # dgelu reads two tensors: (dy, x) pairs of the same rotation
+            inputs = [(x, xs[(i + 1) % k]) if job == "dgelu_t" else (x,) for i, x in enumerate(xs)]
             row = {"job": job, "size": size, "bytes": job_bytes(job, m, n), "recipe": "block"}
-            row["checks"] = check(job, xs[0])
+            row["checks"] = check(job, *inputs[0])
             row["correct"] = all(row["checks"].values())
             if not row["correct"]:
                 print(f"{size:>11} {job:<9} ok=False, not timed: {row['checks']}", flush=True)
@@ -119,12 +158,12 @@ def run(sizes, jobs, ceiling: float, peers=()) -> list[dict]:
             fn = partial(fused, job)
             row["fusedfp8_us"] = _bench.graph_us(fn, inputs)
             row["fusedfp8_frac"] = row["bytes"] / (row["fusedfp8_us"] * 1e-6) / 1e12 / ceiling
-            ours = fn(xs[0])
+            ours = fn(*inputs[0])
             for peer in peers:
                 pf = partial(torch_job, job) if peer == "eager" else compiled.setdefault(
                     job, torch.compile(partial(torch_job, job), dynamic=False))
-                got = pf(xs[0])
-                row[f"{peer}_mismatch"] = max(_bench.mismatch(a, b) for a, b in zip(got, ours) if a is not None)
+                got = pf(*inputs[0])
+                row[f"{peer}_mismatch"] = max(_bench.mismatch(a, b) for a, b in zip(got[:2], ours[:2]) if a is not None)
                 row[f"{peer}_us"], row[f"{peer}_timing"] = _bench.device_us(pf, inputs)
                 row[f"{peer}_frac"] = row["bytes"] / (row[f"{peer}_us"] * 1e-6) / 1e12 / ceiling
                 row[f"fusedfp8_vs_{peer}"] = row["fusedfp8_us"] / row[f"{peer}_us"]
