@@ -48,6 +48,7 @@ from ..state import ScalingState
 from ..types import GEMM_MULTIPLE, Quantized, check_pad_to, check_recipe, gemm_pad_to
 from . import gemm as G
 from . import primitives as P
+from .block import block_quantize
 from .block_dot import block_dot
 from .meta import (LINEAR_GRAD, combine, decode, float_counters, meta_to_state, refuse_corrupted, refusing,
                    state_to_meta)
@@ -286,11 +287,20 @@ def quantize_weight(w, meta, recipe: DelayedScaling = DelayedScaling(), *, axis_
     by the quantize kernel: the GEMM operands of a ragged weight as :func:`fp8_dot` takes them,
     where the unpadded copy is padded again (one copy of the FP8 weight) in every use. The same
     for a weight whose K and N are multiples of 16.
+
+    Under a :class:`fusedfp8.BlockScaling` recipe (``meta`` and ``axis_name`` None: no state) the
+    weight's block quantization with its transpose (:func:`fusedfp8.jax.block.block_quantize` with
+    ``weight=True``: a :class:`fusedfp8.types.BlockQuantized`), for :func:`fp8_dot` /
+    :func:`fusedfp8.jax.block_dot.block_dot` and :func:`fp8_mlp` under that recipe.
     """
     w = _check_operand(w, "w")
     if check_pad_to(pad_to) not in (1, GEMM_MULTIPLE):
         raise ValueError(f"pad_to must be 1 or {GEMM_MULTIPLE} (the padding of fp8_dot's GEMM operands); "
                          f"got {pad_to!r}")
+    if isinstance(recipe, BlockScaling):
+        _check_block_call(meta, axis_name)
+        return block_quantize(w, recipe, weight=True, transpose=True, impl=impl,
+                              pad_to=gemm_pad_to(*w.shape) if pad_to != 1 else 1)
     check_recipe(recipe)
     meta = _check_meta(meta, 3, recipe)
     refuse_corrupted(meta)
@@ -307,9 +317,9 @@ def _quantize_weight_call(w, meta, cfg: _Cfg, pad_to: int) -> Quantized:
     return rw
 
 
-def _check_block_call(meta, axis_name, fp8_weight) -> None:
-    """fp8_dot's state arguments under BlockScaling, which keeps no state: all None."""
-    for name, v in (("meta", meta), ("axis_name", axis_name), ("fp8_weight", fp8_weight)):
+def _check_block_call(meta, axis_name) -> None:
+    """The state arguments under BlockScaling, which keeps no state: both None."""
+    for name, v in (("meta", meta), ("axis_name", axis_name)):
         if v is not None:
             raise ValueError(f"{name} must be None under BlockScaling (no state: each block's scale is its own max, "
                              f"the same on every device); got {type(v).__name__}")
@@ -324,8 +334,9 @@ def fp8_dot(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=
 def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dtype=None, axis_name=None,
                 impl: str = "auto", forward_fast_accum: bool = True, first: bool = True, fp8_weight=None):
     """``x @ w`` with FP8 GEMMs and delayed scaling (forward and both backward GEMMs); under a
-    :class:`fusedfp8.BlockScaling` recipe :func:`fusedfp8.jax.block_dot.block_dot` (``meta``,
-    ``axis_name`` and ``fp8_weight`` None: no state; the second result of :func:`fp8_dot_use` None).
+    :class:`fusedfp8.BlockScaling` recipe :func:`fusedfp8.jax.block_dot.block_dot` (``meta`` and
+    ``axis_name`` None: no state; ``fp8_weight`` the block :func:`quantize_weight`; the second
+    result of :func:`fp8_dot_use` None).
 
     Parameters
     ----------
@@ -360,8 +371,8 @@ def fp8_dot_use(x, w, meta, recipe: DelayedScaling = DelayedScaling(), *, out_dt
     into the one new meta of the first use.
     """
     if isinstance(recipe, BlockScaling):
-        _check_block_call(meta, axis_name, fp8_weight)
-        return block_dot(x, w, recipe, out_dtype=out_dtype, impl=impl), None
+        _check_block_call(meta, axis_name)
+        return block_dot(x, w, recipe, out_dtype=out_dtype, impl=impl, fp8_weight=fp8_weight), None
     x, w = _check_operand(x, "x"), _check_operand(w, "w")
     if x.shape[1] != w.shape[0]:
         raise ValueError(f"x (M, K) and w (K, N) must agree on K; got {x.shape} and {w.shape}")

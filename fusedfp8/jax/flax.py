@@ -52,7 +52,7 @@ import jax.numpy as jnp
 
 from .. import policy as _policy
 from ..recipe import BlockScaling, DelayedScaling
-from ..types import Quantized, check_recipe
+from ..types import BlockQuantized, Quantized, check_recipe
 from . import functional as F
 from .meta import META_FIELDS as STATE_VARIABLES
 from .meta import combine, declare_state, per_column, refuse_corrupted
@@ -60,6 +60,7 @@ from .meta import combine, declare_state, per_column, refuse_corrupted
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 FP8_WEIGHTS = "fp8_weights"  # the collection of the weight cache (quantize_weights)
 _CACHED = ("data", "data_t", "amax", "scale_inv")  # its variables per linear: a Quantized without dbias
+_BLOCK_CACHED = ("data", "scale_inv", "data_t", "scale_inv_t")  # under BlockScaling: a BlockQuantized's operands
 _USES = "_fusedfp8_uses"  # attribute of a root flax scope: module path -> (stored value, last output meta)
 
 __all__ = ["Fp8DotGeneral", "Fp8MLP", "TrainState", "keep_unwritten", "dot_general_cls_for", "quantize_weights",
@@ -98,14 +99,17 @@ def _fp8_weight(module: nn.Module, w, stored: tuple, first: bool, recipe: Delaye
     every call where the collection is passed in read-only, reuses what it holds."""
     if module.is_initializing():
         return None
-    if module.is_mutable_collection(FP8_WEIGHTS) and (first or not module.has_variable(FP8_WEIGHTS, "data")):
-        q = F.quantize_weight(w, stored, recipe, axis_name=axis_name, impl=impl)
-        for name in _CACHED:
+    block = isinstance(recipe, BlockScaling)  # (no state: the first call in an apply is the one that finds none)
+    names, kind = (_BLOCK_CACHED, BlockQuantized) if block else (_CACHED, Quantized)
+    if module.is_mutable_collection(FP8_WEIGHTS) and (not module.has_variable(FP8_WEIGHTS, "data") or
+                                                      (first and not block)):
+        q = F.quantize_weight(w, None if block else stored, recipe, axis_name=None if block else axis_name, impl=impl)
+        for name in names:
             module.put_variable(FP8_WEIGHTS, name, getattr(q, name))
         return q
     if not module.has_variable(FP8_WEIGHTS, "data"):
         return None
-    return Quantized(**{name: module.get_variable(FP8_WEIGHTS, name) for name in _CACHED})
+    return kind(**{name: module.get_variable(FP8_WEIGHTS, name) for name in names})
 
 
 _NO_OPERAND = object()  # the default of Fp8DotGeneral's operands: tells flax's zero-argument call apart
@@ -166,8 +170,9 @@ class Fp8DotGeneral(nn.Module):
         x2 = jnp.asarray(lhs, rhs.dtype).reshape(math.prod(lead), k)
         w2 = rhs.reshape(k, math.prod(rest))
         if isinstance(recipe, BlockScaling):  # no state: no variables, nothing to remember between calls
+            fp8_weight = _fp8_weight(self, w2, (), True, recipe, None, self.impl)
             y, _ = F.fp8_dot_use(x2, w2, None, recipe, out_dtype=preferred_element_type or rhs.dtype,
-                                 axis_name=self.axis_name, impl=self.impl)
+                                 axis_name=self.axis_name, impl=self.impl, fp8_weight=fp8_weight)
             return y.reshape(*lead, *rest)
         stored = _declare_state(self, recipe)
         meta, first = _this_use(self, stored)
@@ -356,10 +361,13 @@ class Fp8MLP(nn.Module):
             raise ValueError(f"Fp8MLP.axis_name must be None under BlockScaling (no state to reduce); got "
                              f"{self.axis_name!r}")
         h = nn.LayerNorm(epsilon=self.epsilon, dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
-        (w1, b1, _), (w2, b2, _) = (_DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")(),
-                                    _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")())
+        fc1 = _DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")
+        fc2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")
+        (w1, b1, _), (w2, b2, _) = fc1(), fc2()
+        q1, q2 = fc1.fp8_weight(w1, (), True, None, self.impl), fc2.fp8_weight(w2, (), True, None, self.impl)
         y = F.block_mlp(jnp.asarray(h, dtype).reshape(-1, hidden), w1, b1.astype(dtype), w2, b2.astype(dtype), recipe,
-                        approximate=self.approximate, out_dtype=dtype, impl=self.impl)
+                        approximate=self.approximate, out_dtype=dtype, impl=self.impl,
+                        fp8_weights=None if q1 is None else (q1, q2))
         return y.reshape(*x.shape[:-1], out)
 
 

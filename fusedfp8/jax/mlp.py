@@ -158,10 +158,10 @@ _mlp_call = P.compiled_when_eager(9)(_mlp)
 
 def _block_call(h, w1, b1, w2, b2, meta1, meta2, recipe, approximate, axis_name, impl, out_dtype, ln_weight, ln_bias,
                 ln_eps, fp8_weights):
-    """fp8_mlp under BlockScaling: :func:`fusedfp8.jax.block_dot.block_mlp` (no state: the metas,
-    axis_name and fp8_weights None); with ``ln_eps`` the LayerNorm first, in JAX (float32, then
+    """fp8_mlp under BlockScaling: :func:`fusedfp8.jax.block_dot.block_mlp` (no state: the metas and
+    axis_name None; fp8_weights the block quantize_weight pair); with ``ln_eps`` the LayerNorm first, in JAX (float32, then
     ``out_dtype``): the fused LayerNorm kernel takes one scale per tensor."""
-    for name, v in (("meta1", meta1), ("meta2", meta2), ("axis_name", axis_name), ("fp8_weights", fp8_weights)):
+    for name, v in (("meta1", meta1), ("meta2", meta2), ("axis_name", axis_name)):
         if v is not None:
             raise ValueError(f"{name} must be None under BlockScaling (no state: each block's scale is its own max, "
                              f"the same on every device); got {type(v).__name__}")
@@ -181,7 +181,8 @@ def _block_call(h, w1, b1, w2, b2, meta1, meta2, recipe, approximate, axis_name,
     elif ln_weight is not None or ln_bias is not None:
         raise ValueError("ln_weight / ln_bias are the parameters of the fused LayerNorm, which ln_eps turns on; "
                          "got ln_eps=None")
-    return block_mlp(h, w1, b1, w2, b2, recipe, approximate=approximate, out_dtype=out_dtype, impl=impl)
+    return block_mlp(h, w1, b1, w2, b2, recipe, approximate=approximate, out_dtype=out_dtype, impl=impl,
+                     fp8_weights=fp8_weights)
 
 
 def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,

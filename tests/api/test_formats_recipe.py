@@ -71,7 +71,7 @@ def test_format_registry_and_hybrid_pairing():
     assert fusedfp8.E4M3 is E4M3 and fusedfp8.E5M2 is E5M2 and fusedfp8.Format is Format
 
 
-def test_the_face_exports_formats_recipe_state_and_the_seven_functions():
+def test_the_face_exports_formats_recipe_state_and_the_functions():
     """The top level is the face (LAYOUT.md): the pairings and the lookup live in fusedfp8.formats."""
     import fusedfp8.ops
     import fusedfp8.state
@@ -80,7 +80,7 @@ def test_the_face_exports_formats_recipe_state_and_the_seven_functions():
     assert sorted(fusedfp8.__all__) == sorted([
         "E4M3", "E5M2", "Format", "DelayedScaling", "CurrentScaling", "BlockScaling", "ScalingState", "Slot", "Quantized",
         "LayerNormQuantized", "quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize",
-        "update_scales", "block_quantize"])
+        "update_scales", "block_quantize", "block_gelu_quantize", "block_dgelu_quantize"])
     for name in ("quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"):
         assert getattr(fusedfp8, name) is getattr(fusedfp8.ops, name)
     assert fusedfp8.ScalingState is fusedfp8.state.ScalingState and fusedfp8.Slot is fusedfp8.state.Slot
@@ -326,9 +326,9 @@ def test_check_recipe_takes_a_block_recipe_only_where_asked():
 
 
 def test_every_per_tensor_entry_point_refuses_a_block_recipe_by_name():
-    """The state, the update, the fused MLP function and the weight cache refuse a BlockScaling
-    with the message that names it, before they read a field it does not have (the layers take
-    it: test_torch_block_layers.py, test_jax_block_dot.py)."""
+    """The state and the update refuse a BlockScaling with the message that names it, before they
+    read a field it does not have; the JAX functions that take it (the fused MLP, the weight
+    cache: test_jax_block_dot.py) refuse a meta with it by name, as the layers do."""
     from fusedfp8.jax import functional as jf, meta as jmeta
 
     r = BlockScaling()
@@ -339,14 +339,16 @@ def test_every_per_tensor_entry_point_refuses_a_block_recipe_by_name():
         "ScalingState.create": lambda: fusedfp8.ScalingState.create(2, r),
         "update_scales": lambda: fusedfp8.update_scales(state, r),
         "slot": lambda: state.slot(0, r),
-        "quantize_weight": lambda: jf.quantize_weight(w, meta, r),
-        "fp8_mlp": lambda: jf.fp8_mlp(x, w, jnp.zeros(32), w, jnp.zeros(32), meta, meta, r),
         "fresh_meta": lambda: jmeta.fresh_meta(r),
     }
     before = {f: a.copy() for f, a in state.arrays().items()}
     for name, call in calls.items():
         with pytest.raises(TypeError, match=r"recipe: a fusedfp8\.BlockScaling is not accepted here"):
             call()
+    with pytest.raises(ValueError, match=r"^meta must be None under BlockScaling \(no state"):
+        jf.quantize_weight(w, meta, r)
+    with pytest.raises(ValueError, match=r"^meta1 must be None under BlockScaling \(no state"):
+        jf.fp8_mlp(x, w, jnp.zeros(32), w, jnp.zeros(32), meta, meta, r)
     assert all(np.array_equal(a, before[f]) for f, a in state.arrays().items())
 
 

@@ -91,7 +91,7 @@ def test_fp8_dot_hands_a_block_recipe_to_block_dot(monkeypatch):
     x, w = jnp.ones((16, 32)), jnp.ones((32, 8))
     assert F.fp8_dot(x, w, None, r, out_dtype=jnp.bfloat16, impl="jnp") == "y"
     assert F.fp8_dot_use(x, w, None, r) == ("y", None)
-    assert seen[0] == ((x, w, r), {"out_dtype": jnp.bfloat16, "impl": "jnp"})
+    assert seen[0] == ((x, w, r), {"out_dtype": jnp.bfloat16, "impl": "jnp", "fp8_weight": None})
 
 
 def test_jitted_flax_dense_is_block_dot():
@@ -342,6 +342,109 @@ def test_on_cuda_the_block_mlp_gradient_lowers_to_six_block_gemms_and_six_launch
     assert len(gemms) == 6 and sum("@fusedfp8_fp8_gemm_block_bias" in c for c in gemms) == 2, gemms
     assert "dot_general" not in text and text.count("@fusedfp8_launch") == 6
     assert "stablehlo.tanh" not in text and "erf" not in text.replace("@fusedfp8", "")
+
+
+# ---- the weight cache (quantize_weight under BlockScaling) ----------------------------------------------
+def _same_up_to_rounding(got, want, rtol=2.0 ** -20):
+    """Every leaf of ``got`` within ``rtol`` of the largest magnitude of ``want``'s (float32 sums in
+    another order), and of the same shape and dtype."""
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert np.abs(a.astype(np.float64) - b).max() <= rtol * max(float(np.abs(b).max()), 1e-30)
+
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
+def test_the_weight_cache_gives_the_same_bytes_and_gradients(recipe):
+    """quantize_weight(w, None, BlockScaling) is block_quantize(w, weight=True, transpose=True) (padded
+    with pad_to=16, and a cached copy padded later the same bytes); fp8_dot / block_dot with it, and
+    block_mlp with a pair of them, give the outputs and gradients of quantizing the weights in the
+    call, for an unpadded and a padded copy of a ragged weight and with a token count that pads an
+    aligned one: the same FP8 operands, so within the float32 rounding of the CPU's emulated GEMM
+    (XLA's dot sums a program's operands in its own order)."""
+    from fusedfp8.jax import block as JB
+    from fusedfp8.jax.block_dot import padded_weight
+
+    x, w, _ = _operands((17, 300, 200))
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    q = F.quantize_weight(w, None, recipe)
+    ref = JB.block_quantize(w, recipe, weight=True, transpose=True)
+    for a, b in zip(q, ref):
+        assert (a is None) == (b is None) and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
+    q16 = F.quantize_weight(w, None, recipe, pad_to=16)
+    ref16 = JB.block_quantize(w, recipe, weight=True, transpose=True, pad_to=16)
+    for a, b, c in zip(q16, ref16, padded_weight(q, recipe, 16)):  # the padding of a cached copy: the padded bytes
+        if a is not None:
+            assert np.array_equal(np.asarray(a), np.asarray(b)) and np.array_equal(np.asarray(a), np.asarray(c))
+
+    def run(fw):
+        return jax.jit(jax.value_and_grad(lambda a, b: (F.fp8_dot(a, b, None, recipe, fp8_weight=fw) ** 2).sum(),
+                                          argnums=(0, 1)))(x, w)
+
+    want = run(None)
+    for cached in (q, q16):
+        _same_up_to_rounding(run(cached), want)
+    # the MLP: (128 x 256 x 384: every weight aligned, 20 tokens pad it to 32 rows)
+    h = jnp.asarray(inputs((20, 256), "float32", 8))
+    w1, w2 = (jnp.asarray(inputs(sh, "float32", i) * np.float32(0.05)) for i, sh in ((9, (256, 384)), (10, (384, 256))))
+    b1, b2 = jnp.zeros(384), jnp.zeros(256)
+
+    def mlp(fws):
+        return jax.jit(jax.value_and_grad(lambda *a: (F.block_mlp(*a, recipe, fp8_weights=fws) ** 2).sum(),
+                                          argnums=(0, 1, 2, 3, 4)))(h, w1, b1, w2, b2)
+
+    _same_up_to_rounding(mlp((F.quantize_weight(w1, None, recipe), F.quantize_weight(w2, None, recipe))), mlp(None))
+
+
+def test_flax_quantize_weights_under_block_scaling():
+    """flax.quantize_weights of a model of Fp8DotGeneral Dense and Fp8MLP layers under BlockScaling:
+    each linear's block-quantized weight in the 'fp8_weights' collection; applied with it, the same
+    output and gradients (within the emulated GEMM's float32 rounding)."""
+    import flax.linen as nn
+
+    from fusedfp8.jax.flax import FP8_WEIGHTS, Fp8DotGeneral, Fp8MLP, quantize_weights
+
+    r = fusedfp8.BlockScaling()
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(130, dot_general_cls=partial(Fp8DotGeneral, recipe=r))(x)
+            return Fp8MLP(ffn=256, recipe=r)(x)
+
+    m = Model()
+    x = jnp.asarray(inputs((24, 128), "float32", 11))
+    shapes = jax.eval_shape(m.init, jax.random.PRNGKey(0), x)
+    rng = np.random.default_rng(6)
+    v = jax.tree_util.tree_map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.05, s.dtype), shapes)
+
+    def both(v):
+        cache = quantize_weights(m.apply, v, x)
+        loss = jax.value_and_grad(lambda p, c: (m.apply({**p, **c}, x) ** 2).sum())
+        return cache, loss(v, {}), loss(v, {FP8_WEIGHTS: cache})
+
+    cache, want, got = jax.jit(both)(v)
+    leaves = jax.tree_util.tree_leaves_with_path(cache)
+    names = {str(p[-1].key) for p, _ in leaves}
+    assert names == {"data", "scale_inv", "data_t", "scale_inv_t"} and len(leaves) == 3 * 4  # Dense, fc1, fc2
+    _same_up_to_rounding(got, want)
+
+
+def test_a_wrong_cached_weight_is_refused_by_name():
+    r = fusedfp8.BlockScaling()
+    x, w = jnp.ones((16, 256)), jnp.ones((256, 128))
+    q = F.quantize_weight(w, None, r)
+    with pytest.raises(TypeError, match=r"^fp8_weight must be None or the BlockQuantized"):
+        F.fp8_dot(x, w, None, r, fp8_weight=tuple(q))
+    with pytest.raises(ValueError, match=r"^fp8_weight\.data must have shape \(256, 128\)"):
+        F.block_dot(x, w, r, fp8_weight=F.quantize_weight(jnp.ones((256, 144)), None, r))
+    with pytest.raises(ValueError, match=r"^fp8_weight\.scale_inv must be float32 of shape \(2, 4\)"):
+        F.block_dot(x, w, r, fp8_weight=F.quantize_weight(w, None, fusedfp8.BlockScaling(weight_block=(1, 128))))
+    with pytest.raises(ValueError, match=r"^fp8_weight\.data must be float8_e4m3fn"):
+        F.block_dot(x, w, r, fp8_weight=q._replace(data=q.data.astype(jnp.float8_e5m2)))
+    with pytest.raises(ValueError, match=r"^meta must be None under BlockScaling"):
+        F.quantize_weight(w, (jnp.zeros(3),), r)
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------

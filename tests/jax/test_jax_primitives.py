@@ -38,7 +38,7 @@ def u8(a) -> np.ndarray:
 def test_the_face_of_fusedfp8_jax():
     import fusedfp8.jax as fj
 
-    assert sorted(fj.__all__) == sorted(["update_scales", "sync_staged", "fp8_dot", "block_dot", "fp8_mlp",
+    assert sorted(fj.__all__) == sorted(["update_scales", "sync_staged", "fp8_dot", "block_dot", "fp8_mlp", "block_mlp",
                                          "quantize_weight", "quantize_ste", "IMPLS"])
     assert fj.fp8_dot is F.fp8_dot and fj.update_scales is P.update_scales and fj.IMPLS == P.IMPLS
     for name in ("quantize", "gelu_quantize", "dgelu_quantize", "dequantize"):  # in primitives
