@@ -259,19 +259,20 @@ def _dg_bwd(approximate, z, g):
 _definition_gelu.defvjp(_dg_fwd, _dg_bwd)
 
 
-@pytest.mark.parametrize("approximate", ["tanh", "none"])
-@pytest.mark.parametrize("shape", [(17, 300, 200), (128, 128, 256)], ids=["ragged-17x300x200", "aligned-128x128x256"])
+@pytest.mark.parametrize("shape, approximate", [((17, 300, 200), "tanh"), ((128, 128, 256), "none")],
+                         ids=["ragged-17x300x200-tanh", "aligned-128x128x256-erf"])
 def test_block_mlp_is_its_composition_with_the_gelu_fused(shape, approximate):
     """block_mlp in float32: bit for bit block_dot -> + b1 -> the kernels' gelu -> block_dot -> + b2,
     the output and the gradients of h, w1 and w2; the bias gradients (the kernels' column sums)
     within float32 rounding of the composition's; fp8_mlp under BlockScaling is block_mlp (with
-    ln_eps: a LayerNorm first)."""
+    ln_eps: a LayerNorm first). One jitted program."""
     m, k, f = shape
     r = fusedfp8.BlockScaling(fp8_format="hybrid")
     h = jnp.asarray(inputs((m, k), "float32", 1))
     w1 = jnp.asarray(inputs((k, f), "float32", 2) * np.float32(0.05))
     w2 = jnp.asarray(inputs((f, k), "float32", 3) * np.float32(0.05))
     b1, b2 = jnp.linspace(-1, 1, f, dtype=jnp.float32), jnp.linspace(-0.5, 0.5, k, dtype=jnp.float32)
+    lw, lb = jnp.full((k,), 1.5, jnp.float32), jnp.full((k,), 0.25, jnp.float32)
 
     def composition(h, w1, b1, w2, b2):
         z = F.block_dot(h, w1, r) + b1
@@ -280,27 +281,27 @@ def test_block_mlp_is_its_composition_with_the_gelu_fused(shape, approximate):
     def fused(h, w1, b1, w2, b2):
         return F.block_mlp(h, w1, b1, w2, b2, r, approximate=approximate)
 
-    def run(fn):
-        return jax.jit(jax.value_and_grad(lambda *a: (fn(*a) ** 2).sum() / 2, argnums=(0, 1, 2, 3, 4)))(
-            h, w1, b1, w2, b2)
+    def program(h, w1, b1, w2, b2):
+        def with_y(fn):
+            return jax.value_and_grad(lambda *a: (((y := fn(*a)) ** 2).sum() / 2, y), argnums=(0, 1, 2, 3, 4),
+                                      has_aux=True)(h, w1, b1, w2, b2)
 
-    (lg, gg), (lw, gw) = run(fused), run(composition)
-    assert np.array_equal(np.asarray(fused(h, w1, b1, w2, b2)), np.asarray(composition(h, w1, b1, w2, b2)))
-    assert float(lg) == float(lw)
+        mu = h.mean(-1, keepdims=True)
+        hn = (h - mu) * jax.lax.rsqrt(jnp.square(h - mu).mean(-1, keepdims=True) + 1e-5) * lw + lb
+        return (with_y(fused), with_y(composition), F.fp8_mlp(h, w1, b1, w2, b2, None, None, r, approximate=approximate),
+                F.fp8_mlp(h, w1, b1, w2, b2, None, None, r, approximate=approximate, ln_weight=lw, ln_bias=lb,
+                          ln_eps=1e-5), fused(hn, w1, b1, w2, b2))
+
+    ((lg, yg), gg), ((lw_, yw), gw), y_mlp, y_ln, want_ln = jax.jit(program)(h, w1, b1, w2, b2)
+    assert np.array_equal(np.asarray(yg), np.asarray(yw)) and float(lg) == float(lw_)
     for name, a, b in zip(("dh", "dw1", "db1", "dw2", "db2"), gg, gw):
         a, b = np.asarray(a), np.asarray(b)
         if name.startswith("db"):
             assert np.allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max())), name
         else:
             assert np.array_equal(a, b), name
-    y = F.fp8_mlp(h, w1, b1, w2, b2, None, None, r, approximate=approximate)
-    assert np.array_equal(np.asarray(y), np.asarray(fused(h, w1, b1, w2, b2)))
-    lw_, lb_ = jnp.full((k,), 1.5, jnp.float32), jnp.full((k,), 0.25, jnp.float32)
-    y_ln = F.fp8_mlp(h, w1, b1, w2, b2, None, None, r, approximate=approximate, ln_weight=lw_, ln_bias=lb_,
-                     ln_eps=1e-5)
-    mu = h.mean(-1, keepdims=True)
-    hn = (h - mu) * jax.lax.rsqrt(jnp.square(h - mu).mean(-1, keepdims=True) + 1e-5) * lw_ + lb_
-    assert np.array_equal(np.asarray(y_ln), np.asarray(fused(hn, w1, b1, w2, b2)))
+    assert np.array_equal(np.asarray(y_mlp), np.asarray(yg))
+    assert np.array_equal(np.asarray(y_ln), np.asarray(want_ln))
 
 
 def test_block_mlp_refuses_bad_arguments_by_name():
@@ -356,45 +357,50 @@ def _same_up_to_rounding(got, want, rtol=2.0 ** -20):
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
-def test_the_weight_cache_gives_the_same_bytes_and_gradients(recipe):
-    """quantize_weight(w, None, BlockScaling) is block_quantize(w, weight=True, transpose=True) (padded
-    with pad_to=16, and a cached copy padded later the same bytes); fp8_dot / block_dot with it, and
-    block_mlp with a pair of them, give the outputs and gradients of quantizing the weights in the
-    call, for an unpadded and a padded copy of a ragged weight and with a token count that pads an
-    aligned one: the same FP8 operands, so within the float32 rounding of the CPU's emulated GEMM
-    (XLA's dot sums a program's operands in its own order)."""
+def test_the_weight_cache_is_the_weights_block_quantization(recipe):
+    """quantize_weight(w, None, BlockScaling) is block_quantize(w, weight=True, transpose=True), with
+    pad_to=16 the padded one, and a cached copy padded later (padded_weight: the GEMMs' operands)
+    the same bytes and scales as the padded one, for both weight blocks."""
     from fusedfp8.jax import block as JB
     from fusedfp8.jax.block_dot import padded_weight
 
+    w = jnp.asarray(_operands((17, 300, 200))[1])
+    q, q16 = F.quantize_weight(w, None, recipe), F.quantize_weight(w, None, recipe, pad_to=16)
+    for got, want in ((q, JB.block_quantize(w, recipe, weight=True, transpose=True)),
+                      (q16, JB.block_quantize(w, recipe, weight=True, transpose=True, pad_to=16)),
+                      (padded_weight(q, recipe, 16), q16)):
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None) and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
+
+
+def test_the_weight_cache_gives_the_same_results_and_gradients():
+    """fp8_dot with a cached weight (unpadded and padded copies of a ragged one), and block_mlp with a
+    pair of them (aligned weights that 20 tokens pad), give the outputs and gradients of quantizing
+    the weights in the call: the same FP8 operands, so within the float32 rounding of the CPU's
+    emulated GEMM (XLA's dot sums a program's operands in its own order). One jitted program."""
+    recipe = RECIPES["1x128w-hybrid-exact"]
     x, w, _ = _operands((17, 300, 200))
-    x, w = jnp.asarray(x), jnp.asarray(w)
-    q = F.quantize_weight(w, None, recipe)
-    ref = JB.block_quantize(w, recipe, weight=True, transpose=True)
-    for a, b in zip(q, ref):
-        assert (a is None) == (b is None) and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
-    q16 = F.quantize_weight(w, None, recipe, pad_to=16)
-    ref16 = JB.block_quantize(w, recipe, weight=True, transpose=True, pad_to=16)
-    for a, b, c in zip(q16, ref16, padded_weight(q, recipe, 16)):  # the padding of a cached copy: the padded bytes
-        if a is not None:
-            assert np.array_equal(np.asarray(a), np.asarray(b)) and np.array_equal(np.asarray(a), np.asarray(c))
-
-    def run(fw):
-        return jax.jit(jax.value_and_grad(lambda a, b: (F.fp8_dot(a, b, None, recipe, fp8_weight=fw) ** 2).sum(),
-                                          argnums=(0, 1)))(x, w)
-
-    want = run(None)
-    for cached in (q, q16):
-        _same_up_to_rounding(run(cached), want)
-    # the MLP: (128 x 256 x 384: every weight aligned, 20 tokens pad it to 32 rows)
     h = jnp.asarray(inputs((20, 256), "float32", 8))
     w1, w2 = (jnp.asarray(inputs(sh, "float32", i) * np.float32(0.05)) for i, sh in ((9, (256, 384)), (10, (384, 256))))
     b1, b2 = jnp.zeros(384), jnp.zeros(256)
 
-    def mlp(fws):
-        return jax.jit(jax.value_and_grad(lambda *a: (F.block_mlp(*a, recipe, fp8_weights=fws) ** 2).sum(),
-                                          argnums=(0, 1, 2, 3, 4)))(h, w1, b1, w2, b2)
+    def program(x, w, h, w1, b1, w2, b2):
+        def dot(fw):
+            return jax.value_and_grad(lambda a, b: (F.fp8_dot(a, b, None, recipe, fp8_weight=fw) ** 2).sum(),
+                                      argnums=(0, 1))(x, w)
 
-    _same_up_to_rounding(mlp((F.quantize_weight(w1, None, recipe), F.quantize_weight(w2, None, recipe))), mlp(None))
+        def mlp(fws):
+            return jax.value_and_grad(lambda *a: (F.block_mlp(*a, recipe, fp8_weights=fws) ** 2).sum(),
+                                      argnums=(0, 1, 2, 3, 4))(h, w1, b1, w2, b2)
+
+        qs = (F.quantize_weight(w1, None, recipe), F.quantize_weight(w2, None, recipe))
+        return (dot(None), dot(F.quantize_weight(w, None, recipe)), dot(F.quantize_weight(w, None, recipe, pad_to=16)),
+                mlp(None), mlp(qs))
+
+    want, got, got16, want_mlp, got_mlp = jax.jit(program)(jnp.asarray(x), jnp.asarray(w), h, w1, b1, w2, b2)
+    _same_up_to_rounding(got, want)
+    _same_up_to_rounding(got16, want)
+    _same_up_to_rounding(got_mlp, want_mlp)
 
 
 def test_flax_quantize_weights_under_block_scaling():
