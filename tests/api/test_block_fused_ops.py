@@ -109,8 +109,8 @@ def test_a_plain_gradients_dbias(fw):
     assert_dbias(got.dbias, g.astype(np.float32))
 
 
-@pytest.mark.parametrize("op", ["gelu", "dgelu", "identity"])
-@pytest.mark.parametrize("case", list(CASES.values())[:3], ids=list(CASES)[:3])
+@pytest.mark.parametrize("op, case", [("gelu", CASES["129x127-f32-t-pad16"]), ("dgelu", CASES["300x260-bf16-t"]),
+                                      ("identity", CASES["3x5x130-f16-hybrid"])], ids=["gelu", "dgelu", "identity"])
 def test_the_jax_functions_jitted_are_the_definition(op, case):
     """fusedfp8.jax.block's functions under jax.jit (the jax.numpy twin on the CPU): the same bytes
     and scales; dbias within float32 rounding."""

@@ -259,13 +259,12 @@ def _dg_bwd(approximate, z, g):
 _definition_gelu.defvjp(_dg_fwd, _dg_bwd)
 
 
-@pytest.mark.parametrize("shape, approximate", [((17, 300, 200), "tanh"), ((128, 128, 256), "none")],
-                         ids=["ragged-17x300x200-tanh", "aligned-128x128x256-erf"])
-def test_block_mlp_is_its_composition_with_the_gelu_fused(shape, approximate):
+def test_block_mlp_is_its_composition_with_the_gelu_fused(shape=(17, 300, 200), approximate="tanh"):
     """block_mlp in float32: bit for bit block_dot -> + b1 -> the kernels' gelu -> block_dot -> + b2,
     the output and the gradients of h, w1 and w2; the bias gradients (the kernels' column sums)
     within float32 rounding of the composition's; fp8_mlp under BlockScaling is block_mlp (with
-    ln_eps: a LayerNorm first). One jitted program."""
+    ln_eps: a LayerNorm first). One jitted program, on a ragged shape (every GEMM dimension padded);
+    both gelus' bytes: test_block_fused_ops.py."""
     m, k, f = shape
     r = fusedfp8.BlockScaling(fp8_format="hybrid")
     h = jnp.asarray(inputs((m, k), "float32", 1))
@@ -374,8 +373,8 @@ def test_the_weight_cache_is_the_weights_block_quantization(recipe):
 
 
 def test_the_weight_cache_gives_the_same_results_and_gradients():
-    """fp8_dot with a cached weight (unpadded and padded copies of a ragged one), and block_mlp with a
-    pair of them (aligned weights that 20 tokens pad), give the outputs and gradients of quantizing
+    """fp8_dot with a cached weight (an unpadded copy of a ragged one: padded in the call, which gives
+    the padded copy's bytes: the test above), and block_mlp with a pair of them (aligned weights that 20 tokens pad), give the outputs and gradients of quantizing
     the weights in the call: the same FP8 operands, so within the float32 rounding of the CPU's
     emulated GEMM (XLA's dot sums a program's operands in its own order). One jitted program."""
     recipe = RECIPES["1x128w-hybrid-exact"]
@@ -394,47 +393,48 @@ def test_the_weight_cache_gives_the_same_results_and_gradients():
                                       argnums=(0, 1, 2, 3, 4))(h, w1, b1, w2, b2)
 
         qs = (F.quantize_weight(w1, None, recipe), F.quantize_weight(w2, None, recipe))
-        return (dot(None), dot(F.quantize_weight(w, None, recipe)), dot(F.quantize_weight(w, None, recipe, pad_to=16)),
-                mlp(None), mlp(qs))
+        return dot(None), dot(F.quantize_weight(w, None, recipe)), mlp(None), mlp(qs)
 
-    want, got, got16, want_mlp, got_mlp = jax.jit(program)(jnp.asarray(x), jnp.asarray(w), h, w1, b1, w2, b2)
+    want, got, want_mlp, got_mlp = jax.jit(program)(jnp.asarray(x), jnp.asarray(w), h, w1, b1, w2, b2)
     _same_up_to_rounding(got, want)
-    _same_up_to_rounding(got16, want)
     _same_up_to_rounding(got_mlp, want_mlp)
 
 
 def test_flax_quantize_weights_under_block_scaling():
-    """flax.quantize_weights of a model of Fp8DotGeneral Dense and Fp8MLP layers under BlockScaling:
-    each linear's block-quantized weight in the 'fp8_weights' collection; applied with it, the same
-    output and gradients (within the emulated GEMM's float32 rounding)."""
+    """flax.quantize_weights under BlockScaling: each linear's block-quantized weight in the
+    'fp8_weights' collection (an Fp8DotGeneral Dense's and Fp8MLP's two), the weight's block
+    quantization; applied with it, Fp8MLP gives the same output and gradients (within the emulated
+    GEMM's float32 rounding) and the Dense the same output."""
     import flax.linen as nn
 
+    from fusedfp8.jax import block as JB
     from fusedfp8.jax.flax import FP8_WEIGHTS, Fp8DotGeneral, Fp8MLP, quantize_weights
 
     r = fusedfp8.BlockScaling()
-
-    class Model(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = nn.Dense(130, dot_general_cls=partial(Fp8DotGeneral, recipe=r))(x)
-            return Fp8MLP(ffn=256, recipe=r)(x)
-
-    m = Model()
+    mlp, dense = Fp8MLP(ffn=256, recipe=r), nn.Dense(130, dot_general_cls=partial(Fp8DotGeneral, recipe=r))
     x = jnp.asarray(inputs((24, 128), "float32", 11))
-    shapes = jax.eval_shape(m.init, jax.random.PRNGKey(0), x)
     rng = np.random.default_rng(6)
-    v = jax.tree_util.tree_map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.05, s.dtype), shapes)
 
-    def both(v):
-        cache = quantize_weights(m.apply, v, x)
-        loss = jax.value_and_grad(lambda p, c: (m.apply({**p, **c}, x) ** 2).sum())
-        return cache, loss(v, {}), loss(v, {FP8_WEIGHTS: cache})
+    def values(m):
+        return jax.tree_util.tree_map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.05, s.dtype),
+                                      jax.eval_shape(m.init, jax.random.PRNGKey(0), x))
 
-    cache, want, got = jax.jit(both)(v)
-    leaves = jax.tree_util.tree_leaves_with_path(cache)
-    names = {str(p[-1].key) for p, _ in leaves}
-    assert names == {"data", "scale_inv", "data_t", "scale_inv_t"} and len(leaves) == 3 * 4  # Dense, fc1, fc2
+    vm, vd = values(mlp), values(dense)
+
+    def program(vm, vd):
+        cm, cd = quantize_weights(mlp.apply, vm, x), quantize_weights(dense.apply, vd, x)
+        loss = jax.value_and_grad(lambda p, c: (mlp.apply({**p, **c}, x) ** 2).sum())
+        return (cm, cd, loss(vm, {}), loss(vm, {FP8_WEIGHTS: cm}), dense.apply(vd, x),
+                dense.apply({**vd, FP8_WEIGHTS: cd}, x))
+
+    cm, cd, want, got, want_d, got_d = jax.jit(program)(vm, vd)
+    assert set(cm) == {"fc1", "fc2"} and set(cm["fc1"]) == {"data", "scale_inv", "data_t", "scale_inv_t"}
+    (cd,) = jax.tree_util.tree_leaves(cd, is_leaf=lambda d: isinstance(d, dict) and "data" in d)  # (its dot's scope)
+    q = JB.block_quantize(vd["params"]["kernel"], r, weight=True, transpose=True)
+    for name in ("data", "scale_inv", "data_t", "scale_inv_t"):
+        assert np.array_equal(np.asarray(cd[name]), np.asarray(getattr(q, name))), name
     _same_up_to_rounding(got, want)
+    _same_up_to_rounding(got_d, want_d)
 
 
 def test_a_wrong_cached_weight_is_refused_by_name():
