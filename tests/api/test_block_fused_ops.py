@@ -27,6 +27,8 @@ CASES = {
     "0x130-f32-t-pad16": ((0, 130), "float32", RECIPE, True, 16),
 }
 APPROX = ["tanh", "none"]
+# the host path is the NumPy definition for every framework's CPU arrays: both gelus once, each framework once
+HOST_RUNS = [("numpy", "tanh"), ("numpy", "none"), ("torch", "tanh"), ("jax", "none")]
 
 
 def gelu_want(x, recipe, approximate, transpose, pad_to):
@@ -74,8 +76,7 @@ def test_the_definition_is_the_block_quantization_of_the_activation():
 
 
 # ---- every face on the CPU: the host path (numpy, torch, jax) and the jax.numpy twin -------------------------
-@pytest.mark.parametrize("fw", HOST_FRAMEWORKS)
-@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("fw, approximate", HOST_RUNS)
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_gelu_is_the_definition(fw, approximate, case):
     shape, dtype, recipe, transpose, pad_to = case
@@ -86,8 +87,7 @@ def test_gelu_is_the_definition(fw, approximate, case):
     assert got.dbias is None
 
 
-@pytest.mark.parametrize("fw", HOST_FRAMEWORKS)
-@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("fw, approximate", HOST_RUNS)
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_dgelu_and_its_dbias_are_the_definition(fw, approximate, case):
     shape, dtype, recipe, transpose, pad_to = case
