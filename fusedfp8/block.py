@@ -90,11 +90,15 @@ class BlockOp(NamedTuple):
 def check_block_op(op: str, approximate, dbias, block: tuple) -> BlockOp:
     """The op of a block quantization checked against its block: an op and ``dbias`` take 1x128
     blocks (an activation, a gradient), ``dbias`` goes with a gradient (the identity or dgelu)."""
+    if op not in _block.OPS:
+        raise ValueError(f"op must be one of {_block.OPS}; got {op!r}")
     dbias = _check_flag(dbias, "dbias")
     approximate = check_approximate(approximate)
-    if dbias and tuple(block) != (1, _block.BLOCK):
-        raise ValueError(f"dbias: the column sums of a gradient go with 1x128 blocks; this tensor takes {block} "
-                         "(weight=True): pass weight=False")
+    if (dbias or op != "identity") and tuple(block) != (1, _block.BLOCK):
+        what = "dbias: the column sums of a gradient" if dbias else f"op={op!r}: an activation or its gradient"
+        raise ValueError(f"{what} go with 1x128 blocks; this tensor takes {block} (weight=True): pass weight=False")
+    if dbias and op == "gelu":
+        raise ValueError("dbias goes with a gradient (op 'identity' or 'dgelu'); got op='gelu'")
     return BlockOp(op, approximate, dbias)
 
 

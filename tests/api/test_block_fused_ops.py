@@ -188,6 +188,22 @@ def test_bad_arguments_are_refused_by_name(face):
         mod.block_dgelu_quantize(conv(np.ones((4, 256), np.int32)), x, RECIPE)
 
 
+def test_the_custom_op_refuses_what_no_kernel_computes():
+    """torch.ops.fusedfp8.block_quantize called directly: an unknown op, an op or dbias with a weight's
+    128x128 blocks, gelu with dbias, each refused by name before anything runs."""
+    import torch
+
+    from fusedfp8.pytorch import block as TB
+
+    x = torch.ones(4, 256)
+    with pytest.raises(ValueError, match=r"^op must be one of \('identity', 'gelu', 'dgelu'\); got 'relu'"):
+        TB.block_quantize_op(x, "e4m3", 128, True, False, False, False, 1, "relu")
+    with pytest.raises(ValueError, match=r"^op='gelu': an activation or its gradient go with 1x128 blocks"):
+        TB.block_quantize_op(x, "e4m3", 128, True, True, False, False, 1, "gelu")
+    with pytest.raises(ValueError, match=r"^dbias goes with a gradient"):
+        TB.block_quantize_op(x, "e4m3", 128, True, False, False, False, 1, "gelu", None, "tanh", True)
+
+
 def test_dy_and_x_of_different_dtypes_are_refused():
     x = np.ones((4, 256), np.float32)
     with pytest.raises(TypeError, match=r"^dy and x must have the same dtype; got float32 and float16$"):
