@@ -210,6 +210,10 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
     ``fp8_weight`` of :func:`fp8_dot`. :func:`fp8_mlp_use`: as :func:`fp8_dot_use` (results: y,
     fc1's output meta, fc2's).
 
+    Under a :class:`fusedfp8.BlockScaling` recipe: :func:`fusedfp8.jax.block_dot.block_mlp` (the
+    metas and ``axis_name`` None; ``fp8_weights`` the block ``quantize_weight`` pair; with
+    ``ln_eps`` the LayerNorm runs first, in JAX; :func:`fp8_mlp_use`'s metas come back None).
+
     With ``ln_eps`` (a number >= 0) the block is ``LayerNorm -> Linear -> gelu -> Linear``: h is
     the block's input x, and LayerNorm(x) (weight ``ln_weight``, bias ``ln_bias``: (H,) arrays of
     one float dtype, or None) goes straight to FP8 in the fused layernorm_quantize kernel (with
