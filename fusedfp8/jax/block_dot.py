@@ -256,6 +256,26 @@ def _mlp_bwd(cfg: _MlpCfg, res, g):
 _block_mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
+def check_mlp_shapes(h, w1, b1, w2, b2) -> None:
+    """The MLP's operands chain: h (M, H), w1 (H, F), b1 (F,), w2 (F, N), b2 (N,) (every MLP's check)."""
+    if h.shape[1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
+        raise ValueError(f"shapes do not chain: h {h.shape}, w1 {w1.shape}, w2 {w2.shape}")
+    if b1.shape != (w1.shape[1],) or b2.shape != (w2.shape[1],):
+        raise ValueError(f"b1 must have shape {(w1.shape[1],)} and b2 {(w2.shape[1],)}; got {b1.shape}, {b2.shape}")
+
+
+def check_fp8_weight_pair(fp8_weights, w1, w2, recipe, check_one):
+    """None, or (fc1's, fc2's) cached weights, each checked by ``check_one(q, w, recipe, argname)``
+    (the recipe's own check: per tensor or block)."""
+    if fp8_weights is None:
+        return None
+    if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
+        raise TypeError(f"fp8_weights must be None or a pair (fc1's, fc2's) of quantize_weight results; got "
+                        f"{type(fp8_weights).__name__}")
+    return (check_one(fp8_weights[0], w1, recipe, "fp8_weights[0]"),
+            check_one(fp8_weights[1], w2, recipe, "fp8_weights[1]"))
+
+
 def block_mlp(h, w1, b1, w2, b2, recipe: BlockScaling = BlockScaling(), *, approximate: str = "tanh",
               out_dtype=None, impl: str = "auto", fp8_weights=None):
     """``gelu(h @ w1 + b1) @ w2 + b2`` with FP8 GEMMs under block scaling, differentiable once.
@@ -285,14 +305,6 @@ def block_mlp(h, w1, b1, w2, b2, recipe: BlockScaling = BlockScaling(), *, appro
     """
     ops, out_name, impl = _check_call(recipe, {"h": h, "w1": w1, "w2": w2, "b1": b1, "b2": b2}, out_dtype, impl)
     h, w1, b1, w2, b2 = (ops[k] for k in ("h", "w1", "b1", "w2", "b2"))
-    if h.shape[1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
-        raise ValueError(f"shapes do not chain: h {h.shape}, w1 {w1.shape}, w2 {w2.shape}")
-    if b1.shape != (w1.shape[1],) or b2.shape != (w2.shape[1],):
-        raise ValueError(f"b1 must have shape {(w1.shape[1],)} and b2 {(w2.shape[1],)}; got {b1.shape}, {b2.shape}")
-    if fp8_weights is not None:
-        if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
-            raise TypeError(f"fp8_weights must be None or a pair (fc1's, fc2's) of quantize_weight results; got "
-                            f"{type(fp8_weights).__name__}")
-        fp8_weights = (check_fp8_weight(fp8_weights[0], w1, recipe, "fp8_weights[0]"),
-                       check_fp8_weight(fp8_weights[1], w2, recipe, "fp8_weights[1]"))
+    check_mlp_shapes(h, w1, b1, w2, b2)
+    fp8_weights = check_fp8_weight_pair(fp8_weights, w1, w2, recipe, check_fp8_weight)
     return _block_mlp(h, w1, b1, w2, b2, fp8_weights, _MlpCfg(recipe, check_approximate(approximate), out_name, impl))

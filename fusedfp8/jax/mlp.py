@@ -20,7 +20,7 @@ from ..recipe import BlockScaling, DelayedScaling
 from ..types import check_approximate, check_recipe, gemm_pad_to
 from . import layernorm as LN
 from . import primitives as P
-from .block_dot import block_mlp
+from .block_dot import block_mlp, check_fp8_weight_pair, check_mlp_shapes
 from .dot import (_across, _advance, _check_fp8_weight, _check_operand, _first_order, _refused_here, _sync, _weight,
                   _weight_amax, _zeros_like, gemm)
 from .meta import combine, decode, meta_to_state, refuse_corrupted, refusing, state_to_meta
@@ -226,11 +226,8 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
         return _block_call(h, w1, b1, w2, b2, meta1, meta2, recipe, approximate, axis_name, impl, out_dtype, ln_weight,
                            ln_bias, ln_eps, fp8_weights), None, None
     h, w1, w2 = _check_operand(h, "h"), _check_operand(w1, "w1"), _check_operand(w2, "w2")
-    if h.shape[1] != w1.shape[0] or w1.shape[1] != w2.shape[0]:
-        raise ValueError(f"shapes do not chain: h {h.shape}, w1 {w1.shape}, w2 {w2.shape}")
     b1, b2 = jnp.asarray(b1), jnp.asarray(b2)
-    if b1.shape != (w1.shape[1],) or b2.shape != (w2.shape[1],):
-        raise ValueError(f"b1 must have shape {(w1.shape[1],)} and b2 {(w2.shape[1],)}; got {b1.shape}, {b2.shape}")
+    check_mlp_shapes(h, w1, b1, w2, b2)
     check_recipe(recipe)
     meta1, meta2 = _check_meta(meta1, 3, recipe, "meta1"), _check_meta(meta2, 3, recipe, "meta2")
     if first:
@@ -260,10 +257,5 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
     metas1, metas2, rest = tuple(rest[:k]), tuple(rest[k:2 * k]), rest[2 * k:]
     if ln is not None:
         ln = tuple(None if p is None else rest.pop(0) for p in ln)
-    if fp8_weights is not None:
-        if not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2:
-            raise TypeError(f"fp8_weights must be None or a pair (fc1's, fc2's) of quantize_weight results; got "
-                            f"{type(fp8_weights).__name__}")
-        fp8_weights = (_check_fp8_weight(fp8_weights[0], w1, recipe, "fp8_weights[0]"),
-                       _check_fp8_weight(fp8_weights[1], w2, recipe, "fp8_weights[1]"))
+    fp8_weights = check_fp8_weight_pair(fp8_weights, w1, w2, recipe, _check_fp8_weight)
     return _mlp_call(h, w1, b1, w2, b2, metas1, metas2, fp8_weights, ln, cfg)

@@ -181,10 +181,9 @@ def test_the_gemm_refuses_bad_arguments_by_name(change, error, message):
                          bias=args["bias"])
 
 
-def test_on_cuda_the_gradient_lowers_to_three_block_gemms(monkeypatch):
-    """block_dot's forward and both gradients lowered for CUDA (read without a GPU; the trace-time
-    decisions forced): three calls of fusedfp8_fp8_gemm_block with their block modes, the
-    quantizations as fusedfp8_launch calls, no dot_general; on the CPU no custom call at all."""
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    """Lowering for CUDA without a GPU: the FFI launcher and the block GEMM's trace-time decisions forced."""
     from fusedfp8.jax import primitives as JP
 
     built_shim("xla")
@@ -192,6 +191,12 @@ def test_on_cuda_the_gradient_lowers_to_three_block_gemms(monkeypatch):
     monkeypatch.setattr(G, "_has_gpu", lambda: True)
     monkeypatch.setattr(G, "_block_ready", lambda: (True, "forced"))
     monkeypatch.setattr(G, "_prepared", lambda code: "")
+
+
+def test_on_cuda_the_gradient_lowers_to_three_block_gemms(cuda_lowering):
+    """block_dot's forward and both gradients lowered for CUDA (read without a GPU; the trace-time
+    decisions forced): three calls of fusedfp8_fp8_gemm_block with their block modes, the
+    quantizations as fusedfp8_launch calls, no dot_general; on the CPU no custom call at all."""
     r = fusedfp8.BlockScaling()
     x, w = jnp.ones((300, 260), jnp.bfloat16), jnp.ones((260, 200), jnp.bfloat16)
     loss = jax.grad(lambda a, b: (F.block_dot(a, b, r).astype(jnp.float32) ** 2).sum(), argnums=(0, 1))
@@ -320,18 +325,11 @@ def test_block_mlp_refuses_bad_arguments_by_name():
         F.fp8_mlp(h, w1, b1, w2, b2, (jnp.zeros(3),), None, r)
 
 
-def test_on_cuda_the_block_mlp_gradient_lowers_to_six_block_gemms_and_six_launches(monkeypatch):
+def test_on_cuda_the_block_mlp_gradient_lowers_to_six_block_gemms_and_six_launches(cuda_lowering):
     """block_mlp's forward and gradients lowered for CUDA (read without a GPU): six block-scaled GEMM
     calls (the two forward ones with the bias epilogue), six fusedfp8_launch calls (h, w1, w2, the
     fused gelu; the output gradient with dbias, the fused dgelu with dbias), no dot_general and no
     XLA reduction for a bias gradient."""
-    from fusedfp8.jax import primitives as JP
-
-    built_shim("xla")
-    monkeypatch.setattr(JP, "_auto_backend", lambda: "ffi")
-    monkeypatch.setattr(G, "_has_gpu", lambda: True)
-    monkeypatch.setattr(G, "_block_ready", lambda: (True, "forced"))
-    monkeypatch.setattr(G, "_prepared", lambda code: "")
     r = fusedfp8.BlockScaling()
     h, w1, w2 = jnp.ones((300, 260), jnp.bfloat16), jnp.ones((260, 512), jnp.bfloat16), jnp.ones((512, 260))
     b1, b2 = jnp.zeros(512, jnp.bfloat16), jnp.zeros(260, jnp.bfloat16)
