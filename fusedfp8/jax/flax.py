@@ -38,15 +38,16 @@ Gradient accumulation. The micro-batches of one step add their gradients with
 :func:`quantize_weights` makes every module's FP8 weight once per step (the ``'fp8_weights'``
 collection); passed with the variables, the modules reuse it instead of quantizing their weight
 in each micro-batch (docs/accumulation.md).
+
+:class:`TrainState`, :func:`keep_unwritten` and :func:`accumulate_gradients` are written in
+:mod:`fusedfp8.jax.flax_train` (they need no module of this file) and reached from here.
 """
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
 
 import flax.linen as nn
-from flax.training import train_state
 import jax
 import jax.numpy as jnp
 
@@ -54,10 +55,9 @@ from .. import policy as _policy
 from ..recipe import BlockScaling, DelayedScaling
 from ..types import BlockQuantized, Quantized, check_recipe
 from . import functional as F
-from .meta import META_FIELDS as STATE_VARIABLES
-from .meta import combine, declare_state, per_column, refuse_corrupted
+from .flax_train import OVERWRITE_WITH_GRADIENT, STATE_VARIABLES, TrainState, accumulate_gradients, keep_unwritten
+from .meta import declare_state, refuse_corrupted
 
-OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 FP8_WEIGHTS = "fp8_weights"  # the collection of the weight cache (quantize_weights)
 _CACHED = ("data", "data_t", "amax", "scale_inv")  # its variables per linear: a Quantized without dbias
 _BLOCK_CACHED = ("data", "scale_inv", "data_t", "scale_inv_t")  # under BlockScaling: a BlockQuantized's operands
@@ -371,59 +371,6 @@ class Fp8MLP(nn.Module):
         return y.reshape(*x.shape[:-1], out)
 
 
-def _merge_states(old, new, merge):
-    """``new`` with every FP8 module's state (a mapping holding ``writes`` and ``amax_history``,
-    :mod:`fusedfp8.jax.meta`) replaced by ``merge(old's, new's)``; any nesting of mappings."""
-    if isinstance(new, Mapping):
-        if "writes" in new and "amax_history" in new:
-            items = merge(old, new)
-        else:
-            items = {k: _merge_states(old[k], v, merge) for k, v in new.items()}
-        return type(new)(items) if isinstance(new, dict) else new.copy(items)
-    return new
-
-
-def _keep(old, new) -> dict:
-    keep = jnp.asarray(new["writes"]) == 0
-    return {k: jnp.where(per_column(keep, k), old[k], v) for k, v in new.items()}
-
-
-def keep_unwritten(old, new):
-    """The ``'_overwrite_with_gradient'`` collection to store after a step: ``new`` (the step's
-    gradients of that collection: every FP8 module's new state), except for the modules whose
-    gradient is zero (their output got no cotangent this step: stop_gradient, an unused head, an
-    untaken branch), which keep their ``old`` state unchanged. Any nesting of mappings; a module's
-    state is recognised by its ``writes`` marker (:mod:`fusedfp8.jax.meta`)."""
-    return _merge_states(old, new, _keep)
-
-
-def _combine(total, new) -> dict:
-    merged = combine(tuple(new[k] for k in STATE_VARIABLES), tuple(total[k] for k in STATE_VARIABLES))
-    return dict(zip(STATE_VARIABLES, merged))
-
-
-def accumulate_gradients(total, grads, weight=1.0):
-    """The gradients of one more micro-batch added to ``total`` (gradient accumulation):
-    ``total + weight * grads`` in every collection but ``'_overwrite_with_gradient'``, whose
-    "gradient" is each FP8 module's new state: there the states are combined as one step's uses
-    of a module are (:func:`fusedfp8.jax.meta.combine`: the staged amaxes max-accumulated, the
-    rest from ``grads``; a module that got no gradient in a micro-batch adds nothing). Summing
-    the states instead (``jax.tree.map(jnp.add, ...)``, or averaging them) would make every FP8
-    module start over from a fresh state at the next step (a sum) or stage the mean amax (an
-    average).
-
-    Start from ``jax.tree.map(jnp.zeros_like, grads_or_params)``; pass ``weight=1 / k`` for the
-    mean over k micro-batches. Works inside ``jax.jit`` and ``lax.scan``; the result goes to
-    :meth:`TrainState.apply_gradients` as one step's gradients."""
-    out = {}
-    for col, g in grads.items():
-        if col == OVERWRITE_WITH_GRADIENT:
-            out[col] = _merge_states(total[col], g, _combine)
-        else:
-            out[col] = jax.tree.map(lambda t, a: t + weight * a, total[col], g)
-    return type(grads)(out) if isinstance(grads, dict) else grads.copy(out)
-
-
 def quantize_weights(apply_fn, variables, *args, **kwargs):
     """The weight cache of a flax model for one optimizer step: the FP8 copy (with its transpose)
     of the weight of every :class:`Fp8DotGeneral` and :class:`Fp8MLP` linear, quantized from
@@ -440,19 +387,3 @@ def quantize_weights(apply_fn, variables, *args, **kwargs):
     variables = {k: v for k, v in variables.items() if k != FP8_WEIGHTS}
     _, new = apply_fn(variables, *args, mutable=[FP8_WEIGHTS], **kwargs)
     return new.get(FP8_WEIGHTS, {})
-
-
-class TrainState(train_state.TrainState):
-    """flax's ``TrainState`` whose ``apply_gradients`` keeps the FP8 state of a module that got
-    no gradient in the step (:func:`keep_unwritten`) instead of overwriting it with zeros. The
-    one change from flax's class; use it wherever the FP8 modules' outputs may go unused or sit
-    under ``stop_gradient``. (With flax's own class such a module starts over from a fresh state
-    at its next step: never a zero or a doubled one.)"""
-
-    def apply_gradients(self, *, grads, **kwargs):
-        new = super().apply_gradients(grads=grads, **kwargs)
-        if OVERWRITE_WITH_GRADIENT not in grads:
-            return new
-        kept = keep_unwritten(self.params[OVERWRITE_WITH_GRADIENT], grads[OVERWRITE_WITH_GRADIENT])
-        params = {**new.params, OVERWRITE_WITH_GRADIENT: kept}
-        return new.replace(params=params if isinstance(new.params, dict) else type(new.params)(params))
