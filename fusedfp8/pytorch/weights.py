@@ -259,7 +259,9 @@ class WeightCache:
         """The key of ``w``'s FP8 copy (quantized through ``state`` = (amax_history, scale,
         scale_inv, updates), or None for block scaling, which has no state; for the call described
         by ``extra``), or None where it must not be cached."""
-        if not self.enabled or torch.compiler.is_compiling() or not isinstance(w, nn.Parameter):
+        if torch.compiler.is_compiling():  # (not used while traced, and nothing written: dynamo would guard
+            return None                    # the graph on the written epoch and compile it again next call)
+        if not self.enabled or not isinstance(w, nn.Parameter):
             if self.value is not None:
                 self.clear()  # (a weight parametrized after it was cached: free the copy)
             return None

@@ -284,3 +284,40 @@ def test_separate_captures_never_share_a_cached_weight():
     with torch.no_grad():
         want = f(x)
     assert torch.equal(outs["b"], want)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp", "block-linear", "block-mlp"])
+def test_compiling_after_eager_steps_compiles_once(kind):
+    """A model run eagerly (its weight cache filled), then compiled: the cache is not used while
+    dynamo traces, and tracing writes nothing to it, so the graph is compiled once (a write to the
+    cache's epoch would be a guard that the next call fails, and each such call compiles again)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    r = ff.BlockScaling() if kind.startswith("block") else R
+    model = (fp8.Fp8MLP(32, 64, recipe=r) if kind.endswith("mlp") else
+             nn.Sequential(fp8.Fp8Linear(32, 48, recipe=r), fp8.Fp8Linear(48, 32, recipe=r)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(24, 32)
+
+    def step(forward):
+        forward(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if not kind.startswith("block"):
+            fp8.update_model_scales(model)  # (the first one links the states: one step before compiling)
+
+    step(model)
+    model(x)  # eagerly: fills the cache
+    assert all(m._wcache.value is not None for m in model.modules() if hasattr(m, "_wcache"))
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for _ in range(3):
+        step(compiled)
+    assert len(compiles) == 1
