@@ -12,7 +12,10 @@ Recipes (``--recipe``): ``delayed`` (the default, as above) or ``current``: Curr
 ``amax_group=WORLD``, every activation, weight and gradient quantized with the scale of its amax
 MAX-reduced over the ranks before the cast (one all_reduce per tensor group, 4 per Fp8MLP step and
 2 per Fp8Linear, on the critical path); ``update_model_scales(model)`` then only closes the step,
-with no collective of its own (the staged amaxes are global already).
+with no collective of its own (the staged amaxes are global already); ``block``: BlockScaling (a
+scale per 1x128 block of activations and gradients, per 128x128 block of weights, from the block's
+own max in the pass that casts it): no state, so no amax collective and no scale update at all;
+DDP's gradient all-reduce is the only collective, and the check is that the weights stay identical.
 
 Models (``--model``): ``fp8mlp`` (fusedfp8.pytorch.Fp8MLP: gelu fused into the quantization),
 ``convert`` (fusedfp8.demo.task.TorchMLP converted with convert_to_fp8: two Fp8Linear, gelu in
@@ -24,7 +27,8 @@ update); ``update_scales_ms`` the update_scales call inside it (the amax all_red
 update; null with ``--overlap``, where the all_reduce is started after the backward with
 ``async_op=True`` and finished after ``optimizer.step()``, so it overlaps the optimizer);
 ``amax_allreduce_ms`` a MAX all_reduce of a buffer of the same size as the staged amaxes, timed on
-its own after the step (the collective alone). Medians skip the first ``--warmup`` steps.
+its own after the step (the collective alone; null without FP8 state: bf16, block). Medians skip the
+first ``--warmup`` steps.
 
 Usage:
   GPUs (NCCL):   torchrun --nproc_per_node 2 scripts/train_ddp.py --steps 50 --json ddp.json [--overlap]
@@ -32,7 +36,8 @@ Usage:
                      --hidden 32 --ffn 64 --tokens 16 --json ddp_cpu.json
 Defaults: hidden 4096, ffn 16384, 8192 tokens per rank, bf16 parameters on CUDA (float32 on CPU),
 DelayedScaling() (hybrid, history 1024, 'max'). Exits 1 if the ranks' FP8 states differ, or never updated
-(under --recipe current: if some scale was never written).
+(under --recipe current: if some scale was never written; under --recipe block: if the ranks' weights
+differ).
 """
 from __future__ import annotations
 
@@ -56,7 +61,7 @@ import fusedfp8.pytorch as fp8
 from fusedfp8.demo.task import Task, TorchMLP
 
 MODELS = ("fp8mlp", "convert", "bf16")
-RECIPES = ("delayed", "current")
+RECIPES = ("delayed", "current", "block")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -66,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=MODELS, default="fp8mlp")
     p.add_argument("--recipe", choices=RECIPES, default="delayed",
                    help="delayed: DelayedScaling, amaxes reduced once per step by update_model_scales; current: "
-                        "CurrentScaling with amax_group=WORLD, every amax reduced before its cast")
+                        "CurrentScaling with amax_group=WORLD, every amax reduced before its cast; block: "
+                        "BlockScaling, no state and no amax collective")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=16384)
     p.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step")
@@ -91,8 +97,10 @@ def parse_args(argv=None):
 def build(args, device, dtype, group=None):
     """The model; under ``--recipe current`` its FP8 modules reduce every amax over ``group``."""
     torch.manual_seed(0)  # same initial weights everywhere (DDP also broadcasts rank 0's)
-    current = getattr(args, "recipe", "delayed") == "current"
-    recipe = fusedfp8.CurrentScaling() if current else fusedfp8.DelayedScaling(amax_history_len=args.history)
+    name = getattr(args, "recipe", "delayed")
+    current = name == "current"
+    recipe = (fusedfp8.CurrentScaling() if current else fusedfp8.BlockScaling() if name == "block"
+              else fusedfp8.DelayedScaling(amax_history_len=args.history))
     amax_group = group if current else None
     if args.model == "fp8mlp":
         model = fp8.Fp8MLP(args.hidden, args.ffn, recipe, amax_group=amax_group)
@@ -139,13 +147,17 @@ def rank_agreement(model, device, group, current: bool) -> dict:
     ``scales_identical_across_ranks`` (every FP8 state array of ``model`` bitwise the same on every
     rank), ``weights_identical_across_ranks`` (every parameter) and ``scales_updated``: every FP8
     module's scales written, by a quantization under CurrentScaling (``current``: scale != 1; its
-    update counters stay 0), by update_scales otherwise (updates > 0); False without FP8 modules."""
+    update counters stay 0), by update_scales otherwise (updates > 0); False without FP8 modules;
+    None for block-scaled modules (they have no scales to keep)."""
+    weights = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    if any(isinstance(m, fp8.Fp8BlockLinear) for m in model.modules()):
+        return {"scales_identical_across_ranks": None, "scales_updated": None,
+                "weights_identical_across_ranks": identical_across_ranks(weights, group)}
     mods = fp8.fp8_modules(model)
     if current:
         updated = all(bool((m.scale != 1).all()) for m in mods)
     else:
         updated = all(bool((m.updates > 0).all()) for m in mods)
-    weights = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     return {"scales_identical_across_ranks": identical_across_ranks(fp8_state_vector(model, device), group),
             "weights_identical_across_ranks": identical_across_ranks(weights, group),
             "scales_updated": bool(mods) and updated}
@@ -209,46 +221,52 @@ def main(argv=None) -> int:
             update_ms = (time.perf_counter() - t1) * 1e3
         sync(device)
         step_ms = (time.perf_counter() - t0) * 1e3
-        sync(device)
-        t2 = time.perf_counter()
-        dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group)
-        sync(device)
-        allreduce_ms = (time.perf_counter() - t2) * 1e3
+        allreduce_ms = None  # (no FP8 state: nothing of that size is ever reduced)
+        if fp8_mods:
+            sync(device)
+            t2 = time.perf_counter()
+            dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group)
+            sync(device)
+            allreduce_ms = (time.perf_counter() - t2) * 1e3
         lossv = loss.detach().clone()
         dist.all_reduce(lossv, group=group)
         steps.append({"step": step, "loss": lossv.item() / world, "step_ms": step_ms,
                       "update_scales_ms": update_ms, "amax_allreduce_ms": allreduce_ms})
         if rank == 0:
             upd = "-" if not fp8_mods else "overlapped" if update_ms is None else f"{update_ms:7.3f} ms"
+            red = "-" if allreduce_ms is None else f"{allreduce_ms:7.3f} ms"
             print(f"step {step:4d}  loss {steps[-1]['loss']:.5f}  step {step_ms:8.3f} ms  update_scales {upd}  "
-                  f"amax all_reduce {allreduce_ms:7.3f} ms", flush=True)
+                  f"amax all_reduce {red}", flush=True)
 
     agreement = rank_agreement(model, device, group, current)
-    identical = agreement["scales_identical_across_ranks"]
+    block = args.recipe == "block" and args.model != "bf16"
+    identical = agreement["weights_identical_across_ranks" if block else "scales_identical_across_ranks"]
 
     timed = steps[args.warmup:] or steps
     report = {
         "script": "scripts/train_ddp.py", "argv": sys.argv[1:], "model": args.model,
         "hidden": args.hidden, "ffn": args.ffn, "tokens_per_rank": args.tokens, "dtype": str(dtype),
-        "recipe": args.recipe, "amax_history_len": None if current else args.history, "world_size": world, "backend": backend, "device": args.device,
+        "recipe": args.recipe, "amax_history_len": args.history if args.recipe == "delayed" else None, "world_size": world, "backend": backend, "device": args.device,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__, "fusedfp8": getattr(fusedfp8, "__version__", None),
         "fp8_tensors": 3 * len(fp8_mods),
+        "block_scaled_linears": sum(isinstance(m, fp8.Fp8BlockLinear) for m in model.modules()),
         "median_step_ms": statistics.median(s["step_ms"] for s in timed),
         "overlap": args.overlap,
         "median_update_scales_ms": (None if args.overlap or not fp8_mods
                                     else statistics.median(s["update_scales_ms"] for s in timed)),
-        "median_amax_allreduce_ms": statistics.median(s["amax_allreduce_ms"] for s in timed),
+        "median_amax_allreduce_ms": (statistics.median(s["amax_allreduce_ms"] for s in timed) if fp8_mods
+                                     else None),
         **agreement, "steps": steps,
     }
     if rank == 0:
-        upd = report["median_update_scales_ms"]
+        upd, red = report["median_update_scales_ms"], report["median_amax_allreduce_ms"]
         print(f"median step {report['median_step_ms']:.3f} ms, update_scales "
               f"{'-' if upd is None else f'{upd:.3f} ms'}, amax all_reduce "
-              f"{report['median_amax_allreduce_ms']:.3f} ms; states identical across "
-              f"{world} ranks: {identical}", flush=True)
+              f"{'-' if red is None else f'{red:.3f} ms'}; {'weights' if block else 'states'} identical "
+              f"across {world} ranks: {identical}", flush=True)
     finish(report, args.json, rank)
-    return 0 if identical and (agreement["scales_updated"] or args.model == "bf16") else 1
+    return 0 if identical and (block or agreement["scales_updated"] or args.model == "bf16") else 1
 
 
 if __name__ == "__main__":

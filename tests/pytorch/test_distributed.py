@@ -10,6 +10,7 @@ compare the files against each other and against the single-process oracle.
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -171,3 +172,17 @@ def test_train_ddp_script_runs_on_cpu(job):
     assert rep["weights_identical_across_ranks"] is True
     assert rep["fp8_tensors"] == 6
     assert all(s["amax_allreduce_ms"] > 0 and s["update_scales_ms"] > 0 and s["step_ms"] > 0 for s in rep["steps"])
+
+
+def test_train_ddp_script_with_block_scaling(job):
+    """scripts/train_ddp.py --recipe block --model convert (two Fp8BlockLinear) in 2 ranks: no FP8
+    state, so no amax collective and no scale update; DDP keeps the weights bitwise identical."""
+    res = results(2, job / "world2")
+    assert [int(r["block_rc"]) for r in res] == [0, 0]
+    rep = json.loads(str(res[0]["train_ddp_block.json"]))
+    assert rep["recipe"] == "block" and rep["model"] == "convert" and len(rep["steps"]) == 2
+    assert rep["block_scaled_linears"] == 2 and rep["fp8_tensors"] == 0
+    assert rep["weights_identical_across_ranks"] is True and rep["scales_identical_across_ranks"] is None
+    assert all(s["amax_allreduce_ms"] is None and s["update_scales_ms"] is None and s["step_ms"] > 0
+               for s in rep["steps"])
+    assert all(math.isfinite(s["loss"]) for s in rep["steps"])

@@ -276,7 +276,9 @@ def worker(rank, world, tmp, port):
     dist.destroy_process_group()
     if world == 2:
         rc = run_train_ddp_script(rank, world, tmp, port)
-        np.savez(os.path.join(tmp, f"script{rank}.npz"), script_rc=np.array(rc))
+        rc_block = run_train_ddp_script(rank, world, tmp, port, ("--recipe", "block", "--model", "convert", "--steps",
+                                                                 "2"), "train_ddp_block.json")
+        np.savez(os.path.join(tmp, f"script{rank}.npz"), script_rc=np.array(rc), block_rc=np.array(rc_block))
 
 
 def spawn_ranks(fn, args: tuple, nprocs: int, timeout: float, what: str, start_method: str = "spawn") -> None:
@@ -311,4 +313,5 @@ def results(world: int, out: Path) -> list[dict]:
         for r in range(world):
             res[r].update(np.load(out / f"script{r}.npz"))
         res[0]["train_ddp.json"] = (out / "train_ddp.json").read_text()
+        res[0]["train_ddp_block.json"] = (out / "train_ddp_block.json").read_text()
     return res
