@@ -69,10 +69,10 @@ def launch_attributes(text: str) -> list:
 
 
 def test_a_lowered_train_step_holds_no_number_of_its_process(tmp_path):
-    """Two processes lower the same jitted train step for CUDA (impl='auto': the FFI launch), each
-    with kernel handles of its own (random): the StableHLO texts are equal; every kernel field of
-    every plan is the id of a kernel its process loaded, the same ids in both; no handle of
-    either process appears anywhere in the text."""
+    """Two processes lower the same jitted train step for CUDA (impl='auto': the FFI launch; per-tensor
+    and block-scaled layers), each with kernel handles of its own (random): the StableHLO texts are
+    equal; every kernel field of every plan is the id of a kernel its process loaded (block_quantize
+    among them), the same ids in both; no handle of either process appears anywhere in the text."""
     outs = [tmp_path / f"{k}.json" for k in range(2)]
     procs = [_start("lower", out, JAX_PLATFORMS="cpu") for out in outs]
     for proc in procs:
@@ -85,6 +85,8 @@ def test_a_lowered_train_step_holds_no_number_of_its_process(tmp_path):
     assert all(c["offsets"] == [0] for c in calls)  # one GPU: one plan a call
     fields = {f for c in calls for f in kernel_fields(c["plans"])}
     assert fields <= set(a["ids"]) and len(fields) >= 5
+    named = {kid: name for kid, name in zip(a["ids"], a["names"])}
+    assert any(named[f].startswith("block_quantize<") for f in fields)  # the block-scaled layer's plans too
     handles = {h for h in a["handles"] + b["handles"]}
     assert not handles & {v for c in calls for ints in c.values() for v in ints}
     assert not {str(h) for h in handles} & set(re.findall(r"\d+", a["text"]))

@@ -7,9 +7,10 @@ mode in two processes and compares them:
 
 ``lower``: in a process made to see one GPU (tests/support/fake_cuda.pretend_gpu; each kernel's
 handle a random number of this process, as a real handle is a pointer of its process), the
-StableHLO of a flax train step (:func:`model_and_step`) lowered for CUDA with impl='auto' (the XLA
-FFI launch; the FP8 GEMM left to XLA's dot). Writes OUT.json: ``text``, and the ``handles`` and
-``ids`` of the kernels this process loaded.
+StableHLO of a flax train step (:func:`model_and_step`: per-tensor and block-scaled layers) lowered
+for CUDA with impl='auto' (the XLA FFI launch; the per-tensor FP8 GEMM left to XLA's dot, the block-
+scaled one the shim's FFI GEMM, its availability forced). Writes OUT.json: ``text``, and the ``handles``,
+``ids`` and ``names`` of the kernels this process loaded.
 
 ``train``: three steps of the train step on the GPU, JAX's persistent compilation cache in DIR
 taking every program (no minimum compile time or size). Writes OUT.npz: the ``losses``, the final
@@ -49,10 +50,13 @@ def model_and_step():
     def dense(features):
         return nn.Dense(features, dot_general_cls=lambda: Fp8DotGeneral(recipe=recipe))
 
+    block = fusedfp8.BlockScaling()  # (stateless: its kernels' plans are named the same way)
+
     class Net(nn.Module):
         @nn.compact
         def __call__(self, x):
             h = dense(HIDDEN)(x)
+            h = h + nn.Dense(HIDDEN, dot_general_cls=lambda: Fp8DotGeneral(recipe=block))(h)
             return dense(OUT)(h + Fp8MLP(FFN, recipe=recipe)(h))
 
     model = Net()
@@ -122,13 +126,15 @@ def lower(out_path: str) -> None:
 
     callbacks.gpu_devices = lambda: [0]
     G.gemm_target = lambda: (False, "the FP8 GEMM is not part of this test")
+    G._has_gpu, G._block_ready, G._prepared = (lambda: True), (lambda: (True, "forced")), (lambda code: "")
     make_state, train_step = model_and_step()
     x, y = batch(0)
     state = make_state(x)  # (the CPU backend: jax.numpy)
     text = train_step.trace(state, x, y).lower(lowering_platforms=("cuda",)).as_text()
     kernels = [k for ks in K._loaded.values() for k in ks.values()]
     with open(out_path, "w") as f:
-        json.dump({"text": text, "handles": [k.func for k in kernels], "ids": [k.kid for k in kernels]}, f)
+        json.dump({"text": text, "handles": [k.func for k in kernels], "ids": [k.kid for k in kernels],
+                   "names": [k.name for k in kernels]}, f)
 
 
 def train(out_path: str) -> None:
