@@ -307,6 +307,22 @@ def test_block_mlp_is_its_composition_with_the_gelu_fused(shape=(17, 300, 200), 
     assert np.array_equal(np.asarray(y_ln), np.asarray(want_ln))
 
 
+def test_fp8_mlp_under_block_scaling_without_layernorm_is_block_mlp():
+    """fp8_mlp's block route without ln_eps traces to block_mlp's program, forward and gradients (the
+    same jaxpr; the values: test_block_mlp_is_its_composition_with_the_gelu_fused, through the
+    LayerNorm form)."""
+    r = fusedfp8.BlockScaling(fp8_format="hybrid")
+    ops = (jnp.ones((4, 8)), jnp.ones((8, 16)), jnp.zeros(16), jnp.ones((16, 8)), jnp.zeros(8))
+
+    def program(mlp):
+        return jax.make_jaxpr(jax.value_and_grad(lambda *a: mlp(*a).sum(), argnums=(0, 1, 2, 3, 4)))(*ops)
+
+    routed = program(lambda *a: F.fp8_mlp(*a, None, None, r, approximate="none"))
+    direct = program(lambda *a: F.block_mlp(*a, r, approximate="none"))
+    other = program(lambda *a: F.block_mlp(*a, fusedfp8.BlockScaling(), approximate="none"))
+    assert str(routed) == str(direct) and str(direct) != str(other)  # (the gradients' format shows)
+
+
 def test_block_mlp_refuses_bad_arguments_by_name():
     r = fusedfp8.BlockScaling()
     h, w1, w2 = jnp.ones((4, 8)), jnp.ones((8, 16)), jnp.ones((16, 8))
