@@ -57,6 +57,7 @@ import numpy as np
 from ..formats import Format, get_format
 from ..types import BlockQuantized, check_pad_to
 from . import scaling
+from .layernorm import layernorm_f32
 from .reference import activation, as_2d, cast_to_fp8, column_sums, float32_to
 from .reference import amax as tensor_amax
 from .xp import NumpyNamespace
@@ -177,6 +178,18 @@ def block_quantize(x, fmt: str | Format = "e4m3", block=(1, BLOCK), power_of_two
         s_inv_t = _layout(grid.T, block, scale_shape(z.shape[1], z.shape[0], block))
     data = q.reshape(v.shape) if pad == 1 else q
     return BlockQuantized(data, s_inv, q_t, s_inv_t, tensor_amax(v), column_sums(v2, "y") if dbias else None)
+
+
+def block_layernorm_quantize(x, weight, bias, eps, fmt: str | Format = "e4m3", power_of_two: bool = False,
+                             transpose: bool = False, pad_to: int = 1):
+    """(BlockQuantized of y, mean, rstd): ``y = LayerNorm(x) * weight + bias`` in float32, bit for
+    bit :func:`fusedfp8.numerics.layernorm.layernorm_f32` (the per-tensor fused LayerNorm's y, its
+    fixed summation order and its (rows,) mean and rstd), then block-quantized in 1x128 blocks as
+    :func:`block_quantize` quantizes an input: y's blocks, y's amaxes, the pad zeros of y (not
+    LayerNorm of zeros). ``weight`` / ``bias``: (cols,) arrays or None (1 and -0). The operand of a
+    GEMM whose K is the hidden dimension, and with ``transpose`` the one whose K is the tokens."""
+    y, mean, rstd = layernorm_f32(x, weight, bias, eps)
+    return block_quantize(y, fmt, (1, BLOCK), power_of_two, transpose, pad_to), mean, rstd
 
 
 def expand_scales(scale_inv: np.ndarray, rows: int, cols: int, block) -> np.ndarray:

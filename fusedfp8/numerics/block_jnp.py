@@ -21,6 +21,7 @@ from ..types import BlockQuantized, check_pad_to
 from . import jnp as jn
 from .block import BLOCK, OPS, check_block, scale_shape
 from .jnp_gelu import dgelu_f32, gelu_f32
+from .jnp_layernorm import layernorm_f32
 
 f32 = jnp.float32
 _MAG = np.int32(0x7FFFFFFF)
@@ -116,4 +117,18 @@ def block_quantize(x, fmt: str | Format = "e4m3", block=(1, BLOCK), power_of_two
                            op, approximate, bool(dbias))
 
 
-__all__ = ["block_quantize", "block_scale"]
+@jn.shares_one_zero
+def block_layernorm_quantize(x, weight, bias, eps, fmt: str | Format = "e4m3", power_of_two: bool = False,
+                             transpose: bool = False, pad_to: int = 1):
+    """:func:`fusedfp8.numerics.block.block_layernorm_quantize` in jax.numpy: (BlockQuantized of
+    y as :func:`block_quantize` returns it, mean, rstd), the LayerNorm :mod:`.jnp_layernorm`'s."""
+    fmt, pad = get_format(fmt), check_pad_to(pad_to)
+    if jnp.ndim(x) == 0:
+        raise ValueError("x: block scaling needs an input of at least 1 dimension; got a scalar")
+    y, mean, rstd = layernorm_f32(x, weight, bias, eps)
+    y = jn.computed_once(y)  # (once, not in each of the amax and the casts)
+    return _block_quantize(y, None, fmt.name, (1, BLOCK), bool(power_of_two), bool(transpose), pad, "identity",
+                           "tanh", False), mean, rstd
+
+
+__all__ = ["block_quantize", "block_scale", "block_layernorm_quantize"]

@@ -16,6 +16,7 @@ import pytest
 from fusedfp8.numerics import block as B
 from fusedfp8.numerics import block_jnp as BJ
 from support.block import assert_same, inputs, specials
+from support.frameworks import np_dtype
 
 # (shape, dtype, fmt, block, pow2, transpose, pad_to)
 CASES = {
@@ -71,3 +72,35 @@ def test_bad_arguments_are_refused_by_name():
         BJ.block_quantize(jnp.float32(1.0))
     with pytest.raises(ValueError, match=r"^pad_to must be a positive int"):
         BJ.block_quantize(jnp.ones((2, 2)), pad_to=0)
+
+
+def _ln_inputs(shape, dtype, seed):
+    """LayerNorm inputs whose rows differ in offset and spread, with a NaN row, an inf and a constant row."""
+    g = np.random.default_rng(seed)
+    x = (g.standard_normal(shape) * np.exp2(g.integers(-6, 6, (shape[0], 1))) + g.standard_normal((shape[0], 1)) * 4)
+    x[1, 3], x[2, 7], x[3] = np.nan, -np.inf, 2.5
+    return x.astype(np.float32).astype(np_dtype(dtype))
+
+
+def test_block_layernorm_twin_is_the_numpy_definition():
+    """LayerNorm fused with 1x128 block quantization: the twin's codes, scales (q's and q_t's),
+    amax, mean and rstd against the definition, bit for bit. One program for two cases: a ragged
+    bf16 input with bf16 parameters (one warp a row), power-of-two scales, and a float32 input
+    wider than 32 x 4 chunks (two warps a row) without a weight, padded to 16."""
+    x1, x2 = _ln_inputs((300, 260), "bfloat16", 1), _ln_inputs((129, 1030), "float32", 2)
+    w1 = (np.linspace(0.5, 2, 260)).astype(np_dtype("bfloat16"))
+    b1 = (np.linspace(-1, 1, 260)).astype(np_dtype("bfloat16"))
+    b2 = np.linspace(-0.25, 0.5, 1030).astype(np.float32)
+    cases = ((x1, w1, b1, 1e-5, "e4m3", True, True, 1), (x2, None, b2, 1e-3, "e5m2", False, True, 16))
+
+    @jax.jit
+    def both(x1, w1, b1, x2, b2):
+        return (BJ.block_layernorm_quantize(x1, w1, b1, 1e-5, "e4m3", True, True, 1),
+                BJ.block_layernorm_quantize(x2, None, b2, 1e-3, "e5m2", False, True, 16))
+
+    for got, (x, w, b, eps, fmt, pow2, t, pad) in zip(both(x1, w1, b1, x2, b2), cases):
+        want = B.block_layernorm_quantize(x, w, b, eps, fmt, pow2, t, pad)
+        assert_same(got[0], want[0], True)
+        for g, w_ in zip(got[1:], want[1:]):  # mean, rstd (the canonical NaN in the NaN row)
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint32), w_.view(np.uint32))
+        assert np.isnan(got[0].amax)

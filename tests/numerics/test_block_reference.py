@@ -342,3 +342,34 @@ def test_a_scalar_or_an_integer_input_is_refused():
         B.block_quantize(np.float32(1.0))
     with pytest.raises(TypeError, match=r"^x must be float32, float16 or bfloat16; got int32$"):
         B.block_quantize(np.ones((2, 2), np.int32))
+
+
+@FMTS
+@POW2
+def test_block_layernorm_is_the_fused_layernorm_then_the_block_rule(fmt, pow2):
+    """LayerNorm fused with 1x128 block quantization: mean and rstd are the per-tensor fused
+    LayerNorm's (fusedfp8.numerics.layernorm, bit for bit); each byte of q and q_t decodes to its
+    float32 LayerNorm value within half an FP8 ulp times its block's scale (the scales from
+    the blocks of y, not of x); padded, the rows x cols corner is the unpadded result and the pad
+    is FP8 zeros (zeros of y, not the LayerNorm of a zero row)."""
+    from fusedfp8.numerics import layernorm as LN
+
+    g = np.random.default_rng(5)
+    x = (g.standard_normal((150, 300)) * np.exp2(g.integers(-8, 8, (150, 1))) + 3).astype(BF16)
+    w, b = np.linspace(0.25, 4, 300).astype(f32), np.linspace(-2, 2, 300).astype(f32)
+    got, mean, rstd = B.block_layernorm_quantize(x, w, b, 1e-5, fmt, pow2, True)
+    _, mean_ln, rstd_ln = LN.layernorm_quantize(x, w, b, 1e-5, f32(1.0), fmt)
+    assert np.array_equal(mean.view(np.uint32), mean_ln.view(np.uint32))
+    assert np.array_equal(rstd.view(np.uint32), rstd_ln.view(np.uint32))
+    y = LN.layernorm_f32(x, w, b, 1e-5)[0].astype(np.float64)  # (held to float64 in test_layernorm_reference.py)
+    for q, s_inv, yy in ((got.data, got.scale_inv, y), (got.data_t, got.scale_inv_t, y.T)):
+        rows, cols = yy.shape
+        si = B.expand_scales(s_inv, rows, cols, (1, 128)).astype(np.float64)
+        dec = q.astype(np.float64) * si
+        ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(yy) / si, 2.0 ** MIN_EXP[fmt.name]))) - fmt.mantissa_bits)
+        assert np.all(np.abs(dec - yy) <= 0.5 * ulp * si * (1 + 2.0 ** -20))  # (y * scale: one float32 rounding)
+    padded, _, _ = B.block_layernorm_quantize(x, w, b, 1e-5, fmt, pow2, True, 16)
+    q16 = padded.data.view(np.uint8)
+    assert q16.shape == (160, 304) and not q16[150:].any() and not q16[:, 300:].any()
+    assert np.array_equal(q16[:150, :300], got.data.view(np.uint8))
+    assert np.array_equal(padded.data_t.view(np.uint8)[:300, :150], got.data_t.view(np.uint8))
