@@ -31,9 +31,17 @@
 // where (R, C) is (prows, pcols) for q and (pcols, prows) for q_t. Padding (prows >= rows, pcols >= cols):
 // q and q_t hold zeros outside rows x cols, and every scale is that of the zero-padded input.
 //
+// LayerNorm (LN, 1x128, the identity, no dbias): y = ((x - mean) * rstd) * weight + bias, the fused
+// LayerNorm's y op for op (layernorm_quantize.cu: fsub, fmul, fmul, fadd; weight null: 1, bias null:
+// -0), from the per-row mean and rstd that layernorm_quantize's statistics launch (STATS) wrote just
+// before, in its fixed summation order; the pad is +0 (zeros of y). x is read twice (statistics, then
+// here) so that a 128-row tile of y exists for the transposed copy's column scales: a row of the
+// LayerNorm kernel's own tile cannot hold 128 rows of a hidden-4096 y.
+//
 // Template parameters: T = float | __half | __nv_bfloat16 (input), FMT = 0 (E4M3) | 1 (E5M2), SQUARE,
 // OP (0 identity | 1 gelu tanh | 2 gelu erf | 3 dgelu tanh | 4 dgelu erf; not 0 only with 1x128),
-// HAS_DBIAS (the column sums' code compiled in; 1x128 only).
+// HAS_DBIAS (the column sums' code compiled in; 1x128 only), P (LN's weight and bias, read as float32:
+// the set of T), LN.
 // Grid: 1-D, any number of blocks (grid-stride over the 128x128 tiles of prows x pcols; the host takes
 // min(tiles, resident blocks)); block: 256 threads (launch bounds).
 // Thread t owns rows lr + 32 p (p = 0..3, lr = t / 8) and columns lc..lc+15 (lc = 16 (t % 8)) of a tile:
@@ -72,7 +80,7 @@ __device__ __forceinline__ void put_tile(u8* tile, int r, int lc, u64 lo, u64 hi
                                                  : make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32));
 }
 
-template <typename T, int FMT, bool SQUARE, int OP = 0, bool HAS_DBIAS = (OP >= 3)>
+template <typename T, int FMT, bool SQUARE, int OP = 0, bool HAS_DBIAS = (OP >= 3), typename P = T, bool LN = false>
 __global__ void __launch_bounds__(256) block_quantize(
     const T* __restrict__ x,              // [rows, cols] input (dy for OP 3/4)
     const T* __restrict__ b,              // [rows, cols] second input (x for OP 3/4), else null
@@ -84,11 +92,16 @@ __global__ void __launch_bounds__(256) block_quantize(
     float* __restrict__ dbias,            // [cols] column sums of y, or null
     float* __restrict__ partial,          // [ceil(prows / 128), cols] workspace for dbias, or null
     int* __restrict__ strip_count,        // [ceil(pcols / 128)] zeroed counters for dbias, or null
+    const float* __restrict__ mean,       // LN: [rows] the rows' mean and rstd (the statistics launch), else null
+    const float* __restrict__ rstd,
+    const P* __restrict__ ln_weight,      // LN: [cols] or null (1)
+    const P* __restrict__ ln_bias,        // LN: [cols] or null (-0)
     i64 rows, i64 cols,                   // logical shape
     i64 prows, i64 pcols,                 // padded shape, >= rows, cols
     int pow2)                             // 1: scales rounded down to powers of two
 {
     static_assert(!SQUARE || (OP == 0 && !HAS_DBIAS), "128x128 blocks are a weight's: no activation, no dbias");
+    static_assert(!LN || (!SQUARE && OP == 0 && !HAS_DBIAS), "the LayerNorm's output is an activation: 1x128");
     constexpr int L16 = (int)sizeof(T);  // 16-byte chunks per 16 elements
     __shared__ __align__(16) u8 tile[2 * BQ_HALF];
     __shared__ u32 colmax[8][128];        // 1x128 with q_t: each warp's column maxima
@@ -114,8 +127,27 @@ __global__ void __launch_bounds__(256) block_quantize(
         for (int p = 0; p < 4; ++p)
             load_row16<T, OP>(x, b, rows, cols, r0 + lr + 32 * p, c0 + lc, vec, xc + p * L16,
                               OP >= 3 ? bc + p * L16 : bc);
-        float y[OP == 0 ? 1 : 64];  // op(x) of the thread's 4 x 16 elements (the pad's zeros give +0)
-        if constexpr (OP != 0) {
+        float y[OP == 0 && !LN ? 1 : 64];  // op(x) of the thread's 4 x 16 elements (the pad's zeros give +0)
+        if constexpr (LN) {
+            float w[16], bb[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const bool in = c0 + lc + j < cols;
+                w[j] = ln_weight != nullptr && in ? to_f32(ln_weight[c0 + lc + j]) : 1.0f;
+                bb[j] = ln_bias != nullptr && in ? to_f32(ln_bias[c0 + lc + j]) : -0.0f;
+            }
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                const i64 gr = r0 + lr + 32 * p;
+                const bool in = gr < rows;
+                const float mu = in ? mean[gr] : 0.0f, rs = in ? rstd[gr] : 0.0f;
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+                    y[16 * p + j] = in && c0 + lc + j < cols
+                                        ? fadd(fmul(fmul(fsub(raw_elem<T>(xc + p * L16, j), mu), rs), w[j]), bb[j])
+                                        : 0.0f;
+            }
+        } else if constexpr (OP != 0) {
 #pragma unroll
             for (int p = 0; p < 4; ++p)
 #pragma unroll
@@ -124,7 +156,7 @@ __global__ void __launch_bounds__(256) block_quantize(
                                                  OP >= 3 ? raw_elem<T>(bc + p * L16, j) : 0.0f);
         }
         auto val = [&](int p, int j) -> float {  // element j of the thread's row p, as quantized
-            if constexpr (OP == 0) return raw_elem<T>(xc + p * L16, j);
+            if constexpr (OP == 0 && !LN) return raw_elem<T>(xc + p * L16, j);
             else return y[16 * p + j];
         };
         u32 rm[4], cm[16];

@@ -13,7 +13,10 @@
 //
 // Template parameters: T = float | __half | __nv_bfloat16 (x), P = the same set (weight and bias,
 // read as float32), FMT = 0 (E4M3) | 1 (E5M2), STORE = false for the first-step pre-pass (amax
-// only, and only when *updates == 0; see launch_scale() in common.cuh), TRANSPOSE: also q_t.
+// only, and only when *updates == 0; see launch_scale() in common.cuh), TRANSPOSE: also q_t,
+// STATS (with STORE = false): the statistics only, every step: mean and rstd written, no y, no
+// amax (block scaling's first launch: block_quantize.cu's LayerNorm instantiation then computes y
+// from them, tile by tile, with the scales of y's own blocks).
 //
 // Layout. A row is cut into chunks of 8 columns (one 16-byte load of a 2-byte type, two of
 // float32; the last chunk zero-padded), and tpr threads (a power of two, 32..512, chosen from
@@ -234,7 +237,7 @@ __device__ __forceinline__ void store_transposed(const u8* tile, u8* q_t, i64 ro
 // (store_transposed<true>); the shared tile's pitch is pcols rounded up to 16. The pad takes no
 // part in the amax (a pad row loads nothing). Without PAD, prows == rows and pcols == cols and
 // the code is the unpadded kernel's: every PAD test is a compile-time constant.
-template <typename T, typename P, int FMT, bool STORE, bool TRANSPOSE, bool PAD>
+template <typename T, typename P, int FMT, bool STORE, bool TRANSPOSE, bool PAD, bool STATS = false>
 __device__ __forceinline__ void layernorm_rows(
     const T* __restrict__ x, const P* __restrict__ weight, const P* __restrict__ bias, u8* __restrict__ q,
     u8* __restrict__ q_t, float* __restrict__ mean_out, float* __restrict__ rstd_out, const float* __restrict__ scale,
@@ -243,7 +246,8 @@ __device__ __forceinline__ void layernorm_rows(
 {
     extern __shared__ __align__(16) u8 tile[];       // [tile_rows][pitch] when q_t
     __shared__ float red[2][LN_THREADS / 32];         // per-warp partial sums (sum, sum of squares)
-    if (!STORE && *updates != 0) return;  // pre-pass only runs on a first step
+    static_assert(!(STATS && (STORE || PAD)), "the statistics launch writes no FP8");
+    if (!STORE && !STATS && *updates != 0) return;  // pre-pass only runs on a first step
     float s = 1.0f;
     bool fresh = false;
     if (STORE) {
@@ -356,18 +360,20 @@ __device__ __forceinline__ void layernorm_rows(
                 if (transposed) *reinterpret_cast<uint2*>(tile + tr * pitch + col) = bytes;
             }
         };
+        if constexpr (!STATS) {
 #pragma unroll
-        for (int k = 0; k < LN_CACHED; ++k) output(cache[k], ((i64)k * tpr + t) * LN_CHUNK, nks[k]);
-        for (int k = LN_CACHED; k < steps; ++k) {
-            i64 col;
-            const int nk = valid(k, col);
-            output(load_chunk<T, VEC>(xr + col, nk), col, nk);
+            for (int k = 0; k < LN_CACHED; ++k) output(cache[k], ((i64)k * tpr + t) * LN_CHUNK, nks[k]);
+            for (int k = LN_CACHED; k < steps; ++k) {
+                i64 col;
+                const int nk = valid(k, col);
+                output(load_chunk<T, VEC>(xr + col, nk), col, nk);
+            }
         }
         if (PAD && r < prows) {  // the pad of q: an active row's columns cols.., a pad row's every column
             u8* qr = q + r * pcols;
             for (i64 c = (active ? cols : 0) + t; c < pcols; c += tpr) qr[c] = 0;
         }
-        if (STORE && active && t == 0 && mean_out != nullptr) {
+        if ((STORE || STATS) && active && t == 0 && mean_out != nullptr) {
             mean_out[r] = canonical(mean);
             rstd_out[r] = canonical(rstd);
         }
@@ -385,10 +391,10 @@ __device__ __forceinline__ void layernorm_rows(
             __syncthreads();  // the tile is rewritten by the next group
         }
     }
-    if (!fresh) block_amax_atomic<LN_THREADS>(m, amax, blockDim.x >> 5);  // on a first step the pre-pass did it
+    if (!STATS && !fresh) block_amax_atomic<LN_THREADS>(m, amax, blockDim.x >> 5);  // on a first step the pre-pass did it
 }
 
-template <typename T, typename P, int FMT, bool STORE, bool TRANSPOSE>
+template <typename T, typename P, int FMT, bool STORE, bool TRANSPOSE, bool STATS = false>
 __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize(
     const T* __restrict__ x,          // [rows, cols] input
     const P* __restrict__ weight,     // [cols] or null (1)
@@ -411,9 +417,10 @@ __global__ void __launch_bounds__(LN_THREADS) layernorm_quantize(
     float eps,                        // added to the variance
     float margin_factor)              // 2**margin, for the first-step scale
 {
-    layernorm_rows<T, P, FMT, STORE, TRANSPOSE, false>(x, weight, bias, q, q_t, mean_out, rstd_out, scale, amax,
-                                                       scale_out, scale_inv_out, scale_inv_used, updates, rows, cols,
-                                                       rows, cols, tpr, tile_rows, vec, vec_t, eps, margin_factor);
+    layernorm_rows<T, P, FMT, STORE, TRANSPOSE, false, STATS>(x, weight, bias, q, q_t, mean_out, rstd_out, scale,
+                                                              amax, scale_out, scale_inv_out, scale_inv_used, updates,
+                                                              rows, cols, rows, cols, tpr, tile_rows, vec, vec_t, eps,
+                                                              margin_factor);
 }
 
 // layernorm_quantize writing padded outputs (the quantize family's pad_to): the same parameters

@@ -28,7 +28,8 @@ from .executor import current_device, execute, plan_on, run
 from .format import Plan
 from .kernels import all_module_keys, cuda_include_dirs, probe, source_dir
 from .plans import (BLOCK_SLOTS, DEQUANTIZE_SLOTS, LAYERNORM_SLOTS, META_UPDATE_SLOTS, QUANTIZE_SLOTS, UPDATE_SLOTS,
-                    KernelRef, block_dbias_workspace, block_of, build_amax_plan, build_block_quantize_plan,
+                    KernelRef, block_dbias_workspace, block_of, build_amax_plan, build_block_layernorm_plan,
+                    build_block_quantize_plan,
                     build_dequantize_plan, build_layernorm_amax_plan, build_layernorm_plan, build_quantize_plan,
                     build_update_plan, dbias_workspace, layernorm_block, layernorm_tile, padded, split_transpose)
 
@@ -36,8 +37,8 @@ __all__ = ["probe", "source_dir", "cuda_include_dirs", "all_module_keys", "compi
            "dbias_workspace", "block_dbias_workspace", "Plan", "plan_on", "execute", "run", "current_device",
            "QUANTIZE_SLOTS", "LAYERNORM_SLOTS", "BLOCK_SLOTS", "DEQUANTIZE_SLOTS", "UPDATE_SLOTS", "META_UPDATE_SLOTS",
            "quantize_plan", "layernorm_plan", "amax_plan", "layernorm_amax_plan", "block_quantize_plan",
-           "dequantize_plan", "update_plan", "quantize", "layernorm_quantize", "block_quantize", "dequantize",
-           "update_scales"]
+           "block_layernorm_plan", "dequantize_plan", "update_plan", "quantize", "layernorm_quantize", "block_quantize",
+           "block_layernorm_quantize", "dequantize", "update_scales"]
 
 
 def compile_module(key: kernels.ModuleKey, device_id: int) -> None:
@@ -121,6 +122,21 @@ def block_quantize_plan(device: int, dtype: str, fmt: str, block: tuple, rows: i
     return build_block_quantize_plan(kernel_refs(kernels.ModuleKey("block_quantize", dtype, fmt, op), device),
                                      kernels.sm_count(device), rows, cols, tuple(block), transpose, pow2,
                                      pad_to, dbias, op)._replace(device=device)
+
+
+@functools.lru_cache(maxsize=1024)
+def block_layernorm_plan(device: int, dtype: str, param: str, fmt: str, rows: int, cols: int, transpose: bool = False,
+                         pow2: bool = False, pad_to: int = 1, eps: float = 1e-5) -> Plan:
+    """:func:`~fusedfp8.launch.plans.build_block_layernorm_plan` on ``device``: the statistics kernel of
+    module layernorm_quantize (dtype, fmt, param), with its occupancy at the LayerNorm's block for
+    the row, and block_quantize's LayerNorm instantiation of module (dtype, fmt, identity)."""
+    stats = kernels.load(kernels.ModuleKey("layernorm_quantize", dtype, fmt, param=param), device)["layernorm_stats"]
+    tpr = _ln.threads_per_row(max(cols, 1))
+    refs = {**kernel_refs(kernels.ModuleKey("block_quantize", dtype, fmt, "identity"), device),
+            "layernorm_stats": KernelRef(stats.func, stats.name, "layernorm_stats",
+                                         stats.blocks_per_sm(layernorm_block(tpr)), stats.kid)}
+    return build_block_layernorm_plan(refs, kernels.sm_count(device), rows, cols, param, transpose, pow2, pad_to,
+                                      eps)._replace(device=device)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -223,6 +239,24 @@ def block_quantize(device: int, stream: int, buffers: dict, *, dtype: str, fmt: 
     """
     plan = plan_on(stream, block_quantize_plan, device, dtype, fmt, tuple(block), rows, cols,
                    bool(buffers.get("q_t")), bool(pow2), int(pad_to), op, bool(buffers.get("dbias")))
+    run(plan, buffers, stream)
+
+
+def block_layernorm_quantize(device: int, stream: int, buffers: dict, *, dtype: str, param: str, fmt: str, rows: int,
+                             cols: int, eps: float, pow2: bool = False, pad_to: int = 1) -> None:
+    """Launch LayerNorm fused with 1x128 block quantization (:func:`block_layernorm_plan`, then
+    :func:`run`) on raw device pointers: the bytes, scales and statistics of
+    :func:`fusedfp8.numerics.block.block_layernorm_quantize`.
+
+    buffers : {name: device pointer} of :data:`BLOCK_SLOTS`: ``x`` (rows, cols) row-major input;
+        ``weight`` and ``bias``: (cols,) of dtype ``param``, or not given (1 and -0); ``mean`` and
+        ``rstd``: (rows,) float32 outputs (always written: the second launch reads them); ``q``,
+        ``scale_inv``, ``q_t``, ``scale_inv_t`` and ``amax`` as :func:`block_quantize`'s (1x128).
+    dtype, param : 'float32' | 'float16' | 'bfloat16': x's, and the weight's and bias's.
+    eps : added to the variance. fmt, pow2, pad_to: as :func:`block_quantize`'s.
+    """
+    plan = plan_on(stream, block_layernorm_plan, device, dtype, param, fmt, rows, cols, bool(buffers.get("q_t")),
+                   bool(pow2), int(pad_to), float(eps))
     run(plan, buffers, stream)
 
 

@@ -126,13 +126,17 @@ def name_expressions(key: ModuleKey) -> dict[str, str]:
                 "layernorm_store0": f"layernorm_quantize<{t}, {p}, {f}, false, false>",
                 "padded_layernorm_store1": f"layernorm_quantize_padded<{t}, {p}, {f}, false>",
                 "padded_layernorm_store1_t": f"layernorm_quantize_padded<{t}, {p}, {f}, true>",
+                "layernorm_stats": f"layernorm_quantize<{t}, {p}, {f}, false, false, true>",  # block scaling's
                 "transpose_tiled": "transpose_fp8"}
     if key.family == "block_quantize":  # plans.block_role: 1x128 rows (every op), 128x128 tiles (the identity)
         t, f, o = CPP_TYPES[key.dtype], FMT_IDS[key.fmt], OPS[key.op]
         if key.op != "identity":  # an activation (gelu) or a gradient (dgelu, with its column sums compiled in)
             return {"block_1x128": f"block_quantize<{t}, {f}, false, {o}>"}
         return {"block_1x128": f"block_quantize<{t}, {f}, false>", "block_128x128": f"block_quantize<{t}, {f}, true>",
-                "block_1x128_dbias": f"block_quantize<{t}, {f}, false, 0, true>"}  # a plain gradient's dbias
+                "block_1x128_dbias": f"block_quantize<{t}, {f}, false, 0, true>",  # a plain gradient's dbias
+                # the LayerNorm's y, by the dtype of its weight and bias
+                **{f"block_1x128_ln_{d}": f"block_quantize<{t}, {f}, false, 0, false, {p}, true>"
+                   for d, p in CPP_TYPES.items()}}
     if key.family == "dequantize":
         return {"dequant": f"dequantize_flat<{CPP_TYPES[key.dtype]}, {FMT_IDS[key.fmt]}>"}
     if key.family == "update_scales":

@@ -28,9 +28,10 @@ UPDATE_SLOTS = Slots("amax_history", "scale", "scale_inv", "overflows", "updates
 # update_meta (JAX, out of place): the meta's arrays in, the state's (int32 counters) and the output meta's counters out
 META_UPDATE_SLOTS = Slots("amax_history", "scale", "overflows_f", "updates_f", "writes", "fmt_max", "amax_history_out",
                           "scale_out", "scale_inv_out", "overflows", "updates", "overflows_f_out", "updates_f_out")
-# block scaling: the input(s), q and q_t with their per-block scales, the tensor's amax (no state), and a
-# gradient's column sums with their workspaces
-BLOCK_SLOTS = Slots("x", "b", "q", "scale_inv", "q_t", "scale_inv_t", "amax", "dbias", "partial", "counters")
+# block scaling: the input(s), q and q_t with their per-block scales, the tensor's amax (no state), a
+# gradient's column sums with their workspaces, and the fused LayerNorm's parameters and statistics
+BLOCK_SLOTS = Slots("x", "b", "q", "scale_inv", "q_t", "scale_inv_t", "amax", "dbias", "partial", "counters", "mean",
+                    "rstd", "weight", "bias")
 
 # ---- the tile geometry: the one source of the grids, the padding rules and the workspaces --------
 THREADS = 256  # the element-wise kernels' block: -DFF8_THREADS (kernels.COMPILE_OPTIONS)
@@ -85,8 +86,9 @@ SIGNATURES = {
                                          #                            tile_rows, vec, vec_t, eps, margin
     "transpose": "@2Pqqii",  # transpose_fp8: q, q_t, prows, pcols, vec, vec_t
     "dequant": "@3Pqi",      # dequantize_flat: q, out, scale_inv, n, vec
-    "block": "@10Pqqqqi",    # block_quantize: x, b, q, scale_inv, q_t, scale_inv_t, amax, dbias, partial,
-                             #                counters, rows, cols, prows, pcols, pow2
+    "block": "@14Pqqqqi",    # block_quantize: x, b, q, scale_inv, q_t, scale_inv_t, amax, dbias, partial,
+                             #                counters, mean, rstd, ln_weight, ln_bias, rows, cols, prows, pcols,
+                             #                pow2
     "update": "@6Piifi",     # update_scales: 6 pointers, n, L, margin, algo_max
     "meta_update": "@13Piifi",  # update_meta: 13 pointers (the meta in, the state and counters out), n, L, margin,
                                 #              algo_max
@@ -415,6 +417,43 @@ def build_block_quantize_plan(refs: dict, sms: int, rows: int, cols: int, block=
         q_t, s_t = (ptr(k.q_t), ptr(k.scale_inv_t)) if transpose else (NULLPTR, NULLPTR)
         db = (ptr(k.dbias), ptr(k.partial), ptr(k.counters)) if dbias else (NULLPTR,) * 3
         steps.append(_launch([(r, max(1, min(tiles, r.per_sm * sms)))], 0, BLOCK_THREADS, (
-            ptr(k.x), ptr(k.b), ptr(k.q), ptr(k.scale_inv), q_t, s_t, ptr(k.amax), *db, imm64(rows), imm64(cols),
-            imm64(prows), imm64(pcols), imm32(int(bool(pow2))))))
+            ptr(k.x), ptr(k.b), ptr(k.q), ptr(k.scale_inv), q_t, s_t, ptr(k.amax), *db, *(NULLPTR,) * 4, imm64(rows),
+            imm64(cols), imm64(prows), imm64(pcols), imm32(int(bool(pow2))))))
+    return make_plan(k, steps)
+
+
+def block_layernorm_role(param: str) -> str:
+    """The role of block_quantize's LayerNorm instantiation whose weight and bias are ``param``."""
+    return f"block_1x128_ln_{param}"
+
+
+def build_block_layernorm_plan(refs: dict, sms: int, rows: int, cols: int, param: str, transpose: bool = False,
+                               pow2: bool = False, pad_to: int = 1, eps: float = 1e-5) -> Plan:
+    """LayerNorm fused with 1x128 block quantization over :data:`BLOCK_SLOTS` (``refs``: role ->
+    KernelRef of the layernorm_quantize module, for its statistics launch ``layernorm_stats``, and
+    of the block_quantize identity module, for :func:`block_layernorm_role`; ``param``: the dtype of
+    ``weight`` and ``bias``, either slot null for none): ``amax`` zeroed; the statistics launch
+    (the per-row mean and rstd into ``mean`` and ``rstd``, in the row layout the reference sums in,
+    :func:`fusedfp8.numerics.layernorm.threads_per_row`, one resident wave of row groups); then
+    block_quantize's LayerNorm instantiation over the 128 x 128 tiles of the padded shape, y from
+    x and the statistics, q (and with ``transpose`` q_t) with the scales of y's blocks. Nothing
+    but the memset for an input without rows (cols >= 1 is the caller's)."""
+    k = BLOCK_SLOTS
+    steps = [Memset(k.amax, 4)]
+    prows, pcols = padded(rows, cols, pad_to)
+    if rows * cols:
+        tpr = _ln.threads_per_row(cols)
+        block = layernorm_block(tpr)
+        stats = refs["layernorm_stats"]
+        steps.append(_launch([(stats, max(1, min(-(-rows // (block // tpr)), stats.per_sm * sms)))], 0, block, (
+            ptr(k.x), NULLPTR, NULLPTR, NULLPTR, NULLPTR, ptr(k.mean), ptr(k.rstd), *(NULLPTR,) * 6, imm64(rows),
+            imm64(cols), imm32(tpr), imm32(0), flag((k.x,), 16, cols % 8 == 0), flag((), 16, False), immf32(eps),
+            immf32(1.0))))
+        r = refs[block_layernorm_role(param)]
+        tiles = -(-prows // BLOCK_SIDE) * -(-pcols // BLOCK_SIDE)
+        q_t, s_t = (ptr(k.q_t), ptr(k.scale_inv_t)) if transpose else (NULLPTR, NULLPTR)
+        steps.append(_launch([(r, max(1, min(tiles, r.per_sm * sms)))], 0, BLOCK_THREADS, (
+            ptr(k.x), NULLPTR, ptr(k.q), ptr(k.scale_inv), q_t, s_t, ptr(k.amax), *(NULLPTR,) * 3, ptr(k.mean),
+            ptr(k.rstd), ptr(k.weight), ptr(k.bias), imm64(rows), imm64(cols), imm64(prows), imm64(pcols),
+            imm32(int(bool(pow2))))))
     return make_plan(k, steps)

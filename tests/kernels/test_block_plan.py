@@ -42,9 +42,8 @@ def test_the_plan_zeroes_the_amax_then_launches_the_blocks_kernel(block, transpo
     assert variant.grid == 3 * 3  # (304 x 272 padded: 3 x 3 tiles of 128)
     t = [("ptr", "q_t"), ("ptr", "scale_inv_t")] if transpose else [("null",), ("null",)]
     assert params(launch) == [("ptr", "x"), ("ptr", "b"), ("ptr", "q"), ("ptr", "scale_inv"), *t, ("ptr", "amax"),
-                              ("null",), ("null",), ("null",), ("imm", 300), ("imm", 260), ("imm", 304), ("imm", 272),
-                              ("imm", 1)]
-    assert launch.layout == PL.signature(PL.block_role(block)) == "@PPPPPPPPPPqqqqi"
+                              *[("null",)] * 7, ("imm", 300), ("imm", 260), ("imm", 304), ("imm", 272), ("imm", 1)]
+    assert launch.layout == PL.signature(PL.block_role(block)) == "@PPPPPPPPPPPPPPqqqqi"
 
 
 def test_the_grid_is_one_resident_wave_and_pow2_is_a_flag():
@@ -64,7 +63,9 @@ def test_an_empty_input_only_zeroes_the_amax(rows, cols):
 def test_the_roles_are_the_block_shapes():
     assert PL.block_role((1, 128)) == "block_1x128" and PL.block_role((128, 128)) == "block_128x128"
     assert PL.block_role((1, 128), dbias=True) == "block_1x128_dbias"
-    assert set(K.name_expressions(KEY)) == {"block_1x128", "block_128x128", "block_1x128_dbias"}
+    assert set(K.name_expressions(KEY)) == {"block_1x128", "block_128x128", "block_1x128_dbias",
+                                            "block_1x128_ln_float32", "block_1x128_ln_float16",
+                                            "block_1x128_ln_bfloat16"}
     for op in ("gelu_tanh", "gelu_erf", "dgelu_tanh", "dgelu_erf"):  # activations and gradients: 1x128 only
         assert set(K.name_expressions(K.ModuleKey("block_quantize", "float16", "e5m2", op))) == {"block_1x128"}
     assert PL.block_of("block_1x128") == PL.BLOCK_THREADS == 256
@@ -107,3 +108,39 @@ def test_a_gelu_plan_launches_its_modules_kernel_with_b_left_null_by_the_caller(
     (_, launch) = PL.build_block_quantize_plan(r, SMS, 256, 512, (1, 128), True, False, 1, False, "gelu_tanh").steps
     assert launch.variants[0].name == "block_quantize<float, 0, false, 1>"
     assert params(launch)[1] == ("ptr", "b")  # (a slot the caller leaves out is null)
+
+
+def ln_refs(per_sm: int = 3) -> dict:
+    ln = K.name_expressions(K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float16"))
+    stats = PL.KernelRef(0x7E00, ln["layernorm_stats"], "layernorm_stats", per_sm, 99)
+    return {**refs(per_sm, K.ModuleKey("block_quantize", "bfloat16", "e4m3", "identity")), "layernorm_stats": stats}
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["q", "q+q_t"])
+def test_the_layernorm_plan_launches_the_statistics_then_the_blocks_of_y(transpose):
+    """LayerNorm fused with 1x128 blocks: the amax zeroed; the layernorm kernel's statistics
+    instantiation over the rows (its block and threads per row the reference's row layout: 4096
+    columns, 128 threads a row, 2 rows a block of 256), writing mean and rstd; then block_quantize's
+    LayerNorm instantiation for the parameters' dtype over the padded tiles, reading them."""
+    r = ln_refs()
+    plan = PL.build_block_layernorm_plan(r, SMS, 300, 4096, "float16", transpose, True, 16, 1e-3)
+    memset, stats, blocks = plan.steps
+    assert memset == P.Memset(PL.BLOCK_SLOTS.amax, 4)
+    assert stats.variants[0].name == "layernorm_quantize<__nv_bfloat16, __half, 0, false, false, true>"
+    assert stats.block == 256 and stats.variants[0].grid == 150  # (300 rows, 2 a block; under 3 x 132)
+    sp = [("ptr", PL.BLOCK_SLOTS[t.a]) if t.kind == P.PTR else ("null",) if t.kind == P.NULL else (t.kind, t.a)
+          for t in stats.params]
+    assert sp[:13] == [("ptr", "x"), *[("null",)] * 4, ("ptr", "mean"), ("ptr", "rstd"), *[("null",)] * 6]
+    assert [t.a for t in stats.params[13:17]] == [300, 4096, 128, 0] and stats.params[-2].kind == P.F32
+    assert stats.layout == PL.signature("layernorm_stats")
+    assert blocks.variants[0].func == r["block_1x128_ln_float16"].func
+    assert blocks.variants[0].name == "block_quantize<__nv_bfloat16, 0, false, 0, false, __half, true>"
+    t = [("ptr", "q_t"), ("ptr", "scale_inv_t")] if transpose else [("null",), ("null",)]
+    assert params(blocks) == [("ptr", "x"), ("null",), ("ptr", "q"), ("ptr", "scale_inv"), *t, ("ptr", "amax"),
+                              *[("null",)] * 3, ("ptr", "mean"), ("ptr", "rstd"), ("ptr", "weight"), ("ptr", "bias"),
+                              ("imm", 300), ("imm", 4096), ("imm", 304), ("imm", 4096), ("imm", 1)]
+    assert blocks.variants[0].grid == 3 * 32  # (304 x 4096: 3 x 32 tiles of 128)
+
+
+def test_the_layernorm_plan_of_no_rows_only_zeroes_the_amax():
+    assert PL.build_block_layernorm_plan(ln_refs(), SMS, 0, 1024, "float32").steps == (P.Memset(PL.BLOCK_SLOTS.amax, 4),)

@@ -55,11 +55,13 @@ def test_the_cubin_groups_put_every_template_and_argument_through_ptxas():
     ptx_only = {g for g in GROUPS if N.target_of(g) == N.PTX}
     assert ptx_only == {f"{f}-{d}" for f in ("quantize", "current_quantize", "layernorm_quantize", "block_quantize")
                         for d in ("float32", "float16")}
-    # block_quantize's cubin group holds every FMT, block shape, op and the identity's dbias
+    # block_quantize's cubin group holds every FMT, block shape, op, the identity's dbias and the LayerNorm's
+    # parameter dtypes
     assert N.target_of("block_quantize-bfloat16") == N.CUBIN
     assert {e.split(",", 1)[1] for e in GROUPS["block_quantize-bfloat16"]} == {
         f" {f}, {tail}>" for f in K.FMT_IDS.values()
-        for tail in ("false", "true", "false, 0, true", *(f"false, {o}" for o in range(1, 5)))}
+        for tail in ("false", "true", "false, 0, true", *(f"false, {o}" for o in range(1, 5)),
+                     *(f"false, 0, false, {p}, true" for p in K.CPP_TYPES.values()))}
     assert {N.target_of(N.group_of(k)) for k in N.SIGNATURE_KEYS.values()} == {N.CUBIN}
     keys = K.all_module_keys()
     in_cubin = [k for k in keys if N.target_of(N.group_of(k)) == N.CUBIN]
@@ -90,17 +92,21 @@ def test_every_family_and_instantiation_is_listed():
     # the identity: both block shapes and the 1x128 one with dbias; every other op: 1x128 (dgelu's with dbias)
     assert {tuple(e[len("block_quantize<"):-1].split(", ")) for k in bq for e in K.name_expressions(k).values()} == {
         (t, str(f), *tail) for t in K.CPP_TYPES.values() for f in K.FMT_IDS.values()
-        for tail in (("false",), ("true",), ("false", "0", "true"), *(("false", str(o)) for o in range(1, 5)))}
+        for tail in (("false",), ("true",), ("false", "0", "true"), *(("false", str(o)) for o in range(1, 5)),
+                     *(("false", "0", "false", p, "true") for p in K.CPP_TYPES.values()))}
     assert {(k.dtype, k.fmt, k.op) for k in bq} == {(d, f, o) for d in K.CPP_TYPES for f in K.FMT_IDS for o in K.OPS}
     assert K.name_expressions(K.ModuleKey("block_quantize", "bfloat16", "e5m2", "identity")) == {
         "block_1x128": "block_quantize<__nv_bfloat16, 1, false>",
         "block_128x128": "block_quantize<__nv_bfloat16, 1, true>",
-        "block_1x128_dbias": "block_quantize<__nv_bfloat16, 1, false, 0, true>"}
+        "block_1x128_dbias": "block_quantize<__nv_bfloat16, 1, false, 0, true>",
+        "block_1x128_ln_float32": "block_quantize<__nv_bfloat16, 1, false, 0, false, float, true>",
+        "block_1x128_ln_float16": "block_quantize<__nv_bfloat16, 1, false, 0, false, __half, true>",
+        "block_1x128_ln_bfloat16": "block_quantize<__nv_bfloat16, 1, false, 0, false, __nv_bfloat16, true>"}
     assert K.name_expressions(K.ModuleKey("block_quantize", "float16", "e4m3", "dgelu_erf")) == {
         "block_1x128": "block_quantize<__half, 0, false, 4>"}
     identity = next(k for k in bq if k.op == "identity")
-    assert {PL.block_role(b) for b in ((1, 128), (128, 128))} | {PL.block_role((1, 128), True)} == set(
-        K.name_expressions(identity))
+    assert {PL.block_role(b) for b in ((1, 128), (128, 128))} | {PL.block_role((1, 128), True)} | {
+        PL.block_layernorm_role(p) for p in K.CPP_TYPES} == set(K.name_expressions(identity))
     for family in ("quantize", "current_quantize"):
         q = {(k.dtype, k.fmt, k.op) for k in keys if k.family == family}
         assert q == {(d, f, o) for d in K.CPP_TYPES for f in K.FMT_IDS for o in K.OPS}
@@ -120,7 +126,8 @@ def test_every_family_and_instantiation_is_listed():
                      "coop_tiled_dbias": "quantize_tiled<__nv_bfloat16, 0, 0, GridAmax, true>"}
     roles = K.name_expressions(K.ModuleKey("layernorm_quantize", "bfloat16", "e4m3", param="float32"))
     assert set(roles) == {"layernorm_store1", "layernorm_store1_t", "layernorm_store0", "padded_layernorm_store1",
-                          "padded_layernorm_store1_t", "transpose_tiled"}
+                          "padded_layernorm_store1_t", "transpose_tiled", "layernorm_stats"}
+    assert roles["layernorm_stats"] == "layernorm_quantize<__nv_bfloat16, float, 0, false, false, true>"
 
 
 def test_name_expressions_reject_unknown_family():

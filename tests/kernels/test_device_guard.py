@@ -112,6 +112,7 @@ PLANS = {  # every cached plan of fusedfp8.launch, by name: a call for device d
     "dequantize": lambda d: launch.dequantize_plan(d, "bfloat16", "e4m3", 4096),
     "update": lambda d: launch.update_plan(d, 6, 16, 1.0, True),
     "block_quantize": lambda d: launch.block_quantize_plan(d, "bfloat16", "e4m3", (1, 128), 300, 4000, True),
+    "block_layernorm": lambda d: launch.block_layernorm_plan(d, "bfloat16", "float32", "e4m3", 300, 4000, True),
 }
 
 
@@ -122,7 +123,7 @@ def fake_gpus(fake, monkeypatch):
     monkeypatch.setattr(K, "sm_count", lambda device: SMS)
     monkeypatch.setattr(K, "shared_optin", lambda device: 227 << 10)
     clear = [launch.quantize_plan, launch.layernorm_plan, launch.amax_plan, launch.layernorm_amax_plan,
-             launch.dequantize_plan, launch.update_plan, launch.block_quantize_plan]
+             launch.dequantize_plan, launch.update_plan, launch.block_quantize_plan, launch.block_layernorm_plan]
     for fn in clear:
         fn.cache_clear()
     yield fake

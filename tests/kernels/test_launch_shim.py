@@ -96,7 +96,13 @@ def other_plans():
             # a plain gradient's column sums: the counters zeroed, the identity's dbias kernel
             + [(("block_dbias", r, c, t), PL.build_block_quantize_plan(fake_refs(BQKEY), SMS, r, c, (1, 128), t, False,
                                                                        16, True))
-               for r, c in [(0, 8), (303, 300)] for t in (False, True)])
+               for r, c in [(0, 8), (303, 300)] for t in (False, True)]
+            # LayerNorm with 1x128 blocks: the layernorm module's statistics kernel, then block_quantize's
+            # LayerNorm instantiation of the parameters' dtype
+            + [(("block_layernorm", r, c, t, p, w), PL.build_block_layernorm_plan(
+                {**fake_refs(BQKEY), "layernorm_stats": fake_refs(LNKEY)["layernorm_stats"]}, SMS, r, c, w, t, True, p,
+                1e-5)) for r, c, p in [(0, 8, 1), (303, 300, 16), (2048, 4096, 1)] for t in (False, True)
+               for w in K.CPP_TYPES])
 
 
 def pointer_sets(n_slots: int):
