@@ -1,5 +1,6 @@
-"""Block scaling, framework-agnostic: :func:`block_quantize`, and the activation's and its
-gradient's fused twins :func:`block_gelu_quantize` and :func:`block_dgelu_quantize`.
+"""Block scaling, framework-agnostic: :func:`block_quantize`, the activation's and its
+gradient's fused twins :func:`block_gelu_quantize` and :func:`block_dgelu_quantize`, and
+LayerNorm fused with the quantization, :func:`block_layernorm_quantize`.
 
 As :mod:`fusedfp8.ops`: the argument contract first (everything checked before anything is
 allocated or launched), then the host run (the NumPy definition,
@@ -24,10 +25,12 @@ from . import launch
 from .formats import Format
 from .numerics import block as _block
 from .recipe import BlockScaling
-from .types import FLOAT_INPUTS, BlockQuantized, check_approximate, check_pad_to, check_recipe, kernel_op
+from .types import (FLOAT_INPUTS, BlockQuantized, LayerNormQuantized, check_approximate, check_pad_to, check_recipe,
+                    kernel_op)
 
-__all__ = ["block_quantize", "block_gelu_quantize", "block_dgelu_quantize", "check_block_args", "check_block_input",
-           "check_block_op", "block_shapes", "run_block", "BlockArgs", "BlockShapes", "BlockOp"]
+__all__ = ["block_quantize", "block_gelu_quantize", "block_dgelu_quantize", "block_layernorm_quantize",
+           "check_block_args", "check_block_input", "check_block_op", "block_shapes", "run_block", "BlockArgs",
+           "BlockShapes", "BlockOp"]
 
 
 def _check_flag(value, argname: str) -> bool:
@@ -273,3 +276,97 @@ def block_dgelu_quantize(dy, x, recipe: BlockScaling, *, approximate: str = "tan
     gradient of the linear before the gelu). ``dy`` and ``x``: same shape, dtype and device.
     Arguments, results and errors as :func:`block_quantize`."""
     return run_block(dy, recipe, False, True, transpose, pad_to, BlockOp("dgelu", approximate, dbias), x)
+
+
+class _LayerNormCall:
+    """A checked block_layernorm_quantize: x as a block quantization's input (an activation:
+    1x128 blocks, the forward format), a nonempty last dimension, eps, weight and bias as
+    :func:`fusedfp8.layernorm_quantize` takes them."""
+
+    def __init__(self, x, weight, bias, eps, recipe, transpose, pad_to):
+        from .checks import _check_eps, _check_param
+
+        args = check_block_args(recipe, False, False, transpose, pad_to)
+        self.fmt, self.block, self.pow2, self.transpose, self.pad_to = args
+        self.xi = _describe_input(x, "x")
+        self.shapes = block_shapes(self.xi.shape, args)
+        if self.shapes.cols == 0:
+            raise ValueError(f"x: LayerNorm normalises over the last dimension, which must not be empty; got shape "
+                             f"{tuple(self.xi.shape)}")
+        self.eps = _check_eps(eps)
+        self.wi = _check_param(weight, "weight", self.xi, self.shapes.cols)
+        self.bi = _check_param(bias, "bias", self.xi, self.shapes.cols)
+        if self.wi is not None and self.bi is not None and self.wi.dtype != self.bi.dtype:
+            raise TypeError(f"weight and bias must have the same dtype; got {self.wi.dtype} and {self.bi.dtype}")
+        self.param = next((i.dtype for i in (self.wi, self.bi) if i is not None), "float32")
+
+
+def _host_layernorm(c: _LayerNormCall) -> LayerNormQuantized:
+    def arr(i):
+        return None if i is None else io.to_numpy(i)
+
+    r, mean, rstd = _block.block_layernorm_quantize(arr(c.xi), arr(c.wi), arr(c.bi), c.eps, c.fmt, c.pow2, c.transpose,
+                                                    c.pad_to)
+
+    def out(a):
+        return None if a is None else io.from_numpy(a, c.xi)
+
+    return LayerNormQuantized(BlockQuantized(out(r.data), out(r.scale_inv), out(r.data_t), out(r.scale_inv_t),
+                                             out(np.array([r.amax], np.float32)), None), out(mean), out(rstd))
+
+
+def _device_layernorm(c: _LayerNormCall) -> LayerNormQuantized:
+    x, sh, ptr = c.xi, c.shapes, io.data_ptr
+    xv = io.device_view(x)
+    q, s = io.empty(x, sh.q, c.fmt.dtype_name), io.empty(x, sh.scale_inv, "float32")
+    amax = io.empty(x, (1,), "float32")
+    mean, rstd = io.empty(x, (sh.rows,), "float32"), io.empty(x, (sh.rows,), "float32")
+    buffers = {"x": xv.ptr, "q": ptr(q), "scale_inv": ptr(s), "amax": ptr(amax), "mean": ptr(mean),
+               "rstd": ptr(rstd)}
+    for name, i in (("weight", c.wi), ("bias", c.bi)):
+        if i is not None:
+            buffers[name] = io.device_view(i).ptr
+    q_t = s_t = None
+    if c.transpose:
+        q_t, s_t = io.empty(x, sh.q_t, c.fmt.dtype_name), io.empty(x, sh.scale_inv_t, "float32")
+        buffers.update(q_t=ptr(q_t), scale_inv_t=ptr(s_t))
+    launch.block_layernorm_quantize(xv.device, io.stream_ptr(x), buffers, dtype=xv.dtype, param=c.param,
+                                    fmt=c.fmt.name, rows=sh.rows, cols=sh.cols, eps=c.eps, pow2=c.pow2,
+                                    pad_to=c.pad_to)
+    return LayerNormQuantized(BlockQuantized(io.fp8_out(q, c.fmt, x), io.out_for_caller(s, x),
+                                             io.fp8_out(q_t, c.fmt, x) if q_t is not None else None,
+                                             io.out_for_caller(s_t, x) if s_t is not None else None,
+                                             io.out_for_caller(amax, x), None),
+                              io.out_for_caller(mean, x), io.out_for_caller(rstd, x))
+
+
+def block_layernorm_quantize(x, weight, bias, eps: float, recipe: BlockScaling, *, transpose: bool = False,
+                             pad_to: int = 1) -> LayerNormQuantized:
+    """LayerNorm over the last dimension of ``x``, quantized with 1x128 blocks in the recipe's
+    forward format: y is :func:`fusedfp8.layernorm_quantize`'s (float32, the same op order and
+    summation, bit for bit), and each block of y takes the scale of its own max, as
+    :func:`block_quantize` scales an activation. On a GPU two launches (the rows' statistics, then
+    y computed from them tile by tile, cast with its scales, and with ``transpose`` cast again along
+    the other axis); y is never written in 16 or 32 bits.
+
+    Parameters
+    ----------
+    x : array, float32 / float16 / bfloat16, at least 1-D (last dimension >= 1), contiguous
+    weight, bias : (cols,) arrays of one float dtype on x's device, or None (1 and 0)
+    eps : number >= 0, added to the variance (as float32)
+    recipe, transpose, pad_to : as :func:`block_quantize` (x is an activation)
+
+    Returns
+    -------
+    LayerNormQuantized
+        ``quantized``: a :class:`BlockQuantized` of y (no dbias); ``mean`` / ``rstd``: (rows,)
+        float32 for the backward, as :func:`fusedfp8.layernorm_quantize` returns them.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`block_quantize`, and on a weight / bias of the wrong shape, dtype or device,
+        weight and bias of different dtypes, or a bad eps; nothing is allocated or launched.
+    """
+    c = _LayerNormCall(x, weight, bias, eps, recipe, transpose, pad_to)
+    return _device_layernorm(c) if c.xi.is_gpu else _host_layernorm(c)

@@ -77,7 +77,8 @@ class BlockQuantized(NamedTuple):
 class LayerNormQuantized(NamedTuple):
     """Result of :func:`fusedfp8.layernorm_quantize`.
 
-    quantized : the :class:`Quantized` LayerNorm output (data, amax, data_t, scale_inv; dbias None).
+    quantized : the :class:`Quantized` LayerNorm output (data, amax, data_t, scale_inv; dbias None), or
+        from :func:`fusedfp8.block_layernorm_quantize` its :class:`BlockQuantized`.
     mean, rstd : (rows,) float32 per-row statistics of the input viewed as (rows, cols), for the
         backward: ``xhat = (x - mean) * rstd``.
     """

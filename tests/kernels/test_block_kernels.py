@@ -97,8 +97,8 @@ def launch(kernels, x: np.ndarray, fmt: str, block, pow2: bool, transpose: bool,
                                                                                                  dbias)
     fn((grid or min(ntiles, 264),), (256,),
        (xbuf, bbuf, qbuf[off:], s, tbuf[off:] if transpose else NULL, st if transpose else NULL, amax,
-        db if dbias else NULL, partial if dbias else NULL, counters if dbias else NULL, np.int64(rows), np.int64(cols),
-        np.int64(prows), np.int64(pcols), np.int32(pow2)))
+        db if dbias else NULL, partial if dbias else NULL, counters if dbias else NULL, NULL, NULL, NULL, NULL,
+        np.int64(rows), np.int64(cols), np.int64(prows), np.int64(pcols), np.int32(pow2)))
     got = {"data": cupy.asnumpy(qbuf[off:]).reshape(prows, pcols), "scale_inv": cupy.asnumpy(s),
            "amax": cupy.asnumpy(amax)[0]}
     if dbias:
