@@ -33,7 +33,8 @@ from torch.autograd.function import once_differentiable
 from ..recipe import BlockScaling
 from ..types import check_approximate, check_recipe, gemm_pad_to
 from . import gemm as G
-from .block import block_quantize_op
+from .autograd import _layernorm_backward
+from .block import block_layernorm_quantize_op, block_quantize_op
 from .module_checks import _check_input, check_block_module_args
 from .weights import CachedFp8Weight, WeightCache, watch_steps
 
@@ -126,30 +127,44 @@ class BlockMLPConfig:
     fc1: BlockLinearConfig  # need_dgrad: the input's gradient; need_wgrad: w1's
     fc2: BlockLinearConfig  # need_dgrad: anything before fc2 needs a gradient (the gelu's backward runs)
     approximate: str
+    ln_eps: float | None = None  # a float: the input is x, and LayerNorm(x) is fused into its quantization
 
 
 class _BlockMLPFn(torch.autograd.Function):
     """``fc2(gelu(fc1(h)))`` block-scaled, with the gelu fused into the quantization of fc2's input
     (block_gelu_quantize: gelu(z) is never written in 16 or 32 bits) and its backward, with fc1's
     bias gradient, into the quantization of fc1's output gradient (block_dgelu_quantize with dbias);
-    fc2's bias gradient comes from the quantization of the output gradient. ``apply(h, w1, b1, w2,
-    b2, w1_q, w1_s, w1_t, w1_ts, w2_q, w2_s, w2_t, w2_ts, cfg)``: the weights quantized by
-    :func:`quantized_weight` and a :class:`BlockMLPConfig`. Saved: z (the pre-activation, in h's
-    dtype) and FP8 operands."""
+    fc2's bias gradient comes from the quantization of the output gradient. ``apply(h, ln_w, ln_b,
+    w1, b1, w2, b2, w1_q, w1_s, w1_t, w1_ts, w2_q, w2_s, w2_t, w2_ts, cfg)``: the weights quantized
+    by :func:`quantized_weight` and a :class:`BlockMLPConfig`. Saved: z (the pre-activation, in h's
+    dtype) and FP8 operands.
+
+    With ``cfg.ln_eps`` (not None) h is the block's input x, and LayerNorm(x) (weight ``ln_w``, bias
+    ``ln_b``, either None) comes quantized from block_layernorm_quantize with its transpose and the
+    rows' mean and rstd (LayerNorm(x) is never written in 16 or 32 bits); the LayerNorm's backward
+    runs in torch from the saved x, mean and rstd, as :class:`fusedfp8.pytorch.Fp8MLP`'s."""
 
     @staticmethod
-    def forward(ctx, h, w1, b1, w2, b2, w1_q, w1_s, w1_t, w1_ts, w2_q, w2_s, w2_t, w2_ts, cfg: BlockMLPConfig):
+    def forward(ctx, h, ln_w, ln_b, w1, b1, w2, b2, w1_q, w1_s, w1_t, w1_ts, w2_q, w2_s, w2_t, w2_ts,
+                cfg: BlockMLPConfig):
         c1, c2 = cfg.fc1, cfg.fc2
         h2 = h.reshape(math.prod(h.shape[:-1]), h.shape[-1]).contiguous()
         (m, k), f, n = h2.shape, w1.shape[0], w2.shape[0]
-        h_q, h_s, h_t, h_ts, _ = _quantize(h2, c1, transpose=c1.need_wgrad)
+        ln_saved = ()
+        if cfg.ln_eps is None:
+            h_q, h_s, h_t, h_ts, _ = _quantize(h2, c1, transpose=c1.need_wgrad)
+        else:
+            h_q, h_s, h_t, h_ts, _, mean, rstd = block_layernorm_quantize_op(
+                h2, ln_w, ln_b, cfg.ln_eps, c1.fp8_format, c1.pow2, c1.need_wgrad, c1.pad)
+            ln_saved = (h2, mean, rstd, ln_w, ln_b) if c1.need_dgrad else ()
         z = G.block_scaled_mm(h_q, w1_q, h_s, w1_s, 1, c1.weight_side, _padded_bias(b1, w1_q.shape[0]), h.dtype,
                               c1.gemm)
         z = _unpad(z, m, f).contiguous()  # (the pad rows hold b1: gelu quantizes z's own rows, padded with zeros)
         a_q, a_s, a_t, a_ts, _ = _quantize(z, c2, transpose=c2.need_wgrad, op="gelu", approximate=cfg.approximate)
         y = G.block_scaled_mm(a_q, w2_q, a_s, w2_s, 1, c2.weight_side, _padded_bias(b2, w2_q.shape[0]), h.dtype,
                               c2.gemm)
-        ctx.save_for_backward(h_t, h_ts, z if c2.need_dgrad else None, a_t, a_ts, w1_t, w1_ts, w2_t, w2_ts)
+        ctx.save_for_backward(h_t, h_ts, z if c2.need_dgrad else None, a_t, a_ts, w1_t, w1_ts, w2_t, w2_ts, *ln_saved)
+        ctx.ln = bool(ln_saved),
         ctx.cfg, ctx.dims = cfg, (m, k, f, n)
         ctx.h_shape, ctx.h_dtype = h.shape, h.dtype
         ctx.dtypes = (w1.dtype, None if b1 is None else b1.dtype, w2.dtype, None if b2 is None else b2.dtype)
@@ -158,15 +173,15 @@ class _BlockMLPFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        h_t, h_ts, z, a_t, a_ts, w1_t, w1_ts, w2_t, w2_ts = ctx.saved_tensors
+        h_t, h_ts, z, a_t, a_ts, w1_t, w1_ts, w2_t, w2_ts, *ln_saved = ctx.saved_tensors
         cfg: BlockMLPConfig = ctx.cfg
         c1, c2 = cfg.fc1, cfg.fc2
         m, k, f, n = ctx.dims
         w1_dt, b1_dt, w2_dt, b2_dt = ctx.dtypes
-        need_db1 = b1_dt is not None and ctx.needs_input_grad[2]
-        need_db2 = b2_dt is not None and ctx.needs_input_grad[4]
+        need_db1 = b1_dt is not None and ctx.needs_input_grad[4]
+        need_db2 = b2_dt is not None and ctx.needs_input_grad[6]
         g2 = grad.reshape(m, n).contiguous()
-        dh = dw1 = db1 = dw2 = db2 = None
+        dh = dw1 = db1 = dw2 = db2 = dlw = dlb = None
         if c2.need_dgrad or c2.need_wgrad:
             g_q, g_s, g_t, g_ts, db2 = _quantize(g2, c2, grad=True, transpose=c2.need_wgrad, dbias=need_db2)
             if c2.need_wgrad:
@@ -178,13 +193,16 @@ class _BlockMLPFn(torch.autograd.Function):
                                                          approximate=cfg.approximate, dbias=need_db1)
                 if c1.need_dgrad:
                     dh = G.block_scaled_mm(gz_q, w1_t, gz_s, w1_ts, 1, c1.weight_side, None, ctx.h_dtype, c1.gemm)
-                    dh = _unpad(dh, m, k).reshape(ctx.h_shape)
+                    dh = _unpad(dh, m, k)
+                    if ctx.ln[0]:  # the GEMM's dh is the LayerNorm output's gradient: through its backward to x
+                        dh, dlw, dlb = _layernorm_backward(dh.contiguous(), *ln_saved, ctx.needs_input_grad[1:3])
+                    dh = dh.reshape(ctx.h_shape)
                 if c1.need_wgrad:
                     dw1 = _unpad(G.block_scaled_mm(gz_t, h_t, gz_ts, h_ts, 1, 1, None, w1_dt, c1.gemm), f,
                                  k).contiguous()
         elif need_db2:
             db2 = g2.sum(0, dtype=torch.float32)
-        return (dh, dw1, db1.to(b1_dt) if need_db1 else None, dw2, db2.to(b2_dt) if need_db2 else None,
+        return (dh, dlw, dlb, dw1, db1.to(b1_dt) if need_db1 else None, dw2, db2.to(b2_dt) if need_db2 else None,
                 *(None,) * 9)
 
 
@@ -338,9 +356,11 @@ class Fp8BlockMLP(nn.Module):
     kernel into fc2's input slot (gelu(z) is never written in 16 or 32 bits), and the backward
     quantizes the gelu gradient with its transpose and fc1's bias gradient in one
     block_dgelu_quantize kernel; fc2's bias gradient comes with the output gradient's
-    quantization. The LayerNorm runs in torch (its output written in the input's dtype, then
-    block-quantized in one pass with its transpose): the fused LayerNorm kernel takes one scale
-    per tensor.
+    quantization. The LayerNorm is fused into the quantization of fc1's input
+    (:func:`fusedfp8.block_layernorm_quantize`: the rows' statistics, then LayerNorm(x) cast tile by
+    tile with its own blocks' scales, never written in 16 or 32 bits); its backward runs in torch
+    from the saved x, mean and rstd. ``fuse_layernorm = False``, or a ``norm`` replaced by another
+    module, runs ``norm`` in torch and block-quantizes its output.
 
     Parameters as :class:`~fusedfp8.pytorch.Fp8MLP`: ``hidden``, ``ffn``, ``recipe`` (a
     BlockScaling), ``approximate``, ``bias``, ``device``, ``dtype``, ``gemm``; ``missed_update``
@@ -353,6 +373,7 @@ class Fp8BlockMLP(nn.Module):
         check_approximate(approximate)
         super().__init__()
         self.approximate = approximate
+        self.fuse_layernorm = True
         self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
         self.fc1 = Fp8BlockLinear(hidden, ffn, bias, recipe, device, dtype, gemm=gemm, missed_update=missed_update,
                                   amax_group=amax_group)
@@ -373,16 +394,20 @@ class Fp8BlockMLP(nn.Module):
         if tuple(w2.shape) != (fc1.in_features, fc1.out_features):
             raise ValueError(f"{type(self).__name__}: fc2.weight must have shape {(fc1.in_features, fc1.out_features)} "
                              f"(hidden, ffn); got {tuple(w2.shape)}")
-        h = self.norm(x)
+        norm = self.norm
+        fused = self.fuse_layernorm and type(norm) is nn.LayerNorm and norm.normalized_shape == (fc1.in_features,)
+        ln_w, ln_b = (norm.weight, norm.bias) if fused else (None, None)
+        h = x if fused else norm(x)
         if not torch.compiler.is_compiling():
             watch_steps(fc1)
             watch_steps(fc2)
         enabled = torch.is_grad_enabled()
         b1, b2 = fc1.bias, fc2.bias
-        upstream = enabled and (h.requires_grad or w1.requires_grad or (b1 is not None and b1.requires_grad))
+        h_grad = enabled and any(t is not None and t.requires_grad for t in (h, ln_w, ln_b))
+        upstream = h_grad or (enabled and (w1.requires_grad or (b1 is not None and b1.requires_grad)))
         pad = gemm_pad_to(math.prod(h.shape[:-1]), fc1.in_features, fc1.out_features)
-        c1 = BlockLinearConfig.of(fc1.recipe, enabled and h.requires_grad, enabled and w1.requires_grad, pad,
-                                  fc1._gemm_backend(h))
+        c1 = BlockLinearConfig.of(fc1.recipe, h_grad, enabled and w1.requires_grad, pad, fc1._gemm_backend(h))
         c2 = BlockLinearConfig.of(fc2.recipe, upstream, enabled and w2.requires_grad, pad, fc2._gemm_backend(h))
-        return _BlockMLPFn.apply(h, w1, b1, w2, b2, *quantized_weight(w1, c1, fc1._wcache),
-                                 *quantized_weight(w2, c2, fc2._wcache), BlockMLPConfig(c1, c2, self.approximate))
+        cfg = BlockMLPConfig(c1, c2, self.approximate, float(norm.eps) if fused else None)
+        return _BlockMLPFn.apply(h, ln_w, ln_b, w1, b1, w2, b2, *quantized_weight(w1, c1, fc1._wcache),
+                                 *quantized_weight(w2, c2, fc2._wcache), cfg)

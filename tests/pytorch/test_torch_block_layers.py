@@ -340,13 +340,39 @@ class _DefinitionGelu(torch.autograd.Function):
         return torch.from_numpy(ref.activation("dgelu", g.numpy(), z.detach().numpy(), ctx.approximate)), None
 
 
+class _DefinitionLayerNorm(torch.autograd.Function):
+    """LayerNorm as the fused kernels compute it (float32, fusedfp8.numerics.layernorm's op order and
+    summation, which block_layernorm_quantize quantizes), and the backward the fused MLP runs from
+    its mean and rstd (torch's, fusedfp8.pytorch.autograd._layernorm_backward)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, eps):
+        from fusedfp8.numerics import layernorm as LN
+
+        y, mean, rstd = LN.layernorm_f32(x.detach().numpy(), w.detach().numpy(), b.detach().numpy(), eps)
+        mean, rstd = torch.from_numpy(mean), torch.from_numpy(rstd)
+        ctx.save_for_backward(x, mean, rstd, w, b)
+        return torch.from_numpy(y).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        from fusedfp8.pytorch.autograd import _layernorm_backward
+
+        x, mean, rstd, w, b = ctx.saved_tensors
+        dx, dw, db = _layernorm_backward(g.reshape(-1, x.shape[-1]).contiguous(), x.reshape(-1, x.shape[-1]), mean,
+                                         rstd, w, b, (True, True))
+        return dx.reshape(x.shape), dw, db, None
+
+
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
 def test_fp8_mlp_under_block_scaling_is_its_composition_with_the_gelu_fused(approximate):
     """Fp8MLP(recipe=BlockScaling()) builds Fp8BlockMLP: the per-tensor Fp8MLP's parameter names
-    (state dicts carry over), no state, and bit for bit LayerNorm -> block linear -> the kernels'
-    gelu -> block linear, forward and every gradient (the biases' too: fc1's from the fused dgelu,
-    fc2's from the output gradient's quantization), on a ragged shape (every GEMM dimension
-    padded)."""
+    (state dicts carry over), no state, and bit for bit the kernels' LayerNorm (fused into the
+    quantization of fc1's input) -> block linear -> the kernels' gelu -> block linear, forward and
+    every gradient (the biases' too: fc1's from the fused dgelu, fc2's from the output gradient's
+    quantization, the LayerNorm's from torch's backward on the saved statistics), on a ragged
+    shape (every GEMM dimension padded); with fuse_layernorm off, torch's LayerNorm then the
+    same."""
     from fusedfp8.pytorch.block_layers import Fp8BlockMLP
 
     torch.manual_seed(3)
@@ -366,8 +392,9 @@ def test_fp8_mlp_under_block_scaling_is_its_composition_with_the_gelu_fused(appr
         y.square().sum().backward()
         return (y.detach(), x.grad.clone(), *(p.grad.clone() for p in params))
 
-    def composition(x):
-        h = torch.nn.functional.layer_norm(x, (130,), m.norm.weight, m.norm.bias, m.norm.eps)
+    def composition(x, fused=True):
+        h = (_DefinitionLayerNorm.apply(x, m.norm.weight, m.norm.bias, m.norm.eps) if fused else
+             torch.nn.functional.layer_norm(x, (130,), m.norm.weight, m.norm.bias, m.norm.eps))
         z = block_linear(h, m.fc1.weight, m.fc1.bias, r)
         return block_linear(_DefinitionGelu.apply(z, approximate), m.fc2.weight, m.fc2.bias, r)
 
@@ -375,6 +402,10 @@ def test_fp8_mlp_under_block_scaling_is_its_composition_with_the_gelu_fused(appr
     names = ("y", "dx", "dw1", "db1", "dw2", "db2", "dnorm_w", "dnorm_b")
     for name, a, b in zip(names, got, want):
         assert torch.equal(a, b), name
+    m.fuse_layernorm = False
+    for name, a, b in zip(names, run(m), run(lambda x: composition(x, False))):
+        assert torch.equal(a, b), ("unfused", name)
+    m.fuse_layernorm = True
     if approximate == "tanh":  # and compiled whole (aot_eager: the same ops, one graph)
         for name, a, b in zip(names, run(torch.compile(m, backend="aot_eager", fullgraph=True)), got):
             assert torch.equal(a, b), name
@@ -386,29 +417,40 @@ def test_fp8_mlp_under_block_scaling_is_its_composition_with_the_gelu_fused(appr
 
 
 def test_the_block_mlp_runs_the_fused_kernels_and_only_what_a_gradient_needs(monkeypatch):
-    """The forward quantizes fc2's input with the gelu op and the backward fc1's output gradient with
-    the dgelu op and dbias; with frozen weights and no input gradient no transposes are written and
-    fc1's gelu gradient is skipped when nothing before fc2 needs one."""
+    """The forward quantizes fc1's input with the LayerNorm fused (with its transpose) and fc2's
+    with the gelu op, and the backward fc1's output gradient with the dgelu op and dbias; with
+    frozen weights and no input gradient no transposes are written and fc1's gelu gradient is
+    skipped when nothing before fc2 needs one; a frozen input with a trainable LayerNorm still takes
+    the gradient through fc1 (the LayerNorm's parameters need it)."""
     from fusedfp8.pytorch import block_layers as BL
 
-    calls, real = [], BL.block_quantize_op
+    calls, real, real_ln = [], BL.block_quantize_op, BL.block_layernorm_quantize_op
 
     def spy(x, fmt, ws, p2, weight, grad, transpose, pad, op="identity", b=None, approximate="tanh", dbias=False):
         calls.append((op, weight, grad, transpose, dbias))
         return real(x, fmt, ws, p2, weight, grad, transpose, pad, op, b, approximate, dbias)
 
+    def spy_ln(x, w, b, eps, fmt, p2, transpose, pad):
+        calls.append(("layernorm", False, False, transpose, False))
+        return real_ln(x, w, b, eps, fmt, p2, transpose, pad)
+
     monkeypatch.setattr(BL, "block_quantize_op", spy)
+    monkeypatch.setattr(BL, "block_layernorm_quantize_op", spy_ln)
     m = fp8.Fp8MLP(128, 256, fusedfp8.BlockScaling())
     x = torch.randn(32, 128, requires_grad=True)
     m(x).sum().backward()
     acts = [c for c in calls if not c[1]]
-    assert acts == [("identity", False, False, True, False), ("gelu", False, False, True, False),
+    assert acts == [("layernorm", False, False, True, False), ("gelu", False, False, True, False),
                     ("identity", False, True, True, True), ("dgelu", False, True, True, True)]
+    calls.clear()
+    m.zero_grad()
+    m(x.detach()).sum().backward()  # x frozen: the LayerNorm's weight and bias still get their gradients
+    assert m.norm.weight.grad is not None and m.norm.bias.grad is not None and m.norm.weight.grad.abs().sum() > 0
     calls.clear()
     for p in m.parameters():
         p.requires_grad_(False)
     m(x.detach()).sum()
-    assert [c for c in calls if not c[1]] == [("identity", False, False, False, False),
+    assert [c for c in calls if not c[1]] == [("layernorm", False, False, False, False),
                                               ("gelu", False, False, False, False)]
 
 
