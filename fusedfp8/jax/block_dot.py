@@ -29,11 +29,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ..checks import _check_eps
 from ..recipe import BlockScaling
 from ..types import BlockQuantized, check_approximate, check_recipe, gemm_pad_to
 from . import gemm as G
 from . import primitives as P
-from .block import block_dgelu_quantize, block_gelu_quantize, block_quantize
+from .block import block_dgelu_quantize, block_gelu_quantize, block_layernorm_quantize, block_quantize
+from .layernorm import check_layernorm_params, layernorm_backward
 
 __all__ = ["block_dot", "block_mlp", "padded_weight", "check_fp8_weight"]
 
@@ -197,6 +199,7 @@ class _MlpCfg(NamedTuple):
     approximate: str
     out_name: str
     impl: str
+    ln_eps: float | None = None  # a float: h is the block's input x, LayerNorm(x) fused into its quantization
 
 
 def _bias_for(b, n: int, dtype: str):
@@ -205,12 +208,17 @@ def _bias_for(b, n: int, dtype: str):
     return b if b.shape[0] == n else jnp.pad(b, (0, n - b.shape[0]))
 
 
-def _mlp_forward(h, w1, b1, w2, b2, fp8_weights, cfg: _MlpCfg):
+def _mlp_forward(h, w1, b1, w2, b2, ln, fp8_weights, cfg: _MlpCfg):
     (m, k), f, n = h.shape, w1.shape[1], w2.shape[1]
     pad = gemm_pad_to(m, k, f, n)
     c = _Cfg(cfg.recipe, cfg.out_name, cfg.impl)
     side = cfg.recipe.weight_block[0]
-    qh = _quantize(h, c, pad)
+    ln_saved = None
+    if cfg.ln_eps is None:
+        qh = _quantize(h, c, pad)
+    else:  # LayerNorm(h) straight to FP8 with its transpose, and the rows' statistics for the backward
+        r = block_layernorm_quantize(h, *ln, cfg.ln_eps, cfg.recipe, transpose=True, pad_to=pad, impl=cfg.impl)
+        qh, ln_saved = r.quantized, (h, r.mean, r.rstd, *ln)
     if fp8_weights is None:
         qw1, qw2 = _quantize(w1, c, pad, weight=True), _quantize(w2, c, pad, weight=True)
     else:
@@ -222,23 +230,23 @@ def _mlp_forward(h, w1, b1, w2, b2, fp8_weights, cfg: _MlpCfg):
     y = G.fp8_block_gemm(qa.data, qw2.data_t, qa.scale_inv, qw2.scale_inv_t, 1, side, cfg.out_name,
                          bias=_bias_for(b2, qw2.data_t.shape[0], cfg.out_name), impl=cfg.impl)[:m, :n]
     return y, (qh.data_t, qh.scale_inv_t, qw1.data, qw1.scale_inv, z, qa.data_t, qa.scale_inv_t, qw2.data,
-               qw2.scale_inv)
+               qw2.scale_inv), ln_saved
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _block_mlp(h, w1, b1, w2, b2, fp8_weights, cfg: _MlpCfg):
-    return _mlp_forward(h, w1, b1, w2, b2, fp8_weights, cfg)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _block_mlp(h, w1, b1, w2, b2, ln, fp8_weights, cfg: _MlpCfg):
+    return _mlp_forward(h, w1, b1, w2, b2, ln, fp8_weights, cfg)[0]
 
 
-def _mlp_fwd(h, w1, b1, w2, b2, fp8_weights, cfg: _MlpCfg):
-    y, saved = _mlp_forward(h, w1, b1, w2, b2, fp8_weights, cfg)
+def _mlp_fwd(h, w1, b1, w2, b2, ln, fp8_weights, cfg: _MlpCfg):
+    y, saved, ln_saved = _mlp_forward(h, w1, b1, w2, b2, ln, fp8_weights, cfg)
     # (empty arrays carry the gradients' dtypes and H, which the padded operands do not)
     dtypes = tuple(jnp.zeros((0,), a.dtype) for a in (w1, b1, w2, b2))
-    return y, (saved, jnp.zeros((0, h.shape[1]), h.dtype), dtypes, fp8_weights)
+    return y, (saved, jnp.zeros((0, h.shape[1]), h.dtype), dtypes, fp8_weights, ln_saved)
 
 
 def _mlp_bwd(cfg: _MlpCfg, res, g):
-    (h_t, h_ts, w1_q, w1_s, z, a_t, a_ts, w2_q, w2_s), h0, (w10, b10, w20, b20), fp8_weights = res
+    (h_t, h_ts, w1_q, w1_s, z, a_t, a_ts, w2_q, w2_s), h0, (w10, b10, w20, b20), fp8_weights, ln_saved = res
     (m, n), k, f = g.shape, h0.shape[1], z.shape[1]
     pad = gemm_pad_to(m, k, f, n)
     r, side, impl = cfg.recipe, cfg.recipe.weight_block[0], cfg.impl
@@ -250,7 +258,12 @@ def _mlp_bwd(cfg: _MlpCfg, res, g):
                               impl=impl)
     dh = G.fp8_block_gemm(qz.data, w1_q, qz.scale_inv, w1_s, 1, side, h0.dtype, impl=impl)[:m, :k]
     dw1 = G.fp8_block_gemm(h_t, qz.data_t, h_ts, qz.scale_inv_t, 1, 1, w10.dtype, impl=impl)[:k, :f]
-    return dh, dw1, qz.dbias.astype(b10.dtype), dw2, qg.dbias.astype(b20.dtype), _zeros_like(fp8_weights)
+    dln = None
+    if ln_saved is not None:  # the GEMM's dh is the LayerNorm output's gradient: through its backward to x
+        dh, *dln = layernorm_backward(dh, *ln_saved)
+        dln = tuple(dln)
+    return (dh, dw1, qz.dbias.astype(b10.dtype), dw2, qg.dbias.astype(b20.dtype), dln,
+            _zeros_like(fp8_weights))
 
 
 _block_mlp.defvjp(_mlp_fwd, _mlp_bwd)
@@ -277,7 +290,8 @@ def check_fp8_weight_pair(fp8_weights, w1, w2, recipe, check_one):
 
 
 def block_mlp(h, w1, b1, w2, b2, recipe: BlockScaling = BlockScaling(), *, approximate: str = "tanh",
-              out_dtype=None, impl: str = "auto", fp8_weights=None):
+              out_dtype=None, impl: str = "auto", fp8_weights=None, ln_weight=None, ln_bias=None,
+              ln_eps: float | None = None):
     """``gelu(h @ w1 + b1) @ w2 + b2`` with FP8 GEMMs under block scaling, differentiable once.
 
     The linears are :func:`block_dot`'s, their biases added in the GEMMs' epilogue; the gelu is
@@ -297,6 +311,11 @@ def block_mlp(h, w1, b1, w2, b2, recipe: BlockScaling = BlockScaling(), *, appro
     impl : as :func:`block_dot`
     fp8_weights : None, or ``(quantize_weight(w1, None, recipe), quantize_weight(w2, None,
         recipe))`` of this step, reused as :func:`block_dot`'s ``fp8_weight``
+    ln_eps : None, or a number >= 0: the block is ``LayerNorm -> Linear -> gelu -> Linear``, h is
+        its input x, and LayerNorm(x) (weight ``ln_weight``, bias ``ln_bias``: (H,) arrays of one
+        float dtype, or None) goes straight to FP8 with its transpose
+        (:func:`fusedfp8.jax.block.block_layernorm_quantize`: never written in 16 or 32 bits); x
+        and the rows' mean and rstd are saved, and the LayerNorm's backward runs in JAX (float32)
 
     Raises
     ------
@@ -307,4 +326,15 @@ def block_mlp(h, w1, b1, w2, b2, recipe: BlockScaling = BlockScaling(), *, appro
     h, w1, b1, w2, b2 = (ops[k] for k in ("h", "w1", "b1", "w2", "b2"))
     check_mlp_shapes(h, w1, b1, w2, b2)
     fp8_weights = check_fp8_weight_pair(fp8_weights, w1, w2, recipe, check_fp8_weight)
-    return _block_mlp(h, w1, b1, w2, b2, fp8_weights, _MlpCfg(recipe, check_approximate(approximate), out_name, impl))
+    ln = None
+    if ln_eps is not None:
+        try:
+            ln_eps = _check_eps(ln_eps)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"ln_{e}") from None  # "ln_eps must be ..."
+        ln = check_layernorm_params(ln_weight, ln_bias, h.shape[1], ("ln_weight", "ln_bias"), "h")
+    elif ln_weight is not None or ln_bias is not None:
+        raise ValueError("ln_weight / ln_bias are the parameters of the fused LayerNorm, which ln_eps turns on; "
+                         "got ln_eps=None")
+    return _block_mlp(h, w1, b1, w2, b2, ln, fp8_weights,
+                      _MlpCfg(recipe, check_approximate(approximate), out_name, impl, ln_eps))

@@ -24,7 +24,7 @@ from . import callbacks
 from . import primitives as P
 from .jnp_backend import _as_f32, _rows_cols, _stage_and_cast, pad_fp8
 
-__all__ = ["layernorm_quantize", "layernorm_amax", "check_layernorm_params"]
+__all__ = ["layernorm_quantize", "layernorm_amax", "check_layernorm_params", "layernorm_backward", "column_sums"]
 
 
 class _LnCfg(NamedTuple):
@@ -208,3 +208,35 @@ def layernorm_quantize(x, weight, bias, eps: float, state: ScalingState, index: 
     cfg = _LnCfg(i, state.format_of(i, recipe), bool(transpose), float(recipe.margin_factor),
                  recipe.first_step == "current", eps, pad_to, weight is not None, bias is not None)
     return _run_layernorm(cfg, x, weight, bias, state, impl)
+
+
+_PARTIAL_ROWS = 128  # rows per partial column sum
+
+
+def column_sums(*arrays):
+    """The column sums (over axis 0) of (M, H) float32 arrays, in two stages: partial sums over
+    blocks of rows, then over the blocks. XLA spreads a column reduction over the columns only
+    (H / 32 thread blocks, each looping over all M rows: a few dozen blocks on a GPU of 132 SMs),
+    and fuses the elementwise producers into that narrow grid; the partials give it M / 128 times
+    the blocks. The barrier keeps XLA from merging the two stages back into one reduction."""
+    if not arrays or arrays[0].shape[0] <= _PARTIAL_ROWS:
+        return tuple(jnp.sum(a, axis=0) for a in arrays)
+    h, pad = arrays[0].shape[1], -arrays[0].shape[0] % _PARTIAL_ROWS
+    parts = tuple(jnp.sum(jnp.pad(a, ((0, pad), (0, 0))).reshape(-1, _PARTIAL_ROWS, h), axis=1) for a in arrays)
+    return tuple(jnp.sum(p, axis=0) for p in jax.lax.optimization_barrier(parts))
+
+
+def layernorm_backward(dh, x, mean, rstd, w, b):
+    """(dx, dweight, dbias) of LayerNorm(x) (x (M, H)) from its saved (M,) float32 mean and rstd:
+    the standard formula in float32, each result cast to its primal's dtype (None for a missing
+    parameter)."""
+    g = dh.astype(jnp.float32)
+    xhat = (x.astype(jnp.float32) - mean[:, None]) * rstd[:, None]
+    sums = column_sums(*([g * xhat] if w is not None else []), *([g] if b is not None else []))
+    dw = sums[0].astype(w.dtype) if w is not None else None
+    db = sums[-1].astype(b.dtype) if b is not None else None
+    if w is not None:
+        g = g * w.astype(jnp.float32)
+    dx = rstd[:, None] * (g - jnp.mean(g, axis=-1, keepdims=True)
+                          - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), dw, db

@@ -40,38 +40,6 @@ class _MlpCfg(NamedTuple):
     ln_eps: float | None = None  # a float: h is the block's input, normalised inside its quantization
 
 
-_PARTIAL_ROWS = 128  # rows per partial column sum
-
-
-def _column_sums(*arrays):
-    """The column sums (over axis 0) of (M, H) float32 arrays, in two stages: partial sums over
-    blocks of rows, then over the blocks. XLA spreads a column reduction over the columns only
-    (H / 32 thread blocks, each looping over all M rows: a few dozen blocks on a GPU of 132 SMs),
-    and fuses the elementwise producers into that narrow grid; the partials give it M / 128 times
-    the blocks. The barrier keeps XLA from merging the two stages back into one reduction."""
-    if not arrays or arrays[0].shape[0] <= _PARTIAL_ROWS:
-        return tuple(jnp.sum(a, axis=0) for a in arrays)
-    h, pad = arrays[0].shape[1], -arrays[0].shape[0] % _PARTIAL_ROWS
-    parts = tuple(jnp.sum(jnp.pad(a, ((0, pad), (0, 0))).reshape(-1, _PARTIAL_ROWS, h), axis=1) for a in arrays)
-    return tuple(jnp.sum(p, axis=0) for p in jax.lax.optimization_barrier(parts))
-
-
-def _layernorm_bwd(dh, x, mean, rstd, w, b):
-    """(dx, dweight, dbias) of LayerNorm(x) (x (M, H)) from its saved (M,) float32 mean and rstd:
-    the standard formula in float32, each result cast to its primal's dtype (None for a missing
-    parameter)."""
-    g = dh.astype(jnp.float32)
-    xhat = (x.astype(jnp.float32) - mean[:, None]) * rstd[:, None]
-    sums = _column_sums(*([g * xhat] if w is not None else []), *([g] if b is not None else []))
-    dw = sums[0].astype(w.dtype) if w is not None else None
-    db = sums[-1].astype(b.dtype) if b is not None else None
-    if w is not None:
-        g = g * w.astype(jnp.float32)
-    dx = rstd[:, None] * (g - jnp.mean(g, axis=-1, keepdims=True)
-                          - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
-    return dx.astype(x.dtype), dw, db
-
-
 def _mlp_fwd(h, w1, b1, w2, b2, meta1, meta2, fp8_weights, ln, cfg: _MlpCfg, training: bool = True):
     h, w1, b1, w2, b2 = map(_first_order, (h, w1, b1, w2, b2))
     ln = jax.tree.map(_first_order, ln)
@@ -146,7 +114,7 @@ def _mlp_bwd(cfg: _MlpCfg, res, cts):
         dh = gemm(rdz.data, w1_q, rdz.scale_inv, sw1, hz.dtype, impl=impl, shape=(m, hid))
     else:  # the GEMM's dh is the LayerNorm output's gradient: through the LayerNorm's backward to x
         dh = gemm(rdz.data, w1_q, rdz.scale_inv, sw1, z.dtype, impl=impl, shape=(m, hid))
-        dh, dlw, dlb = _layernorm_bwd(dh, *ln_saved)
+        dh, dlw, dlb = LN.layernorm_backward(dh, *ln_saved)
         dln = (dlw, dlb)
     return (dh, dw1, rdz.dbias.astype(b1z.dtype), dw2, db2, combine(later1, state_to_meta(st1, fc1)),
             combine(later2, state_to_meta(st2, fc2)), _zeros_like(fp8_weights), dln)
@@ -159,30 +127,13 @@ _mlp_call = P.compiled_when_eager(9)(_mlp)
 def _block_call(h, w1, b1, w2, b2, meta1, meta2, recipe, approximate, axis_name, impl, out_dtype, ln_weight, ln_bias,
                 ln_eps, fp8_weights):
     """fp8_mlp under BlockScaling: :func:`fusedfp8.jax.block_dot.block_mlp` (no state: the metas and
-    axis_name None; fp8_weights the block quantize_weight pair); with ``ln_eps`` the LayerNorm first, in JAX (float32, then
-    ``out_dtype``): the fused LayerNorm kernel takes one scale per tensor."""
+    axis_name None; fp8_weights the block quantize_weight pair), the LayerNorm fused there as well."""
     for name, v in (("meta1", meta1), ("meta2", meta2), ("axis_name", axis_name)):
         if v is not None:
             raise ValueError(f"{name} must be None under BlockScaling (no state: each block's scale is its own max, "
                              f"the same on every device); got {type(v).__name__}")
-    h = _check_operand(h, "h")
-    if ln_eps is not None:
-        try:
-            eps = _check_eps(ln_eps)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"ln_{e}") from None
-        w, b = LN.check_layernorm_params(ln_weight, ln_bias, h.shape[1], ("ln_weight", "ln_bias"), "h")
-        x = h.astype(jnp.float32)
-        mean = x.mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + eps)
-        y = y if w is None else y * w.astype(jnp.float32)
-        y = y if b is None else y + b.astype(jnp.float32)
-        h = y.astype(out_dtype or h.dtype)
-    elif ln_weight is not None or ln_bias is not None:
-        raise ValueError("ln_weight / ln_bias are the parameters of the fused LayerNorm, which ln_eps turns on; "
-                         "got ln_eps=None")
     return block_mlp(h, w1, b1, w2, b2, recipe, approximate=approximate, out_dtype=out_dtype, impl=impl,
-                     fp8_weights=fp8_weights)
+                     fp8_weights=fp8_weights, ln_weight=ln_weight, ln_bias=ln_bias, ln_eps=ln_eps)
 
 
 def fp8_mlp(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = DelayedScaling(), *,
@@ -212,7 +163,8 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
 
     Under a :class:`fusedfp8.BlockScaling` recipe: :func:`fusedfp8.jax.block_dot.block_mlp` (the
     metas and ``axis_name`` None; ``fp8_weights`` the block ``quantize_weight`` pair; with
-    ``ln_eps`` the LayerNorm runs first, in JAX; :func:`fp8_mlp_use`'s metas come back None).
+    ``ln_eps`` the LayerNorm fused into the quantization of its input with 1x128 blocks,
+    :func:`fusedfp8.jax.block.block_layernorm_quantize`; :func:`fp8_mlp_use`'s metas come back None).
 
     With ``ln_eps`` (a number >= 0) the block is ``LayerNorm -> Linear -> gelu -> Linear``: h is
     the block's input x, and LayerNorm(x) (weight ``ln_weight``, bias ``ln_bias``: (H,) arrays of

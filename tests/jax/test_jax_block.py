@@ -85,14 +85,14 @@ def test_on_cuda_it_lowers_to_one_ffi_call_with_the_block_slots(monkeypatch):
     text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
     assert len(calls) == 2 and all("@fusedfp8_launch" in c for c in calls)
-    # BLOCK_SLOTS (x, b, q, scale_inv, q_t, scale_inv_t, amax, dbias, partial, counters): x -> arg 0; q, scale_inv,
-    # q_t, scale_inv_t, amax -> results 0..4; b and the dbias slots null
-    assert "slots = dense<[0, -1, -2, -3, -4, -5, -6, -1, -1, -1]>" in calls[0]
+    # BLOCK_SLOTS (x, b, q, scale_inv, q_t, scale_inv_t, amax, dbias, partial, counters, mean, rstd, weight, bias):
+    # x -> arg 0; q, scale_inv, q_t, scale_inv_t, amax -> results 0..4; b, the dbias and the LayerNorm slots null
+    assert "slots = dense<[0, -1, -2, -3, -4, -5, -6, -1, -1, -1, -1, -1, -1, -1]>" in calls[0]
     assert "output_operand_alias" not in calls[0]
     # q's 1x128 scales (3 K blocks, 48 rows), q_t's (one K block of 48, 260 rows)
     assert "tensor<3x48xf32>" in calls[0] and "tensor<260x48xui8>" in calls[0] and "tensor<1x260xf32>" in calls[0]
     # no q_t: its slots null; q padded to 48 x 32, its 128x128 scales (1, pad4(1))
-    assert "slots = dense<[0, -1, -2, -3, -1, -1, -4, -1, -1, -1]>" in calls[1]
+    assert "slots = dense<[0, -1, -2, -3, -1, -1, -4, -1, -1, -1, -1, -1, -1, -1]>" in calls[1]
     assert "tensor<48x32xui8>" in calls[1] and "tensor<1x4xf32>" in calls[1]
     cpu = jax.jit(f).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
     assert "fusedfp8_launch" not in cpu  # jax.numpy there
@@ -122,3 +122,54 @@ def test_the_kernel_paths_on_special_blocks_and_a_large_shape(impl, weight):
         xg = jax.device_put(jnp.asarray(x), jax.devices("gpu")[0])
         got = JB.block_quantize(xg, RECIPE, weight=weight, transpose=True, impl=impl)
         assert_same(got, expected(x, RECIPE, weight, False, True, 1), True)
+
+
+# ---- LayerNorm fused with 1x128 blocks -----------------------------------------------------------------
+def test_block_layernorm_quantize_lowers_to_one_ffi_call_on_cuda_and_is_the_definition_on_the_cpu(monkeypatch):
+    """On CUDA one fusedfp8_launch call whose slots bind x, weight and bias (arguments 0..2) and q,
+    scale_inv, q_t, scale_inv_t, amax, mean, rstd (results 0..6); on the CPU the jax.numpy twin, under
+    jit byte for byte the NumPy definition (the float16 parameters widened exactly)."""
+    from fusedfp8.jax import callbacks as C
+    from fusedfp8.jax import primitives as JP
+    from fusedfp8.numerics import block as B
+
+    built_shim("xla")
+    ok, why = C.ffi_target()
+    assert ok, why
+    monkeypatch.setattr(JP, "_auto_backend", lambda: "ffi")
+
+    def f(x, w, b):
+        return JB.block_layernorm_quantize(x, w, b, 1e-5, RECIPE, transpose=True, pad_to=16)
+
+    g = np.random.default_rng(4)
+    x = (g.standard_normal((48, 260)) * 3 + 1).astype(np.float32)
+    w, b = g.uniform(0.5, 2, 260).astype(np.float16), g.uniform(-1, 1, 260).astype(np.float16)
+    text = jax.jit(f).trace(x, w, b).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
+    assert len(calls) == 1 and "@fusedfp8_launch" in calls[0]
+    assert "slots = dense<[0, -1, -2, -3, -4, -5, -6, -1, -1, -1, -7, -8, 1, 2]>" in calls[0]
+    got = jax.jit(f)(x, w, b)
+    want, mean, rstd = B.block_layernorm_quantize(x, w, b, 1e-5, "e4m3", True, True, 16)
+    assert_same(got.quantized, want, True)
+    assert np.array_equal(np.asarray(got.mean), mean) and np.array_equal(np.asarray(got.rstd), rstd)
+    with pytest.raises(ValueError, match=r"^weight must have shape \(260,\)"):
+        JB.block_layernorm_quantize(x, w[:5], None, 1e-5, RECIPE)
+
+
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+@pytest.mark.parametrize("impl", ["ffi", "callback"])
+@pytest.mark.parametrize("shape, pad_to", [((300, 4096), 1), ((129, 1030), 16)], ids=["300x4096", "129x1030-pad16"])
+def test_block_layernorm_kernel_paths_are_the_numpy_definition(impl, shape, pad_to):
+    from fusedfp8.numerics import block as B
+
+    g = np.random.default_rng(shape[1])
+    x = (g.standard_normal(shape) * 2 + 0.5).astype(jnp.bfloat16)
+    w, b = g.uniform(0.5, 2, shape[1]).astype(np.float32), g.uniform(-1, 1, shape[1]).astype(np.float32)
+    dev = jax.devices("gpu")[0]
+    f = jax.jit(lambda x, w, b: JB.block_layernorm_quantize(x, w, b, 1e-5, RECIPE, transpose=True, pad_to=pad_to,
+                                                            impl=impl))
+    got = f(*(jax.device_put(jnp.asarray(a), dev) for a in (x, w, b)))
+    want, mean, rstd = B.block_layernorm_quantize(np.asarray(x), w, b, 1e-5, "e4m3", True, True, pad_to)
+    assert_same(got.quantized, want, True)
+    assert np.array_equal(np.asarray(got.mean), mean) and np.array_equal(np.asarray(got.rstd), rstd)

@@ -267,16 +267,22 @@ _definition_gelu.defvjp(_dg_fwd, _dg_bwd)
 def test_block_mlp_is_its_composition_with_the_gelu_fused(shape=(17, 300, 200), approximate="tanh"):
     """block_mlp in float32: bit for bit block_dot -> + b1 -> the kernels' gelu -> block_dot -> + b2,
     the output and the gradients of h, w1 and w2; the bias gradients (the kernels' column sums)
-    within float32 rounding of the composition's; fp8_mlp under BlockScaling with ln_eps is a
-    LayerNorm, then block_mlp. One jitted program, on a ragged shape (every GEMM dimension padded);
-    both gelus' bytes: test_block_fused_ops.py."""
+    within float32 rounding of the composition's. fp8_mlp under BlockScaling with ln_eps (the
+    LayerNorm fused into the quantization of h) is block_mlp on the kernels' LayerNorm of h (the
+    jax.numpy twin's float32 y), output and weight gradients bit for bit, and the gradients of x
+    and of the LayerNorm's parameters are the LayerNorm's backward of that h-gradient. One jitted
+    program, on a ragged shape (every GEMM dimension padded); both gelus' bytes:
+    test_block_fused_ops.py."""
+    from fusedfp8.jax.layernorm import layernorm_backward
+    from fusedfp8.numerics.jnp_layernorm import layernorm_f32
+
     m, k, f = shape
     r = fusedfp8.BlockScaling(fp8_format="hybrid")
     h = jnp.asarray(inputs((m, k), "float32", 1))
     w1 = jnp.asarray(inputs((k, f), "float32", 2) * np.float32(0.05))
     w2 = jnp.asarray(inputs((f, k), "float32", 3) * np.float32(0.05))
     b1, b2 = jnp.linspace(-1, 1, f, dtype=jnp.float32), jnp.linspace(-0.5, 0.5, k, dtype=jnp.float32)
-    lw, lb = jnp.full((k,), 1.5, jnp.float32), jnp.full((k,), 0.25, jnp.float32)
+    lw, lb = jnp.linspace(0.5, 1.5, k, dtype=jnp.float32), jnp.full((k,), 0.25, jnp.float32)
 
     def composition(h, w1, b1, w2, b2):
         z = F.block_dot(h, w1, r) + b1
@@ -285,18 +291,21 @@ def test_block_mlp_is_its_composition_with_the_gelu_fused(shape=(17, 300, 200), 
     def fused(h, w1, b1, w2, b2):
         return F.block_mlp(h, w1, b1, w2, b2, r, approximate=approximate)
 
-    def program(h, w1, b1, w2, b2):
-        def with_y(fn):
-            return jax.value_and_grad(lambda *a: (((y := fn(*a)) ** 2).sum() / 2, y), argnums=(0, 1, 2, 3, 4),
-                                      has_aux=True)(h, w1, b1, w2, b2)
+    def with_ln(h, w1, b1, w2, b2, lw, lb):
+        return F.fp8_mlp(h, w1, b1, w2, b2, None, None, r, approximate=approximate, ln_weight=lw, ln_bias=lb,
+                         ln_eps=1e-5)
 
-        mu = h.mean(-1, keepdims=True)
-        hn = (h - mu) * jax.lax.rsqrt(jnp.square(h - mu).mean(-1, keepdims=True) + 1e-5) * lw + lb
-        return (with_y(fused), with_y(composition),
-                F.fp8_mlp(h, w1, b1, w2, b2, None, None, r, approximate=approximate, ln_weight=lw, ln_bias=lb,
-                          ln_eps=1e-5), fused(hn, w1, b1, w2, b2))
+    def with_y(fn, *args):
+        return jax.value_and_grad(lambda *a: (((y := fn(*a)) ** 2).sum() / 2, y), argnums=tuple(range(len(args))),
+                                  has_aux=True)(*args)
 
-    ((lg, yg), gg), ((lw_, yw), gw), y_ln, want_ln = jax.jit(program)(h, w1, b1, w2, b2)
+    def program(h, w1, b1, w2, b2, lw, lb):
+        hn, mean, rstd = layernorm_f32(h, lw, lb, 1e-5)
+        (_, y_n), g_n = with_y(fused, hn, w1, b1, w2, b2)
+        return (with_y(fused, h, w1, b1, w2, b2), with_y(composition, h, w1, b1, w2, b2),
+                with_y(with_ln, h, w1, b1, w2, b2, lw, lb), (y_n, g_n, layernorm_backward(g_n[0], h, mean, rstd, lw, lb)))
+
+    ((lg, yg), gg), ((lw_, yw), gw), ((_, y_ln), g_ln), (y_n, g_n, ln_bwd) = jax.jit(program)(h, w1, b1, w2, b2, lw, lb)
     assert np.array_equal(np.asarray(yg), np.asarray(yw)) and float(lg) == float(lw_)
     for name, a, b in zip(("dh", "dw1", "db1", "dw2", "db2"), gg, gw):
         a, b = np.asarray(a), np.asarray(b)
@@ -304,7 +313,9 @@ def test_block_mlp_is_its_composition_with_the_gelu_fused(shape=(17, 300, 200), 
             assert np.allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max())), name
         else:
             assert np.array_equal(a, b), name
-    assert np.array_equal(np.asarray(y_ln), np.asarray(want_ln))
+    assert np.array_equal(np.asarray(y_ln), np.asarray(y_n))
+    for name, a, b in zip(("dx", "dw1", "db1", "dw2", "db2", "dln_w", "dln_b"), g_ln, (ln_bwd[0], *g_n[1:], *ln_bwd[1:])):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), name
 
 
 def test_fp8_mlp_under_block_scaling_without_layernorm_is_block_mlp():

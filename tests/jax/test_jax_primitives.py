@@ -385,7 +385,7 @@ def test_layernorm_backward_column_sums_in_two_stages_equal_the_sums(rng):
     """fp8_mlp's LayerNorm backward sums columns in two stages (partials over 128 rows): the sums of
     float64 within float32 rounding for one row, exactly 128, one more (a padded last block) and a
     ragged count; no array, no sum."""
-    from fusedfp8.jax.mlp import _column_sums
+    from fusedfp8.jax.layernorm import column_sums as _column_sums
     for m in (1, 128, 129, 2044):
         a = rng.standard_normal((m, 24)).astype(f32)
         b = (rng.standard_normal((m, 24)) * 100 + 3).astype(f32)
