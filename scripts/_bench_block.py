@@ -9,6 +9,9 @@ For each size and job (bf16 input, E4M3, power-of-two scales):
 - ``gelu_t``: gelu (tanh) fused, 1x128 with the transpose (the activation of a block-scaled MLP);
 - ``dgelu_t``: dy * gelu'(x) fused, 1x128 with the transpose and the column sums (its backward,
   with the bias gradient);
+- ``layernorm_t``: LayerNorm (bf16 weight and bias) fused, 1x128 with the transpose, and the rows'
+  mean and rstd (the input of a block-scaled MLP: :func:`fusedfp8.block_layernorm_quantize`, two
+  launches that read x twice; its bytes count x once);
 
 fusedfp8's kernel (one launch, :func:`fusedfp8.block_quantize` on torch tensors) beside the same
 job in plain torch ops (``eager``: block amaxes by a reshape, the scales, the cast, the transpose's
@@ -34,7 +37,7 @@ import _bench
 import fusedfp8
 from fusedfp8.numerics import block as B
 
-JOBS = ["act_t", "act", "weight_t", "gelu_t", "dgelu_t"]
+JOBS = ["act_t", "act", "weight_t", "gelu_t", "dgelu_t", "layernorm_t"]
 SIZES = [(2048, 4096), (4096, 4096), (8192, 4096), (8192, 16384)]
 TARGETS = {("act_t", "8192x16384"): 0.85}
 RECIPE = fusedfp8.BlockScaling()  # 1x128 / 128x128, E4M3, power-of-two scales
@@ -46,10 +49,14 @@ def job_bytes(job: str, m: int, n: int) -> int:
     kb = -(-n // 128)
     scales = 4 * (-(-m // 128) * kb if job.startswith("weight") else kb * m)
     reads = 4 * e if job == "dgelu_t" else 2 * e
-    return reads + e + scales + (e + scales if job.endswith("_t") else 0) + (4 * n if job == "dgelu_t" else 0)
+    extra = 4 * n if job == "dgelu_t" else 4 * n + 8 * m if job == "layernorm_t" else 0  # dbias; params, mean, rstd
+    return reads + e + scales + (e + scales if job.endswith("_t") else 0) + extra
 
 
-def fused(job: str, x, b=None):
+def fused(job: str, x, b=None, lb=None):
+    if job == "layernorm_t":  # (b: the LayerNorm's weight, lb its bias)
+        r = fusedfp8.block_layernorm_quantize(x, b, lb, 1e-5, RECIPE, transpose=True)
+        return r.quantized.data, r.quantized.data_t
     if job == "gelu_t":
         r = fusedfp8.block_gelu_quantize(x, RECIPE, transpose=True)
     elif job == "dgelu_t":
@@ -81,9 +88,11 @@ def _dgelu_tanh(dy, x):
     return dy.float() * (0.5 * (1 + t) + 0.5 * xf * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * xf * xf))
 
 
-def torch_job(job: str, x, b=None):
+def torch_job(job: str, x, b=None, lb=None):
     """The job in plain torch ops (one block-amax reduction, the cast; the transpose as its own pass;
-    the activation, and the column sums, as their own ops)."""
+    the activation, the LayerNorm, and the column sums, as their own ops)."""
+    if job == "layernorm_t":
+        return torch_job("act_t", torch.nn.functional.layer_norm(x.float(), (x.shape[1],), b.float(), lb.float()))
     if job == "gelu_t":
         return torch_job("act_t", torch.nn.functional.gelu(x.float(), approximate="tanh"))
     if job == "dgelu_t":
@@ -101,17 +110,28 @@ def _u8(t) -> np.ndarray:
     return t.detach().cpu().view(torch.uint8).numpy()
 
 
-def check(job: str, x, b=None) -> dict:
-    """fusedfp8 against the NumPy definition on the first 256 rows (whole blocks); dgelu's column
-    sums within float32 rounding of the float64 ones."""
+def check(job: str, x, b=None, lb=None) -> dict:
+    """fusedfp8 against the NumPy definition on the first 256 rows (whole blocks; a LayerNorm's rows
+    are normalised on their own); dgelu's column sums within float32 rounding of the float64 ones."""
     import ml_dtypes
 
     rows = min(x.shape[0], 256)
     xs = x[:rows].contiguous()
-    bs = None if b is None else b[:rows].contiguous()
 
     def host(t):
         return t.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+    if job == "layernorm_t":
+        r = fusedfp8.block_layernorm_quantize(xs, b, lb, 1e-5, RECIPE, transpose=True)
+        want, mean, rstd = B.block_layernorm_quantize(host(xs), host(b), host(lb), 1e-5, "e4m3", True, True)
+        q = r.quantized
+        return {"q == definition": np.array_equal(_u8(q.data), want.data.view(np.uint8)),
+                "q_t == definition": np.array_equal(_u8(q.data_t), want.data_t.view(np.uint8)),
+                "scales == definition": np.array_equal(q.scale_inv.cpu().numpy(), want.scale_inv) and np.array_equal(
+                    q.scale_inv_t.cpu().numpy(), want.scale_inv_t),
+                "mean, rstd == definition": np.array_equal(r.mean.cpu().numpy(), mean) and np.array_equal(
+                    r.rstd.cpu().numpy(), rstd)}
+    bs = None if b is None else b[:rows].contiguous()
 
     op = {"gelu_t": "gelu", "dgelu_t": "dgelu"}.get(job, "identity")
     if op == "gelu":
@@ -145,9 +165,12 @@ def run(sizes, jobs, ceiling: float, peers=()) -> list[dict]:
         xs = [(torch.randn(m, n, device="cuda", generator=gen)
                * torch.exp2(torch.randint(-8, 8, (m, 1), device="cuda", generator=gen).float())).to(torch.bfloat16)
               for _ in range(k)]
+        ln = (torch.rand(n, device="cuda", generator=gen) + 0.5).to(torch.bfloat16), \
+            (torch.rand(n, device="cuda", generator=gen) - 0.5).to(torch.bfloat16)
         for job in jobs:
-            # dgelu reads two tensors: (dy, x) pairs of the same rotation
-            inputs = [(x, xs[(i + 1) % k]) if job == "dgelu_t" else (x,) for i, x in enumerate(xs)]
+            # dgelu reads two tensors: (dy, x) pairs of the same rotation; the LayerNorm its weight and bias
+            inputs = [(x, xs[(i + 1) % k]) if job == "dgelu_t" else (x, *ln) if job == "layernorm_t" else (x,)
+                      for i, x in enumerate(xs)]
             row = {"job": job, "size": size, "bytes": job_bytes(job, m, n), "recipe": "block"}
             row["checks"] = check(job, *inputs[0])
             row["correct"] = all(row["checks"].values())

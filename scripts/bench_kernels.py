@@ -24,7 +24,7 @@ to 16, the same kernels with nothing to pad) and the ragged size unpadded (pad_t
 bytes first (a block of the last rows, which holds the edge tiles, against the reference, padded);
 writes DIR/bench_kernels_ragged.json. Target: padded / aligned <= 1.02.
 
-       python scripts/bench_kernels.py --recipe block [--sizes ...] [--jobs act_t,act,weight_t,gelu_t,dgelu_t] [--peers eager,compile]
+       python scripts/bench_kernels.py --recipe block [--sizes ...] [--jobs act_t,act,weight_t,gelu_t,dgelu_t,layernorm_t] [--peers eager,compile]
 Block scaling (scripts/_bench_block.py): the block quantize kernel (1x128 with the transposed copy and
 its scales; 128x128 weights; the fused gelu, and dgelu with its column sums) beside torch doing the
 same job, bytes first; writes

@@ -188,7 +188,7 @@ class ContextGuard {
 // and a slot, once taken, keeps its id (a later registration of the id replaces the handle).
 namespace kernels {
 constexpr int kMaxDevices = 64;
-constexpr int kSlotBits = 12;  // 4096 slots per device: every module of every family is 356 kernels
+constexpr int kSlotBits = 12;  // 4096 slots per device: every module of every family is 446 kernels
 constexpr size_t kSlots = size_t{1} << kSlotBits;
 
 struct Slot {
