@@ -80,7 +80,8 @@ def test_the_face_exports_formats_recipe_state_and_the_functions():
     assert sorted(fusedfp8.__all__) == sorted([
         "E4M3", "E5M2", "Format", "DelayedScaling", "CurrentScaling", "BlockScaling", "ScalingState", "Slot", "Quantized",
         "LayerNormQuantized", "quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize",
-        "update_scales", "block_quantize", "block_gelu_quantize", "block_dgelu_quantize", "block_layernorm_quantize"])
+        "update_scales", "block_quantize", "block_gelu_quantize", "block_dgelu_quantize",
+        "block_layernorm_quantize"])
     for name in ("quantize", "gelu_quantize", "dgelu_quantize", "layernorm_quantize", "dequantize", "update_scales"):
         assert getattr(fusedfp8, name) is getattr(fusedfp8.ops, name)
     assert fusedfp8.ScalingState is fusedfp8.state.ScalingState and fusedfp8.Slot is fusedfp8.state.Slot
