@@ -28,7 +28,7 @@ from ..numerics import block_jnp as _block_jnp
 from ..types import BlockQuantized, LayerNormQuantized
 from . import callbacks
 from .jnp_backend import _as_f32
-from .layernorm import _param_sources, check_layernorm_params
+from .layernorm import check_layernorm_params, param_sources
 from .primitives import _check_impl, _dispatch, compiled_when_eager
 
 __all__ = ["block_quantize", "block_gelu_quantize", "block_dgelu_quantize", "block_layernorm_quantize"]
@@ -176,7 +176,7 @@ def _block_ln_kernel(cfg: _BLnCfg, backend: str, x, *params):
                                               cfg.pow2, cfg.pad_to, cfg.eps) for dev in callbacks.gpu_devices()}
     u8, f32 = jnp.uint8, jnp.float32
     shapes = [jax.ShapeDtypeStruct(sh.q, u8), jax.ShapeDtypeStruct(sh.scale_inv, f32)]
-    sources = {"x": ("in", 0), **_param_sources(cfg.has_weight, cfg.has_bias), "q": ("out", 0),
+    sources = {"x": ("in", 0), **param_sources(cfg.has_weight, cfg.has_bias), "q": ("out", 0),
                "scale_inv": ("out", 1)}
     if cfg.transpose:
         shapes += [jax.ShapeDtypeStruct(sh.q_t, u8), jax.ShapeDtypeStruct(sh.scale_inv_t, f32)]

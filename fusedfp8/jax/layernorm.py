@@ -24,7 +24,8 @@ from . import callbacks
 from . import primitives as P
 from .jnp_backend import _as_f32, _rows_cols, _stage_and_cast, pad_fp8
 
-__all__ = ["layernorm_quantize", "layernorm_amax", "check_layernorm_params", "layernorm_backward", "column_sums"]
+__all__ = ["layernorm_quantize", "layernorm_amax", "check_layernorm_params", "param_sources", "layernorm_backward",
+           "column_sums"]
 
 
 class _LnCfg(NamedTuple):
@@ -75,7 +76,7 @@ def _layernorm_kernel(cfg: _LnCfg, backend: str, x, *rest):
     at_mean = 1 + cfg.transpose
     si_used, hist_o, scale_o, scale_inv_o = (out(k) for k in range(n_out - 4, n_out))
     # the amax is staged in row 0 of the history; the state's scale is read, and written on a first step
-    sources = {"x": ("in", 0), **_param_sources(cfg.has_weight, cfg.has_bias), "q": out(0), "mean": out(at_mean),
+    sources = {"x": ("in", 0), **param_sources(cfg.has_weight, cfg.has_bias), "q": out(0), "mean": out(at_mean),
                "rstd": out(at_mean + 1), "scale": scale_o, "amax": hist_o, "scale_out": scale_o,
                "scale_inv_out": scale_inv_o, "scale_inv_used": si_used, "updates": ("in", first_state + 3)}
     if cfg.transpose:
@@ -83,7 +84,7 @@ def _layernorm_kernel(cfg: _LnCfg, backend: str, x, *rest):
     return tuple(callbacks.run(backend, plans, shapes, ins, launch.LAYERNORM_SLOTS.arrange(sources, None), aliases))
 
 
-def _param_sources(has_weight: bool, has_bias: bool) -> dict:
+def param_sources(has_weight: bool, has_bias: bool) -> dict:
     """Where weight and bias come from: the operands after x, those present."""
     return {name: ("in", 1 + k) for k, name in enumerate(n for n, on in (("weight", has_weight), ("bias", has_bias))
                                                           if on)}
@@ -115,7 +116,7 @@ def _layernorm_amax_kernel(eps: float, has_weight: bool, has_bias: bool, backend
     plans = {dev: launch.layernorm_amax_plan(dev, x.dtype.name, param, rows, cols, eps)
              for dev in callbacks.gpu_devices()}
     # nothing but x, weight, bias and the amax (a (2,) buffer: the amax, the zeroed flag)
-    sources = launch.LAYERNORM_SLOTS.arrange({"x": ("in", 0), **_param_sources(has_weight, has_bias),
+    sources = launch.LAYERNORM_SLOTS.arrange({"x": ("in", 0), **param_sources(has_weight, has_bias),
                                               "amax": ("out", 0)}, None)
     ins = (x, *params, jnp.zeros((2,), jnp.float32))  # the amax buffer, aliased to the result (as primitives.amax)
     return (callbacks.run(backend, plans, [jax.ShapeDtypeStruct((2,), jnp.float32)], ins, sources,
