@@ -164,7 +164,7 @@ class _BlockMLPFn(torch.autograd.Function):
         y = G.block_scaled_mm(a_q, w2_q, a_s, w2_s, 1, c2.weight_side, _padded_bias(b2, w2_q.shape[0]), h.dtype,
                               c2.gemm)
         ctx.save_for_backward(h_t, h_ts, z if c2.need_dgrad else None, a_t, a_ts, w1_t, w1_ts, w2_t, w2_ts, *ln_saved)
-        ctx.ln = bool(ln_saved),
+        ctx.ln = bool(ln_saved)
         ctx.cfg, ctx.dims = cfg, (m, k, f, n)
         ctx.h_shape, ctx.h_dtype = h.shape, h.dtype
         ctx.dtypes = (w1.dtype, None if b1 is None else b1.dtype, w2.dtype, None if b2 is None else b2.dtype)
@@ -194,7 +194,7 @@ class _BlockMLPFn(torch.autograd.Function):
                 if c1.need_dgrad:
                     dh = G.block_scaled_mm(gz_q, w1_t, gz_s, w1_ts, 1, c1.weight_side, None, ctx.h_dtype, c1.gemm)
                     dh = _unpad(dh, m, k)
-                    if ctx.ln[0]:  # the GEMM's dh is the LayerNorm output's gradient: through its backward to x
+                    if ctx.ln:  # the GEMM's dh is the LayerNorm output's gradient: through its backward to x
                         dh, dlw, dlb = _layernorm_backward(dh.contiguous(), *ln_saved, ctx.needs_input_grad[1:3])
                     dh = dh.reshape(ctx.h_shape)
                 if c1.need_wgrad:
