@@ -291,7 +291,7 @@ class Fp8MLP(nn.Module):
     fc2 in ``'_overwrite_with_gradient'``.
 
     Under a :class:`fusedfp8.BlockScaling` recipe the same parameters, no state variables:
-    ``nn.LayerNorm``, then :func:`fusedfp8.jax.block_dot.block_mlp` (the gelu fused).
+    :func:`fusedfp8.jax.block_dot.block_mlp` with the LayerNorm and the gelu fused.
 
     Attributes: ``ffn`` (inner width), ``out_features`` (default: the input width), ``recipe``,
     ``approximate`` ('tanh' or 'none'), ``dtype`` (computation dtype, default the input's: the
@@ -355,19 +355,24 @@ class Fp8MLP(nn.Module):
         return y.reshape(*x.shape[:-1], out)
 
     def _block(self, x, recipe: BlockScaling, hidden: int, out: int, dtype):
-        """Under block scaling: nn.LayerNorm (the fused LayerNorm kernel takes one scale per tensor),
-        then :func:`fusedfp8.jax.block_dot.block_mlp`; no state variables."""
+        """Under block scaling: :func:`fusedfp8.jax.block_dot.block_mlp`, LayerNorm(x) straight to FP8
+        with 1x128 blocks (or, with ``fuse_layernorm`` off, nn.LayerNorm first); no state variables."""
         if self.axis_name is not None:
             raise ValueError(f"Fp8MLP.axis_name must be None under BlockScaling (no state to reduce); got "
                              f"{self.axis_name!r}")
-        h = nn.LayerNorm(epsilon=self.epsilon, dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
+        if self.fuse_layernorm:
+            ln_w, ln_b = _LayerNormParams(hidden, self.param_dtype, name="norm")()
+            h, ln = x, {"ln_weight": ln_w, "ln_bias": ln_b, "ln_eps": self.epsilon}
+        else:
+            h = nn.LayerNorm(epsilon=self.epsilon, dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
+            h, ln = jnp.asarray(h, dtype), {}
         fc1 = _DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")
         fc2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")
         (w1, b1, _), (w2, b2, _) = fc1(), fc2()
         q1, q2 = fc1.fp8_weight(w1, (), True, None, self.impl), fc2.fp8_weight(w2, (), True, None, self.impl)
-        y = F.block_mlp(jnp.asarray(h, dtype).reshape(-1, hidden), w1, b1.astype(dtype), w2, b2.astype(dtype), recipe,
+        y = F.block_mlp(h.reshape(-1, hidden), w1, b1.astype(dtype), w2, b2.astype(dtype), recipe,
                         approximate=self.approximate, out_dtype=dtype, impl=self.impl,
-                        fp8_weights=None if q1 is None else (q1, q2))
+                        fp8_weights=None if q1 is None else (q1, q2), **ln)
         return y.reshape(*x.shape[:-1], out)
 
 

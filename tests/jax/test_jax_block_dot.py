@@ -211,33 +211,38 @@ def test_on_cuda_the_gradient_lowers_to_three_block_gemms(cuda_lowering):
     assert "custom_call" not in cpu
 
 
-def test_flax_fp8_mlp_under_block_scaling_is_layernorm_then_block_mlp():
+def test_flax_fp8_mlp_under_block_scaling_is_block_mlp_with_the_layernorm_fused():
     """flax Fp8MLP(recipe=BlockScaling()): nn.LayerNorm's and nn.Dense's parameter names, no state
-    variables, bit for bit nn.LayerNorm -> block_mlp (one jitted program)."""
+    variables, bit for bit block_mlp with the LayerNorm fused (its scale and bias as ln_weight /
+    ln_bias), and with fuse_layernorm=False nn.LayerNorm -> block_mlp (one jitted program)."""
     import flax.linen as nn
 
     from fusedfp8.jax.flax import Fp8MLP
 
     r = fusedfp8.BlockScaling(weight_block=(1, 128))
     m = Fp8MLP(ffn=260, recipe=r, dtype=jnp.bfloat16)
+    unfused = Fp8MLP(ffn=260, recipe=r, dtype=jnp.bfloat16, fuse_layernorm=False)
     x = jnp.asarray(inputs((21, 130), "float32", 4), jnp.bfloat16).reshape(3, 7, 130)
     shapes = jax.eval_shape(m.init, jax.random.PRNGKey(0), x)
     assert set(shapes) == {"params"} and set(shapes["params"]) == {"norm", "fc1", "fc2"}
+    assert jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure(
+        jax.eval_shape(unfused.init, jax.random.PRNGKey(0), x))
     rng = np.random.default_rng(5)  # values for those parameters (nothing compiled for an init)
     v = jax.tree_util.tree_map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.1 + (s.shape == (130,)),
                                                      s.dtype), shapes)
 
     def both(p):
-        got = m.apply(p, x)
-        q = p["params"]
+        q, bf = p["params"], jnp.bfloat16
+        weights = (q["fc1"]["kernel"], q["fc1"]["bias"].astype(bf), q["fc2"]["kernel"], q["fc2"]["bias"].astype(bf))
+        want = F.block_mlp(x.reshape(21, 130), *weights, r, out_dtype=bf, ln_weight=q["norm"]["scale"],
+                           ln_bias=q["norm"]["bias"], ln_eps=1e-6)
         h = nn.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16).apply({"params": q["norm"]}, x).reshape(21, 130)
-        bf = jnp.bfloat16
-        want = F.block_mlp(h, q["fc1"]["kernel"], q["fc1"]["bias"].astype(bf), q["fc2"]["kernel"],
-                           q["fc2"]["bias"].astype(bf), r, out_dtype=bf)
-        return got, want.reshape(3, 7, 130)
+        want_unfused = F.block_mlp(h, *weights, r, out_dtype=bf)
+        return m.apply(p, x), want.reshape(3, 7, 130), unfused.apply(p, x), want_unfused.reshape(3, 7, 130)
 
-    got, want = jax.jit(both)(v)
+    got, want, got_unfused, want_unfused = jax.jit(both)(v)
     assert got.dtype == jnp.bfloat16 and np.array_equal(np.asarray(got), np.asarray(want))
+    assert np.array_equal(np.asarray(got_unfused), np.asarray(want_unfused))
     with pytest.raises(ValueError, match="Fp8MLP.axis_name must be None under BlockScaling"):
         Fp8MLP(ffn=260, recipe=r, axis_name="d").init(jax.random.PRNGKey(0), x)
 
