@@ -349,7 +349,8 @@ class _DefinitionLayerNorm(torch.autograd.Function):
     def forward(ctx, x, w, b, eps):
         from fusedfp8.numerics import layernorm as LN
 
-        y, mean, rstd = LN.layernorm_f32(x.detach().numpy(), w.detach().numpy(), b.detach().numpy(), eps)
+        y, mean, rstd = LN.layernorm_f32(x.detach().numpy(), *(None if p is None else p.detach().numpy() for p in (w, b)),
+                                         eps)
         mean, rstd = torch.from_numpy(mean), torch.from_numpy(rstd)
         ctx.save_for_backward(x, mean, rstd, w, b)
         return torch.from_numpy(y).to(x.dtype)
@@ -360,7 +361,7 @@ class _DefinitionLayerNorm(torch.autograd.Function):
 
         x, mean, rstd, w, b = ctx.saved_tensors
         dx, dw, db = _layernorm_backward(g.reshape(-1, x.shape[-1]).contiguous(), x.reshape(-1, x.shape[-1]), mean,
-                                         rstd, w, b, (True, True))
+                                         rstd, w, b, (w is not None, b is not None))
         return dx.reshape(x.shape), dw, db, None
 
 
@@ -414,6 +415,35 @@ def test_fp8_mlp_under_block_scaling_is_its_composition_with_the_gelu_fused(appr
     assert torch.allclose(got[0], plain[0], rtol=0.05, atol=0.05 * float(plain[0].abs().max()))
     with pytest.raises(TypeError, match=r"recipe: a fusedfp8\.BlockScaling is not accepted here"):
         type("Sub", (fp8.Fp8MLP,), {})(8, 16, r)
+
+
+@pytest.mark.parametrize("norm", ["no-bias", "no-affine"])
+def test_the_fused_layernorm_without_a_bias_or_any_parameter(norm):
+    """nn.LayerNorm(bias=False) and nn.LayerNorm(elementwise_affine=False) in Fp8BlockMLP: fused
+    (a missing weight is 1, a missing bias -0: the kernels' exact identities), bit for bit the
+    kernels' LayerNorm -> block linear -> gelu -> block linear, forward and every gradient."""
+    torch.manual_seed(5)
+    r = fusedfp8.BlockScaling(fp8_format="hybrid")
+    m = fp8.Fp8MLP(130, 200, r)
+    m.norm = torch.nn.LayerNorm(130, bias=False) if norm == "no-bias" else torch.nn.LayerNorm(
+        130, elementwise_affine=False)
+    x = torch.randn(5, 130, requires_grad=True)
+    params = [p for p in (m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias, m.norm.weight) if p is not None]
+
+    def run(fn):
+        x.grad = None
+        m.zero_grad()
+        y = fn(x)
+        y.square().sum().backward()
+        return (y.detach(), x.grad.clone(), *(p.grad.clone() for p in params))
+
+    def composition(x):
+        h = _DefinitionLayerNorm.apply(x, m.norm.weight, None, m.norm.eps)
+        z = block_linear(h, m.fc1.weight, m.fc1.bias, r)
+        return block_linear(_DefinitionGelu.apply(z, "tanh"), m.fc2.weight, m.fc2.bias, r)
+
+    for k, (a, b) in enumerate(zip(run(m), run(composition))):
+        assert torch.equal(a, b), k
 
 
 def test_the_block_mlp_runs_the_fused_kernels_and_only_what_a_gradient_needs(monkeypatch):
