@@ -42,6 +42,9 @@
 // OP (0 identity | 1 gelu tanh | 2 gelu erf | 3 dgelu tanh | 4 dgelu erf; not 0 only with 1x128),
 // HAS_DBIAS (the column sums' code compiled in; 1x128 only), P (LN's weight and bias, read as float32:
 // the set of T), LN.
+// Registers: the LayerNorm instantiation asks ptxas for two blocks a multiprocessor (left to itself it takes 145
+// registers a thread with bfloat16 parameters: one block of 8 warps on each multiprocessor; at 128 it spills
+// nothing); the others give no minimum (0), which leaves their allocation as ptxas chooses it.
 // Grid: 1-D, any number of blocks (grid-stride over the 128x128 tiles of prows x pcols; the host takes
 // min(tiles, resident blocks)); block: 256 threads (launch bounds).
 // Thread t owns rows lr + 32 p (p = 0..3, lr = t / 8) and columns lc..lc+15 (lc = 16 (t % 8)) of a tile:
@@ -81,7 +84,7 @@ __device__ __forceinline__ void put_tile(u8* tile, int r, int lc, u64 lo, u64 hi
 }
 
 template <typename T, int FMT, bool SQUARE, int OP = 0, bool HAS_DBIAS = (OP >= 3), typename P = T, bool LN = false>
-__global__ void __launch_bounds__(256) block_quantize(
+__global__ void __launch_bounds__(256, LN ? 2 : 0) block_quantize(
     const T* __restrict__ x,              // [rows, cols] input (dy for OP 3/4)
     const T* __restrict__ b,              // [rows, cols] second input (x for OP 3/4), else null
     u8* __restrict__ q,                   // [prows, pcols] FP8 output

@@ -52,7 +52,7 @@ def kernel_params(source: str, kernel: str) -> tuple[str, list]:
     """(the __launch_bounds__ argument, the parameter declarations) of the __global__ ``kernel`` of a
     family's source."""
     text = without_comments(source)
-    m = re.search(rf"__global__\s+void\s+__launch_bounds__\((\w+)\)\s+{kernel}\s*\(", text)
+    m = re.search(rf"__global__\s+void\s+__launch_bounds__\((\w+)(?:,[^)]*)?\)\s+{kernel}\s*\(", text)
     assert m, f"no __global__ {kernel} in the source"
     depth, at = 1, m.end()
     while depth:
