@@ -284,7 +284,7 @@ class _LayerNormCall:
     :func:`fusedfp8.layernorm_quantize` takes them."""
 
     def __init__(self, x, weight, bias, eps, recipe, transpose, pad_to):
-        from .checks import _check_eps, _check_param
+        from .checks import check_layernorm_args
 
         args = check_block_args(recipe, False, False, transpose, pad_to)
         self.fmt, self.block, self.pow2, self.transpose, self.pad_to = args
@@ -293,12 +293,7 @@ class _LayerNormCall:
         if self.shapes.cols == 0:
             raise ValueError(f"x: LayerNorm normalises over the last dimension, which must not be empty; got shape "
                              f"{tuple(self.xi.shape)}")
-        self.eps = _check_eps(eps)
-        self.wi = _check_param(weight, "weight", self.xi, self.shapes.cols)
-        self.bi = _check_param(bias, "bias", self.xi, self.shapes.cols)
-        if self.wi is not None and self.bi is not None and self.wi.dtype != self.bi.dtype:
-            raise TypeError(f"weight and bias must have the same dtype; got {self.wi.dtype} and {self.bi.dtype}")
-        self.param = next((i.dtype for i in (self.wi, self.bi) if i is not None), "float32")
+        self.wi, self.bi, self.param, self.eps = check_layernorm_args(weight, bias, eps, self.xi, self.shapes.cols)
 
 
 def _host_layernorm(c: _LayerNormCall) -> LayerNormQuantized:

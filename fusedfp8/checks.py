@@ -199,6 +199,17 @@ def _check_param(a, argname: str, x: io.ArrayInfo, cols: int) -> io.ArrayInfo | 
     return info
 
 
+def check_layernorm_args(weight, bias, eps, x: io.ArrayInfo, cols: int):
+    """(weight info, bias info, the parameters' dtype, eps as float32) of a fused LayerNorm over ``cols``
+    columns of ``x`` (layernorm_quantize, block_layernorm_quantize): each parameter None or a (cols,)
+    float array beside x, both of one dtype ('float32' where neither is given)."""
+    eps = _check_eps(eps)
+    wi, bi = _check_param(weight, "weight", x, cols), _check_param(bias, "bias", x, cols)
+    if wi is not None and bi is not None and wi.dtype != bi.dtype:
+        raise TypeError(f"weight and bias must have the same dtype; got {wi.dtype} and {bi.dtype}")
+    return wi, bi, next((i.dtype for i in (wi, bi) if i is not None), "float32"), eps
+
+
 class _LayerNormPlan(_Plan):
     """A checked layernorm_quantize call: the checks of a quantization of x, then weight, bias and
     eps, and no written array (amax, the state) sharing memory with weight or bias."""
@@ -210,11 +221,6 @@ class _LayerNormPlan(_Plan):
         if self.cols == 0:
             raise ValueError(f"x: layernorm_quantize normalises over the last dimension, which must not be empty; "
                              f"got shape {tuple(self.xi.shape)}")
-        self.eps = _check_eps(eps)
-        self.wi = _check_param(weight, "weight", self.xi, self.cols)
-        self.biasi = _check_param(bias, "bias", self.xi, self.cols)
-        if self.wi is not None and self.biasi is not None and self.wi.dtype != self.biasi.dtype:
-            raise TypeError(f"weight and bias must have the same dtype; got {self.wi.dtype} and {self.biasi.dtype}")
-        self.param_dtype = next((i.dtype for i in (self.wi, self.biasi) if i is not None), "float32")
+        self.wi, self.biasi, self.param_dtype, self.eps = check_layernorm_args(weight, bias, eps, self.xi, self.cols)
         params = {name: i for name, i in (("weight", self.wi), ("bias", self.biasi)) if i is not None}
         _refuse_overlaps(self.written(), params)

@@ -29,13 +29,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..checks import _check_eps
 from ..recipe import BlockScaling
 from ..types import BlockQuantized, check_approximate, check_recipe, gemm_pad_to
 from . import gemm as G
 from . import primitives as P
 from .block import block_dgelu_quantize, block_gelu_quantize, block_layernorm_quantize, block_quantize
-from .layernorm import check_layernorm_params, layernorm_backward
+from .layernorm import check_mlp_layernorm, layernorm_backward
 
 __all__ = ["block_dot", "block_mlp", "padded_weight", "check_fp8_weight"]
 
@@ -326,15 +325,6 @@ def block_mlp(h, w1, b1, w2, b2, recipe: BlockScaling = BlockScaling(), *, appro
     h, w1, b1, w2, b2 = (ops[k] for k in ("h", "w1", "b1", "w2", "b2"))
     check_mlp_shapes(h, w1, b1, w2, b2)
     fp8_weights = check_fp8_weight_pair(fp8_weights, w1, w2, recipe, check_fp8_weight)
-    ln = None
-    if ln_eps is not None:
-        try:
-            ln_eps = _check_eps(ln_eps)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"ln_{e}") from None  # "ln_eps must be ..."
-        ln = check_layernorm_params(ln_weight, ln_bias, h.shape[1], ("ln_weight", "ln_bias"), "h")
-    elif ln_weight is not None or ln_bias is not None:
-        raise ValueError("ln_weight / ln_bias are the parameters of the fused LayerNorm, which ln_eps turns on; "
-                         "got ln_eps=None")
+    ln_eps, ln = check_mlp_layernorm(ln_weight, ln_bias, ln_eps, h.shape[1])
     return _block_mlp(h, w1, b1, w2, b2, ln, fp8_weights,
                       _MlpCfg(recipe, check_approximate(approximate), out_name, impl, ln_eps))

@@ -24,8 +24,8 @@ from . import callbacks
 from . import primitives as P
 from .jnp_backend import _as_f32, _rows_cols, _stage_and_cast, pad_fp8
 
-__all__ = ["layernorm_quantize", "layernorm_amax", "check_layernorm_params", "param_sources", "layernorm_backward",
-           "column_sums"]
+__all__ = ["layernorm_quantize", "layernorm_amax", "check_layernorm_params", "check_mlp_layernorm", "param_sources",
+           "layernorm_backward", "column_sums"]
 
 
 class _LnCfg(NamedTuple):
@@ -165,6 +165,21 @@ def check_layernorm_params(weight, bias, cols: int, names=("weight", "bias"), x_
     if out[0] is not None and out[1] is not None and out[0].dtype != out[1].dtype:
         raise TypeError(f"{names[0]} and {names[1]} must have the same dtype; got {out[0].dtype} and {out[1].dtype}")
     return tuple(out)
+
+
+def check_mlp_layernorm(ln_weight, ln_bias, ln_eps, cols: int):
+    """(ln_eps as float32, (weight, bias)) of an MLP's fused LayerNorm over ``cols`` columns of h, or
+    (None, None) where ``ln_eps`` is None (then ``ln_weight`` / ``ln_bias`` must be None too)."""
+    if ln_eps is None:
+        if ln_weight is not None or ln_bias is not None:
+            raise ValueError("ln_weight / ln_bias are the parameters of the fused LayerNorm, which ln_eps turns on; "
+                             "got ln_eps=None")
+        return None, None
+    try:
+        ln_eps = _check_eps(ln_eps)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"ln_{e}") from None  # "ln_eps must be ..."
+    return ln_eps, check_layernorm_params(ln_weight, ln_bias, cols, ("ln_weight", "ln_bias"), "h")
 
 
 def layernorm_quantize(x, weight, bias, eps: float, state: ScalingState, index: int, recipe: DelayedScaling, *,

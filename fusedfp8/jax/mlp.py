@@ -15,7 +15,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..checks import _check_eps
 from ..recipe import BlockScaling, DelayedScaling
 from ..types import check_approximate, check_recipe, gemm_pad_to
 from . import layernorm as LN
@@ -188,17 +187,7 @@ def fp8_mlp_use(h, w1, b1, w2, b2, meta1, meta2, recipe: DelayedScaling = Delaye
     out_name = jnp.dtype(out_dtype or h.dtype).name
     if out_name not in ("float32", "float16", "bfloat16"):
         raise TypeError(f"out_dtype must be float32, float16 or bfloat16; got {out_name}")
-    ln = None
-    if ln_eps is None:
-        if ln_weight is not None or ln_bias is not None:
-            raise ValueError("ln_weight / ln_bias are the parameters of the fused LayerNorm, which ln_eps turns on; "
-                             "got ln_eps=None")
-    else:
-        try:
-            ln_eps = _check_eps(ln_eps)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"ln_{e}") from None  # "ln_eps must be ..."
-        ln = LN.check_layernorm_params(ln_weight, ln_bias, h.shape[1], ("ln_weight", "ln_bias"), "h")
+    ln_eps, ln = LN.check_mlp_layernorm(ln_weight, ln_bias, ln_eps, h.shape[1])
     cfg = _MlpCfg(recipe, P._check_impl(impl), check_approximate(approximate), P._check_axis_name(axis_name),
                   bool(forward_fast_accum), bool(first), out_name, ln_eps)
     # inside shard_map, every operand varies over the mesh axes that any does (the implicit

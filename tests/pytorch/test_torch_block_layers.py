@@ -365,6 +365,15 @@ class _DefinitionLayerNorm(torch.autograd.Function):
         return dx.reshape(x.shape), dw, db, None
 
 
+def _output_and_grads(fn, x, m, params) -> tuple:
+    """fn(x) and, after backward of its squares' sum, the gradients of x and of ``params`` (m's cleared first)."""
+    x.grad = None
+    m.zero_grad()
+    y = fn(x)
+    y.square().sum().backward()
+    return (y.detach(), x.grad.clone(), *(p.grad.clone() for p in params))
+
+
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
 def test_fp8_mlp_under_block_scaling_is_its_composition_with_the_gelu_fused(approximate):
     """Fp8MLP(recipe=BlockScaling()) builds Fp8BlockMLP: the per-tensor Fp8MLP's parameter names
@@ -387,11 +396,7 @@ def test_fp8_mlp_under_block_scaling_is_its_composition_with_the_gelu_fused(appr
     params = (m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias, m.norm.weight, m.norm.bias)
 
     def run(fn):
-        x.grad = None
-        m.zero_grad()
-        y = fn(x)
-        y.square().sum().backward()
-        return (y.detach(), x.grad.clone(), *(p.grad.clone() for p in params))
+        return _output_and_grads(fn, x, m, params)
 
     def composition(x, fused=True):
         h = (_DefinitionLayerNorm.apply(x, m.norm.weight, m.norm.bias, m.norm.eps) if fused else
@@ -431,11 +436,7 @@ def test_the_fused_layernorm_without_a_bias_or_any_parameter(norm):
     params = [p for p in (m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias, m.norm.weight) if p is not None]
 
     def run(fn):
-        x.grad = None
-        m.zero_grad()
-        y = fn(x)
-        y.square().sum().backward()
-        return (y.detach(), x.grad.clone(), *(p.grad.clone() for p in params))
+        return _output_and_grads(fn, x, m, params)
 
     def composition(x):
         h = _DefinitionLayerNorm.apply(x, m.norm.weight, None, m.norm.eps)
