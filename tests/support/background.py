@@ -174,10 +174,15 @@ class Runner:
             try:
                 self._run(job)
             finally:
-                tmp = job.out / "result.json.tmp"
-                tmp.write_text(json.dumps({"returncode": job.returncode, "log": job.log, "seconds": job.seconds}))
-                tmp.replace(job.out / "result.json")
-                job.done.set()
+                try:
+                    tmp = job.out / "result.json.tmp"
+                    tmp.write_text(json.dumps({"returncode": job.returncode, "log": job.log, "seconds": job.seconds}))
+                    tmp.replace(job.out / "result.json")
+                except OSError:  # the session ended and removed the folder: nobody is waiting
+                    if not self._closed:
+                        raise
+                finally:
+                    job.done.set()
 
     def _run(self, job: JobResult) -> None:
         t0 = time.monotonic()
