@@ -332,12 +332,7 @@ class Fp8MLP(nn.Module):
         dtype = self.dtype or x.dtype
         if isinstance(recipe, BlockScaling):
             return self._block(x, recipe, hidden, out, dtype)
-        if self.fuse_layernorm and hidden <= _FUSED_LN_MAX:  # x itself in, LayerNorm(x) straight to FP8
-            ln_w, ln_b = _LayerNormParams(hidden, self.param_dtype, name="norm")()
-            h, ln = x, {"ln_weight": ln_w, "ln_bias": ln_b, "ln_eps": self.epsilon}
-        else:
-            h = nn.LayerNorm(epsilon=self.epsilon, dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
-            h, ln = jnp.asarray(h, dtype), {}
+        h, ln = self._norm(x, hidden, dtype, self.fuse_layernorm and hidden <= _FUSED_LN_MAX)
         fc1 = _DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")
         fc2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")
         (w1, b1, stored1), (w2, b2, stored2) = fc1(), fc2()
@@ -354,18 +349,22 @@ class Fp8MLP(nn.Module):
         _remember(self, (*stored1, *stored2), (out1, out2))
         return y.reshape(*x.shape[:-1], out)
 
+    def _norm(self, x, hidden: int, dtype, fuse: bool):
+        """(h, ln): with ``fuse``, x itself and the LayerNorm's parameters for the quantization that
+        computes LayerNorm(x) on the way to FP8; else nn.LayerNorm(x) in ``dtype`` and no parameters."""
+        if fuse:
+            ln_w, ln_b = _LayerNormParams(hidden, self.param_dtype, name="norm")()
+            return x, {"ln_weight": ln_w, "ln_bias": ln_b, "ln_eps": self.epsilon}
+        h = nn.LayerNorm(epsilon=self.epsilon, dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
+        return jnp.asarray(h, dtype), {}
+
     def _block(self, x, recipe: BlockScaling, hidden: int, out: int, dtype):
         """Under block scaling: :func:`fusedfp8.jax.block_dot.block_mlp`, LayerNorm(x) straight to FP8
         with 1x128 blocks (or, with ``fuse_layernorm`` off, nn.LayerNorm first); no state variables."""
         if self.axis_name is not None:
             raise ValueError(f"Fp8MLP.axis_name must be None under BlockScaling (no state to reduce); got "
                              f"{self.axis_name!r}")
-        if self.fuse_layernorm:
-            ln_w, ln_b = _LayerNormParams(hidden, self.param_dtype, name="norm")()
-            h, ln = x, {"ln_weight": ln_w, "ln_bias": ln_b, "ln_eps": self.epsilon}
-        else:
-            h = nn.LayerNorm(epsilon=self.epsilon, dtype=dtype, param_dtype=self.param_dtype, name="norm")(x)
-            h, ln = jnp.asarray(h, dtype), {}
+        h, ln = self._norm(x, hidden, dtype, self.fuse_layernorm)
         fc1 = _DenseParams(hidden, self.ffn, recipe, self.param_dtype, name="fc1")
         fc2 = _DenseParams(self.ffn, out, recipe, self.param_dtype, name="fc2")
         (w1, b1, _), (w2, b2, _) = fc1(), fc2()
