@@ -317,7 +317,8 @@ def _torch_profile(step, clock: Clock, steps: int, warmup: int) -> dict:
 
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # the Chrome trace categories of GPU work
 GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")  # runtime / driver calls replaying a CUDA graph
-PROFILE_FIGURES = ("busy_ms_per_step", "span_ms_per_step", "kernels_per_step", "top_kernels")
+PROFILE_FIGURES = ("busy_ms_per_step", "span_ms_per_step", "kernels_per_step", "top_kernels", "idle_ms_per_step",
+                   "largest_gaps")
 
 
 def no_profile(reason: str) -> dict:
@@ -349,14 +350,15 @@ def trace_busy(events: list, steps: int, top: int = 12) -> dict:
     if launches and not from_graphs:
         return {**out, **no_profile(f"the trace holds {len(launches)} CUDA graph launches but none of their kernels "
                                     "(this torch's profiler does not see the kernels of a graph replay)")}
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in gpu)
-    busy_us, (lo, hi) = 0.0, spans[0]
-    for start, end in spans[1:]:
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "?")) for e in gpu)
+    busy_us, (lo, hi) = 0.0, spans[0][:2]
+    for start, end, _ in spans[1:]:
         if start > hi:
             busy_us, lo, hi = busy_us + hi - lo, start, end
         else:
             hi = max(hi, end)
     busy_us += hi - lo
+    idle = idle_gaps(spans, steps)
     by_name = {}
     for e in gpu:
         k = by_name.setdefault(e.get("name", "?"), [0, 0.0])
@@ -364,11 +366,39 @@ def trace_busy(events: list, steps: int, top: int = 12) -> dict:
         k[1] += float(e.get("dur", 0.0)) / 1e3
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     return {**out, "busy_ms_per_step": busy_us / 1e3 / steps,
-            "span_ms_per_step": (max(end for _, end in spans) - spans[0][0]) / 1e3 / steps,
+            "span_ms_per_step": (max(end for _, end, _ in spans) - spans[0][0]) / 1e3 / steps, **idle,
             "kernels_per_step": len(kernels) / steps,
             "top_kernels": [{"name": n[:160], "calls_per_step": c / steps, "ms_per_step": ms / steps}
                             for n, (c, ms) in ranked],
             "reason": None}
+
+
+def idle_gaps(spans: list, steps: int, top: int = 8) -> dict:
+    """Where the GPU waits, from ``spans`` = (start_us, end_us, name) of its work (kernels, copies,
+    memsets on any stream), sorted by start: the union of the intervals leaves gaps; each gap is
+    put down to the pair (the work that ended last before it, the work that starts after it).
+    ``idle_ms_per_step``: the gaps' total per step (between the first start and the last end, so
+    the gaps between consecutive steps count: the host's dispatch of the next step);
+    ``largest_gaps``: the ``top`` pairs by time, each with its gaps per step and ms per step.
+    A kernel that waits on the host inside a step (a callback, a launch the host issues late)
+    shows as the pair before it; the step boundary as (the last kernel, the first kernel)."""
+    pairs: dict = {}
+    hi, last = spans[0][1], spans[0][2]
+    idle_us = 0.0
+    for start, end, name in spans[1:]:
+        if start > hi:
+            gap = start - hi
+            idle_us += gap
+            k = pairs.setdefault((last, name), [0, 0.0])
+            k[0] += 1
+            k[1] += gap
+            hi, last = end, name
+        elif end >= hi:
+            hi, last = end, name
+    ranked = sorted(pairs.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"idle_ms_per_step": idle_us / 1e3 / steps,
+            "largest_gaps": [{"after": a[:160], "before": b[:160], "gaps_per_step": n / steps,
+                              "ms_per_step": us / 1e3 / steps} for (a, b), (n, us) in ranked]}
 
 
 # ---- numbers ---------------------------------------------------------------------------------

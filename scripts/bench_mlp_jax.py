@@ -219,8 +219,9 @@ def kernel_profile(step, state, x, y, nsteps: int = 10):
     """The GPU kernels of ``nsteps`` train steps under ``jax.profiler.trace`` (CUPTI), read back
     with ``jax.profiler.ProfileData``: device time per step by category (_bench.KERNEL_CATEGORIES;
     XLA's own fusions fall in 'other'), the span from the first kernel's start to the last one's
-    end per step (so busy / span says how much of the step the GPU idled), and the kernels taking
-    most time. Returns (the new state, the profile dict)."""
+    end per step (so busy / span says how much of the step the GPU idled), where it idled
+    (_bench.idle_gaps: the gaps between kernels, by the kernels around them, the step boundary
+    included), and the kernels taking most time. Returns (the new state, the profile dict)."""
     from jax.profiler import ProfileData
 
     state, loss = step(state, x, y)
@@ -234,7 +235,7 @@ def kernel_profile(step, state, x, y, nsteps: int = 10):
         if not files:
             return state, {"error": "the trace wrote no .xplane.pb"}
         data = ProfileData.from_file(files[0])
-        by_name, lines, t_lo, t_hi = {}, {}, math.inf, -math.inf
+        by_name, lines, t_lo, t_hi, spans = {}, {}, math.inf, -math.inf, []
         for plane in data.planes:
             if not plane.name.startswith("/device:GPU"):
                 continue
@@ -248,6 +249,7 @@ def kernel_profile(step, state, x, y, nsteps: int = 10):
                     k[0] += 1
                     k[1] += e.duration_ns / 1e6
                     t_lo, t_hi = min(t_lo, e.start_ns), max(t_hi, e.start_ns + e.duration_ns)
+                    spans.append((e.start_ns / 1e3, (e.start_ns + e.duration_ns) / 1e3, e.name))
     cats = _bench.empty_categories()
     for name, (_, ms) in by_name.items():
         cats[_bench.kernel_category(name)] += ms / nsteps
@@ -257,7 +259,7 @@ def kernel_profile(step, state, x, y, nsteps: int = 10):
                    "kernels_per_step": sum(n for n, _ in by_name.values()) / nsteps,
                    "top_kernels": [{"name": n[:160], "calls_per_step": c / nsteps, "ms_per_step": ms / nsteps}
                                    for n, (c, ms) in top],
-                   "trace_lines": lines}
+                   **(_bench.idle_gaps(sorted(spans), nsteps) if spans else {}), "trace_lines": lines}
 
 
 def run_mode(mode: str, model, params, shape, task: Task, args, device) -> dict:

@@ -146,6 +146,10 @@ def run_mode(mode: str, shape, args) -> dict:
     busy = f", GPU busy {p['busy_ms_per_step']:.3f} ms ({p['kernels_per_step']:.0f} kernels)" if "busy_ms_per_step" in p else ""
     print(f"[{hidden}x{ffn}x{tokens}] {mode:<21} {row['step_ms']:8.3f} ms/step{busy}  loss {losses[0]:.4f} -> "
           f"{losses[-1]:.4f}", flush=True)
+    if p.get("largest_gaps"):
+        gaps = "; ".join(f"{1e3 * g['ms_per_step']:.1f} us x{g['gaps_per_step']:g} {g['after'][:40]} -> {g['before'][:40]}"
+                         for g in p["largest_gaps"][:3])
+        print(f"    GPU idle {p['idle_ms_per_step']:.3f} ms/step between kernels; largest: {gaps}", flush=True)
     return row
 
 

@@ -169,6 +169,11 @@ def test_trace_busy_is_the_union_of_the_gpu_intervals(scripts):
     assert p["graph_launches_per_step"] == 0 and p["graph_kernels_per_step"] == 0
     assert p["top_kernels"][0] == {"name": "gemm_a", "calls_per_step": 1.0, "ms_per_step": pytest.approx(0.025)}
     assert [k["name"] for k in p["top_kernels"]] == ["gemm_a", "quantize_flat", "Memcpy DtoD"]
+    # the gaps of the union, put down to the work around them: 160 -> 200 and 220 -> 300 us
+    assert p["idle_ms_per_step"] == pytest.approx(0.06)
+    assert p["largest_gaps"] == [
+        {"after": "Memcpy DtoD", "before": "gemm_a", "gaps_per_step": 0.5, "ms_per_step": pytest.approx(0.04)},
+        {"after": "quantize_flat", "before": "Memcpy DtoD", "gaps_per_step": 0.5, "ms_per_step": pytest.approx(0.02)}]
     # a CUDA graph replay: its kernels carry the correlation id of the launch
     launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0.0, "dur": 5.0,
               "args": {"correlation": 9}}
@@ -182,7 +187,22 @@ def test_trace_busy_is_the_union_of_the_gpu_intervals(scripts):
     empty = busy(events[:3], 3)
     assert empty["busy_ms_per_step"] is None and empty["reason"] == "the trace holds no GPU kernel"
     assert scripts.core.no_profile("no GPU") == {"busy_ms_per_step": None, "span_ms_per_step": None,
-                                                 "kernels_per_step": None, "top_kernels": None, "reason": "no GPU"}
+                                                 "kernels_per_step": None, "top_kernels": None,
+                                                 "idle_ms_per_step": None, "largest_gaps": None, "reason": "no GPU"}
+
+
+def test_idle_gaps_name_the_work_around_each_gap(scripts):
+    """A gap belongs to the work that ended last before it (not the one that started last: B lies
+    inside A) and the work after it; gaps of the same pair add up, ranked by time; no gap, no pair."""
+    gaps = scripts.core.idle_gaps
+    spans = [(0.0, 100.0, "A"), (10.0, 20.0, "B"), (150.0, 160.0, "C"), (160.0, 170.0, "A"), (200.0, 210.0, "C"),
+             (230.0, 240.0, "A")]
+    g = gaps(spans, 2)
+    assert g["idle_ms_per_step"] == pytest.approx((50 + 30 + 20) / 1e3 / 2)
+    assert g["largest_gaps"] == [
+        {"after": "A", "before": "C", "gaps_per_step": 1.0, "ms_per_step": pytest.approx(0.04)},
+        {"after": "C", "before": "A", "gaps_per_step": 0.5, "ms_per_step": pytest.approx(0.01)}]
+    assert gaps([(0.0, 5.0, "A"), (5.0, 9.0, "B")], 1) == {"idle_ms_per_step": 0.0, "largest_gaps": []}
 
 
 def test_seed_program_models_take_the_recipe(scripts):
