@@ -719,7 +719,6 @@ def test_jax_layernorm_quantize_lowers_to_the_ffi_custom_call_on_cuda(ffi_on_cud
     from fusedfp8.jax.flax import Fp8MLP
     from fusedfp8.state import ScalingState
 
-    JP = ffi_on_cuda
     from fusedfp8.jax import layernorm as JLN  # on the primitives' backends (patched by the fixture)
     recipe = fusedfp8.DelayedScaling(amax_history_len=4)
     state = ScalingState.create((False, False, True), recipe, like=jnp.zeros(1))
