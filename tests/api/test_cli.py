@@ -288,7 +288,8 @@ def test_bench_tiny_on_cpu_runs_the_mlp_script(monkeypatch, capsys, tmp_path):
     # no GPU busy time on the CPU: the profile's figures are null with the reason
     for row in res["modes"].values():
         assert row["profile"] == {"busy_ms_per_step": None, "span_ms_per_step": None, "kernels_per_step": None,
-                                  "top_kernels": None, "reason": "no GPU"} and row["wall_over_busy"] is None
+                                  "top_kernels": None, "idle_ms_per_step": None, "largest_gaps": None,
+                                  "reason": "no GPU"} and row["wall_over_busy"] is None
     assert "GPU busy - (no GPU)" in (out / "bench_mlp_torch.log").read_text()
     assert "| 32/64/48 |" in text  # the script's markdown table, collected
     assert "fp8_eager@current" in text
