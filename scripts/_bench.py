@@ -351,22 +351,15 @@ def trace_busy(events: list, steps: int, top: int = 12) -> dict:
         return {**out, **no_profile(f"the trace holds {len(launches)} CUDA graph launches but none of their kernels "
                                     "(this torch's profiler does not see the kernels of a graph replay)")}
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "?")) for e in gpu)
-    busy_us, (lo, hi) = 0.0, spans[0][:2]
-    for start, end, _ in spans[1:]:
-        if start > hi:
-            busy_us, lo, hi = busy_us + hi - lo, start, end
-        else:
-            hi = max(hi, end)
-    busy_us += hi - lo
     idle = idle_gaps(spans, steps)
+    span_ms = (max(end for _, end, _ in spans) - spans[0][0]) / 1e3 / steps
     by_name = {}
     for e in gpu:
         k = by_name.setdefault(e.get("name", "?"), [0, 0.0])
         k[0] += 1
         k[1] += float(e.get("dur", 0.0)) / 1e3
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return {**out, "busy_ms_per_step": busy_us / 1e3 / steps,
-            "span_ms_per_step": (max(end for _, end, _ in spans) - spans[0][0]) / 1e3 / steps, **idle,
+    return {**out, "busy_ms_per_step": span_ms - idle["idle_ms_per_step"], "span_ms_per_step": span_ms, **idle,
             "kernels_per_step": len(kernels) / steps,
             "top_kernels": [{"name": n[:160], "calls_per_step": c / steps, "ms_per_step": ms / steps}
                             for n, (c, ms) in ranked],
