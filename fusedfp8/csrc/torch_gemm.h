@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <initializer_list>
 #include <optional>
 #include <string>
 
@@ -122,17 +123,34 @@ inline lt::Shape checked_shape(const char* op, const at::Tensor& a, const at::Te
   return s;
 }
 
+// Whether every size of the tensors is a number. Under torch.compile with dynamic shapes the Meta
+// kernels see symbolic sizes, which the checks of checked_shape cannot read (numel, is_contiguous):
+// there they only give the output, and the CUDA kernel checks the compiled graph's real call.
+inline bool concrete_sizes(std::initializer_list<const at::Tensor*> ts) {
+  for (const at::Tensor* t : ts)
+    for (const c10::SymInt& d : t->sym_sizes())
+      if (!d.maybe_as_int().has_value()) return false;
+  return true;
+}
+
+inline at::Tensor meta_out(const char* op, const at::Tensor& a, const at::Tensor& b, at::ScalarType out_dtype) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D; got ", a.dim(), "-D and ", b.dim(), "-D");
+  return at::empty_symint({a.sym_size(0), b.sym_size(0)}, a.options().dtype(out_dtype));
+}
+
 inline at::Tensor meta(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
                        at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias) {
-  checked_shape("fp8_gemm_lt", a, b, sa, sb, out_dtype, fast_accum, bias);
-  return at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
+  if (concrete_sizes({&a, &b, &sa, &sb}) && (!bias || concrete_sizes({&*bias})))
+    checked_shape("fp8_gemm_lt", a, b, sa, sb, out_dtype, fast_accum, bias);
+  return meta_out("fp8_gemm_lt", a, b, out_dtype);
 }
 
 inline at::Tensor meta_block(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sa, const at::Tensor& sb,
                              int64_t a_block, int64_t b_block, at::ScalarType out_dtype,
                              const std::optional<at::Tensor>& bias) {
-  checked_shape("fp8_gemm_lt_block", a, b, sa, sb, out_dtype, false, bias, a_block, b_block);
-  return at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
+  if (concrete_sizes({&a, &b, &sa, &sb}) && (!bias || concrete_sizes({&*bias})))
+    checked_shape("fp8_gemm_lt_block", a, b, sa, sb, out_dtype, false, bias, a_block, b_block);
+  return meta_out("fp8_gemm_lt_block", a, b, out_dtype);
 }
 
 // Runs the checked shape `s` (both ops' CUDA kernels). `stream_of(device)`: torch's current CUDA

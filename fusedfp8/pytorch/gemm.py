@@ -267,6 +267,35 @@ def _scaled_mm_scale(s: Tensor, rows: int, k: int, block: int, operand: str) -> 
     return v if operand == "a" else v.t()
 
 
+def _pad4(v: int) -> int:
+    return -(-v // 4) * 4
+
+
+def _k_padded_for_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, a_block: int, b_block: int,
+                            m: int, n: int, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """The operands and scales for ``torch._scaled_mm``'s blockwise recipes, with K padded where they
+    need it. torch checks a 128x128 scale of more than one block row as (ceil(rows/128), ceil(K/128))
+    with a row stride of exactly ceil(K/128), while cuBLASLt reads it with each row's K blocks
+    padded to a multiple of 4 (our layout): where ceil(K/128) is not a multiple of 4, no view of the
+    scales is both accepted and read right. There both operands are padded with zero bytes to K' =
+    128 * pad4(ceil(K/128)), where the two layouts coincide (a zero product changes no sum), and the
+    1x128 operand's scales get rows of 1 for the new K blocks (the 128x128 operand's pad columns
+    already hold 1)."""
+    kb = -(-k // _BLOCK)
+    rows128 = m if a_block == _BLOCK else n if b_block == _BLOCK else 0
+    if kb % 4 == 0 or -(-rows128 // _BLOCK) <= 1:
+        return a, b, scale_a, scale_b, k
+    kp = _BLOCK * _pad4(kb)
+
+    def operand(t: Tensor) -> Tensor:
+        return torch.nn.functional.pad(t.view(torch.uint8), (0, kp - k)).view(t.dtype)
+
+    def scales(s: Tensor, block: int) -> Tensor:
+        return s if block == _BLOCK else torch.nn.functional.pad(s, (0, 0, 0, _pad4(kb) - kb), value=1.0)
+
+    return operand(a), operand(b), scales(scale_a, a_block), scales(scale_b, b_block), kp
+
+
 def block_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, a_block: int, b_block: int,
                     bias: Tensor | None, out_dtype: torch.dtype, gemm: str = "scaled_mm") -> Tensor:
     """``out_dtype(a @ b.T + bias)`` for FP8 operands with a scale per block (BlockScaling).
@@ -305,6 +334,7 @@ def block_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, a_bl
                 return op(a, b, scale_a, scale_b, a_block, b_block, out_dtype, bias)
             y = op(a, b, scale_a, scale_b, a_block, b_block, torch.float32).add_(bias)
         else:
+            a, b, scale_a, scale_b, k = _k_padded_for_scaled_mm(a, b, scale_a, scale_b, a_block, b_block, m, n, k)
             sa = _scaled_mm_scale(scale_a, m, k, a_block, "a")
             sb = _scaled_mm_scale(scale_b, n, k, b_block, "b")
             if fused:

@@ -143,6 +143,25 @@ def test_block_schema():
     assert args[-1].default_value is None
 
 
+@pytest.mark.parametrize("block", [False, True], ids=["per-tensor", "block"])
+def test_meta_kernels_take_symbolic_sizes_under_compile(block):
+    """torch.compile with dynamic shapes hands the Meta kernels symbolic sizes (a second token count
+    recompiles so by default): they give the output's shape there instead of failing on the size
+    checks (which the CUDA kernel runs on the real call)."""
+    built_shim("torch")
+
+    def gemm(a, b, sa, sb):
+        if block:
+            return torch.ops.fusedfp8.fp8_gemm_lt_block(a, b, sa, sb, 1, 128, torch.bfloat16)
+        return torch.ops.fusedfp8.fp8_gemm_lt(a, b, sa, sb, torch.bfloat16)
+
+    compiled = torch.compile(gemm, dynamic=True, backend="eager", fullgraph=True)
+    for m in (48, 64):
+        args = _meta_block(m, 32, 256)[:4] if block else _meta(m, 32, 256)
+        y = compiled(*args)
+        assert y.shape == (m, 32) and y.dtype == torch.bfloat16
+
+
 def test_no_cpu_kernel(op):
     a, b = torch.zeros(16, 16, dtype=E4), torch.zeros(16, 16, dtype=E4)
     with pytest.raises(NotImplementedError, match="fp8_gemm_lt"):
@@ -269,7 +288,7 @@ def test_fp8_gemm_lt_in_a_cuda_graph_and_compiled(op):
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("blocks", [(1, 128), (128, 1), (1, 1)], ids=["1x128-128x128", "128x128-1x128", "1x128-1x128"])
 @pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
-@pytest.mark.parametrize("mnk", [(2048, 1024, 4096), (1008, 80, 304), (16, 16, 16)], ids=str)
+@pytest.mark.parametrize("mnk", [(2048, 1024, 4096), (1008, 80, 304), (1008, 208, 304), (16, 16, 16)], ids=str)
 def test_fp8_gemm_lt_block_matches_float64(mnk, pair, blocks, out):
     """Operands block-quantized by the NumPy definition (every block at its own magnitude, so that
     a scale read from the wrong block shows), the op's result against the float64 product of the

@@ -235,9 +235,44 @@ def test_the_cpu_emulation_reads_the_scale_layout():
         _close(y, a @ c.T, np.abs(a) @ np.abs(c).T, f"weight block {wb}")
 
 
+@pytest.mark.parametrize("blocks", [(1, 128), (128, 1)], ids=["1x128-128x128", "128x128-1x128"])
+@pytest.mark.parametrize("mnk", [(48, 300, 304), (300, 48, 640), (256, 256, 512), (48, 100, 304)], ids=str)
+def test_the_scaled_mm_views_are_what_torch_checks_and_give_the_same_product(mnk, blocks):
+    """For torch._scaled_mm's blockwise recipes the scales are views that its checks accept: a 128x128
+    scale of more than one block row (ceil(rows/128), ceil(K/128)) with row stride exactly
+    ceil(K/128), where our layout pads each row's K blocks to a multiple of 4 -- so where ceil(K/128)
+    is not, K is padded (zero bytes, scale rows of 1), which must leave the product unchanged (the
+    CPU emulation on the padded operands against the float64 product of the unpadded ones); 1x128
+    scales (M, ceil(K/128)) with strides (1, pad4(M))."""
+    m, n, k = mnk
+    a_blk, b_blk = blocks
+    qa = B.block_quantize(inputs((m, k), "float32", 7), "e4m3", (a_blk, 128), True)
+    qb = B.block_quantize(inputs((n, k), "float32", 8), "e4m3", (b_blk, 128), True)
+    a, b = (torch.from_numpy(q.data.view(np.uint8)).view(torch.float8_e4m3fn) for q in (qa, qb))
+    sa, sb = torch.from_numpy(qa.scale_inv), torch.from_numpy(qb.scale_inv)
+    pa, pb, psa, psb, kp = G._k_padded_for_scaled_mm(a, b, sa, sb, a_blk, b_blk, m, n, k)
+    kb, kbp = -(-k // 128), -(-kp // 128)
+    rows128 = m if a_blk == 128 else n
+    assert kp == (k if kb % 4 == 0 or rows128 <= 128 else 128 * (-(-kb // 4) * 4))
+    assert pa.shape == (m, kp) and pb.shape == (n, kp) and pa.dtype == a.dtype and pb.dtype == b.dtype
+    for rows, s, blk, op in ((m, psa, a_blk, "a"), (n, psb, b_blk, "b")):
+        v = G._scaled_mm_scale(s, rows, kp, blk, op)
+        if blk == 1:
+            want = ((rows, kbp), (1, -(-rows // 4) * 4)) if op == "a" else ((kbp, rows), (-(-rows // 4) * 4, 1))
+        else:
+            rb = -(-rows // 128)
+            want = ((rb, kbp), (kbp, 1)) if op == "a" else ((kbp, rb), (1, kbp))
+            if rb == 1:  # torch checks no row stride of a single block row
+                want = (want[0], v.stride())
+        assert (tuple(v.shape), v.stride()) == want, (op, blk)
+    da, db = _deq(qa, (a_blk, 128)), _deq(qb, (b_blk, 128))
+    yp = G.block_scaled_mm(pa, pb, psa, psb, a_blk, b_blk, None, torch.float32)
+    _close(yp, da @ db.T, np.abs(da) @ np.abs(db).T, "padded")
+
+
 # ---- on the GPU -------------------------------------------------------------------------------
 CUDA_SHAPES = {"aligned-2048x1024x4096": (2048, 1024, 4096), "ragged-1000x300x200": (1000, 300, 200),
-               "small-16x128x16": (16, 128, 16)}
+               "small-16x128x16": (16, 128, 16), "ragged-k-300x640x300": (300, 640, 300)}
 
 
 @pytest.mark.gpu
