@@ -314,6 +314,23 @@ def _block_emulation(a, b, sa, sb, a_block: int, b_block: int, bias, out_name: s
     return (y if bias is None else y + bias.astype(jnp.float32)).astype(out_name)
 
 
+def _padded_block_operands(a, b, sa, sb, a_block: int, b_block: int, bias):
+    """The operands with M, N and K rounded up to multiples of 16 (what cuBLASLt's FP8 GEMM takes):
+    zero FP8 bytes (a zero product changes no sum), a 1x128 operand's scale array widened to the
+    padded rows with 1s (padding to 16 adds no 128-block, so every other scale stays where it is),
+    the bias with zeros. Slicing the (M', N') product to (M, N) gives the unpadded one."""
+    from ..numerics.block import scale_shape
+
+    (m, k), n = a.shape, b.shape[0]
+    pm, pn, pk = (_round_up(d) for d in (m, n, k))
+    out = [jnp.pad(a, [(0, pm - m), (0, pk - k)]), jnp.pad(b, [(0, pn - n), (0, pk - k)])]
+    for s, rows, prows, blk in ((sa, m, pm, a_block), (sb, n, pn, b_block)):
+        want = scale_shape(prows, pk, (blk, _BLOCK))
+        out.append(jnp.pad(s, [(0, w - d) for w, d in zip(want, s.shape)], constant_values=1.0))
+    out.append(None if bias is None else jnp.pad(bias, (0, pn - n)))
+    return out
+
+
 def _block_ffi(a, b, sa, sb, a_block: int, b_block: int, bias, out_name: str):
     (m, k), n = a.shape, b.shape[0]
     if bias is not None and out_name == "float32":  # (cuBLASLt's FP8 bias epilogue has no float32 output)
@@ -366,8 +383,9 @@ def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, o
     out_dtype : bfloat16 (default), float16 or float32
     bias : None, or (N,) of ``out_dtype``, added in float32 before the one rounding
     impl : 'auto' and 'callback' (on CUDA the shim's cuBLASLt block-scaled GEMM, a custom call to
-        ``fusedfp8_fp8_gemm_block``, M, N and K multiples of 16: XLA has no block-scaled FP8 dot
-        to call instead; elsewhere the emulation), 'ffi' (that GEMM; an error where it cannot
+        ``fusedfp8_fp8_gemm_block``, on operands padded with zeros to multiples of 16 where they are
+        not (as :func:`fusedfp8.block_quantize` with ``pad_to=16`` writes them, so that no copy is
+        made): XLA has no block-scaled FP8 dot to call instead; elsewhere the emulation), 'ffi' (that GEMM; an error where it cannot
         run), 'jnp' (the emulation everywhere: the float32 product of the dequantized operands)
 
     On CUDA without the shim 'auto' raises (there is no other block-scaled FP8 GEMM; a silent
@@ -425,10 +443,8 @@ def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, o
         if not ok:
             raise RuntimeError(f"fusedfp8: the block-scaled FP8 GEMM on CUDA needs the compiled shim's cuBLASLt "
                                f"GEMM, which is not available: {why}. impl='jnp' runs the float32 emulation instead")
-        if any(d % GEMM_MULTIPLE for d in (m, n, k)):
-            raise ValueError(f"the block-scaled FP8 GEMM needs M, N and K multiples of {GEMM_MULTIPLE} (quantize "
-                             f"with pad_to={GEMM_MULTIPLE}); got (M, N, K) = {(m, n, k)}")
-        out = _block_ffi(a, b, sa, sb, a_block, b_block, bias[0] if bias else None, out_name)
+        pa, pb, psa, psb, pbias = _padded_block_operands(a, b, sa, sb, a_block, b_block, bias[0] if bias else None)
+        out = _block_ffi(pa, pb, psa, psb, a_block, b_block, pbias, out_name)[:m, :n]
         return P._as_varying_as((out,), (a, b, sa, sb, *bias))[0]
 
     if impl == "jnp":

@@ -162,6 +162,25 @@ def test_the_gemm_emulation_reads_the_scale_layout(blocks):
     _close(y, a @ c.T + np.asarray(bias, np.float64), np.abs(a) @ np.abs(c).T + 1, "y")
 
 
+@pytest.mark.parametrize("blocks", [(1, 128), (128, 1), (1, 1)], ids=["1x128-128x128", "128x128-1x128", "1x128-1x128"])
+def test_a_ragged_gemm_padded_to_16_keeps_its_product(blocks):
+    """The CUDA GEMM's operands for a ragged (M, N, K) = (130, 40, 300): padded to multiples of 16
+    with FP8 zeros, the scale arrays those of the padded shapes (1x128: 1s in the new columns), the
+    bias with zeros; the emulated product of the padded operands, sliced, is the unpadded one's."""
+    from fusedfp8.numerics.block import scale_shape
+
+    qa, qb = _quantized(130, 300, blocks[0], seed=3), _quantized(40, 300, blocks[1], "e5m2", seed=4)
+    bias = jnp.linspace(-1, 1, 40, dtype=jnp.float32)
+    pa, pb, psa, psb, pbias = G._padded_block_operands(jnp.asarray(qa.data), jnp.asarray(qb.data), qa.scale_inv,
+                                                       qb.scale_inv, *blocks, bias)
+    assert pa.shape == (144, 304) and pb.shape == (48, 304) and pbias.shape == (48,)
+    assert psa.shape == scale_shape(144, 304, (blocks[0], 128)) and psb.shape == scale_shape(48, 304, (blocks[1], 128))
+    assert not np.asarray(pa[130:]).view(np.uint8).any() and not np.asarray(pb[:, 300:]).view(np.uint8).any()
+    y = G.fp8_block_gemm(pa, pb, psa, psb, *blocks, jnp.float32, bias=pbias, impl="jnp")[:130, :40]
+    a, c = _deq(qa.data, qa.scale_inv, (blocks[0], 128)), _deq(qb.data, qb.scale_inv, (blocks[1], 128))
+    _close(y, a @ c.T + np.asarray(bias, np.float64), np.abs(a) @ np.abs(c).T + 1, "y")
+
+
 @pytest.mark.parametrize("change, error, message", [
     (dict(blocks=(128, 128)), ValueError, "not both 128"),
     (dict(blocks=(1, 64)), ValueError, "a_block and b_block must be 1"),
@@ -497,6 +516,24 @@ def test_cuda_block_dot_is_the_block_definition(shape, recipe):
     ref = _reference(x, w, g, recipe)
     for got, name in ((y, "y"), (dx, "dx"), (dw, "dw")):
         _close(got, *ref[name], name, rtol=2.0 ** -9)  # the split accumulator's allowance
+
+
+@pytest.mark.gpu
+@pytest.mark.jax_gpu
+@pytest.mark.fp8_gemm
+@pytest.mark.parametrize("blocks", [(1, 128), (128, 1), (1, 1)], ids=["1x128-128x128", "128x128-1x128", "1x128-1x128"])
+def test_cuda_gemm_of_ragged_operands_is_the_definition(blocks):
+    """fp8_block_gemm on the GPU with M, N, K = 130, 40, 300 (the operands padded to 16 inside, the
+    result sliced) and a bias, against the float64 product of the dequantized operands."""
+    qa, qb = _quantized(130, 300, blocks[0], seed=3), _quantized(40, 300, blocks[1], "e5m2", seed=4)
+    dev = jax.devices("gpu")[0]
+    a, b, sa, sb = (jax.device_put(jnp.asarray(v), dev) for v in (qa.data, qb.data, qa.scale_inv, qb.scale_inv))
+    bias = jax.device_put(jnp.linspace(-1, 1, 40, dtype=jnp.bfloat16), dev)
+    y = jax.jit(lambda *o: G.fp8_block_gemm(*o, *blocks, jnp.bfloat16, bias=bias))(a, b, sa, sb)
+    assert y.shape == (130, 40) and y.dtype == jnp.bfloat16
+    da, dc = _deq(qa.data, qa.scale_inv, (blocks[0], 128)), _deq(qb.data, qb.scale_inv, (blocks[1], 128))
+    want = da @ dc.T + np.asarray(bias, np.float64)
+    _close(y, want, np.abs(da) @ np.abs(dc).T + 1, "y", rtol=2.0 ** -7)  # the split accumulator, bf16 out
 
 
 @pytest.mark.gpu
