@@ -145,11 +145,15 @@ ffi::Error Fp8GemmImpl(void* stream, ffi::AnyBuffer& a, ffi::AnyBuffer& b, ffi::
   ff8::lt::Shape shape{dout[0], dout[1], da[1], da[1], db[1], dout[1], lt_type(a.element_type()),
                        lt_type(b.element_type()), lt_type(out->element_type()), static_cast<int32_t>(fast_accum),
                        static_cast<int64_t>(ws->size_bytes())};
-  if (a_block == 0) {
+  if (a_block == 0 && b_block == 0) {
     for (const ffi::AnyBuffer* s : {&sa, &sb})
       if (s->element_type() != ffi::DataType::F32 || s->element_count() < 1)
         return ffi::Error::InvalidArgument("fusedfp8 FP8 GEMM: the scales must be float32 arrays of one element");
   } else {
+    const auto block_ok = [](int64_t v) { return v == 1 || v == 128; };
+    if (!block_ok(a_block) || !block_ok(b_block) || (a_block == 128 && b_block == 128))
+      return ffi::Error::InvalidArgument("fusedfp8 block-scaled FP8 GEMM: a_block and b_block must be 1 or 128, not "
+                                         "both 128; got " + std::to_string(a_block) + " and " + std::to_string(b_block));
     if (da[0] != dout[0] || db[0] != dout[1])
       return ffi::Error::InvalidArgument("fusedfp8 block-scaled FP8 GEMM: the output must be (a's rows, b's rows)");
     const int64_t want[2] = {ff8::lt::block_scale_numel(da[0], da[1], a_block),

@@ -539,7 +539,7 @@ def test_cuda_gemm_of_ragged_operands_is_the_definition(blocks):
 @pytest.mark.gpu
 @pytest.mark.jax_gpu
 @pytest.mark.fp8_gemm
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_cuda_block_mlp_is_the_emulated_one(dtype):
     """block_mlp on CUDA (the fused gelu / dgelu+dbias kernels, the shim's block GEMMs) against
     impl='jnp' (the jax.numpy twins, the emulated GEMMs): the output and every gradient within
