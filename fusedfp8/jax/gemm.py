@@ -384,8 +384,8 @@ def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, o
     bias : None, or (N,) of ``out_dtype``, added in float32 before the one rounding
     impl : 'auto' and 'callback' (on CUDA the shim's cuBLASLt block-scaled GEMM, a custom call to
         ``fusedfp8_fp8_gemm_block``, on operands padded with zeros to multiples of 16 where they are
-        not (as :func:`fusedfp8.block_quantize` with ``pad_to=16`` writes them, so that no copy is
-        made): XLA has no block-scaled FP8 dot to call instead; elsewhere the emulation), 'ffi' (that GEMM; an error where it cannot
+        not, a copy that ``pad_to=16`` in the block quantization avoids: XLA has no block-scaled FP8
+        dot to call instead; elsewhere the emulation), 'ffi' (that GEMM; an error where it cannot
         run), 'jnp' (the emulation everywhere: the float32 product of the dequantized operands)
 
     On CUDA without the shim 'auto' raises (there is no other block-scaled FP8 GEMM; a silent

@@ -33,8 +33,9 @@ blocks the same bytes transposed and the same scales transposed.
 
 Scale layout (what cuBLASLt's block-scaled FP8 matmul reads on Hopper, CUDA 12.9+: scale modes
 CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F and BLK128x128_32F; the layout Transformer Engine's
-Float8BlockScaling hands it; ``torch._scaled_mm``'s blockwise recipes check views of it, a 128x128
-one only where ceil(cols / 128) is a multiple of 4: :mod:`fusedfp8.pytorch.gemm`), for an operand
+Float8BlockScaling hands it; ``torch._scaled_mm``'s blockwise recipes take views of it, a 128x128
+one of several block rows only where ceil(cols / 128) is a multiple of 4: fusedfp8.pytorch.gemm
+pads K there), for an operand
 stored row-major as (rows, cols) whose cols are the GEMM's K (every operand of our GEMMs: q for
 the forward, q_t for the weight gradient), float32, C-contiguous:
 
