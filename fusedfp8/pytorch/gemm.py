@@ -267,10 +267,6 @@ def _scaled_mm_scale(s: Tensor, rows: int, k: int, block: int, operand: str) -> 
     return v if operand == "a" else v.t()
 
 
-def _pad4(v: int) -> int:
-    return -(-v // 4) * 4
-
-
 def _k_padded_for_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, a_block: int, b_block: int,
                             m: int, n: int, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """The operands and scales for ``torch._scaled_mm``'s blockwise recipes, with K padded where they
@@ -281,19 +277,21 @@ def _k_padded_for_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tens
     128 * pad4(ceil(K/128)), where the two layouts coincide (a zero product changes no sum), and the
     1x128 operand's scales get rows of 1 for the new K blocks (the 128x128 operand's pad columns
     already hold 1)."""
-    kb = -(-k // _BLOCK)
+    from ..numerics.block import scale_shape
+
     rows128 = m if a_block == _BLOCK else n if b_block == _BLOCK else 0
-    if kb % 4 == 0 or -(-rows128 // _BLOCK) <= 1:
+    if -(-k // _BLOCK) % 4 == 0 or rows128 <= _BLOCK:
         return a, b, scale_a, scale_b, k
-    kp = _BLOCK * _pad4(kb)
+    kp = _BLOCK * scale_shape(rows128, k, (_BLOCK, _BLOCK))[1]  # the K blocks each scale row is padded to
 
     def operand(t: Tensor) -> Tensor:
         return torch.nn.functional.pad(t.view(torch.uint8), (0, kp - k)).view(t.dtype)
 
-    def scales(s: Tensor, block: int) -> Tensor:
-        return s if block == _BLOCK else torch.nn.functional.pad(s, (0, 0, 0, _pad4(kb) - kb), value=1.0)
+    def scales(s: Tensor, rows: int, block: int) -> Tensor:  # a 128x128 array keeps its shape
+        want = scale_shape(rows, kp, (block, _BLOCK))
+        return s if block == _BLOCK else torch.nn.functional.pad(s, (0, 0, 0, want[0] - s.shape[0]), value=1.0)
 
-    return operand(a), operand(b), scales(scale_a, a_block), scales(scale_b, b_block), kp
+    return operand(a), operand(b), scales(scale_a, m, a_block), scales(scale_b, n, b_block), kp
 
 
 def block_scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, a_block: int, b_block: int,
