@@ -82,6 +82,8 @@ def info(compile_all: bool, progress: bool = True) -> int:
     gemm_ok, gemm_reason = launch.probe(need_fp8_gemm=True)
     print(f"{'fused kernels':<18}{'usable' if ok else 'not usable'}: {reason}")
     print(f"{'FP8 GEMMs':<18}{'usable' if gemm_ok else 'not usable'}: {gemm_reason}")
+    block_ok, block_reason = launch.probe(need_block_gemm=True)
+    print(f"{'block FP8 GEMMs':<18}{'usable' if block_ok else 'not usable'}: {block_reason}")
     if not ok:
         print(f"{'':<18}CPU arrays run the bit-exact NumPy reference instead")
     try:

@@ -5,6 +5,8 @@ Markers (registered in pytest.ini):
 - ``gpu``: needs a CUDA GPU that runs the FP8 kernels (``fusedfp8.launch.probe()``);
 - ``fp8_gemm``: also needs FP8 GEMMs (``probe(need_fp8_gemm=True)``); it only matters for a
   test that runs on the GPU (a ``gpu`` test, or the ``cuda`` parameter of ``device``);
+- ``block_gemm``: a ``gpu`` test that also needs block-scaled FP8 GEMMs (BlockScaling's:
+  ``probe(need_block_gemm=True)``, Hopper only);
 - ``jax_gpu``: a ``gpu`` test that also needs jax's GPU backend;
 - ``slow``: genuinely long (tens of seconds on a 2-core CPU machine). Slow tests run by default;
   ``-m "not slow"`` leaves them out.
@@ -68,6 +70,7 @@ from fusedfp8 import launch  # noqa: E402  (imports neither CuPy nor jax)
 
 GPU = launch.probe()
 FP8_GEMM = launch.probe(need_fp8_gemm=True)
+BLOCK_GEMM = launch.probe(need_block_gemm=True)
 
 
 def _jax_gpu() -> tuple[bool, str]:
@@ -108,6 +111,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=GPU[1]))
         elif item.get_closest_marker("fp8_gemm") is not None and not FP8_GEMM[0]:
             item.add_marker(pytest.mark.skip(reason=FP8_GEMM[1]))
+        elif item.get_closest_marker("block_gemm") is not None and not BLOCK_GEMM[0]:
+            item.add_marker(pytest.mark.skip(reason=BLOCK_GEMM[1]))
         elif item.get_closest_marker("jax_gpu") is not None:
             jax_gpu = jax_gpu or _jax_gpu()
             if not jax_gpu[0]:

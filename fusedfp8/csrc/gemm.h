@@ -344,7 +344,7 @@ inline std::string build(Handle h, const Shape& s, uint32_t align, Entry& e) {
   if (s.sa_mode != kScaleScalar &&  // cuBLASLt's A is our b
       ((st = a.desc_set(e.desc, kDescAScaleMode, &s.sb_mode, sizeof s.sb_mode)) ||
        (st = a.desc_set(e.desc, kDescBScaleMode, &s.sa_mode, sizeof s.sa_mode))))
-    return fail("setting the block scale modes");
+    return fail("setting the block scale modes") + " (block-scaled FP8 GEMMs need cuBLAS 12.9 or newer)";
   if (s.epilogue == kEpilogueBias) {
     const void* aligned = reinterpret_cast<const void*>(static_cast<uintptr_t>(align));  // never read
     if ((st = a.desc_set(e.desc, kDescEpilogue, &s.epilogue, sizeof s.epilogue)) ||
@@ -369,7 +369,10 @@ inline std::string build(Handle h, const Shape& s, uint32_t align, Entry& e) {
   if (found < 1 || res.state != 0)
     return "fusedfp8 FP8 GEMM: cuBLASLt has no algorithm for (m=" + std::to_string(s.m) + ", n=" +
            std::to_string(s.n) + ", k=" + std::to_string(s.k) + ", " + type_name(s.ta) + " x " + type_name(s.tb) +
-           " -> " + type_name(s.td) + ") on this GPU";
+           " -> " + type_name(s.td) + ") on this GPU" +
+           (s.sa_mode != kScaleScalar || s.sb_mode != kScaleScalar
+                ? " (cuBLASLt runs block-scaled FP8 GEMMs on Hopper GPUs, compute capability 9.0)"
+                : "");
   e.algo = res.algo;
   e.workspace_needed = res.workspaceSize;
   return "";

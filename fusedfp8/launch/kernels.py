@@ -295,12 +295,15 @@ def _gpu_count() -> tuple[int, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
+def probe(device_id: int = 0, need_fp8_gemm: bool = False, need_block_gemm: bool = False) -> tuple[bool, str]:
     """(ok, reason): can the kernels run here? One probe feeds every GPU skip marker.
 
     The reason names the first thing a user could change: no CUDA GPU (no driver, or no device),
     then CuPy not installed, then a device below sm_89 (no FP8 conversion instructions; with
-    ``need_fp8_gemm``, no FP8 GEMMs).
+    ``need_fp8_gemm``, no FP8 GEMMs); with ``need_block_gemm``, a device other than Hopper (9.0):
+    cuBLASLt's 1x128 / 128x128 block-scaled FP8 GEMMs (BlockScaling's, also behind
+    ``torch._scaled_mm``'s blockwise recipes) run there only. The block quantize kernels need no
+    more than the FP8 conversions.
     """
     count, why = _gpu_count()
     if count == 0:
@@ -317,8 +320,11 @@ def probe(device_id: int = 0, need_fp8_gemm: bool = False) -> tuple[bool, str]:
         return False, f"CuPy cannot use CUDA device {device_id} ({type(e).__name__}: {e})"
     major, minor = int(cc[:-1]), int(cc[-1])
     if (major, minor) < (8, 9):
-        what = "FP8 GEMMs" if need_fp8_gemm else "FP8 conversion instructions"
+        what = "FP8 GEMMs" if need_fp8_gemm or need_block_gemm else "FP8 conversion instructions"
         return False, f"GPU of compute capability {major}.{minor} has no {what} (needs 8.9 or newer)"
+    if need_block_gemm and (major, minor) != (9, 0):
+        return False, (f"GPU of compute capability {major}.{minor} has no block-scaled FP8 GEMMs (cuBLASLt runs "
+                       "BlockScaling's 1x128 / 128x128 GEMMs on Hopper, 9.0)")
     return True, f"GPU {device_id}: compute capability {major}.{minor}"
 
 

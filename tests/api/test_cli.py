@@ -103,10 +103,12 @@ def test_info_reports_versions_probe_and_cache(capsys):
     rc = cli.main(["info"]) if ok else cli.main(["info", "--compile"])  # with a GPU --compile would build everything
     assert rc == (0 if ok else 1)
     stdout = capsys.readouterr().out
-    for want in ("fusedfp8", "python", "torch", "jax", "cupy", "GPU", "fused kernels", "FP8 GEMMs",
+    for want in ("fusedfp8", "python", "torch", "jax", "cupy", "GPU", "fused kernels", "FP8 GEMMs", "block FP8 GEMMs",
                  "kernel sources", "kernel cache", reason):
         assert want in stdout, (want, stdout)
     assert ("usable: " if ok else "not usable: ") + reason in stdout
+    block_ok, block_reason = launch.probe(need_block_gemm=True)
+    assert f"block FP8 GEMMs   {'usable' if block_ok else 'not usable'}: {block_reason}" in stdout
     if not ok:
         assert "--compile needs a usable GPU" in stdout
 

@@ -503,6 +503,7 @@ def test_a_wrong_cached_weight_is_refused_by_name():
 
 # ---- on the GPU -----------------------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.block_gemm
 @pytest.mark.jax_gpu
 @pytest.mark.fp8_gemm
 @pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
@@ -519,6 +520,7 @@ def test_cuda_block_dot_is_the_block_definition(shape, recipe):
 
 
 @pytest.mark.gpu
+@pytest.mark.block_gemm
 @pytest.mark.jax_gpu
 @pytest.mark.fp8_gemm
 @pytest.mark.parametrize("blocks", [(1, 128), (128, 1), (1, 1)], ids=["1x128-128x128", "128x128-1x128", "1x128-1x128"])
@@ -537,6 +539,7 @@ def test_cuda_gemm_of_ragged_operands_is_the_definition(blocks):
 
 
 @pytest.mark.gpu
+@pytest.mark.block_gemm
 @pytest.mark.jax_gpu
 @pytest.mark.fp8_gemm
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

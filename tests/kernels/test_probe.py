@@ -58,3 +58,29 @@ def test_with_a_gpu_but_no_cupy_the_reason_is_cupy(fresh_probe):
     _no_cupy(fresh_probe)
     assert launch.probe() == (False, "CuPy is not installed (pip install 'fusedfp8[cuda]')")
     assert launch.probe(3) == (False, "no CUDA device 3 (found 2)")
+
+
+@pytest.mark.parametrize("cc, kernels, fp8_gemm, block_gemm", [
+    (80, "no FP8 conversion instructions", "no FP8 GEMMs", "no FP8 GEMMs"),
+    (89, None, None, "has no block-scaled FP8 GEMMs"),
+    (90, None, None, None),
+    (100, None, None, "has no block-scaled FP8 GEMMs"),
+], ids=["ampere", "ada", "hopper", "blackwell"])
+def test_each_capability_gets_the_verdict_of_what_it_runs(fresh_probe, cc, kernels, fp8_gemm, block_gemm):
+    """FP8 kernels and GEMMs from 8.9 on; cuBLASLt's block-scaled FP8 GEMMs (BlockScaling) on
+    Hopper (9.0) only, and the reason says so."""
+    import types
+
+    fresh_probe.setattr(E, "driver", lambda: _Driver(count=1))
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda i: types.SimpleNamespace(
+        compute_capability=str(cc))))
+    fresh_probe.setitem(__import__("sys").modules, "cupy", cupy)
+    major, minor = divmod(cc, 10)
+    for kwargs, want in (({}, kernels), ({"need_fp8_gemm": True}, fp8_gemm), ({"need_block_gemm": True}, block_gemm)):
+        ok, reason = launch.probe(**kwargs)
+        if want is None:
+            assert ok and reason == f"GPU 0: compute capability {major}.{minor}", (kwargs, reason)
+        else:
+            assert not ok and want in reason and f"compute capability {major}.{minor}" in reason, (kwargs, reason)
+    if block_gemm and cc >= 89:
+        assert "Hopper, 9.0" in launch.probe(need_block_gemm=True)[1]

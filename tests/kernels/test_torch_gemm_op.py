@@ -284,6 +284,7 @@ def test_fp8_gemm_lt_in_a_cuda_graph_and_compiled(op):
 
 
 @pytest.mark.gpu
+@pytest.mark.block_gemm
 @pytest.mark.fp8_gemm
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("blocks", [(1, 128), (128, 1), (1, 1)], ids=["1x128-128x128", "128x128-1x128", "1x128-1x128"])

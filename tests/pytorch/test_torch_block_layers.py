@@ -276,6 +276,7 @@ CUDA_SHAPES = {"aligned-2048x1024x4096": (2048, 1024, 4096), "ragged-1000x300x20
 
 
 @pytest.mark.gpu
+@pytest.mark.block_gemm
 @pytest.mark.fp8_gemm
 @pytest.mark.parametrize("gemm", ["cublaslt", "scaled_mm"])
 @pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
@@ -303,6 +304,7 @@ def test_cuda_linear_is_the_block_definition(shape, recipe, gemm):
 
 
 @pytest.mark.gpu
+@pytest.mark.block_gemm
 @pytest.mark.fp8_gemm
 @pytest.mark.parametrize("gemm", ["cublaslt", "scaled_mm"])
 def test_cuda_bf16_linear_with_its_bias_in_the_epilogue(gemm):
@@ -324,6 +326,7 @@ def test_cuda_bf16_linear_with_its_bias_in_the_epilogue(gemm):
 
 
 @pytest.mark.gpu
+@pytest.mark.block_gemm
 @pytest.mark.fp8_gemm
 def test_cuda_compiled_block_linear_matches_eager():
     lin = fp8.Fp8Linear(256, 128, recipe=fusedfp8.BlockScaling(), device="cuda", dtype=torch.bfloat16)
@@ -334,6 +337,7 @@ def test_cuda_compiled_block_linear_matches_eager():
 
 
 @pytest.mark.gpu
+@pytest.mark.block_gemm
 @pytest.mark.fp8_gemm
 @pytest.mark.parametrize("gemm", ["cublaslt", "scaled_mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

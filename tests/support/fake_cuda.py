@@ -214,7 +214,7 @@ def pretend_gpu(setattr_, setitem_, handle_of) -> FakeDriver:
     drv = AnyHandleDriver(0)
     setitem_(sys.modules, "cupy", fake_cupy(handle_of))
     for module in (kernels, launch):
-        setattr_(module, "probe", lambda device_id=0, need_fp8_gemm=False: (True, "a pretended GPU"))
+        setattr_(module, "probe", lambda device_id=0, need_fp8_gemm=False, need_block_gemm=False: (True, "a pretended GPU"))
     setattr_(executor, "driver", lambda: drv)
     setattr_(executor, "_primary", {})
     setattr_(kernels, "_loaded", {})
