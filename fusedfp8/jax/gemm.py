@@ -331,6 +331,19 @@ def _padded_block_operands(a, b, sa, sb, a_block: int, b_block: int, bias):
     return out
 
 
+def _fails_when_run(message: str, shape: tuple, dtype: str, like):
+    """A ``(shape, dtype)`` array whose computation raises ``RuntimeError(message)`` when it runs
+    (a host callback): the CUDA branch's answer where the block-scaled GEMM cannot be had.
+    ``lax.platform_dependent`` traces every branch, so raising at trace time would also break
+    the program lowered for the CPU on a GPU host without the shim (or on a GPU cuBLASLt has no
+    block-scaled GEMM for); the CUDA program fails when it runs, with this message."""
+
+    def fail(_):
+        raise RuntimeError(message)
+
+    return jax.pure_callback(fail, jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), like, vmap_method="sequential")
+
+
 def _block_ffi(a, b, sa, sb, a_block: int, b_block: int, bias, out_name: str):
     (m, k), n = a.shape, b.shape[0]
     if bias is not None and out_name == "float32":  # (cuBLASLt's FP8 bias epilogue has no float32 output)
@@ -339,7 +352,8 @@ def _block_ffi(a, b, sa, sb, a_block: int, b_block: int, bias, out_name: str):
                        bias is not None, (a_block, b_block))
     why = _prepared(tuple(int(v) for v in code))
     if why:
-        raise RuntimeError(f"fusedfp8: the block-scaled FP8 GEMM (m={m}, n={n}, k={k}) cannot run: {why}")
+        return _fails_when_run(f"fusedfp8: the block-scaled FP8 GEMM (m={m}, n={n}, k={k}) cannot run: {why}",
+                               (m, n), out_name, sa)
     call = jax.ffi.ffi_call(TARGET_BLOCK if bias is None else TARGET_BLOCK_BIAS,
                             (jax.ShapeDtypeStruct((m, n), jnp.dtype(out_name)),
                              jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)), vmap_method="sequential")
@@ -362,11 +376,11 @@ def _block_ready() -> tuple[bool, str]:
 def block_gemm_path() -> tuple[str, str]:
     """(backend, why) of the block-scaled GEMM on CUDA, without building or loading anything:
     :data:`TARGET_BLOCK` where :func:`gemm_path` finds the shim's GEMM, else 'none' (block-scaled
-    layers then raise on CUDA)."""
+    layers then fail when they run on CUDA)."""
     path, why = gemm_path()
     if path == TARGET:
         return TARGET_BLOCK, f"{why}; the scale pairs cuBLASLt offers are asked at first use"
-    return "none", f"{why}: block-scaled layers raise on CUDA (impl='jnp' runs the float32 emulation)"
+    return "none", f"{why}: block-scaled layers fail when they run on CUDA (impl='jnp' runs the float32 emulation)"
 
 
 def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, out_dtype=jnp.bfloat16, *,
@@ -388,8 +402,10 @@ def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, o
         dot to call instead; elsewhere the emulation), 'ffi' (that GEMM; an error where it cannot
         run), 'jnp' (the emulation everywhere: the float32 product of the dequantized operands)
 
-    On CUDA without the shim 'auto' raises (there is no other block-scaled FP8 GEMM; a silent
-    float32 product would not be the FP8 GEMM asked for): impl='jnp' asks for the emulation.
+    On CUDA without the shim (or where cuBLASLt has no block-scaled GEMM: Hopper only) 'auto'
+    fails when the CUDA program runs, saying why (there is no other block-scaled FP8 GEMM; a silent
+    float32 product would not be the FP8 GEMM asked for): impl='jnp' asks for the emulation. The
+    same program lowered for the CPU runs the emulation.
     Returns the (M, N) array of ``out_dtype``.
     """
     from ..numerics.block import scale_shape
@@ -441,8 +457,10 @@ def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, o
             return emulation(a, b, sa, sb, *bias)
         ok, why = _block_ready()
         if not ok:
-            raise RuntimeError(f"fusedfp8: the block-scaled FP8 GEMM on CUDA needs the compiled shim's cuBLASLt "
-                               f"GEMM, which is not available: {why}. impl='jnp' runs the float32 emulation instead")
+            out = _fails_when_run(f"fusedfp8: the block-scaled FP8 GEMM on CUDA needs the compiled shim's cuBLASLt "
+                                  f"GEMM, which is not available: {why}. impl='jnp' runs the float32 emulation "
+                                  "instead", (m, n), out_name, sa)
+            return P._as_varying_as((out,), (a, b, sa, sb, *bias))[0]
         pa, pb, psa, psb, pbias = _padded_block_operands(a, b, sa, sb, a_block, b_block, bias[0] if bias else None)
         out = _block_ffi(pa, pb, psa, psb, a_block, b_block, pbias, out_name)[:m, :n]
         return P._as_varying_as((out,), (a, b, sa, sb, *bias))[0]

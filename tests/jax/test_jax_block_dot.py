@@ -230,6 +230,42 @@ def test_on_cuda_the_gradient_lowers_to_three_block_gemms(cuda_lowering):
     assert "custom_call" not in cpu
 
 
+@pytest.mark.parametrize("missing", ["shim", "cublaslt-algorithm"])
+def test_a_gpu_host_without_the_block_gemm_still_runs_the_cpu_program(monkeypatch, missing):
+    """On a GPU host where the block-scaled GEMM cannot be had (no shim, or cuBLASLt without the
+    algorithm: a GPU other than Hopper), the gradient program lowered for the CPU runs the
+    emulation (the CUDA branch, which platform_dependent traces too, no longer raises at trace
+    time); the CUDA branch holds a host callback in place of each of the three GEMMs, and that
+    callback raises the reason when it runs."""
+    from fusedfp8.jax import primitives as JP
+
+    monkeypatch.setattr(JP, "_auto_backend", lambda: "ffi")
+    monkeypatch.setattr(G, "_has_gpu", lambda: True)
+    if missing == "shim":
+        monkeypatch.setattr(G, "_block_ready", lambda: (False, "the shim is not in use: pretended"))
+        why = "needs the compiled shim's cuBLASLt GEMM, which is not available: the shim is not in use: pretended"
+    else:
+        monkeypatch.setattr(G, "_block_ready", lambda: (True, "forced"))
+        monkeypatch.setattr(G, "_prepared", lambda code: "cuBLASLt has no algorithm (pretended)")
+        why = "cannot run: cuBLASLt has no algorithm (pretended)"
+    r = fusedfp8.BlockScaling()
+    x = jnp.asarray(inputs((40, 260), "float32", 5))
+    w = jnp.asarray(inputs((260, 72), "float32", 6) * np.float32(0.05))
+
+    def loss(a, b, impl="auto"):
+        return (F.block_dot(a, b, r, impl=impl) ** 2).sum()
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w).lower(lowering_platforms=("cpu",)).compile()(x, w)
+    want = jax.jit(jax.grad(partial(loss, impl="jnp"), argnums=(0, 1)))(x, w)
+    for g, e in zip(got, want):
+        assert np.array_equal(np.asarray(g), np.asarray(e))
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))  # (a host callback cannot be lowered for
+    assert jaxpr.count("pure_callback") == 3 and "gemm_block" not in jaxpr  # CUDA on a host without a GPU)
+    with pytest.raises(Exception, match=re.escape(why)):  # the callback's error, as XLA passes it on
+        jax.block_until_ready(jax.jit(lambda s: G._fails_when_run(f"fusedfp8: {why}", (2, 3), "bfloat16", s))(
+            jnp.ones((1, 3), jnp.float32)))
+
+
 def test_flax_fp8_mlp_under_block_scaling_is_block_mlp_with_the_layernorm_fused():
     """flax Fp8MLP(recipe=BlockScaling()): nn.LayerNorm's and nn.Dense's parameter names, no state
     variables, bit for bit block_mlp with the LayerNorm fused (its scale and bias as ln_weight /
