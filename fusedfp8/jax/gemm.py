@@ -456,13 +456,13 @@ def fp8_block_gemm(a, b, scale_inv_a, scale_inv_b, a_block: int, b_block: int, o
         if not _has_gpu():  # (traced by platform_dependent on a machine without a GPU: never run)
             return emulation(a, b, sa, sb, *bias)
         ok, why = _block_ready()
-        if not ok:
+        if ok:
+            pa, pb, psa, psb, pbias = _padded_block_operands(a, b, sa, sb, a_block, b_block, bias[0] if bias else None)
+            out = _block_ffi(pa, pb, psa, psb, a_block, b_block, pbias, out_name)[:m, :n]
+        else:
             out = _fails_when_run(f"fusedfp8: the block-scaled FP8 GEMM on CUDA needs the compiled shim's cuBLASLt "
                                   f"GEMM, which is not available: {why}. impl='jnp' runs the float32 emulation "
                                   "instead", (m, n), out_name, sa)
-            return P._as_varying_as((out,), (a, b, sa, sb, *bias))[0]
-        pa, pb, psa, psb, pbias = _padded_block_operands(a, b, sa, sb, a_block, b_block, bias[0] if bias else None)
-        out = _block_ffi(pa, pb, psa, psb, a_block, b_block, pbias, out_name)[:m, :n]
         return P._as_varying_as((out,), (a, b, sa, sb, *bias))[0]
 
     if impl == "jnp":
