@@ -81,6 +81,7 @@ def _traced_once(*static_argnames: str):
             finally:
                 _ZERO.reset(token)
 
+        traced.__name__ = traced.__qualname__ = fn.__name__  # the program's function name in HLO dumps
         traced.__signature__ = sig.replace(parameters=[*sig.parameters.values(),
                                                        inspect.Parameter("_zero", inspect.Parameter.KEYWORD_ONLY)])
         jitted = jax.jit(traced, static_argnames=static_argnames)
