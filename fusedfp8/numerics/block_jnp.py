@@ -56,18 +56,35 @@ def _layout(grid, block: tuple, shape: tuple):
     return _pad2(grid.T if block[0] == 1 else grid, shape, 1.0)
 
 
-def _quantize_2d(z, fmt: Format, block: tuple, power_of_two: bool):
-    """(q codes, scale_inv in the layout, the scale_inv grid) of the float32 2-D ``z`` (already
-    padded with zeros to its quantized shape)."""
-    rows, cols = z.shape
+def _blocks(z, block: tuple):
+    """(the blocks of the float32 2-D ``z`` padded with zeros to whole blocks, shape (nr, br, nc,
+    bc), and the bits of each block's max |x|, shape (nr, nc))."""
     br, bc = block
-    zz = _pad2(z, (_ceil_to(rows, br), _ceil_to(cols, bc)), 0.0)
-    nr, nc = zz.shape[0] // br, zz.shape[1] // bc
-    blocks = zz.reshape(nr, br, nc, bc)
-    grid_bits = jnp.max(jn.bits(blocks) & _MAG, axis=(1, 3), initial=np.int32(0))
-    s, s_inv = block_scale(grid_bits, fmt, power_of_two)
-    q = jn.cast_to_fp8(jn.mul(blocks, s[:, None, :, None]), fmt).reshape(zz.shape)[:rows, :cols]
-    return q, _layout(s_inv, block, scale_shape(rows, cols, block)), s_inv
+    zz = _pad2(z, (_ceil_to(z.shape[0], br), _ceil_to(z.shape[1], bc)), 0.0)
+    blocks = zz.reshape(zz.shape[0] // br, br, zz.shape[1] // bc, bc)
+    return blocks, jnp.max(jn.bits(blocks) & _MAG, axis=(1, 3), initial=np.int32(0))
+
+
+def _quantize_blocks(z, blocks, s, s_inv, fmt: Format, block: tuple):
+    """(q codes, scale_inv in the layout) of ``z`` from its blocks (:func:`_blocks`) and their
+    scales."""
+    rows, cols = z.shape
+    nr, br, nc, bc = blocks.shape
+    q = jn.cast_to_fp8(jn.mul(blocks, s[:, None, :, None]), fmt).reshape(nr * br, nc * bc)
+    return q[:rows, :cols], _layout(s_inv, block, scale_shape(rows, cols, block))
+
+
+def _block_scales(grids, fmt: Format, power_of_two: bool):
+    """:func:`block_scale` of several grids of amax bits in one call (the long divisions are most of
+    the program XLA compiles; one call of them instead of one per grid): [(scale, scale_inv)]."""
+    if len(grids) == 1:
+        return [block_scale(grids[0], fmt, power_of_two)]
+    s, s_inv = block_scale(jnp.concatenate([g.ravel() for g in grids]), fmt, power_of_two)
+    out, start = [], 0
+    for g in grids:
+        out.append((s[start:start + g.size].reshape(g.shape), s_inv[start:start + g.size].reshape(g.shape)))
+        start += g.size
+    return out
 
 
 def activation(op: str, x, b, approximate: str):
@@ -86,13 +103,16 @@ def _block_quantize(x, b, fmt: str, block: tuple, power_of_two: bool, transpose:
     v = activation(op, jnp.asarray(x).astype(f32), None if b is None else jnp.asarray(b).astype(f32), approximate)
     rows, cols = (int(np.prod(v.shape[:-1])), int(v.shape[-1]))
     z = _pad2(v.reshape(rows, cols), (_ceil_to(rows, pad_to), _ceil_to(cols, pad_to)), 0.0)
-    q, s_inv, grid = _quantize_2d(z, f, block, power_of_two)
+    both = transpose and block[0] == 1  # the transposed copy has blocks of its own
+    faces = [_blocks(z, block)] + ([_blocks(z.T, block)] if both else [])
+    scales = _block_scales([grid for _, grid in faces], f, power_of_two)
+    q, s_inv = _quantize_blocks(z, faces[0][0], *scales[0], f, block)
     q_t = s_inv_t = None
-    if transpose and block[0] == 1:
-        q_t, s_inv_t, _ = _quantize_2d(z.T, f, block, power_of_two)
+    if both:
+        q_t, s_inv_t = _quantize_blocks(z.T, faces[1][0], *scales[1], f, block)
     elif transpose:
         q_t = q.T
-        s_inv_t = _layout(grid.T, block, scale_shape(z.shape[1], z.shape[0], block))
+        s_inv_t = _layout(scales[0][1].T, block, scale_shape(z.shape[1], z.shape[0], block))
     db = jnp.sum(v.reshape(rows, cols), axis=0, dtype=f32) if dbias else None
     return BlockQuantized(q.reshape(v.shape) if pad_to == 1 else q, s_inv, q_t, s_inv_t, jn.amax(v), db)
 
