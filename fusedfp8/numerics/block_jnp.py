@@ -77,14 +77,9 @@ def _quantize_blocks(z, blocks, s, s_inv, fmt: Format, block: tuple):
 def _block_scales(grids, fmt: Format, power_of_two: bool):
     """:func:`block_scale` of several grids of amax bits in one call (the long divisions are most of
     the program XLA compiles; one call of them instead of one per grid): [(scale, scale_inv)]."""
-    if len(grids) == 1:
-        return [block_scale(grids[0], fmt, power_of_two)]
     s, s_inv = block_scale(jnp.concatenate([g.ravel() for g in grids]), fmt, power_of_two)
-    out, start = [], 0
-    for g in grids:
-        out.append((s[start:start + g.size].reshape(g.shape), s_inv[start:start + g.size].reshape(g.shape)))
-        start += g.size
-    return out
+    at = np.cumsum([g.size for g in grids])[:-1]
+    return [(a.reshape(g.shape), b.reshape(g.shape)) for g, a, b in zip(grids, jnp.split(s, at), jnp.split(s_inv, at))]
 
 
 def activation(op: str, x, b, approximate: str):
