@@ -77,7 +77,7 @@ def _stage_jnp(cfg: _QCfg, amax, hist, scale, scale_inv, updates):
     if cfg.current_first:
         s = jn.computed_once(jnp.where(fresh, jn.current_scale(acc, cfg.fmt, cfg.margin_factor, s), s))
     # 1 / s is read twice (the scale_inv the cast used, and the state's): computed once, or XLA
-    # copies the whole long division into both readers
+    # copies the whole division into both readers
     inv = jn.computed_once(jn.div_rn(1.0, s))
     if cfg.current_first:
         scale = scale.at[i].set(s)

@@ -5,7 +5,7 @@ backend, byte for byte.
 The rule and the layout are :mod:`.block`'s; the arithmetic is :mod:`.jnp`'s, written against
 XLA's habits: each block's amax is taken on the bits (exact with denormals, which XLA:CPU reads
 as zero; a NaN's bits sort above inf's, so a non-finite block is seen as such), the scale is the
-update rule's formula with the exact long division (:func:`.jnp.div_rn`; XLA's own ``/`` is not
+update rule's formula with the correctly rounded division (:func:`.jnp.div_rn`; XLA's own ``/`` is not
 IEEE on either backend), and ``x * scale`` is :func:`.jnp.mul` (rounded once, denormal operands
 included).
 
@@ -75,8 +75,8 @@ def _quantize_blocks(z, blocks, s, s_inv, fmt: Format, block: tuple):
 
 
 def _block_scales(grids, fmt: Format, power_of_two: bool):
-    """:func:`block_scale` of several grids of amax bits in one call (the long divisions are most of
-    the program XLA compiles; one call of them instead of one per grid): [(scale, scale_inv)]."""
+    """:func:`block_scale` of several grids of amax bits in one call (one division graph for XLA to
+    compile instead of one per grid): [(scale, scale_inv)]."""
     s, s_inv = block_scale(jnp.concatenate([g.ravel() for g in grids]), fmt, power_of_two)
     at = np.cumsum([g.size for g in grids])[:-1]
     return [(a.reshape(g.shape), b.reshape(g.shape)) for g, a, b in zip(grids, jnp.split(s, at), jnp.split(s_inv, at))]

@@ -12,8 +12,8 @@ habits of it, and tested byte for byte against the reference:
   it behind a bit-level identity (bitcast, xor with a zero that XLA cannot see is zero, bitcast
   back), so no add ever sees a multiply to fuse with; on the CPU that zero is a loop's result,
   which XLA cannot fuse into the add's kernel (:func:`_new_zero`). The fused multiply-adds the
-  reference *does* use (``fma_f32``) are emulated exactly in float32 (:func:`fma_f32`), since JAX
-  has no FMA primitive and float64 is off by default.
+  reference *does* use (``fma_f32``) are computed in float64 (:func:`fma_f32`): JAX has no FMA
+  primitive.
 - Reassociation with constants. XLA's simplifier rewrites ``(1 + p) - 1`` to ``p``; it leaves
   sums and differences of non-constant operands as written. Every constant is therefore hidden
   (:func:`_c`) and the error-free sums (TwoSum, Veltkamp's split) are plain adds: hiding each of
@@ -21,7 +21,7 @@ habits of it, and tested byte for byte against the reference:
 - Flushed denormals. XLA:CPU treats denormal inputs of float arithmetic as zero and flushes
   denormal results. The amax is therefore taken on the bits (exact, NaN-propagating), and the
   one product whose denormal input can matter (``x * scale`` of a bf16/fp32 denormal input,
-  which a huge first-step scale makes a normal FP8 value) is computed from the bits as well.
+  which a huge first-step scale makes a normal FP8 value) is :func:`mul`, exact in float64.
   Known gap: a denormal *intermediate* inside the activations (gelu of a denormal input; the
   erf gelu and its derivative near x = -13, where erfc underflows gradually) is flushed on
   XLA:CPU, so a value below 2**-126 becomes 0. It only shows in the FP8 result when the scale is
@@ -29,7 +29,11 @@ habits of it, and tested byte for byte against the reference:
   in the erf gelu gradient near x = -13. XLA:GPU keeps denormals (``xla_gpu_ftz`` is off).
 - Division. XLA:GPU's float32 ``/`` is ``div.full.f32`` (up to 2 ulp off; it made a scale differ by
   one ulp from the kernels' on the H200), and XLA:CPU flushes denormal quotients. Every division
-  of the reference is :func:`div_rn`, an exact integer long division.
+  of the reference is :func:`div_rn`, the float64 quotient rounded to float32.
+- float64 inside, float32 outside. The correctly rounded float32 operations (:func:`fma_f32`,
+  :func:`div_rn`, :func:`mul`, the LayerNorm's square root) compute in float64 under
+  ``jax.enable_x64`` and round once more to float32, which is exact (their section says why);
+  their integer emulations in float32 were most of the programs XLA:CPU compiled.
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ def _c(v) -> jax.Array:
 
 
 def _traced_once(*static_argnames: str):
-    """Decorator: ``fn`` under ``jax.jit``, so that its graph (hundreds to thousands of integer ops an
+    """Decorator: ``fn`` under ``jax.jit``, so that its graph (dozens to thousands of ops an
     element) is traced once per shape and dtype (and value of the static arguments) and reused by
     every later call, traced or eager, instead of being traced again at each call site. Under an
     outer ``jit`` XLA inlines the call, so the compiled program is the same; eagerly it is one
@@ -200,98 +204,58 @@ def _mul(a, b) -> jax.Array:
     return _hide(jnp.multiply(a, b))
 
 
-def _two_sum(a, b):
-    """Knuth's TwoSum: s + err == a + b exactly. Sums and differences need no hiding: XLA
-    reassociates float adds only with constants (which :func:`_c` hides) and contracts only
-    products (which :func:`_mul` hides)."""
-    s = a + b
-    bb = s - a
-    return s, (a - (s - bb)) + (b - bb)
+# ---- float64 arithmetic ------------------------------------------------------------------------
+# The reference's fused multiply-add, division and square root are correctly rounded float32
+# operations. Each is computed here in float64 and rounded once more to float32, which is exact:
+# a product of two float32 is exact in float64, and a float64 quotient or square root is within
+# 2**-52 of the exact value (two roundings, where XLA turns a division by a broadcast divisor into
+# a product with its reciprocal), while a float32 result's rounding boundary is never closer than
+# 2**-49 to it, except for a quotient exactly halfway between two denormals (div_rn finds those).
+# float64 is on only inside these functions (``jax.enable_x64``); their operands and results are
+# float32. XLA:CPU reads a denormal float32 as 0 when it converts it, and flushes a denormal
+# float32 result of a conversion: both ends go through the bits.
+_F32_MIN_NORMAL = 2.0 ** -126
 
 
-def _split(a):
-    """Veltkamp's split of a float32 into two 12-bit halves (hi + lo == a exactly)."""
-    t = _mul(_c(4097.0), a)
-    hi = t - (t - a)
-    return hi, a - hi
+def _f64(x) -> jax.Array:
+    """float32 ``x`` as float64, exactly, denormals included (made from their integer significand)."""
+    b = bits(x)
+    frac = b & 0x7FFFFF
+    denormal = ((b & _INF_BITS) == 0) & (frac != 0)
+    signed = jnp.where(b < 0, -frac, frac).astype(jnp.float64)
+    return jnp.where(denormal, signed * 2.0 ** -149, x.astype(jnp.float64))
 
 
-def _fma_core(a, b, c):
-    p = _mul(a, b)
-    ah, al = _split(a)
-    bh, bl = _split(b)
-    e = (((_mul(ah, bh) - p) + _mul(ah, bl)) + _mul(al, bh)) + _mul(al, bl)
-    th, tl = _two_sum(c, p)
-    s, err = _two_sum(tl, e)
-    sb = bits(s)
-    inexact = (err != 0) & ((sb & 1) == 0)
-    away = (s > 0) == (err > 0)  # the exact value lies further from zero than s
-    v = jnp.where(inexact, from_bits(sb + jnp.where(away, 1, -1).astype(jnp.int32)), s)
-    return p, th + v
+def _f32_rn(y) -> jax.Array:
+    """float64 ``y`` rounded to the nearest float32, ties to even, denormal results included (an
+    integer count of 2**-149, rounded as a float64 integer)."""
+    ay = jnp.abs(y)
+    k = lax.round(ay * 2.0 ** 149, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.int32)
+    denormal = from_bits(jnp.where(jnp.signbit(y), _SIGN, np.int32(0)) | k)
+    return jnp.where(ay < _F32_MIN_NORMAL, denormal, y.astype(f32))
 
 
-def _pow2(k) -> jax.Array:
-    """2**k as float32 for int32 k in [-126, 127] (exact)."""
-    return from_bits(lax.shift_left(k + 127, jnp.int32(23)))
+@_traced_once()
+def fma_f32(a, b, c) -> jax.Array:
+    """Correctly rounded float32 ``a * b + c`` (the kernels' fma.rn.f32).
 
-
-def _scale_pow2(x, s) -> jax.Array:
-    """x * 2**s for int32 s in [-252, 252], in two exact halves (no spurious over/underflow)."""
-    h = lax.shift_right_arithmetic(s, jnp.int32(1))  # s // 2 (floor) in one op
-    return _mul(_mul(x, _pow2(h)), _pow2(s - h))
-
-
-@_traced_once("tiny_products")
-def fma_f32(a, b, c, tiny_products: bool = True) -> jax.Array:
-    """Correctly rounded float32 ``a * b + c`` (the kernels' fma.rn.f32), in float32 only.
-
-    a and b are first scaled by powers of two into [1, 2) (c by the same total factor; a c too
-    small to matter there is replaced by +-2**-100, which rounds alike), so that no partial
-    product underflows; then Dekker's exact product ``a*b = p + e`` and Boldo and Melquiond's
-    emulated FMA: ``(th, tl) = TwoSum(c, p)``, ``v = RO(tl + e)`` (round to odd), result
-    ``RN(th + v)``, scaled back exactly. Zero, denormal, non-finite or extreme operands (where
-    c dominates, or the reference's callers only produce inf, NaN or a masked-out lane) get the
-    twice-rounded ``a*b + c``.
-
-    ``tiny_products=False`` skips the scaling, for callers whose products are never below
-    2**-60 unless c makes them irrelevant (the polynomials and the exp argument reduction): a
-    much smaller graph, which XLA:CPU compiles several times faster.
-    """
-    a, b, c = (jnp.asarray(v, f32) for v in (a, b, c))
-    if not tiny_products:
-        p, z = _fma_core(a, b, c)
-        big = _c(2.0 ** 100)
-        safe = jnp.isfinite(p) & jnp.isfinite(c) & jnp.isfinite(z) & (jnp.abs(a) < big) & (jnp.abs(b) < big)
-        return jnp.where(safe, z, p + c)
-    exp_a = ((bits(a) >> 23) & 0xFF) - 127
-    exp_b = ((bits(b) >> 23) & 0xFF) - 127
-    normal = (exp_a > -127) & (exp_a < 128) & (exp_b > -127) & (exp_b < 128)
-    sa, sb = jnp.clip(-exp_a, -126, 126), jnp.clip(-exp_b, -126, 126)
-    a1, b1 = _mul(a, _pow2(sa)), _mul(b, _pow2(sb))
-    c1 = _scale_pow2(c, sa + sb)
-    small = _c(2.0 ** -100)
-    c1 = jnp.where((c != 0) & (jnp.abs(c1) < small), jnp.where(jnp.signbit(c), -small, small), c1)
-    z = _scale_pow2(_fma_core(a1, b1, c1)[1], -(sa + sb))
-    naive = _mul(a, b) + c
-    safe = normal & jnp.isfinite(c) & jnp.isfinite(c1) & (jnp.abs(c1) < _c(2.0 ** 100)) & jnp.isfinite(z)
-    return jnp.where(safe, z, naive)
-
-
-# ---- division ----------------------------------------------------------------------------------
-# The 26 quotient bits (24 significant bits, a guard bit and one for a quotient below 1) come from
-# integer divisions of at most 7 bits each: a remainder below the divisor (< 2**24) shifted
-# left by 7 bits still fits in int32. Four divisions instead of a 26-step bit loop: no loop, and
-# XLA never copies an integer division into the fusions that read its result.
-_CHUNKS = (7, 7, 7, 4)  # the bits after the first one, 25 in all
-
-
-def _unpack(ib):
-    """(significand, biased exponent) of float32 bits with the sign masked off; a denormal is
-    normalised (its significand shifted up to bit 23, the exponent lowered to match)."""
-    frac = ib & 0x7FFFFF
-    e = (ib >> 23) & 0xFF
-    shift = jnp.where(e == 0, lax.clz(frac) - 8, 0)
-    return jnp.where(e == 0, frac << shift, frac | 0x800000), jnp.where(e == 0, 1 - shift, e)
+    In float64: the product ``p`` is exact, the sum ``s = p + c`` is rounded to odd (its TwoSum
+    error, where nonzero, moves an even ``s`` one place towards the exact value), and a value
+    rounded to odd with 29 bits to spare rounds to float32 as the exact value would. Non-finite
+    operands give float64's IEEE result. An FMA contraction of ``p + c`` changes nothing, as
+    ``p`` is exact; the operands are hidden, so that no constant is reassociated into the sum."""
+    a, b, c = (_hide(jnp.asarray(v, f32)) for v in (a, b, c))
+    with jax.enable_x64(True):
+        a64, b64, c64 = _f64(a), _f64(b), _f64(c)
+        p = a64 * b64
+        s = p + c64
+        bb = s - p
+        err = (p - (s - bb)) + (c64 - bb)
+        sb = lax.bitcast_convert_type(s, jnp.int64)
+        even = jnp.isfinite(s) & (err != 0) & ((sb & 1) == 0)
+        away = (s > 0) == (err > 0)  # the exact value lies further from zero than s
+        s = jnp.where(even, lax.bitcast_convert_type(sb + jnp.where(away, 1, -1), jnp.float64), s)
+        return _f32_rn(s)
 
 
 @_traced_once()
@@ -299,51 +263,37 @@ def div_rn(a, b) -> jax.Array:
     """IEEE float32 ``a / b``, round to nearest even: the kernels' ``div.rn.f32``, bit for bit.
 
     XLA:GPU lowers float32 division to ``div.full.f32`` (up to 2 ulp off; openxla/xla#37181),
-    and XLA:CPU flushes a denormal quotient to zero, so neither backend's ``/`` can be the
-    twin of the kernels' scale arithmetic. This is a long division of the 24-bit significands in
-    int32 (26 quotient bits, 7 at a time, and a sticky bit), rounded once at the result's
-    precision, denormal quotients included; specials as IEEE (x/0 = inf, 0/0 = inf/inf = NaN,
-    x/inf = 0; a NaN operand propagates).
+    and XLA:CPU flushes a denormal quotient to zero, so neither backend's float32 ``/`` can be
+    the twin of the kernels' scale arithmetic. The float64 quotient rounded to float32 is (see
+    above), but for a quotient exactly halfway between two denormals, which the float64 product
+    with a rounded reciprocal may miss by an ulp: such a quotient ``m * 2**-150`` (m odd) is
+    recognised by ``m * b * 2**-150 == a``, exact in float64. Specials as IEEE (x/0 = inf, 0/0 =
+    inf/inf = NaN, x/inf = 0); a NaN operand comes back quieted (a's first, as x86 and XLA's own
+    division propagate it); an invalid operation (0/0, inf/inf) gives the canonical NaN of CUDA.
     """
     a, b = jnp.asarray(a, f32), jnp.asarray(b, f32)
     ia, ib = bits(a), bits(b)
+    with jax.enable_x64(True):
+        a64, b64 = _f64(a), _f64(b)
+        q = a64 / b64
+        m = lax.round(jnp.abs(q) * 2.0 ** 150, lax.RoundingMethod.TO_NEAREST_EVEN)
+        tie = ((jnp.abs(q) < _F32_MIN_NORMAL) & ((m.astype(jnp.int32) & 1) == 1)
+               & (m * jnp.abs(b64) * 2.0 ** -150 == jnp.abs(a64)))
+        q = jnp.where(tie, jnp.where(q < 0, -m, m) * 2.0 ** -150, q)
+        out = bits(_f32_rn(q))
     ma_bits, mb_bits = ia & _MAG, ib & _MAG
-    ma, ea = _unpack(ma_bits)
-    mb, eb = _unpack(mb_bits)
-    below = ma < mb  # the quotient of the significands lies in (1/2, 1): one more bit from ma
-    r = jnp.where(below, ma << 1, ma)  # in [mb, 2 * mb) where a, b != 0: the first quotient bit is 1
-    q, r = jnp.ones_like(r), r - mb
-    divisor = jnp.maximum(mb, 1)  # b = 0 is answered below; no integer division by zero
-    for k in _CHUNKS:
-        num = r << k
-        q, r = (q << k) | lax.div(num, divisor), lax.rem(num, divisor)
-    # |a / b| = (q + rest) * 2**(E - 25), q in [2**25, 2**26), rest in [0, 1) is nonzero iff r is.
-    biased = ea - eb - below.astype(jnp.int32) + 127  # of the truncated quotient
-    over = biased > 254
-    biased = jnp.clip(biased, -200, 254)
-    drop = jnp.minimum(2 + jnp.maximum(1 - biased, 0), 28)  # bits below the result's last place
-    kept = q >> drop
-    rest = q & ((1 << drop) - 1)
-    half = 1 << (drop - 1)
-    up = (rest > half) | ((rest == half) & ((r != 0) | ((kept & 1) == 1)))
-    mag = lax.shift_left(jnp.maximum(biased, 1) - 1, jnp.int32(23)) + kept + up.astype(jnp.int32)
-    mag = jnp.where(over, _INF_BITS, jnp.minimum(mag, _INF_BITS))  # rounded past FLT_MAX: inf
-    a_zero, b_zero = ma_bits == 0, mb_bits == 0
-    a_inf, b_inf = ma_bits == _INF_BITS, mb_bits == _INF_BITS
-    nan = (ma_bits > _INF_BITS) | (mb_bits > _INF_BITS) | (a_zero & b_zero) | (a_inf & b_inf)
-    mag = jnp.where(a_inf | b_zero, _INF_BITS, jnp.where(a_zero | b_inf, 0, mag))
-    # a NaN operand comes back quieted (a's first, as x86 and XLA's own division propagate it);
-    # an invalid operation (0/0, inf/inf) gives the canonical NaN of CUDA
+    nan = (ma_bits > _INF_BITS) | (mb_bits > _INF_BITS) | ((ma_bits == 0) & (mb_bits == 0)) \
+        | ((ma_bits == _INF_BITS) & (mb_bits == _INF_BITS))
     nan_bits = jnp.where(ma_bits > _INF_BITS, ia | 0x400000,
                          jnp.where(mb_bits > _INF_BITS, ib | 0x400000, np.int32(0x7FFFFFFF)))
-    return from_bits(jnp.where(nan, nan_bits, ((ia ^ ib) & _SIGN) | mag))
+    return from_bits(jnp.where(nan, nan_bits, out))
 
 
 # ---- the array namespace of the scaling rule ---------------------------------------------------
 class JnpNamespace(NumpyNamespace):
     """jax.numpy, traced or concrete. Its ``/`` is not IEEE (XLA:GPU's ``div.full.f32`` is up to
-    2 ulp off, XLA:CPU flushes denormal quotients): ``divide`` is the exact long division of
-    :func:`fusedfp8.numerics.jnp.div_rn`."""
+    2 ulp off, XLA:CPU flushes denormal quotients): ``divide`` is the correctly rounded division
+    of :func:`fusedfp8.numerics.jnp.div_rn`."""
 
     def __init__(self):
         super().__init__(jnp)
@@ -358,7 +308,7 @@ class JnpNamespace(NumpyNamespace):
         return lax.bitcast_convert_type(a, self.m.int32)
 
     def divide(self, a, b):
-        return computed_once(div_rn(a, b))  # dozens of integer ops: not copied into every reader
+        return computed_once(div_rn(a, b))  # a few dozen ops: not copied into every reader
 
 
 # ---- amax, scaling, the FP8 cast ------------------------------------------------------------------
@@ -378,33 +328,14 @@ def nan_max(a, b) -> jax.Array:
     return jnp.where(jnp.isnan(a) | jnp.isnan(b), _c(np.nan), m)
 
 
-def _denormal(vb) -> jax.Array:
-    """Whether float32 bits ``vb`` are a denormal (nonzero, exponent field 0)."""
-    return ((vb & _MAG) != 0) & ((vb & _MAG) < np.int32(0x00800000))
-
-
-def _times_2_64(vb) -> jax.Array:
-    """``v * 2**64`` for the denormal of bits ``vb``, exact and normal, built from the bits:
-    XLA:CPU reads a denormal operand as 0."""
-    m = _mul(lax.convert_element_type(vb & _MAG, f32), _c(2.0 ** -85))
-    return jnp.where(vb < 0, -m, m)
-
-
 @_traced_once()
 def mul(a, b) -> jax.Array:
-    """``a * b`` rounded once, also when one operand is denormal (a denormal scale, ``1 / FLT_MAX``
-    as a scale_inv, a denormal input), which XLA:CPU would read as 0: that operand is multiplied by
-    2**64 (exact, from its bits) and the other by 2**-64, so the product is the same real number
-    and is rounded once. Where the other operand is below 2**-62 (its scaled copy inexact) or
-    both are denormal, the product is below 2**-188 and rounds to a zero of its sign either way.
-    A product that is itself denormal may still be flushed on XLA:CPU (it quantizes to an FP8
-    zero of the same sign either way)."""
+    """``a * b`` rounded once, denormal operands and products included (a denormal scale,
+    ``1 / FLT_MAX`` as a scale_inv, a denormal input), which XLA:CPU would read or write as 0: the
+    exact float64 product rounded to float32 (:func:`fma_f32`'s section)."""
     a, b = jnp.asarray(a, f32), jnp.asarray(b, f32)
-    ab, bb = bits(a), bits(b)
-    a_den, b_den = _denormal(ab), _denormal(bb)
-    a1 = jnp.where(a_den, _times_2_64(ab), jnp.where(b_den, _mul(a, _c(2.0 ** -64)), a))
-    b1 = jnp.where(b_den & ~a_den, _times_2_64(bb), jnp.where(a_den & ~b_den, _mul(b, _c(2.0 ** -64)), b))
-    return _mul(a1, b1)
+    with jax.enable_x64(True):
+        return _f32_rn(_f64(a) * _f64(b))
 
 
 def scale_input(x, s) -> jax.Array:
@@ -426,7 +357,7 @@ def cast_to_fp8(v, fmt: str | Format) -> jax.Array:
 def current_scale(a, fmt: Format, margin_factor: float, fallback) -> jax.Array:
     """First-step scale from the amax ``a`` (scalar), or ``fallback`` where a is 0 or non-finite
     (:func:`fusedfp8.numerics.scaling.current_scale`)."""
-    # fmt_max is only ever divided (integer ops on its bits): a plain constant, which XLA folds
+    # fmt_max is only ever divided (exactly, in float64): a plain constant, which XLA folds
     return scaling.current_scale(JnpNamespace(), a, np.float32(fmt.max), margin_operand(margin_factor), fallback)
 
 

@@ -1,60 +1,30 @@
 """LayerNorm and LayerNorm + quantize in ``jax.numpy``: :mod:`fusedfp8.numerics.layernorm`'s op
 order and summation tree, byte for byte, on the guarded arithmetic of
-:mod:`fusedfp8.numerics.jnp` (its docstring says why), with an exact integer square root.
+:mod:`fusedfp8.numerics.jnp` (its docstring says why), with an exact square root.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ..formats import Format
 from . import layernorm as _ln
-from .jnp import (_INF_BITS, _MAG, _c, _hide, _mul, _traced_once, _unpack, amax, bits, cast_to_fp8, computed_once,
+from .jnp import (_INF_BITS, _MAG, _c, _f32_rn, _f64, _hide, _mul, _traced_once, amax, bits, cast_to_fp8, computed_once,
                   div_rn, f32, from_bits, mul, shares_one_zero)
-
-_SQRT_STEPS = 26  # result bits of the integer square root: 24 significant, a guard bit, one for odd exponents
-
-
-def _sqrt_step(i, rqm):
-    """One bit of the digit-by-digit square root of ``m * 2**26`` (two radicand bits a step, the top
-    ones from m, zeros below); remainder < 2**27, so int32 is enough. Module level: jax caches the
-    loop by the function's identity."""
-    r, q, m = rqm
-    pair = jnp.where(i <= 12, lax.shift_right_logical(m, jnp.maximum(24 - 2 * i, 0)) & 3, 0)
-    r = (r << 2) | pair
-    t = (q << 2) | 1
-    take = r >= t
-    return jnp.where(take, r - t, r), (q << 1) | take.astype(jnp.int32), m
-
 
 @_traced_once()
 def sqrt_rn(v) -> jax.Array:
     """IEEE float32 square root, round to nearest even: the kernels' ``sqrt.rn.f32`` bit for bit,
-    denormal arguments included (XLA:CPU reads them as 0, and XLA:GPU may lower ``sqrt``
-    approximately), by an integer digit-by-digit root of the significand. sqrt(+-0) = +-0,
-    sqrt(+inf) = +inf, a negative argument or NaN gives NaN."""
+    denormal arguments included (XLA:CPU reads them as 0, and XLA:GPU may lower a float32 ``sqrt``
+    approximately): the float64 root rounded to float32 (:func:`fusedfp8.numerics.jnp.fma_f32`'s
+    section says why that is exact). sqrt(+-0) = +-0, sqrt(+inf) = +inf, a negative argument or
+    NaN gives NaN."""
     v = jnp.asarray(v, f32)
     ib = bits(v)
     mag = ib & _MAG
-    m, e = _unpack(mag)  # |v| = m * 2**(e - 150), m in [2**23, 2**24)
-    ex = e - 150
-    odd = ex & 1
-    m = m << odd  # an even exponent: m in [2**23, 2**25)
-    ex = ex - odd
-    r = jnp.zeros_like(m)
-    q = jnp.zeros_like(m)
-    r, q, _ = lax.fori_loop(0, _SQRT_STEPS, _sqrt_step, (r, q, m))
-    # sqrt(|v|) = sqrt(m * 2**26) * 2**((ex - 26) / 2), q = floor(sqrt(m * 2**26)) in [2**24.5, 2**25.5)
-    drop = 1 + (q >= (1 << 25)).astype(jnp.int32)  # bits below the 24 kept
-    kept = lax.shift_right_logical(q, drop)
-    rest = q & ((1 << drop) - 1)
-    half = 1 << (drop - 1)
-    up = (rest > half) | ((rest == half) & ((r != 0) | ((kept & 1) == 1)))
-    biased = (ex - 26) // 2 + drop + 150
-    out = lax.shift_left(biased - 1, jnp.int32(23)) + kept + up.astype(jnp.int32)
-    out = jnp.where(mag == 0, ib, jnp.where(mag == _INF_BITS, _INF_BITS, out))
+    with jax.enable_x64(True):
+        out = bits(_f32_rn(jnp.sqrt(_f64(v))))
     nan = (mag > _INF_BITS) | ((ib < 0) & (mag != 0))
     return from_bits(jnp.where(nan, np.int32(0x7FC00000), out))
 

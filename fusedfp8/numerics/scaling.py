@@ -15,7 +15,7 @@ _MAG = 0x7FFFFFFF  # the magnitude bits of a float32
 def compute_scale(xp, amax, fmt_max, margin_factor):
     """``(fmt_max / amax) / margin_factor`` in float32, FLT_MAX where that is inf. ``amax`` > 0.
     A ``margin_factor`` given as the Python float 1.0 (margin 0, the default) is not divided by:
-    s / 1 is s, and a traced division is about a hundred integer ops (numerics.jnp.div_rn)."""
+    s / 1 is s, and a traced division is a few dozen ops (numerics.jnp.div_rn)."""
     s = xp.divide(fmt_max, amax)
     if not (isinstance(margin_factor, float) and margin_factor == 1.0):
         s = xp.divide(s, margin_factor)

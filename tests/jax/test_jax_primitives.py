@@ -525,7 +525,7 @@ def test_the_emulated_activation_is_compiled_once(op):
         alone = instructions(lambda x: jg.dgelu_f32(x.astype(jnp.float32), "tanh"), x)
         fused = instructions(lambda x, s: P.dgelu_quantize(x, x, s, 1, RECIPE, transpose=True, dbias=True,
                                                            impl="jnp"), x, st)
-    assert alone > 800  # (the count is of instructions: the activation is a big graph)
+    assert alone > 600  # (the count is of instructions: the activation is a big graph)
     assert fused < 2 * alone, (fused, alone)
 
 
