@@ -235,18 +235,24 @@ def _f32_rn(y) -> jax.Array:
     return jnp.where(ay < _F32_MIN_NORMAL, denormal, y.astype(f32))
 
 
-@_traced_once()
-def fma_f32(a, b, c) -> jax.Array:
+@_traced_once("denormals")
+def fma_f32(a, b, c, denormals: bool = True) -> jax.Array:
     """Correctly rounded float32 ``a * b + c`` (the kernels' fma.rn.f32).
 
     In float64: the product ``p`` is exact, the sum ``s = p + c`` is rounded to odd (its TwoSum
     error, where nonzero, moves an even ``s`` one place towards the exact value), and a value
     rounded to odd with 29 bits to spare rounds to float32 as the exact value would. Non-finite
     operands give float64's IEEE result. An FMA contraction of ``p + c`` changes nothing, as
-    ``p`` is exact; the operands are hidden, so that no constant is reassociated into the sum."""
+    ``p`` is exact; the operands are hidden, so that no constant is reassociated into the sum.
+
+    ``denormals=False`` converts plainly, for the activations' polynomials and argument
+    reductions, whose operands and results are normal wherever they matter: on XLA:CPU a
+    denormal operand then reads as 0 and a denormal result is flushed, as everywhere else in the
+    activation's float32 arithmetic; a graph a third smaller for XLA:CPU to compile."""
     a, b, c = (_hide(jnp.asarray(v, f32)) for v in (a, b, c))
     with jax.enable_x64(True):
-        a64, b64, c64 = _f64(a), _f64(b), _f64(c)
+        up = _f64 if denormals else (lambda v: v.astype(jnp.float64))
+        a64, b64, c64 = up(a), up(b), up(c)
         p = a64 * b64
         s = p + c64
         bb = s - p
@@ -255,7 +261,7 @@ def fma_f32(a, b, c) -> jax.Array:
         even = jnp.isfinite(s) & (err != 0) & ((sb & 1) == 0)
         away = (s > 0) == (err > 0)  # the exact value lies further from zero than s
         s = jnp.where(even, lax.bitcast_convert_type(sb + jnp.where(away, 1, -1), jnp.float64), s)
-        return _f32_rn(s)
+        return _f32_rn(s) if denormals else s.astype(f32)
 
 
 @_traced_once()
@@ -268,8 +274,8 @@ def div_rn(a, b) -> jax.Array:
     above), but for a quotient exactly halfway between two denormals, which the float64 product
     with a rounded reciprocal may miss by an ulp: such a quotient ``m * 2**-150`` (m odd) is
     recognised by ``m * b * 2**-150 == a``, exact in float64. Specials as IEEE (x/0 = inf, 0/0 =
-    inf/inf = NaN, x/inf = 0); a NaN operand comes back quieted (a's first, as x86 and XLA's own
-    division propagate it); an invalid operation (0/0, inf/inf) gives the canonical NaN of CUDA.
+    inf/inf = NaN, x/inf = 0); a NaN operand comes back as float64 propagates it (quieted, a's
+    first, on x86); an invalid operation (0/0, inf/inf) gives the canonical NaN of CUDA.
     """
     a, b = jnp.asarray(a, f32), jnp.asarray(b, f32)
     ia, ib = bits(a), bits(b)
@@ -280,13 +286,9 @@ def div_rn(a, b) -> jax.Array:
         tie = ((jnp.abs(q) < _F32_MIN_NORMAL) & ((m.astype(jnp.int32) & 1) == 1)
                & (m * jnp.abs(b64) * 2.0 ** -150 == jnp.abs(a64)))
         q = jnp.where(tie, jnp.where(q < 0, -m, m) * 2.0 ** -150, q)
-        out = bits(_f32_rn(q))
-    ma_bits, mb_bits = ia & _MAG, ib & _MAG
-    nan = (ma_bits > _INF_BITS) | (mb_bits > _INF_BITS) | ((ma_bits == 0) & (mb_bits == 0)) \
-        | ((ma_bits == _INF_BITS) & (mb_bits == _INF_BITS))
-    nan_bits = jnp.where(ma_bits > _INF_BITS, ia | 0x400000,
-                         jnp.where(mb_bits > _INF_BITS, ib | 0x400000, np.int32(0x7FFFFFFF)))
-    return from_bits(jnp.where(nan, nan_bits, out))
+        out = _f32_rn(q)
+    invalid = jnp.isnan(out) & ((ia & _MAG) <= _INF_BITS) & ((ib & _MAG) <= _INF_BITS)
+    return jnp.where(invalid, from_bits(np.int32(0x7FFFFFFF)), out)
 
 
 # ---- the array namespace of the scaling rule ---------------------------------------------------

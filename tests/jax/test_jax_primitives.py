@@ -505,10 +505,11 @@ _INSTRUCTION = re.compile(r"^\s+(ROOT )?%\S+ = ", re.M)
 @pytest.mark.parametrize("op", ["gelu", "dgelu"])
 def test_the_emulated_activation_is_compiled_once(op):
     """XLA:CPU drops optimization barriers before it fuses and copies a producer of cheap ops into
-    every fusion that reads it: the emulated activation (thousands of integer ops an element) was
-    compiled into the amax, the cast, the transpose and the dbias fusions (the README's flax step:
-    8.9 s of XLA compile, 4 s once). The quantization with the activation must stay below twice
-    the activation alone."""
+    every fusion that reads it: the emulated activation (hundreds of ops an element) was compiled
+    into the amax, the cast, the transpose and the dbias fusions (the README's flax step: 8.9 s of
+    XLA compile, 4 s once). The quantization with the activation must stay below the same
+    quantization without it plus one and a half times the activation alone (a copy into a second
+    reader would be twice)."""
     cpu = jax.devices("cpu")[0]
     x = jax.device_put(jnp.ones((64, 128), jnp.bfloat16), cpu)
     st = ScalingState.create((False, True), RECIPE, like=x)
@@ -521,12 +522,16 @@ def test_the_emulated_activation_is_compiled_once(op):
     if op == "gelu":
         alone = instructions(lambda x: jg.gelu_f32(x.astype(jnp.float32), "tanh"), x)
         fused = instructions(lambda x, s: P.gelu_quantize(x, s, 0, RECIPE, transpose=True, impl="jnp"), x, st)
+        plain = instructions(lambda x, s: P.quantize(x.astype(jnp.float32), s, 0, RECIPE, transpose=True, impl="jnp"),
+                             x, st)
     else:
         alone = instructions(lambda x: jg.dgelu_f32(x.astype(jnp.float32), "tanh"), x)
         fused = instructions(lambda x, s: P.dgelu_quantize(x, x, s, 1, RECIPE, transpose=True, dbias=True,
                                                            impl="jnp"), x, st)
-    assert alone > 600  # (the count is of instructions: the activation is a big graph)
-    assert fused < 2 * alone, (fused, alone)
+        plain = instructions(lambda x, s: P.quantize(x.astype(jnp.float32) * x.astype(jnp.float32), s, 1, RECIPE,
+                                                     transpose=True, dbias=True, impl="jnp"), x, st)
+    assert alone > 400  # (the count is of instructions: the activation is a big graph)
+    assert fused < plain + 1.5 * alone, (fused, plain, alone)
 
 
 @pytest.mark.parametrize("mkn", [(303, 300, 200), (17, 33, 50), (64, 32, 48)], ids=str)

@@ -170,6 +170,11 @@ def test_div_rn_is_ieee_division(jax_device):
     # the denormal quotients that XLA:CPU's own division flushes are kept
     tiny = np.asarray(jax.jit(jn.div_rn)(*(jax.device_put(f32(v), jax_device) for v in (1.0, 3.4028235e38))))
     assert tiny == f32(1.0) / f32(3.4028235e38) and tiny > 0
+    # an invalid operation gives CUDA's canonical NaN (x86's is 0xFFC00000)
+    num, den = (jax.device_put(np.array(v, f32), jax_device)
+                for v in ([0.0, -0.0, np.inf, -np.inf], [0.0, 0.0, np.inf, np.inf]))
+    got = np.asarray(jax.jit(jn.div_rn)(num, den))
+    assert (got.view(np.uint32) == 0x7FFFFFFF).all()
     if jax_device.platform != "cpu":
         xla = np.asarray(jax.jit(jnp.divide)(jax.device_put(a, jax_device), jax.device_put(b, jax_device)))
         keep = ~(np.isnan(got) & np.isnan(want))
