@@ -3,12 +3,16 @@ every python block of README.md, each in a fresh process in an empty folder, on 
 (interpreter start and imports included).
 
     python scripts/readme_cpu.py --out docs/bench
+    python scripts/readme_cpu.py --suite --out docs/bench
 
-writes ``readme_cpu.json`` (per README block its name, its line, and the seconds of each run and
-of the fastest, the nearest to an idle machine; the same for the demo command) and
-``demo_cpu.json`` (the last demo's own ``demo.json``: losses, step times, scales). README's CPU numbers point into these files (tests/api/test_readme_numbers.py).
-A block's name is the most specific fusedfp8 module it imports ('fusedfp8', 'fusedfp8.pytorch',
-'fusedfp8.jax.flax').
+The first writes ``readme_cpu.json`` (per README block its name, its line, and the seconds of each
+run and of the fastest, the nearest to an idle machine; the same for the demo command) and
+``demo_cpu.json`` (the last demo's own ``demo.json``: losses, step times, scales). ``--suite``
+writes ``suite_cpu.json``: README's test command (its bash block's pytest line) run once from the
+repository root, its wall and CPU seconds and counts, and README's smoke subset (the inline
+``python -m pytest ... -n 0 ...`` command) run ``--reps`` times, the median. README's CPU numbers
+point into these files (tests/api/test_readme_numbers.py). A block's name is the most specific
+fusedfp8 module it imports ('fusedfp8', 'fusedfp8.pytorch', 'fusedfp8.jax.flax').
 """
 from __future__ import annotations
 
@@ -54,10 +58,45 @@ def cpu_name() -> str:
     return m.group(1).strip() if m else "unknown"
 
 
+def readme_commands() -> tuple[str, str]:
+    """README's test command (the pytest line of its bash blocks) and its smoke subset (the inline
+    ``python -m pytest`` command with ``-n 0``)."""
+    tests = [ln.strip() for _, code in readme.blocks("bash") for ln in code.splitlines()
+             if ln.strip().startswith("python -m pytest")]
+    smoke = re.findall(r"`(python -m pytest [^`]*-n 0[^`]*)`", readme.README)
+    if len(tests) != 1 or len(smoke) != 1:
+        sys.exit(f"README.md should give one test command and one smoke command; found {tests} and {smoke}")
+    return tests[0], smoke[0]
+
+
+def suite(meta: dict, reps: int, out: Path) -> None:
+    """README's test command once and its smoke subset ``reps`` times, from the repository root."""
+    test_cmd, smoke_cmd = readme_commands()
+    py = sys.executable
+    before = os.times()
+    t0 = time.perf_counter()
+    done = subprocess.run([py, *test_cmd.split()[1:]], cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = os.times()
+    if done.returncode:
+        sys.exit(f"{test_cmd} failed ({done.returncode}):\n{done.stdout[-5000:]}{done.stderr[-2000:]}")
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|skipped|failed)", done.stdout.splitlines()[-1])}
+    smoke = sorted(timed([py, *smoke_cmd.split()[1:]], str(REPO)) for _ in range(reps))
+    meta.update(test_command=test_cmd, wall_s=round(wall, 1), wall_minutes=round(wall / 60, 1),
+                user_s=round(after.children_user - before.children_user, 1),
+                sys_s=round(after.children_system - before.children_system, 1),
+                passed=counts.get("passed", 0), skipped=counts.get("skipped", 0),
+                smoke_command=smoke_cmd, smoke_wall_s=round(smoke[len(smoke) // 2], 1),
+                smoke_runs_s=[round(v, 1) for v in smoke])
+    print(f"{test_cmd}: {wall:.1f} s ({meta['user_s']} user-s), {counts}; smoke subset {smoke}")
+    _bench.write_json(out / "suite_cpu.json", meta, [])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out", help="output folder (docs/bench for README's figures)")
     ap.add_argument("--reps", type=int, default=3, help="runs of each command (the fastest is reported)")
+    ap.add_argument("--suite", action="store_true", help="time README's test command and smoke subset instead")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +106,10 @@ def main(argv=None) -> None:
 
     meta = _bench.run_meta(device=f"{cpu_name()}, {os.cpu_count()} cores", torch=torch.__version__,
                            jax=jax.__version__, load_average_at_start=list(os.getloadavg()))
+    if args.suite:
+        meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                        text=True).stdout.strip() or "unknown"
+        return suite(meta, args.reps, out)
     blocks = []
     for line, code in readme.blocks("python"):
         if readme.skip_reason(code):
