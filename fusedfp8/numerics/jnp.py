@@ -16,8 +16,8 @@ habits of it, and tested byte for byte against the reference:
   primitive.
 - Reassociation with constants. XLA's simplifier rewrites ``(1 + p) - 1`` to ``p``; it leaves
   sums and differences of non-constant operands as written. Every constant is therefore hidden
-  (:func:`_c`) and the error-free sums (TwoSum, Veltkamp's split) are plain adds: hiding each of
-  their steps as well made the emulated FMA half again as large for XLA to compile.
+  (:func:`_c`) and the error-free sum of :func:`fma_f32` (TwoSum) is plain adds, its operands
+  hidden once at the entry.
 - Flushed denormals. XLA:CPU treats denormal inputs of float arithmetic as zero and flushes
   denormal results. The amax is therefore taken on the bits (exact, NaN-propagating), and the
   one product whose denormal input can matter (``x * scale`` of a bf16/fp32 denormal input,
