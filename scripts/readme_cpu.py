@@ -95,7 +95,8 @@ def suite(meta: dict, reps: int, out: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out", help="output folder (docs/bench for README's figures)")
-    ap.add_argument("--reps", type=int, default=3, help="runs of each command (the fastest is reported)")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="runs of each command (the fastest is reported; with --suite, of the smoke subset: the median)")
     ap.add_argument("--suite", action="store_true", help="time README's test command and smoke subset instead")
     args = ap.parse_args(argv)
     out = Path(args.out)

@@ -282,8 +282,9 @@ def div_rn(a, b) -> jax.Array:
     with jax.enable_x64(True):
         a64, b64 = _f64(a), _f64(b)
         q = a64 / b64
-        m = lax.round(jnp.abs(q) * 2.0 ** 150, lax.RoundingMethod.TO_NEAREST_EVEN)
-        tie = ((jnp.abs(q) < _F32_MIN_NORMAL) & ((m.astype(jnp.int32) & 1) == 1)
+        aq = jnp.abs(q)
+        m = lax.round(aq * 2.0 ** 150, lax.RoundingMethod.TO_NEAREST_EVEN)
+        tie = ((aq < _F32_MIN_NORMAL) & ((m.astype(jnp.int32) & 1) == 1)
                & (m * jnp.abs(b64) * 2.0 ** -150 == jnp.abs(a64)))
         q = jnp.where(tie, jnp.where(q < 0, -m, m) * 2.0 ** -150, q)
         out = _f32_rn(q)
